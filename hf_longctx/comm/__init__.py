@@ -1,0 +1,23 @@
+"""Process groups, overlapped P2P exchange and (TASP) topology for sequence parallelism."""
+
+from .groups import (
+    current_device,
+    data_parallel_group,
+    global_rank,
+    group_rank_and_size,
+    sequence_parallel_group,
+    sequence_parallel_mesh,
+)
+from .p2p import CommunicationError, PendingExchange, post_exchange
+
+__all__ = [
+    "CommunicationError",
+    "PendingExchange",
+    "current_device",
+    "data_parallel_group",
+    "global_rank",
+    "group_rank_and_size",
+    "post_exchange",
+    "sequence_parallel_group",
+    "sequence_parallel_mesh",
+]

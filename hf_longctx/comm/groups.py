@@ -1,0 +1,70 @@
+"""Sequence-parallel process groups from torch.distributed / DeviceMesh.
+
+The world is laid out as a 2-D DeviceMesh (data parallel x sequence parallel): ranks that share a
+sequence sit in one "sp" row. Everything in the package takes an optional ``group``; None means the
+whole default group (or a single process when torch.distributed is not initialised).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import torch.distributed as dist
+
+
+def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(rank inside ``group``, group size); (0, 1) without torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    """Translate a rank inside ``group`` into the global rank P2P calls need."""
+    if group is None:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def mesh_device_type() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+@cache
+def _mesh(sp_size: int, world_size: int, device_type: str):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (world_size // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
+
+
+def sequence_parallel_mesh(sp_size: int):
+    """The ("dp", "sp") DeviceMesh of the initialised world; raises if sp_size does not divide it."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("torch.distributed is not initialised; launch with accelerate/torchrun first")
+    world = dist.get_world_size()
+    if sp_size < 1 or world % sp_size:
+        raise ValueError(
+            f"sequence-parallel size {sp_size} must divide the world size {world}; "
+            f"pick one of {[d for d in range(1, world + 1) if world % d == 0]}"
+        )
+    return _mesh(sp_size, world, mesh_device_type())
+
+
+def sequence_parallel_group(sp_size: int) -> dist.ProcessGroup | None:
+    """Process group of the sequence-parallel row this rank belongs to (None when sp_size == world)."""
+    mesh = sequence_parallel_mesh(sp_size)
+    if sp_size == dist.get_world_size():
+        return None
+    return mesh.get_group("sp")
+
+
+def data_parallel_group(sp_size: int) -> dist.ProcessGroup | None:
+    mesh = sequence_parallel_mesh(sp_size)
+    return mesh.get_group("dp")
+
+
+def current_device() -> torch.device:
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

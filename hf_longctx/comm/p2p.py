@@ -1,0 +1,66 @@
+"""Overlapped point-to-point exchange between sequence-parallel ranks.
+
+Backends post the transfers of the next step, compute the current one, then wait: the transfers
+run on the communication backend's own stream (NCCL's internal stream on GPU, gloo's worker
+threads on CPU) while the current stream computes, and :meth:`PendingExchange.wait` makes the
+compute stream wait for them. The same code runs on gloo and NCCL.
+
+Every message carries a tag built from the step and message kind. NCCL matches messages between
+two ranks in issue order and ignores tags; gloo matches by tag; both are satisfied because all
+ranks issue the phases of a schedule in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .groups import global_rank
+
+
+class CommunicationError(RuntimeError):
+    """A peer rank did not answer: it most likely raised or died. Carries the step for diagnosis."""
+
+
+@dataclass
+class PendingExchange:
+    """Posted sends and receives; ``recv`` holds the receive buffers, usable after :meth:`wait`."""
+
+    works: list = field(default_factory=list)
+    recv: dict = field(default_factory=dict)
+    what: str = ""
+
+    def wait(self) -> dict:
+        try:
+            for w in self.works:
+                w.wait()
+        except Exception as exc:  # gloo/NCCL raise RuntimeError subclasses on timeout or peer failure
+            raise CommunicationError(
+                f"hf_longctx: {self.what} failed; a peer rank of the sequence-parallel group probably raised "
+                f"or died (see its log). Original error: {exc}"
+            ) from exc
+        self.works = []
+        return self.recv
+
+
+def post_exchange(
+    sends: list[tuple[int, torch.Tensor, int]],
+    recvs: list[tuple[object, int, torch.Tensor, int]],
+    group: dist.ProcessGroup | None,
+    what: str,
+) -> PendingExchange:
+    """Post ``sends`` [(dst, tensor, tag)] and ``recvs`` [(key, src, buffer, tag)] as one batch.
+
+    Ranks are group ranks. Returns at once; receive buffers appear under their key after wait().
+    """
+    ops = [dist.P2POp(dist.isend, t.contiguous(), global_rank(group, dst), group, tag) for dst, t, tag in sends]
+    ops += [dist.P2POp(dist.irecv, buf, global_rank(group, src), group, tag) for _, src, buf, tag in recvs]
+    pending = PendingExchange(recv={key: buf for key, _, buf, _ in recvs}, what=what)
+    if ops:
+        try:
+            pending.works = dist.batch_isend_irecv(ops)
+        except Exception as exc:
+            raise CommunicationError(f"hf_longctx: posting {what} failed: {exc}") from exc
+    return pending

@@ -1,0 +1,25 @@
+"""Single-device core attention with log-sum-exp for packed documents, forward and backward."""
+
+from .dispatch import (
+    KERNELS,
+    attention_backward,
+    attention_forward,
+    available_kernels,
+    reset_stats,
+    select_kernel,
+    stats,
+)
+from .merge import PartialAccumulator, accumulation_dtype, merge_partials
+
+__all__ = [
+    "KERNELS",
+    "PartialAccumulator",
+    "accumulation_dtype",
+    "attention_backward",
+    "attention_forward",
+    "available_kernels",
+    "merge_partials",
+    "reset_stats",
+    "select_kernel",
+    "stats",
+]

@@ -1,0 +1,164 @@
+"""One entry point for single-device core attention, choosing among the available kernels.
+
+Every backend calls :func:`attention_forward` / :func:`attention_backward` and never a kernel
+directly, so kernels can be added or preferred without touching the distributed code. ``"auto"``
+takes the fastest kernel that serves the input (cuDNN, then torch's FlashAttention-2, then the
+reference) and logs its choice at debug level; an explicit kernel that cannot serve the input
+raises a ValueError that says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+
+import torch
+
+from . import cudnn, reference, torch_flash
+from .validate import check_attention_inputs
+
+logger = logging.getLogger("hf_longctx.kernels")
+
+KERNELS = ("cudnn", "torch_flash", "reference")
+_AUTO_ORDER = ("cudnn", "torch_flash", "reference")
+
+_calls: Counter = Counter()
+
+
+def stats() -> dict[str, int]:
+    """Kernel call counters since the last :func:`reset_stats`, e.g. {'forward': 4, 'forward.reference': 4}."""
+    return dict(_calls)
+
+
+def reset_stats() -> None:
+    _calls.clear()
+
+
+def available_kernels(device: torch.device | str | None = None) -> list[str]:
+    """Kernels usable on ``device`` (default: CUDA when present), fastest first."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    names = []
+    if device.type == "cuda":
+        if torch.backends.cudnn.is_available() and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
+            names.append("cudnn")
+        if hasattr(torch.ops.aten, "_flash_attention_forward"):
+            names.append("torch_flash")
+    names.append("reference")
+    return names
+
+
+def _host_list(cu: torch.Tensor | list[int] | tuple[int, ...]) -> list[int]:
+    return cu.tolist() if isinstance(cu, torch.Tensor) else list(cu)
+
+
+def _device_int32(cu: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
+    if isinstance(cu, list):
+        return torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True)
+    return cu.to(device=device, dtype=torch.int32, non_blocking=True)
+
+
+def _reason(name: str, q, k, cu_q: list[int], cu_k: list[int], causal: bool) -> str | None:
+    if name == "cudnn":
+        return cudnn.unsupported_reason(q, k, cu_q, cu_k, causal)
+    if name == "torch_flash":
+        return torch_flash.unsupported_reason(q)
+    if name == "reference":
+        return None
+    raise ValueError(f"unknown kernel {name!r}; choose one of {', '.join(('auto',) + KERNELS)}")
+
+
+def select_kernel(kernel: str, q, k, cu_q: list[int], cu_k: list[int], causal: bool) -> str:
+    """Resolve ``kernel`` ('auto' or a name) to a kernel that serves these inputs, or raise ValueError."""
+    if kernel != "auto":
+        reason = _reason(kernel, q, k, cu_q, cu_k, causal)
+        if reason:
+            raise ValueError(f"kernel {kernel!r} cannot run this input: {reason}")
+        return kernel
+    for name in _AUTO_ORDER:
+        if _reason(name, q, k, cu_q, cu_k, causal) is None:
+            logger.debug("auto kernel: %s for q %s %s causal=%s", name, tuple(q.shape), q.dtype, causal)
+            return name
+    raise AssertionError("the reference kernel serves every input")
+
+
+def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale):
+    cu_q = _host_list(cu_seqlens_q)
+    cu_k = _host_list(cu_seqlens_k)
+    check_attention_inputs(
+        q, k, v, torch.tensor(cu_q, dtype=torch.int64), torch.tensor(cu_k, dtype=torch.int64)
+    )
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return cu_q, cu_k, scale
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | list[int],
+    cu_seqlens_k: torch.Tensor | list[int],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    kernel: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Core attention over packed segments: (out (Tq, Hq, D), lse (Hq, Tq)).
+
+    Segment i pairs queries cu_seqlens_q[i]:cu_seqlens_q[i+1] with keys cu_seqlens_k[i]:cu_seqlens_k[i+1].
+    Causal masking is bottom-right aligned. Rows without a visible key give out 0, lse -inf.
+    lse is float32 (float64 for float64 inputs).
+    """
+    cu_q, cu_k, scale = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)
+    name = select_kernel(kernel, q, k, cu_q, cu_k, causal)
+    _calls["forward"] += 1
+    _calls[f"forward.{name}"] += 1
+    if name == "reference":
+        return reference.reference_forward(q, k, v, cu_q, cu_k, causal, scale)
+    if name == "cudnn":
+        return cudnn.forward(q, k, v, cu_q, cu_k, causal, scale)
+    return torch_flash.forward(
+        q, k, v, _device_int32(cu_q, q.device), _device_int32(cu_k, q.device), max_seqlen_q, max_seqlen_k,
+        causal, scale,
+    )
+
+
+def attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | list[int],
+    cu_seqlens_k: torch.Tensor | list[int],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    kernel: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) given the FINAL out and lse of the query rows.
+
+    Passing the final (merged) out/lse rather than this call's partial ones is what lets the
+    gradients of attention split over several key blocks add up exactly.
+    """
+    cu_q, cu_k, scale = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)
+    if dout.shape != q.shape or out.shape != q.shape:
+        raise ValueError(f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must match q {tuple(q.shape)}")
+    if lse.shape != (q.shape[1], q.shape[0]):
+        raise ValueError(f"lse must have shape (heads, tokens) = {(q.shape[1], q.shape[0])}, got {tuple(lse.shape)}")
+    name = select_kernel(kernel, q, k, cu_q, cu_k, causal)
+    _calls["backward"] += 1
+    _calls[f"backward.{name}"] += 1
+    if name == "reference":
+        return reference.reference_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+    if name == "cudnn":
+        return cudnn.backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+    return torch_flash.backward(
+        dout, q, k, v, out, lse, _device_int32(cu_q, q.device), _device_int32(cu_k, q.device),
+        max_seqlen_q, max_seqlen_k, causal, scale,
+    )

@@ -1,0 +1,67 @@
+"""Merging partial attention results computed over disjoint key sets.
+
+Every distributed backend splits the keys of a query row over several kernel calls (ring steps,
+helper ranks, TASP cycles, CAD servers). The partial outputs combine exactly through their
+log-sum-exp: lse = logaddexp(lse_a, lse_b), out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b.
+The merge runs in at least float32 so long rings do not drift from the single-device result.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; every lower precision accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def merge_partials(
+    out_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    out_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partial results over disjoint key sets into the result over their union.
+
+    out_*: (T, H, D); lse_*: (H, T). Rows that saw no key on either side (lse -inf) stay out 0 and
+    lse -inf. The returned lse is in the accumulation dtype, out in ``out_dtype`` (default: out_a's).
+    """
+    acc = accumulation_dtype(out_a.dtype)
+    lse_a = lse_a.to(acc)
+    lse_b = lse_b.to(acc)
+    lse = torch.logaddexp(lse_a, lse_b)
+    finite = torch.isfinite(lse)
+    safe = torch.where(finite, lse, torch.zeros_like(lse))
+    w_a = torch.where(finite, torch.exp(lse_a - safe), torch.zeros_like(lse)).transpose(0, 1).unsqueeze(-1)
+    w_b = torch.where(finite, torch.exp(lse_b - safe), torch.zeros_like(lse)).transpose(0, 1).unsqueeze(-1)
+    out = w_a * out_a.to(acc) + w_b * out_b.to(acc)
+    return out.to(out_dtype or out_a.dtype), lse
+
+
+class PartialAccumulator:
+    """Running (out, lse) of a block of query rows, merged in the accumulation dtype.
+
+    Backends create one per local query tensor, call :meth:`add` with the partial result of every
+    (query rows, key block) piece, and read :meth:`result` at the end.
+    """
+
+    def __init__(self, num_tokens: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.dtype = dtype
+        acc = accumulation_dtype(dtype)
+        self.out = torch.zeros(num_tokens, num_heads, head_dim, dtype=acc, device=device)
+        self.lse = torch.full((num_heads, num_tokens), float("-inf"), dtype=acc, device=device)
+
+    def add(self, start: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Merge the partial result of rows [start, start + len(out)) into the running result."""
+        end = start + out.shape[0]
+        merged_out, merged_lse = merge_partials(
+            self.out[start:end], self.lse[:, start:end], out, lse, out_dtype=self.out.dtype
+        )
+        self.out[start:end] = merged_out
+        self.lse[:, start:end] = merged_lse
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final (out in the input dtype, lse in the accumulation dtype)."""
+        return self.out.to(self.dtype), self.lse

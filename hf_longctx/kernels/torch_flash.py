@@ -1,0 +1,49 @@
+"""torch's built-in FlashAttention-2 varlen kernels (aten._flash_attention_forward/backward).
+
+Public-enough ops that ship with every CUDA build of torch: packed (T, H, D) input, cu_seqlens,
+native GQA, bottom-right causal alignment and a log-sum-exp output. FlashAttention marks rows that
+see no key with lse = +inf (so its backward yields zero); our contract uses -inf, so the sign is
+flipped on the way out and back in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+
+
+def unsupported_reason(q: torch.Tensor) -> str | None:
+    """Why this kernel cannot take the input, or None when it can."""
+    if q.device.type != "cuda":
+        return "torch_flash needs CUDA tensors"
+    if q.dtype not in SUPPORTED_DTYPES:
+        return f"torch_flash takes float16/bfloat16, not {q.dtype}; use kernel='reference' for fp32/fp64"
+    d = q.shape[-1]
+    if d % 8 != 0 or d > MAX_HEAD_DIM:
+        return f"torch_flash needs head_dim a multiple of 8 and <= {MAX_HEAD_DIM}, got {d}"
+    if not hasattr(torch.ops.aten, "_flash_attention_forward"):
+        return "this torch build has no aten._flash_attention_forward"
+    return None
+
+
+def forward(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, causal: bool, scale: float):
+    out, lse, _rng, _unused, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
+    )
+    lse = lse[:, : q.shape[0]]
+    lse = lse.masked_fill(lse == float("inf"), float("-inf"))
+    return out, lse
+
+
+def backward(dout, q, k, v, out, lse, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
+             causal: bool, scale: float):
+    lse = lse.float().masked_fill(lse == float("-inf"), float("inf")).contiguous()
+    empty = torch.empty(0, dtype=torch.uint64 if hasattr(torch, "uint64") else torch.int64, device=q.device)
+    rng_state = torch.zeros(2, dtype=torch.uint64 if hasattr(torch, "uint64") else torch.int64, device=q.device)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        dout.contiguous(), q, k, v, out.contiguous(), lse, cu_q, cu_k, max_q, max_k, 0.0, causal,
+        rng_state, empty, scale=scale,
+    )
+    return dq, dk, dv

@@ -1,0 +1,19 @@
+"""Packed-document layouts and sequence-parallel shard plans: pure tensors and ints."""
+
+from .packed import PackedBatch
+from .pairs import Exchange, Pair, exchange_plan, pair_between_slots
+from .plan import STRATEGIES, Piece, ShardPlan, Slot, register_strategy, shard_plan
+
+__all__ = [
+    "STRATEGIES",
+    "Exchange",
+    "PackedBatch",
+    "Pair",
+    "Piece",
+    "ShardPlan",
+    "Slot",
+    "exchange_plan",
+    "pair_between_slots",
+    "register_strategy",
+    "shard_plan",
+]

@@ -1,0 +1,82 @@
+"""PackedBatch: the document structure of one packed sequence.
+
+A packed sequence concatenates documents; attention never crosses a document boundary and RoPE
+positions restart at 0 in every document. Everything downstream (shard plans, backends, loss)
+derives from the document lengths alone, so that is all this class stores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from itertools import accumulate
+
+import torch
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Document lengths of one packed sequence, in order. Every length is >= 1."""
+
+    doc_lens: tuple[int, ...]
+
+    @classmethod
+    def from_doc_lens(cls, doc_lens) -> PackedBatch:
+        lens = tuple(int(n) for n in (doc_lens.tolist() if isinstance(doc_lens, torch.Tensor) else doc_lens))
+        if not lens:
+            raise ValueError("a packed batch needs at least one document")
+        if any(n <= 0 for n in lens):
+            bad = [n for n in lens if n <= 0][:5]
+            raise ValueError(f"document lengths must be positive, got {bad}; drop empty documents")
+        return cls(lens)
+
+    @classmethod
+    def from_position_ids(cls, position_ids: torch.Tensor) -> PackedBatch:
+        """Recover documents from positions that restart at 0 per document (transformers' convention)."""
+        pos = position_ids.reshape(-1)
+        if pos.numel() == 0:
+            raise ValueError("position_ids is empty")
+        starts = torch.nonzero(pos == 0).flatten().tolist()
+        if not starts or starts[0] != 0:
+            raise ValueError("position_ids of a packed batch must start at 0 and restart at 0 for every document")
+        bounds = starts + [pos.numel()]
+        lens = [b - a for a, b in zip(bounds, bounds[1:])]
+        expected = torch.cat([torch.arange(n) for n in lens]).to(pos.device)
+        if not torch.equal(pos.long(), expected):
+            raise ValueError("position_ids must count 0, 1, 2, ... inside every document (packed, unpadded batch)")
+        return cls(tuple(lens))
+
+    @property
+    def num_tokens(self) -> int:
+        return self.doc_starts[-1] + self.doc_lens[-1]
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.doc_lens)
+
+    @cached_property
+    def doc_starts(self) -> tuple[int, ...]:
+        return (0,) + tuple(accumulate(self.doc_lens))[:-1]
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(self.doc_lens)
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """int32 [0, len_0, len_0 + len_1, ..., num_tokens]."""
+        return torch.tensor((0,) + tuple(accumulate(self.doc_lens)), dtype=torch.int32)
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        """int64 positions restarting at 0 in every document, shape (num_tokens,)."""
+        return torch.cat([torch.arange(n) for n in self.doc_lens])
+
+    @property
+    def doc_ids(self) -> torch.Tensor:
+        """int64 document index of every token, shape (num_tokens,)."""
+        return torch.repeat_interleave(torch.arange(self.num_docs), torch.tensor(self.doc_lens))
+
+    def causal_pairs(self) -> int:
+        """Number of visible (query, key) pairs under per-document causal masking."""
+        return sum(n * (n + 1) // 2 for n in self.doc_lens)

@@ -1,0 +1,179 @@
+"""Shard plans: which global tokens each sequence-parallel rank holds, and in which order.
+
+A rank's local tensor is a sequence of *slots*; a slot is a run of *pieces* (contiguous global token
+ranges), at most one piece per document, documents ascending. Every backend reasons about
+(query slot, key slot) pairs, so a strategy is nothing more than a way to cut the token range into
+slots:
+
+- ``contiguous``: P equal chunks; rank r holds chunk r (one slot).
+- ``zigzag``: 2P equal chunks; rank r holds chunks r and 2P-1-r (two slots). Balances causal work
+  of one long document.
+- ``doc_zigzag``: every document cut into 2P near-equal pieces; rank r holds pieces r and 2P-1-r
+  of every document (two slots: all "front" pieces, then all "back" pieces). Balances causal work
+  of packed batches whatever the document lengths.
+
+Token counts that do not divide: chunks differ by at most one token (no padding, nothing reaches
+the loss that should not). For ``doc_zigzag`` the spare tokens of each document are dealt to the
+pieces round-robin across documents, so ranks end up within a couple of tokens of each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from .packed import PackedBatch
+
+STRATEGIES = ("contiguous", "zigzag", "doc_zigzag")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Global tokens [start, end) of document ``doc``."""
+
+    doc: int
+    start: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Pieces stored back to back at ``offset`` in a rank's local tensor."""
+
+    pieces: tuple[Piece, ...]
+    offset: int
+
+    @property
+    def length(self) -> int:
+        return sum(p.length for p in self.pieces)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+def _even_bounds(total: int, parts: int) -> list[int]:
+    """parts+1 boundaries splitting [0, total) into parts differing by at most one."""
+    base, extra = divmod(total, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return bounds
+
+
+def _pieces_of_range(batch: PackedBatch, start: int, end: int) -> list[Piece]:
+    """Split the global range [start, end) at document boundaries."""
+    pieces = []
+    for d, (s, n) in enumerate(zip(batch.doc_starts, batch.doc_lens)):
+        lo, hi = max(s, start), min(s + n, end)
+        if lo < hi:
+            pieces.append(Piece(d, lo, hi))
+        if s >= end:
+            break
+    return pieces
+
+
+def _build_slots(slot_pieces: list[list[Piece]]) -> tuple[Slot, ...]:
+    slots, offset = [], 0
+    for pieces in slot_pieces:
+        slot = Slot(tuple(pieces), offset)
+        slots.append(slot)
+        offset = slot.end
+    return tuple(slots)
+
+
+class ShardPlan:
+    """Placement of a packed batch's tokens over ``world_size`` sequence-parallel ranks."""
+
+    def __init__(self, batch: PackedBatch, world_size: int, strategy: str, slots: tuple[tuple[Slot, ...], ...]):
+        self.batch = batch
+        self.world_size = world_size
+        self.strategy = strategy
+        self.slots = slots
+        self._cache: dict = {}
+
+    def rank_slots(self, rank: int) -> tuple[Slot, ...]:
+        return self.slots[rank]
+
+    def num_local_tokens(self, rank: int) -> int:
+        return sum(s.length for s in self.slots[rank])
+
+    def local_indices(self, rank: int) -> torch.Tensor:
+        """Global token indices that ``rank`` holds, in its local order (int64)."""
+        ranges = [torch.arange(p.start, p.end) for s in self.slots[rank] for p in s.pieces]
+        return torch.cat(ranges) if ranges else torch.empty(0, dtype=torch.int64)
+
+    @cached_property
+    def token_counts(self) -> list[int]:
+        return [self.num_local_tokens(r) for r in range(self.world_size)]
+
+    def cached(self, key, build):
+        """Memoise derived per-plan data (exchange plans, schedules) on the plan itself."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def __repr__(self) -> str:
+        return (f"ShardPlan(strategy={self.strategy!r}, world_size={self.world_size}, "
+                f"tokens={self.batch.num_tokens}, docs={self.batch.num_docs}, per_rank={self.token_counts})")
+
+
+def _contiguous(batch: PackedBatch, p: int):
+    b = _even_bounds(batch.num_tokens, p)
+    return tuple(_build_slots([_pieces_of_range(batch, b[r], b[r + 1])]) for r in range(p))
+
+
+def _zigzag(batch: PackedBatch, p: int):
+    b = _even_bounds(batch.num_tokens, 2 * p)
+    return tuple(
+        _build_slots([_pieces_of_range(batch, b[r], b[r + 1]), _pieces_of_range(batch, b[2 * p - 1 - r], b[2 * p - r])])
+        for r in range(p)
+    )
+
+
+def _doc_zigzag(batch: PackedBatch, p: int):
+    chunks = 2 * p
+    front: list[list[Piece]] = [[] for _ in range(p)]
+    back: list[list[Piece]] = [[] for _ in range(p)]
+    cursor = 0  # round-robin start for the spare tokens of the next document
+    for d, (s, n) in enumerate(zip(batch.doc_starts, batch.doc_lens)):
+        base, extra = divmod(n, chunks)
+        sizes = [base] * chunks
+        for j in range(extra):
+            sizes[(cursor + j) % chunks] += 1
+        cursor = (cursor + extra) % chunks
+        pos = s
+        for c, size in enumerate(sizes):
+            piece = Piece(d, pos, pos + size)
+            pos += size
+            if size == 0:
+                continue
+            if c < p:
+                front[c].append(piece)
+            else:
+                back[chunks - 1 - c].append(piece)
+    return tuple(_build_slots([front[r], back[r]]) for r in range(p))
+
+
+_BUILDERS = {"contiguous": _contiguous, "zigzag": _zigzag, "doc_zigzag": _doc_zigzag}
+
+
+def shard_plan(batch: PackedBatch, world_size: int, strategy: str = "zigzag") -> ShardPlan:
+    """Place ``batch`` over ``world_size`` ranks with ``strategy`` (see the module docstring)."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    builder = _BUILDERS.get(strategy)
+    if builder is None:
+        raise ValueError(f"unknown shard strategy {strategy!r}; choose one of {', '.join(_BUILDERS)}")
+    return ShardPlan(batch, world_size, strategy, builder(batch, world_size))
+
+
+def register_strategy(name: str, builder) -> None:
+    """Add a strategy: ``builder(batch, world_size) -> tuple[tuple[Slot, ...], ...]`` (one per rank)."""
+    _BUILDERS[name] = builder

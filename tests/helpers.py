@@ -1,0 +1,53 @@
+"""Shared test utilities: random packed problems and the naive fp64 attention they are checked against."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+
+def random_doc_lens(rng: random.Random, total: int, max_len: int | None = None) -> list[int]:
+    """Random document lengths summing to ``total``; includes length-1 documents often."""
+    lens, left = [], total
+    while left:
+        n = rng.choice([1, rng.randint(1, 8), rng.randint(1, max_len or total)])
+        n = min(n, left)
+        lens.append(n)
+        left -= n
+    return lens
+
+
+def naive_attention(q, k, v, cu_q, cu_k, causal=True, scale=None):
+    """Dense fp64 attention per segment with explicit masks: out (Tq, Hq, D), lse (Hq, Tq)."""
+    q, k, v = q.double(), k.double(), v.double()
+    tq, hq, d = q.shape
+    g = hq // k.shape[1]
+    k = k.repeat_interleave(g, dim=1)
+    v = v.repeat_interleave(g, dim=1)
+    scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    out = torch.zeros_like(q)
+    lse = torch.full((hq, tq), float("-inf"), dtype=torch.float64)
+    for i in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
+        if q1 == q0 or k1 == k0:
+            continue
+        s = torch.einsum("qhd,khd->hqk", q[q0:q1], k[k0:k1]) * scale
+        if causal:
+            sq, sk = q1 - q0, k1 - k0
+            mask = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)
+            s = s.masked_fill(~mask, float("-inf"))
+        row_lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - torch.where(torch.isfinite(row_lse), row_lse, torch.zeros_like(row_lse))[..., None])
+        p = torch.where(torch.isfinite(row_lse)[..., None], p, torch.zeros_like(p))
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", p, v[k0:k1])
+        lse[:, q0:q1] = row_lse
+    return out, lse
+
+
+def cumulative(lens: list[int]) -> list[int]:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return out

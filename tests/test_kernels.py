@@ -1,0 +1,180 @@
+"""The single-device kernels compute exact softmax attention over packed documents.
+
+Every kernel available on this machine is checked against a naive fp64 implementation with explicit
+masks, forward (out and lse) and backward (dq, dk, dv through autograd of the naive version).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import cumulative, naive_attention, random_doc_lens
+
+from hf_longctx.kernels import (
+    PartialAccumulator,
+    attention_backward,
+    attention_forward,
+    available_kernels,
+    merge_partials,
+    reset_stats,
+    stats,
+)
+
+KERNELS = available_kernels("cpu")
+
+
+def _problem(seed, hq, hkv, d, dtype, causal_shapes=True):
+    rng = random.Random(seed)
+    lens_q = random_doc_lens(rng, rng.randint(1, 300), max_len=120)
+    if causal_shapes:
+        lens_k = [n + rng.choice([0, 0, rng.randint(0, 50)]) for n in lens_q]  # Sk >= Sq and Sk == Sq
+    else:
+        lens_k = [rng.randint(0, 90) for _ in lens_q]  # includes empty key segments
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(lens_q), hq, d, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(sum(lens_k), hkv, d, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(sum(lens_k), hkv, d, generator=g, dtype=torch.float64).to(dtype)
+    return q, k, v, cumulative(lens_q), cumulative(lens_k)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (8, 2)])
+@pytest.mark.parametrize("d", [8, 32, 128])
+@pytest.mark.parametrize("causal", [True, False])
+def test_forward_backward_match_naive_fp64(kernel, seed, hq, hkv, d, causal):
+    q, k, v, cu_q, cu_k = _problem(seed * 7 + d, hq, hkv, d, torch.float64, causal_shapes=causal)
+    out, lse = attention_forward(q, k, v, torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32),
+                                 0, 0, causal=causal, kernel=kernel)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = naive_attention(qr, kr, vr, cu_q, cu_k, causal=causal)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)
+    dout = torch.randn_like(out)
+    ref_out.backward(dout)
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, 0, 0, causal=causal, kernel=kernel)
+    torch.testing.assert_close(dq, qr.grad, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(dk, kr.grad, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(dv, vr.grad, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_low_precision_inputs_stay_close(dtype, tol):
+    q, k, v, cu_q, cu_k = _problem(11, 8, 2, 64, dtype)
+    out, lse = attention_forward(q, k, v, cu_q, cu_k, 0, 0, kernel="reference")
+    ref_out, ref_lse = naive_attention(q, k, v, cu_q, cu_k)
+    assert lse.dtype == torch.float32 and out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=tol, atol=tol)
+
+
+def test_rows_without_visible_keys_give_zero_and_minus_inf():
+    # Segment 0: 5 queries, 2 keys, causal bottom-right: rows 0..2 see nothing. Segment 1: no keys at all.
+    q = torch.randn(8, 2, 16, dtype=torch.float64)
+    k = torch.randn(2, 2, 16, dtype=torch.float64)
+    v = torch.randn(2, 2, 16, dtype=torch.float64)
+    out, lse = attention_forward(q, k, v, [0, 5, 8], [0, 2, 2], 5, 2, causal=True)
+    assert torch.isneginf(lse[:, :3]).all() and torch.isneginf(lse[:, 5:]).all()
+    assert torch.isfinite(lse[:, 3:5]).all()
+    assert (out[:3] == 0).all() and (out[5:] == 0).all()
+    dq, dk, dv = attention_backward(torch.randn_like(out), q, k, v, out, lse, [0, 5, 8], [0, 2, 2], 5, 2)
+    assert torch.isfinite(dq).all() and (dq[:3] == 0).all() and (dq[5:] == 0).all()
+    assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
+
+
+def test_gradcheck_reference_in_fp64():
+    g = torch.Generator().manual_seed(3)
+    cu_q, cu_k = [0, 3, 8, 10], [0, 1, 6, 10]  # rows with no visible key, an aligned and a shifted segment
+    q = torch.randn(10, 4, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(10, 2, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(10, 2, 8, generator=g, dtype=torch.float64)
+
+    class Attn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out, lse = attention_forward(q, k, v, cu_q, cu_k, 0, 0, kernel="reference")
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, out, lse = ctx.saved_tensors
+            return attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, 0, 0, kernel="reference")
+
+    inputs = tuple(t.clone().requires_grad_() for t in (q, k, v))
+    assert torch.autograd.gradcheck(Attn.apply, inputs, eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_merge_of_two_key_halves_equals_attention_over_union(seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(20, 4, 16, generator=g, dtype=torch.float64)
+    k = torch.randn(30, 2, 16, generator=g, dtype=torch.float64)
+    v = torch.randn(30, 2, 16, generator=g, dtype=torch.float64)
+    split = 13
+    out_a, lse_a = attention_forward(q, k[:split], v[:split], [0, 20], [0, split], 20, split, causal=False)
+    out_b, lse_b = attention_forward(q, k[split:], v[split:], [0, 20], [0, 30 - split], 20, 30 - split, causal=False)
+    out, lse = merge_partials(out_a, lse_a, out_b, lse_b)
+    ref_out, ref_lse = naive_attention(q, k, v, [0, 20], [0, 30], causal=False)
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+    # Gradients of the pieces, each computed with the FINAL out/lse, add up to the full gradient.
+    dout = torch.randn_like(out)
+    dq_a, dk_a, dv_a = attention_backward(dout, q, k[:split], v[:split], out, lse, [0, 20], [0, split], 20, split,
+                                          causal=False)
+    dq_b, dk_b, dv_b = attention_backward(dout, q, k[split:], v[split:], out, lse, [0, 20], [0, 30 - split], 20,
+                                          30 - split, causal=False)
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, [0, 20], [0, 30], 20, 30, causal=False)
+    torch.testing.assert_close(dq_a + dq_b, dq, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.cat([dk_a, dk_b]), dk, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.cat([dv_a, dv_b]), dv, rtol=1e-12, atol=1e-12)
+
+
+def test_merge_with_empty_side_and_accumulator():
+    out = torch.randn(6, 2, 4, dtype=torch.float64)
+    lse = torch.randn(2, 6, dtype=torch.float64)
+    empty_out = torch.zeros_like(out)
+    empty_lse = torch.full_like(lse, float("-inf"))
+    m_out, m_lse = merge_partials(out, lse, empty_out, empty_lse)
+    torch.testing.assert_close(m_out, out)
+    torch.testing.assert_close(m_lse, lse)
+    both_out, both_lse = merge_partials(empty_out, empty_lse, empty_out, empty_lse)
+    assert (both_out == 0).all() and torch.isneginf(both_lse).all()
+    acc = PartialAccumulator(10, 2, 4, torch.float64, torch.device("cpu"))
+    acc.add(2, out, lse)
+    r_out, r_lse = acc.result()
+    torch.testing.assert_close(r_out[2:8], out)
+    assert (r_out[:2] == 0).all() and torch.isneginf(r_lse[:, 8:]).all()
+
+
+def test_stats_count_calls_per_kernel():
+    reset_stats()
+    q = torch.randn(4, 2, 8)
+    attention_forward(q, q, q, [0, 4], [0, 4], 4, 4)
+    attention_forward(q, q, q, [0, 4], [0, 4], 4, 4)
+    assert stats()["forward"] == 2 and stats()["forward.reference"] == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(q=torch.randn(4, 3, 8), k=torch.randn(4, 2, 8)), "multiple of key/value heads"),
+        (dict(q=torch.randn(4, 2, 8), k=torch.randn(4, 2, 16)), "head_dim"),
+        (dict(q=torch.randn(4, 2, 8).long()), "dtype"),
+        (dict(q=torch.randn(4, 2, 8).half()), "share a dtype"),
+        (dict(cu_q=[0, 3]), "end at the number of tokens"),
+        (dict(cu_q=[0, 2, 4], cu_k=[0, 4]), "same documents"),
+        (dict(q=torch.randn(1, 4, 2, 8)), "token-major"),
+        (dict(kernel="flashy"), "unknown kernel"),
+        (dict(kernel="torch_flash"), "torch_flash needs CUDA"),
+        (dict(kernel="cudnn"), "cudnn needs CUDA"),
+    ],
+)
+def test_bad_input_raises_clear_value_error(kwargs, match):
+    args = dict(q=torch.randn(4, 2, 8), k=torch.randn(4, 2, 8), cu_q=[0, 4], cu_k=[0, 4], kernel="auto")
+    args.update(kwargs)
+    k = args["k"]
+    with pytest.raises(ValueError, match=match):
+        attention_forward(args["q"], k, k.clone(), args["cu_q"], args["cu_k"], 4, 4, kernel=args["kernel"])

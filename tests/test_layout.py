@@ -1,0 +1,122 @@
+"""Shard plans place every token on exactly one rank, and zig-zag placements balance causal work."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_longctx.layout import STRATEGIES, PackedBatch, exchange_plan, shard_plan
+
+doc_lens_st = st.lists(st.integers(1, 300), min_size=1, max_size=30)
+
+
+def test_packed_batch_fields():
+    b = PackedBatch.from_doc_lens([3, 1, 4])
+    assert b.num_tokens == 8 and b.num_docs == 3 and b.max_seqlen == 4
+    assert b.cu_seqlens.tolist() == [0, 3, 4, 8] and b.cu_seqlens.dtype == torch.int32
+    assert b.position_ids.tolist() == [0, 1, 2, 0, 0, 1, 2, 3]
+    assert b.doc_ids.tolist() == [0, 0, 0, 1, 2, 2, 2, 2]
+    assert PackedBatch.from_position_ids(b.position_ids.unsqueeze(0)) == b
+
+
+@pytest.mark.parametrize("bad", [[], [3, 0], [-1]])
+def test_packed_batch_rejects_empty_documents(bad):
+    with pytest.raises(ValueError):
+        PackedBatch.from_doc_lens(bad)
+
+
+def test_position_ids_must_restart_per_document():
+    with pytest.raises(ValueError, match="restart at 0"):
+        PackedBatch.from_position_ids(torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="count 0, 1, 2"):
+        PackedBatch.from_position_ids(torch.tensor([0, 1, 3, 0]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(doc_lens=doc_lens_st, world=st.integers(1, 7), strategy=st.sampled_from(STRATEGIES))
+def test_every_token_on_exactly_one_rank(doc_lens, world, strategy):
+    batch = PackedBatch.from_doc_lens(doc_lens)
+    plan = shard_plan(batch, world, strategy)
+    idx = torch.cat([plan.local_indices(r) for r in range(world)])
+    assert sorted(idx.tolist()) == list(range(batch.num_tokens))
+    for r in range(world):
+        slots = plan.rank_slots(r)
+        # slots are back to back and each holds at most one piece per document, documents ascending
+        assert [s.offset for s in slots] == [sum(x.length for x in slots[:i]) for i in range(len(slots))]
+        for s in slots:
+            docs = [p.doc for p in s.pieces]
+            assert docs == sorted(set(docs))
+            for p in s.pieces:
+                d0 = batch.doc_starts[p.doc]
+                assert d0 <= p.start < p.end <= d0 + batch.doc_lens[p.doc]
+
+
+@settings(max_examples=40, deadline=None)
+@given(doc_lens=doc_lens_st, world=st.integers(1, 7), strategy=st.sampled_from(STRATEGIES))
+def test_token_counts_nearly_equal(doc_lens, world, strategy):
+    plan = shard_plan(PackedBatch.from_doc_lens(doc_lens), world, strategy)
+    counts = plan.token_counts
+    assert max(counts) - min(counts) <= 2
+
+
+def _rank_work(plan, rank):
+    return sum(exchange_plan(plan, rank, s).work for s in range(plan.world_size))
+
+
+@settings(max_examples=40, deadline=None)
+@given(doc_lens=doc_lens_st, world=st.integers(1, 6), strategy=st.sampled_from(STRATEGIES))
+def test_exchange_work_adds_up_to_causal_pairs(doc_lens, world, strategy):
+    """Pairs cover every visible (query, key) pair exactly once: their work sums to the causal total."""
+    batch = PackedBatch.from_doc_lens(doc_lens)
+    plan = shard_plan(batch, world, strategy)
+    assert sum(_rank_work(plan, r) for r in range(world)) == batch.causal_pairs()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_zigzag_balances_one_long_document(world):
+    plan_c = shard_plan(PackedBatch.from_doc_lens([4096 * world]), world, "contiguous")
+    plan_z = shard_plan(PackedBatch.from_doc_lens([4096 * world]), world, "zigzag")
+    work_c = [_rank_work(plan_c, r) for r in range(world)]
+    work_z = [_rank_work(plan_z, r) for r in range(world)]
+    assert max(work_c) / min(work_c) > world  # last rank does ~2P-1 times the first
+    assert max(work_z) / min(work_z) < 1.01
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_doc_zigzag_balances_packed_documents(world):
+    rng = random.Random(0)
+    lens = [rng.choice([50, 200, 3000, 9000]) for _ in range(40)]
+    plan_z = shard_plan(PackedBatch.from_doc_lens(lens), world, "zigzag")
+    plan_d = shard_plan(PackedBatch.from_doc_lens(lens), world, "doc_zigzag")
+    work_z = [_rank_work(plan_z, r) for r in range(world)]
+    work_d = [_rank_work(plan_d, r) for r in range(world)]
+    assert max(work_d) / min(work_d) < 1.02
+    assert max(work_d) / min(work_d) <= max(work_z) / min(work_z)
+
+
+def test_documents_inside_shards_need_no_exchange():
+    plan = shard_plan(PackedBatch.from_doc_lens([10, 6] * 4), 4, "contiguous")  # every shard = one 10 + one 6
+    for r in range(4):
+        for s in range(4):
+            ex = exchange_plan(plan, r, s)
+            assert (ex.pairs == ()) == (r != s)
+            assert ex.num_kv_rows == (16 if r == s else 0)
+
+
+def test_exchange_sends_only_needed_rows():
+    # One document crosses the boundary between rank 0 and rank 1 by 3 tokens of rank 0.
+    plan = shard_plan(PackedBatch.from_doc_lens([7, 6, 3]), 2, "contiguous")  # shards [0,8) and [8,16)
+    ex = exchange_plan(plan, 1, 0)
+    assert ex.kv_ranges == ((7, 8),)  # only the first token of doc 1 lives on rank 0
+    (pair,) = ex.pairs
+    assert not pair.causal and (pair.q_start, pair.q_end) == (0, 5) and pair.work == 5
+
+
+@pytest.mark.parametrize("strategy", ["spiral", "Zigzag"])
+def test_unknown_strategy_is_named(strategy):
+    with pytest.raises(ValueError, match="unknown shard strategy"):
+        shard_plan(PackedBatch.from_doc_lens([4]), 2, strategy)
