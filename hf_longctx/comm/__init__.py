@@ -8,11 +8,13 @@ from .groups import (
     sequence_parallel_group,
     sequence_parallel_mesh,
 )
-from .p2p import CommunicationError, PendingExchange, post_exchange
+from .p2p import CommunicationError, PendingExchange, comm_stats, post_exchange, reset_comm_stats
 
 __all__ = [
     "CommunicationError",
     "PendingExchange",
+    "comm_stats",
+    "reset_comm_stats",
     "current_device",
     "data_parallel_group",
     "global_rank",

@@ -12,12 +12,24 @@ ranks issue the phases of a schedule in the same order.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from .groups import global_rank
+
+_counters: Counter = Counter()
+
+
+def comm_stats() -> dict[str, int]:
+    """Messages and bytes this process sent and received through :func:`post_exchange`."""
+    return dict(_counters)
+
+
+def reset_comm_stats() -> None:
+    _counters.clear()
 
 
 class CommunicationError(RuntimeError):
@@ -58,6 +70,10 @@ def post_exchange(
     ops = [dist.P2POp(dist.isend, t.contiguous(), global_rank(group, dst), group, tag) for dst, t, tag in sends]
     ops += [dist.P2POp(dist.irecv, buf, global_rank(group, src), group, tag) for _, src, buf, tag in recvs]
     pending = PendingExchange(recv={key: buf for key, _, buf, _ in recvs}, what=what)
+    _counters["sent_messages"] += len(sends)
+    _counters["sent_bytes"] += sum(t.numel() * t.element_size() for _, t, _ in sends)
+    _counters["recv_messages"] += len(recvs)
+    _counters["recv_bytes"] += sum(b.numel() * b.element_size() for _, _, b, _ in recvs)
     if ops:
         try:
             pending.works = dist.batch_isend_irecv(ops)

@@ -1,0 +1,17 @@
+"""Distributed core attention backends over the kernels, layouts and comm layers."""
+
+from .api import sequence_parallel_attention
+from .registry import BackendSpec, backend_names, default_strategy, get_backend, register_backend
+from .schedule import Task, distflash_schedule, rotation_schedule
+
+__all__ = [
+    "BackendSpec",
+    "Task",
+    "backend_names",
+    "default_strategy",
+    "distflash_schedule",
+    "get_backend",
+    "register_backend",
+    "rotation_schedule",
+    "sequence_parallel_attention",
+]

@@ -1,0 +1,141 @@
+"""``sequence_parallel_attention``: the one entry point of every distributed backend.
+
+Inputs are this rank's rows of the global packed q/k/v, in ``plan.local_indices(rank)`` order.
+Before the first collective of a plan, every rank checks its inputs and all ranks exchange a short
+signature (plan, shapes, dtype, backend, status) in one all_gather: a rank with bad input makes
+every rank raise the same clear error at once instead of leaving its peers waiting in a receive.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..comm.groups import group_rank_and_size
+from ..layout import ShardPlan
+from .engine import RunContext, run_backward, run_forward
+from .registry import get_backend
+
+_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+
+
+def _local_problem(q, k, v, plan: ShardPlan, backend: str, rank: int, world: int, causal: bool) -> str | None:
+    spec = get_backend(backend)
+    if not causal:
+        return "only causal attention is supported by the sequence-parallel backends (causal=True)"
+    if spec.name == "local" and world != 1:
+        return (f"backend 'local' runs without sequence parallelism but the group has {world} ranks; "
+                "use a distributed backend (ring, zigzag, distflash, ...) or a sequence-parallel size of 1")
+    if plan.world_size != world:
+        return (f"the shard plan is for {plan.world_size} ranks but the sequence-parallel group has {world}; "
+                f"build it with shard_plan(batch, {world}, ...)")
+    if plan.strategy not in spec.strategies:
+        return (f"backend {backend!r} is exact only for strategies {spec.strategies}, got plan strategy "
+                f"{plan.strategy!r}; use shard_plan(batch, world, {spec.default_strategy!r})")
+    expected = plan.num_local_tokens(rank)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            return f"{name}_local must be (local_tokens, heads, head_dim), got shape {tuple(t.shape)}"
+        if t.shape[0] != expected:
+            return (f"{name}_local has {t.shape[0]} tokens but the plan gives rank {rank} {expected}; "
+                    "index the global tensors with plan.local_indices(rank)")
+    if q.shape[1] % k.shape[1]:
+        return f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
+    if q.dtype not in _DTYPE_CODES or not (q.dtype == k.dtype == v.dtype):
+        return f"q, k, v must share one float dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+    return None
+
+
+def _plan_fingerprint(plan: ShardPlan) -> int:
+    digest = hashlib.blake2b(repr((plan.batch.doc_lens, plan.world_size, plan.strategy)).encode(), digest_size=7)
+    return int.from_bytes(digest.digest(), "little")
+
+
+def check_group_agrees(q, k, v, plan, backend, group, rank, world, causal) -> None:
+    """Validate locally, then make sure every rank of ``group`` runs the same problem (one all_gather)."""
+    problem = _local_problem(q, k, v, plan, backend, rank, world, causal)
+    if world == 1 or not dist.is_initialized():
+        if problem:
+            raise ValueError(f"hf_longctx {backend}: {problem}")
+        return
+    key = ("validated", backend, id(group), q.shape[1:], k.shape[1:], q.dtype)
+    if problem is None and key in plan._cache:
+        return
+    backend_code = int.from_bytes(hashlib.blake2b(backend.encode(), digest_size=4).digest(), "little")
+    sig = torch.tensor(
+        [0 if problem is None else 1, _plan_fingerprint(plan), q.shape[1], k.shape[1], q.shape[2],
+         _DTYPE_CODES.get(q.dtype, 0), backend_code],
+        dtype=torch.int64, device=q.device,
+    )
+    gathered = [torch.empty_like(sig) for _ in range(world)]
+    dist.all_gather(gathered, sig, group=group)
+    rows = [g.tolist() for g in gathered]
+    if problem:
+        raise ValueError(f"hf_longctx {backend} on rank {rank}: {problem}")
+    failed = [r for r, row in enumerate(rows) if row[0]]
+    if failed:
+        raise ValueError(f"hf_longctx {backend}: rank(s) {failed} of the sequence-parallel group rejected their "
+                         "input (their error says why); this rank stops too instead of waiting for them")
+    mismatch = [r for r, row in enumerate(rows) if row[1:] != rows[rank][1:]]
+    if mismatch:
+        raise ValueError(f"hf_longctx {backend}: rank(s) {mismatch} run a different plan, head layout, dtype or "
+                         f"backend than rank {rank}; every rank of a sequence-parallel group must build the same "
+                         "shard plan from the same document lengths")
+    plan._cache[key] = True
+
+
+class _SequenceParallelAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, run: RunContext):
+        out, lse = run_forward(run, q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.run = run
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = run_backward(ctx.run, dout, q, k, v, out, lse)
+        return dq, dk, dv, None
+
+
+def make_run_context(plan, backend, group, rank, world, scale, kernel) -> RunContext:
+    spec = get_backend(backend)
+    return RunContext(plan, spec.schedule(world), group, rank, scale, kernel)
+
+
+def sequence_parallel_attention(
+    q_local: torch.Tensor,
+    k_local: torch.Tensor,
+    v_local: torch.Tensor,
+    *,
+    plan: ShardPlan,
+    backend: str = "distflash",
+    group: dist.ProcessGroup | None = None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """Exact causal attention of this rank's queries over the whole packed sequence.
+
+    ``q_local = q_global[plan.local_indices(rank)]`` (token-major (T, H, D), GQA allowed), likewise
+    k/v. Returns this rank's output rows in the same order; autograd gives exact gradients to the
+    three local inputs. ``backend`` is one of :func:`~hf_longctx.backends.registry.backend_names`.
+    """
+    rank, world = group_rank_and_size(group)
+    check_group_agrees(q_local, k_local, v_local, plan, backend, group, rank, world, causal)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_local.shape[-1])
+    run = make_run_context(plan, backend, group, rank, world, scale, kernel)
+    return _SequenceParallelAttention.apply(q_local, k_local, v_local, run)
+
+
+def sequence_parallel_attention_with_lse(q_local, k_local, v_local, *, plan, backend="distflash", group=None,
+                                         softmax_scale=None, kernel="auto"):
+    """Forward only, returning (out, lse): for callers that save attention outputs themselves."""
+    rank, world = group_rank_and_size(group)
+    check_group_agrees(q_local, k_local, v_local, plan, backend, group, rank, world, True)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_local.shape[-1])
+    return run_forward(make_run_context(plan, backend, group, rank, world, scale, kernel), q_local, k_local, v_local)
