@@ -61,6 +61,22 @@ def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
+# cuDNN takes fewer KV heads than query heads natively in forward (checked on H200, torch 2.11); its
+# backward is tried natively once and falls back to repeated KV heads if this build rejects it.
+_native_gqa_backward: bool | None = None
+
+
+def _covers(starts: list[int], length: int, total: int) -> bool:
+    """Do equal-length segments at ``starts`` tile all ``total`` rows back to back?"""
+    return starts[0] == 0 and len(starts) * length == total and all(s == i * length for i, s in enumerate(starts))
+
+
+def _packed(dense: torch.Tensor) -> torch.Tensor:
+    """(B, H, S, D) laid out as (B, S, H, D) -> (B*S, H, D); a view when the layout allows."""
+    b, h, s, d = dense.shape
+    return dense.transpose(1, 2).reshape(b * s, h, d)
+
+
 def _scatter(dst: torch.Tensor, dense: torch.Tensor, starts: list[int], length: int) -> None:
     rows = dense.transpose(1, 2)  # (B, S, H, D)
     for i, s in enumerate(starts):
@@ -69,20 +85,26 @@ def _scatter(dst: torch.Tensor, dense: torch.Tensor, starts: list[int], length: 
 
 def forward(q, k, v, cu_q: list[int], cu_k: list[int], causal: bool, scale: float):
     tq, hq, d = q.shape
-    g = hq // k.shape[1]
-    out = torch.zeros_like(q)
-    lse = torch.full((hq, tq), float("-inf"), dtype=torch.float32, device=q.device)
-    for (lq, lk), idx in segment_groups(cu_q, cu_k).items():
+    groups = segment_groups(cu_q, cu_k)
+    out, lse = None, None
+    for (lq, lk), idx in groups.items():
         qs = [cu_q[i] for i in idx]
         ks = [cu_k[i] for i in idx]
         o, l_dense = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            _dense(q, qs, lq), _expand_kv(_dense(k, ks, lk), g), _expand_kv(_dense(v, ks, lk), g),
-            None, True, 0.0, causal, False, scale=scale,
+            _dense(q, qs, lq), _dense(k, ks, lk), _dense(v, ks, lk), None, True, 0.0, causal, False, scale=scale,
         )[:2]
+        if len(groups) == 1 and _covers(qs, lq, tq):  # the common case: no copy of the output
+            return _packed(o), l_dense.reshape(len(idx), hq, lq).transpose(0, 1).reshape(hq, tq)
+        if out is None:
+            out = torch.zeros_like(q)
+            lse = torch.full((hq, tq), float("-inf"), dtype=torch.float32, device=q.device)
         _scatter(out, o, qs, lq)
         l_dense = l_dense.reshape(len(idx), hq, lq)
         for j, s in enumerate(qs):
             lse[:, s : s + lq] = l_dense[j]
+    if out is None:  # no segment had both queries and keys
+        out = torch.zeros_like(q)
+        lse = torch.full((hq, tq), float("-inf"), dtype=torch.float32, device=q.device)
     return out, lse
 
 
@@ -90,25 +112,44 @@ def backward(dout, q, k, v, out, lse, cu_q: list[int], cu_k: list[int], causal: 
     tq, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
-    dq = torch.zeros_like(q)
-    dk = torch.zeros_like(k)
-    dv = torch.zeros_like(v)
-    empty = torch.empty(0, device=q.device)
-    for (lq, lk), idx in segment_groups(cu_q, cu_k).items():
+    global _native_gqa_backward
+    dq = dk = dv = None
+    seed = torch.zeros((), dtype=torch.long, device=q.device)
+    groups = segment_groups(cu_q, cu_k)
+    for (lq, lk), idx in groups.items():
         qs = [cu_q[i] for i in idx]
         ks = [cu_k[i] for i in idx]
         b = len(idx)
-        lse_dense = torch.stack([lse[:, s : s + lq] for s in qs]).float().contiguous()
-        kd = _expand_kv(_dense(k, ks, lk), g)
-        vd = _expand_kv(_dense(v, ks, lk), g)
-        gq, gk, gv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            _dense(dout, qs, lq), _dense(q, qs, lq), kd, vd, _dense(out, qs, lq), lse_dense,
-            empty, empty, empty, empty, empty, lq, lk, 0.0, causal, scale=scale,
-        )
-        _scatter(dq, gq, qs, lq)
-        if g > 1:
+        lse_dense = torch.stack([lse[:, s : s + lq] for s in qs]).float().unsqueeze(-1)
+        args = (_dense(dout, qs, lq), _dense(q, qs, lq))
+        rest = (_dense(out, qs, lq), lse_dense, seed, seed, None, None, None, lq, lk, 0.0, causal)
+        kd, vd = _dense(k, ks, lk), _dense(v, ks, lk)
+        grads = None
+        if g == 1 or _native_gqa_backward is not False:
+            try:
+                grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(*args, kd, vd, *rest, scale=scale)
+                if grads[1].shape[1] != kd.shape[1]:
+                    raise RuntimeError("cuDNN returned key gradients for repeated heads")
+                _native_gqa_backward = True
+            except RuntimeError:
+                if g == 1:
+                    raise
+                _native_gqa_backward = False
+        if grads is None:
+            grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                *args, _expand_kv(kd, g), _expand_kv(vd, g), *rest, scale=scale
+            )
+        gq, gk, gv = grads
+        if gk.shape[1] != hkv:
             gk = gk.view(b, hkv, g, lk, d).sum(2)
             gv = gv.view(b, hkv, g, lk, d).sum(2)
+        if len(groups) == 1 and _covers(qs, lq, tq) and _covers(ks, lk, k.shape[0]):
+            return _packed(gq), _packed(gk), _packed(gv)
+        if dq is None:
+            dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        _scatter(dq, gq, qs, lq)
         _scatter(dk, gk, ks, lk)
         _scatter(dv, gv, ks, lk)
+    if dq is None:  # no segment had both queries and keys
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     return dq, dk, dv

@@ -24,6 +24,8 @@ KERNELS = ("cudnn", "torch_flash", "reference")
 _AUTO_ORDER = ("cudnn", "torch_flash", "reference")
 
 _calls: Counter = Counter()
+# Kernels that raised a runtime error under "auto" on this process; auto skips them from then on.
+_broken: dict[str, str] = {}
 
 
 def stats() -> dict[str, int]:
@@ -78,7 +80,7 @@ def select_kernel(kernel: str, q, k, cu_q: list[int], cu_k: list[int], causal: b
             raise ValueError(f"kernel {kernel!r} cannot run this input: {reason}")
         return kernel
     for name in _AUTO_ORDER:
-        if _reason(name, q, k, cu_q, cu_k, causal) is None:
+        if name not in _broken and _reason(name, q, k, cu_q, cu_k, causal) is None:
             logger.debug("auto kernel: %s for q %s %s causal=%s", name, tuple(q.shape), q.dtype, causal)
             return name
     raise AssertionError("the reference kernel serves every input")
@@ -114,6 +116,21 @@ def attention_forward(
     """
     cu_q, cu_k, scale = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)
     name = select_kernel(kernel, q, k, cu_q, cu_k, causal)
+    try:
+        return _forward(name, q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale)
+    except (RuntimeError, IndexError, TypeError) as exc:  # what torch raises for a kernel it cannot run
+        if kernel != "auto" or name == "reference":
+            raise
+        _mark_broken(name, exc)
+        return attention_forward(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, kernel)
+
+
+def _mark_broken(name: str, exc: Exception) -> None:
+    _broken[name] = str(exc)
+    logger.warning("kernel %s failed (%s); 'auto' falls back to the next kernel from now on", name, exc)
+
+
+def _forward(name, q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale):
     _calls["forward"] += 1
     _calls[f"forward.{name}"] += 1
     if name == "reference":
@@ -152,6 +169,17 @@ def attention_backward(
     if lse.shape != (q.shape[1], q.shape[0]):
         raise ValueError(f"lse must have shape (heads, tokens) = {(q.shape[1], q.shape[0])}, got {tuple(lse.shape)}")
     name = select_kernel(kernel, q, k, cu_q, cu_k, causal)
+    try:
+        return _backward(name, dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale)
+    except (RuntimeError, IndexError, TypeError) as exc:  # what torch raises for a kernel it cannot run
+        if kernel != "auto" or name == "reference":
+            raise
+        _mark_broken(name, exc)
+        return attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal,
+                                  softmax_scale, kernel)
+
+
+def _backward(name, dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale):
     _calls["backward"] += 1
     _calls[f"backward.{name}"] += 1
     if name == "reference":

@@ -1,0 +1,262 @@
+"""Per-GPU attention throughput of the sequence-parallel backends against torch native CP.
+
+One command does the whole comparison (the numbers in bench/RESULTS.md come from it)::
+
+    python scripts/bench_attention.py --gpus 4            # on the GPU machine (NCCL)
+    python scripts/bench_attention.py --quick --gpus 2    # CPU smoke run (gloo, reference kernel)
+
+Workloads: causal one-document sequences (64K..512K tokens, H=32, KV heads 8 and 32, D=128) and
+packed batches drawn from a long-tailed document-length mix. For each: forward and forward+backward
+TFLOP/s per GPU (causal FLOPs: 4*D*H per visible (query, key) pair forward, x3.5 forward+backward),
+for our backends, torch native context parallel (flash and cuDNN SDPA) and the best single-GPU
+kernel on the whole sequence. Prints a markdown table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import statistics
+import sys
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hf_longctx.backends import default_strategy, sequence_parallel_attention
+from hf_longctx.comm import comm_stats, reset_comm_stats
+from hf_longctx.kernels import attention_backward, attention_forward
+from hf_longctx.layout import PackedBatch, shard_plan
+
+
+def long_tailed_doc_lens(total: int, seed: int, mix: str) -> list[int]:
+    """Document lengths summing to ``total`` from the named mix (falls back to a lognormal tail)."""
+    try:
+        from hf_longctx.data.synthetic_lengths import synthetic_doc_lengths
+
+        return synthetic_doc_lengths(mix, total, seed=seed, max_doc_len=total)
+    except ImportError:
+        rng = random.Random(seed)
+        lens, left = [], total
+        while left:
+            n = min(left, max(1, int(rng.lognormvariate(8.5, 1.8))))
+            lens.append(n)
+            left -= n
+        return lens
+
+
+def timed(fn, reps: int, device) -> float:
+    """Median over reps of the slowest rank's milliseconds for fn()."""
+    fn()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            import time
+
+            t0 = time.perf_counter()
+            fn()
+            ms = (time.perf_counter() - t0) * 1e3
+        t = torch.tensor([ms], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(t.item())
+    return statistics.median(times)
+
+
+def global_tensors(total, hq, hkv, d, dtype, device, seed):
+    g = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randn(total, h, d, generator=g, device=device, dtype=dtype) for h in (hq, hkv, hkv, hq)]
+
+
+def run_ours(backend, batch, tensors, world, rank, reps, device, strategy=None):
+    q, k, v, dout = tensors
+    plan = shard_plan(batch, world, strategy or default_strategy(backend))
+    idx = plan.local_indices(rank).to(device)
+    ql, kl, vl, dl = (t.index_select(0, idx) for t in (q, k, v, dout))
+    ql.requires_grad_()
+    kl.requires_grad_()
+    vl.requires_grad_()
+
+    def fwd():
+        with torch.no_grad():
+            return sequence_parallel_attention(ql, kl, vl, plan=plan, backend=backend)
+
+    def fwd_bwd():
+        out = sequence_parallel_attention(ql, kl, vl, plan=plan, backend=backend)
+        torch.autograd.backward(out, dl)
+
+    t_f = timed(fwd, reps, device)
+    reset_comm_stats()
+    t_fb = timed(fwd_bwd, reps, device)
+    sent = comm_stats().get("sent_bytes", 0) / (reps + 1)
+    return t_f, t_fb, sent
+
+
+def run_torch_cp(sdpa_backend, tensors, world, reps, device):
+    """torch.distributed.tensor.experimental.context_parallel over SDPA (one causal document only)."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v, dout = tensors
+    hq, hkv = q.shape[1], k.shape[1]
+    mesh = init_device_mesh(device.type, (world,))
+    # torch CP's ring has no GQA path: repeat KV heads, as its users must.
+    dense = [t.unsqueeze(0).transpose(1, 2).contiguous() for t in (q, k.repeat_interleave(hq // hkv, 1),
+                                                                       v.repeat_interleave(hq // hkv, 1), dout)]
+    kernel = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[sdpa_backend]
+    with context_parallel(mesh, buffers=dense, buffer_seq_dims=[2, 2, 2, 2]):
+        ql, kl, vl = (t.detach().requires_grad_() for t in dense[:3])
+        dl = dense[3]
+
+        def fwd():
+            with torch.no_grad(), sdpa_kernel(kernel):
+                return F.scaled_dot_product_attention(ql, kl, vl, is_causal=True)
+
+        def fwd_bwd():
+            with sdpa_kernel(kernel):
+                out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True)
+            torch.autograd.backward(out, dl)
+
+        return timed(fwd, reps, device), timed(fwd_bwd, reps, device), math.nan
+
+
+def run_single_gpu(batch, tensors, reps, device, kernel="auto"):
+    """The whole sequence on one GPU (rank 0 computes; the others wait at the barrier)."""
+    q, k, v, dout = tensors
+    cu = batch.cu_seqlens.tolist()
+
+    def fwd():
+        return attention_forward(q, k, v, cu, cu, batch.max_seqlen, batch.max_seqlen, kernel=kernel)
+
+    def fwd_bwd():
+        out, lse = fwd()
+        attention_backward(dout, q, k, v, out, lse, cu, cu, batch.max_seqlen, batch.max_seqlen, kernel=kernel)
+
+    import time
+
+    res = []
+    for fn in (fwd, fwd_bwd):
+        fn()
+        ts = []
+        for _ in range(reps):
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            ts.append((time.perf_counter() - t0) * 1e3)
+        res.append(statistics.median(ts))
+    return res[0], res[1], 0.0
+
+
+def worker(rank, world, args):
+    quick = args.quick
+    device = torch.device("cpu") if quick else torch.device("cuda", rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo" if quick else "nccl", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600), device_id=device if device.type == "cuda" else None)
+    dtype = torch.float32 if quick else torch.bfloat16
+    hq, d = (4, 16) if quick else (32, 128)
+    rows = []
+    workloads = []
+    for s in args.seqs:
+        for hkv in args.kv_heads:
+            workloads.append(("1 doc", s, hkv, [s]))
+    for s in args.packed_seqs:
+        for hkv in args.kv_heads:
+            workloads.append((f"{args.mix} mix", s, hkv, long_tailed_doc_lens(s, seed=s, mix=args.mix)))
+    for name, total, hkv, lens in workloads:
+        hkv = min(hkv, hq)
+        batch = PackedBatch.from_doc_lens(lens)
+        flops = 4 * d * hq * batch.causal_pairs()
+        tensors = global_tensors(total, hq, hkv, d, dtype, device, seed=total + hkv)
+        candidates = [(b, None) for b in args.backends if not b.startswith("cp_")]
+        if len(lens) > 1 and "zigzag" in args.backends:
+            candidates.append(("zigzag", "doc_zigzag"))
+        if len(lens) == 1 and not quick:
+            candidates += [(b, None) for b in args.backends if b.startswith("cp_")]
+        result = {}
+        for backend, strategy in candidates:
+            label = backend if strategy is None else f"{backend}+{strategy}"
+            try:
+                if backend.startswith("cp_"):
+                    t_f, t_fb, sent = run_torch_cp(backend[3:], tensors, world, args.reps, device)
+                else:
+                    t_f, t_fb, sent = run_ours(backend, batch, tensors, world, rank, args.reps, device, strategy)
+                result[label] = (flops / world / t_f / 1e9, 3.5 * flops / world / t_fb / 1e9, sent)
+            except Exception as exc:  # noqa: BLE001 - one call measures everything; report and go on
+                if rank == 0:
+                    print(f"{name} {total} kv{hkv} {label}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                    traceback.print_exc()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if total <= args.single_max:
+            single = None
+            if rank == 0:
+                try:
+                    t_f, t_fb, _ = run_single_gpu(batch, tensors, max(2, args.reps // 2), device)
+                    single = (flops / t_f / 1e9, 3.5 * flops / t_fb / 1e9, 0.0)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"single-GPU {total}: {type(exc).__name__}: {exc}", flush=True)
+            dist.barrier()
+            if single:
+                result["1 GPU"] = single
+        if rank == 0:
+            best_single = result.get("1 GPU", (math.nan, math.nan))[1]
+            for label, (tf, tfb, sent) in result.items():
+                ratio = tfb / best_single if best_single == best_single else math.nan
+                row = (f"| {name} | {total // 1024}K | {hkv} | {label} | {tf:.0f} | {tfb:.0f} | {ratio:.2f} | "
+                       f"{sent / 2**20:.0f} |")
+                rows.append(row)
+                print(row, flush=True)
+        del tensors
+    if rank == 0:
+        gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+        print(f"\n{world} x {gpu}, torch {torch.__version__}")
+        print("| workload | tokens | kv heads | backend | fwd TFLOP/s/GPU | fwd+bwd TFLOP/s/GPU | vs 1 GPU (fwd+bwd) |"
+              " MiB sent/rank/iter |")
+        print("|---|---|---|---|---|---|---|---|")
+        print("\n".join(rows))
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gpus", type=int, default=torch.cuda.device_count() or 2)
+    p.add_argument("--seqs", default="65536,131072,262144,524288")
+    p.add_argument("--packed-seqs", default="262144")
+    p.add_argument("--kv-heads", default="8,32")
+    p.add_argument("--backends", default="ring,zigzag,distflash,cp_flash,cp_cudnn")
+    p.add_argument("--mix", default="prolong")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--single-max", type=int, default=262144, help="largest sequence timed on one GPU")
+    p.add_argument("--quick", action="store_true", help="CPU smoke run with gloo and tiny sizes")
+    args = p.parse_args()
+    if args.quick:
+        args.seqs, args.packed_seqs, args.reps = "512", "512", 1
+    args.seqs = [int(s) for s in args.seqs.split(",") if s]
+    args.packed_seqs = [int(s) for s in args.packed_seqs.split(",") if s]
+    args.kv_heads = [int(s) for s in args.kv_heads.split(",")]
+    args.backends = args.backends.split(",")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    mp.spawn(worker, args=(args.gpus, args), nprocs=args.gpus, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
