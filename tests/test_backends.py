@@ -58,7 +58,7 @@ def check_backends(rank, world, backends, dtypes, seeds, strategies=None):
                     where = f"{backend}/{strategy} world={world} rank={rank} seed={seed} {dtype} docs={batch.doc_lens}"
                     for name, got, want in (("out", out, ref_out), ("dq", ql.grad, ref_dq), ("dk", kl.grad, ref_dk),
                                             ("dv", vl.grad, ref_dv)):
-                        torch.testing.assert_close(got, want[idx], **tol, msg=f"{name} {where}")
+                        torch.testing.assert_close(got, want[idx], **tol, msg=lambda m, n=name, w=where: f"{n} {w} {m}")
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])

@@ -10,7 +10,6 @@ import random
 
 import pytest
 import torch
-from helpers import cumulative, naive_attention, random_doc_lens
 
 from hf_longctx.kernels import (
     PartialAccumulator,
@@ -21,6 +20,8 @@ from hf_longctx.kernels import (
     reset_stats,
     stats,
 )
+
+from helpers import cumulative, naive_attention, random_doc_lens
 
 KERNELS = available_kernels("cpu")
 
