@@ -1,3 +1,14 @@
-"""hf_longctx: exact distributed core attention for long-context training with transformers."""
+"""hf_longctx: exact distributed core attention for long-context training with transformers.
+
+Importing the package registers the ``longctx_<backend>`` attention implementations with
+transformers (when transformers is installed).
+"""
 
 __version__ = "0.1.0"
+
+try:
+    from .hf.attention import register_attention_implementations as _register
+
+    ATTENTION_IMPLEMENTATIONS = _register()
+except ImportError:  # transformers missing: kernels, layouts and backends still work
+    ATTENTION_IMPLEMENTATIONS = []

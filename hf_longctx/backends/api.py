@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from ..comm.groups import group_rank_and_size
 from ..layout import ShardPlan
-from .engine import RunContext, run_backward, run_forward
+from .engine import RunContext, run_forward
+from .op import core_attention, register_context
 from .registry import get_backend
 
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
@@ -87,21 +88,6 @@ def check_group_agrees(q, k, v, plan, backend, group, rank, world, causal) -> No
     plan._cache[key] = True
 
 
-class _SequenceParallelAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, run: RunContext):
-        out, lse = run_forward(run, q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.run = run
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = run_backward(ctx.run, dout, q, k, v, out, lse)
-        return dq, dk, dv, None
-
-
 def make_run_context(plan, backend, group, rank, world, scale, kernel) -> RunContext:
     spec = get_backend(backend)
     return RunContext(plan, spec.schedule(world), group, rank, scale, kernel)
@@ -129,7 +115,8 @@ def sequence_parallel_attention(
     check_group_agrees(q_local, k_local, v_local, plan, backend, group, rank, world, causal)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_local.shape[-1])
     run = make_run_context(plan, backend, group, rank, world, scale, kernel)
-    return _SequenceParallelAttention.apply(q_local, k_local, v_local, run)
+    out, _lse = core_attention(q_local, k_local, v_local, register_context(run))
+    return out
 
 
 def sequence_parallel_attention_with_lse(q_local, k_local, v_local, *, plan, backend="distflash", group=None,

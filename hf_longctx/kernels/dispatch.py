@@ -37,6 +37,11 @@ def reset_stats() -> None:
     _calls.clear()
 
 
+def count(event: str) -> None:
+    """Add one to a named counter of :func:`stats` (used by the layers above the kernels)."""
+    _calls[event] += 1
+
+
 def available_kernels(device: torch.device | str | None = None) -> list[str]:
     """Kernels usable on ``device`` (default: CUDA when present), fastest first."""
     if device is None:

@@ -1,0 +1,73 @@
+"""Distributed core attention as ONE torch custom op: ``torch.ops.hf_longctx.core_attention``.
+
+Making the whole distributed attention (all its steps and transfers) a single opaque op is what
+lets selective activation checkpointing keep its output: a policy that MUST_SAVEs this op makes the
+recompute of a checkpointed layer re-run norms and projections but never attention or its
+communication (DistFlashAttn's recompute-aware checkpointing). Process groups and shard plans are
+not op arguments; they are registered under an integer key that the op receives.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from ..kernels import count
+from .engine import RunContext, run_backward, run_forward
+
+_CONTEXTS: OrderedDict[int, RunContext] = OrderedDict()
+_MAX_CONTEXTS = 64
+_next_key = 0
+
+
+def register_context(run: RunContext) -> int:
+    """Keep ``run`` reachable by the op under a fresh key (the oldest keys are dropped)."""
+    global _next_key
+    _next_key += 1
+    _CONTEXTS[_next_key] = run
+    while len(_CONTEXTS) > _MAX_CONTEXTS:
+        _CONTEXTS.popitem(last=False)
+    return _next_key
+
+
+def _context(key: int) -> RunContext:
+    try:
+        return _CONTEXTS[key]
+    except KeyError:
+        raise RuntimeError(
+            f"hf_longctx: attention context {key} is gone; more than {_MAX_CONTEXTS} attention calls are waiting "
+            "for their backward at once"
+        ) from None
+
+
+@torch.library.custom_op("hf_longctx::core_attention", mutates_args=())
+def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of this rank's queries under the schedule registered as ``key``."""
+    count("core_attention.forward")
+    return run_forward(_context(key), q, k, v)
+
+
+@core_attention.register_fake
+def _(q, k, v, key):
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=acc)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, key = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.key = key
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    count("core_attention.backward")
+    dq, dk, dv = run_backward(_context(ctx.key), dout, q, k, v, out, lse)
+    return dq, dk, dv, None
+
+
+core_attention.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,74 @@
+"""transformers integration: one AttentionInterface entry per backend, and a mask that is never built.
+
+``import hf_longctx`` registers ``longctx_<backend>`` for every backend, so users write
+``AutoModelForCausalLM.from_pretrained(path, attn_implementation="longctx_distflash")``. The
+functions replace only core attention (softmax(QK^T)V); projections, RoPE and everything else stay
+transformers' own. Document masking comes from the shard plan, so the matching mask function
+returns None and no (T x T) mask is ever materialised.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..backends import backend_names, sequence_parallel_attention
+
+PREFIX = "longctx_"
+# transformers treats every attention name containing "flash" as a FlashAttention kernel to import,
+# so DistFlashAttn registers under a name without that word.
+_RENAMED = {"distflash": "distfa"}
+
+
+def implementation_name(backend: str) -> str:
+    """transformers attention name of a backend: ``longctx_<backend>`` (``longctx_distfa`` for distflash)."""
+    return PREFIX + _RENAMED.get(backend, backend)
+
+
+def backend_of(implementation: str) -> str:
+    if not implementation.startswith(PREFIX):
+        raise ValueError(f"{implementation!r} is not an hf_longctx attention implementation")
+    short = implementation[len(PREFIX):]
+    return next((b for b, name in _RENAMED.items() if name == short), short)
+
+
+def _make_attention(backend: str):
+    def attention(module: torch.nn.Module, query, key, value, attention_mask, dropout: float = 0.0,
+                  scaling: float | None = None, **kwargs):
+        ctx = kwargs.get("longctx")
+        if ctx is None:
+            raise ValueError(
+                f"attn_implementation={implementation_name(backend)!r} needs a sharded batch: call the model with "
+                "hf_longctx.hf.shard_batch(...) kwargs, or train with hf_longctx.LongContextCallback"
+            )
+        if dropout:
+            raise ValueError("attention dropout is not supported by hf_longctx backends; set attention_dropout=0")
+        if query.shape[0] != 1:
+            raise ValueError(f"hf_longctx attention takes one packed sequence (batch 1), got batch {query.shape[0]}")
+        # (1, H, S, D) -> packed token-major (S, H, D)
+        q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
+        out = sequence_parallel_attention(q, k, v, plan=ctx.plan, backend=backend, group=ctx.group,
+                                          softmax_scale=scaling, kernel=ctx.kernel)
+        return out.unsqueeze(0), None
+
+    attention.__name__ = f"{PREFIX}{backend}_attention"
+    attention.__doc__ = f"Core attention through the hf_longctx {backend!r} backend."
+    return attention
+
+
+def _no_mask(*args, **kwargs):
+    """Masking follows from the document structure in the shard plan: nothing to build."""
+    return None
+
+
+def register_attention_implementations() -> list[str]:
+    """Register ``longctx_<backend>`` attention (and mask) functions with transformers; returns the names."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    names = []
+    for backend in backend_names():
+        name = implementation_name(backend)
+        AttentionInterface.register(name, _make_attention(backend))
+        AttentionMaskInterface.register(name, _no_mask)
+        names.append(name)
+    return names

@@ -1,0 +1,70 @@
+"""``LongContextCallback``: sequence parallelism for transformers.Trainer without a Trainer subclass.
+
+At ``on_train_begin`` it builds the sequence-parallel group (a ("dp", "sp") DeviceMesh over the
+processes accelerate started), installs the input hook that shards every batch, switches on the
+configured checkpointing, and from then on adds to the logs: tokens/s, an MFU estimate, the
+attention-load imbalance of the schedule across ranks, the backend and the kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+from ..comm.groups import sequence_parallel_group
+from ..kernels import available_kernels
+from .checkpointing import enable_layer_checkpointing, enable_recompute_aware_checkpointing
+from .config import LongContextConfig, load_config
+from .inputs import install_input_hook, model_flops_per_token, peak_flops
+
+logger = logging.getLogger("hf_longctx")
+
+
+class LongContextCallback(TrainerCallback):
+    def __init__(self, config: LongContextConfig | None = None):
+        self.config = config
+        self.hook = None
+        self.summary: dict = {}
+        self._last = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        cfg = self.config = self.config or load_config()
+        if model.config._attn_implementation != cfg.attn_implementation:
+            raise ValueError(f"the recipe selects backend {cfg.backend!r} but the model was loaded with "
+                             f"attn_implementation={model.config._attn_implementation!r}; load it with "
+                             f"attn_implementation={cfg.attn_implementation!r}")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        sp = cfg.resolved_sp_size(world)
+        group = sequence_parallel_group(sp) if world > 1 else None
+        self.hook = install_input_hook(model, group, cfg.kernel)
+        if cfg.checkpointing == "recompute_aware":
+            enable_recompute_aware_checkpointing(model)
+        elif cfg.checkpointing == "layer":
+            enable_layer_checkpointing(model)
+        self.summary = {"backend": cfg.backend, "sp_size": sp, "dp_size": world // sp,
+                        "checkpointing": cfg.checkpointing, "kernel": cfg.kernel,
+                        "kernels_available": available_kernels(args.device)}
+        self._flops_per_token = model_flops_per_token(model)
+        self._peak = peak_flops(args.device)
+        self._last = (time.perf_counter(), 0)
+        if state.is_world_process_zero:
+            logger.info("hf_longctx: %s", self.summary)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.hook is None or logs is None or "loss" not in logs:
+            return
+        now, tokens = time.perf_counter(), self.hook.tokens
+        t0, tok0 = self._last
+        self._last = (now, tokens)
+        sp = self.summary["sp_size"]
+        # every rank of an SP group counts the group's tokens; groups are data-parallel replicas
+        tokens_per_s = (tokens - tok0) / max(now - t0, 1e-9) * self.summary["dp_size"] / 1.0
+        logs["tokens_per_s"] = round(tokens_per_s, 1)
+        logs["attn_imbalance"] = round(self.hook.work_max / max(self.hook.work_mean, 1), 3)
+        if self._peak:
+            gpus = sp * self.summary["dp_size"]
+            logs["mfu_estimate"] = round(tokens_per_s * self._flops_per_token / (gpus * self._peak), 4)
+        self.summary.update({k: logs[k] for k in ("tokens_per_s", "attn_imbalance") if k in logs})

@@ -1,0 +1,118 @@
+"""The long-context settings of a run: backend, sequence-parallel size, checkpointing, kernel.
+
+Recipes under ``recipes/`` are plain accelerate configs, which accelerate validates strictly (an
+unknown top-level key is an error), so our settings live beside them in ``<recipe>.longctx.yaml``.
+:func:`load_config` finds them, in order: an explicit path, ``HF_LONGCTX_RECIPE``, the
+``--config_file`` of the ``accelerate launch`` that started this process; then ``HF_LONGCTX_*``
+environment variables override single keys. Unknown keys are errors that suggest the right name.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from ..backends import backend_names
+
+CHECKPOINTING_MODES = ("none", "layer", "recompute_aware")
+
+
+@dataclass(frozen=True)
+class LongContextConfig:
+    backend: str = "distflash"
+    sp_size: int = 0  # 0: the whole world is one sequence-parallel group
+    checkpointing: str = "recompute_aware"
+    kernel: str = "auto"
+
+    def __post_init__(self):
+        if self.backend not in backend_names():
+            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(backend_names())}")
+        if self.checkpointing not in CHECKPOINTING_MODES:
+            raise ValueError(f"unknown checkpointing {self.checkpointing!r}; choose one of {CHECKPOINTING_MODES}")
+        if not isinstance(self.sp_size, int) or self.sp_size < 0:
+            raise ValueError(f"sp_size must be a non-negative int (0 = whole world), got {self.sp_size!r}")
+
+    @property
+    def attn_implementation(self) -> str:
+        from .attention import implementation_name
+
+        return implementation_name(self.backend)
+
+    def resolved_sp_size(self, world_size: int) -> int:
+        size = self.sp_size or world_size
+        if world_size % size:
+            raise ValueError(
+                f"sp_size {size} does not divide the {world_size} processes; pick one of "
+                f"{[d for d in range(1, world_size + 1) if world_size % d == 0]} in the recipe"
+            )
+        return size
+
+    @classmethod
+    def from_dict(cls, values: dict, source: str = "config") -> LongContextConfig:
+        known = [f.name for f in fields(cls)]
+        for key in values:
+            if key not in known:
+                hint = difflib.get_close_matches(key, known, n=1)
+                raise ValueError(f"{source}: unknown key {key!r}" + (f"; did you mean {hint[0]!r}?" if hint else "")
+                                 + f" (known keys: {', '.join(known)})")
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def sidecar_path(recipe: str | os.PathLike) -> Path:
+    """``recipes/x.yaml`` -> ``recipes/x.longctx.yaml``."""
+    p = Path(recipe)
+    return p.with_name(p.stem + ".longctx.yaml") if not p.name.endswith(".longctx.yaml") else p
+
+
+def _launcher_config_file() -> str | None:
+    """The ``--config_file`` of an ``accelerate launch`` among this process's ancestors (Linux /proc)."""
+    pid = os.getppid()
+    for _ in range(4):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return None
+        args = [a.decode(errors="replace") for a in argv if a]
+        if any(a.endswith("accelerate") or a == "launch" for a in args) and "--config_file" in args:
+            i = args.index("--config_file")
+            if i + 1 < len(args):
+                return args[i + 1]
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+        if pid <= 1:
+            return None
+    return None
+
+
+_ENV = {"backend": str, "sp_size": int, "checkpointing": str, "kernel": str}
+
+
+def load_config(recipe: str | os.PathLike | None = None) -> LongContextConfig:
+    """Settings from the recipe's sidecar file (see the module docstring), then HF_LONGCTX_* overrides."""
+    import yaml
+
+    values: dict = {}
+    recipe = recipe or os.environ.get("HF_LONGCTX_RECIPE") or _launcher_config_file()
+    if recipe:
+        path = sidecar_path(recipe)
+        if not path.is_file():
+            raise ValueError(f"no long-context settings for recipe {recipe}: expected {path}")
+        values = yaml.safe_load(path.read_text()) or {}
+        source = str(path)
+    else:
+        source = "environment"
+    for key, cast in _ENV.items():
+        env = os.environ.get(f"HF_LONGCTX_{key.upper()}")
+        if env is not None:
+            values[key] = cast(env)
+    unknown_env = [k for k in os.environ if k.startswith("HF_LONGCTX_") and k[11:].lower() not in _ENV
+                   and k != "HF_LONGCTX_RECIPE"]
+    if unknown_env:
+        raise ValueError(f"unknown environment setting(s) {unknown_env}; known: "
+                         + ", ".join(f"HF_LONGCTX_{k.upper()}" for k in _ENV))
+    return LongContextConfig.from_dict(values, source)

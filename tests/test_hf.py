@@ -1,0 +1,186 @@
+"""A sharded Llama trains exactly like one process with SDPA on the same packed batch.
+
+Every rank builds the same tiny random Llama (2 layers, GQA) in float64 and the same packed batch;
+the loss and parameter gradients summed over the sequence-parallel group must equal single-process
+SDPA run document by document.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hf_longctx  # noqa: F401 - registers the attention implementations
+from hf_longctx.hf import LongContextConfig, implementation_name, plan_for, shard_batch
+from hf_longctx.hf.checkpointing import enable_layer_checkpointing, enable_recompute_aware_checkpointing
+from hf_longctx.hf.inputs import install_input_hook
+from hf_longctx.kernels import reset_stats, stats
+from hf_longctx.layout import PackedBatch
+
+from distributed import run_distributed
+from helpers import random_doc_lens
+
+BACKENDS = ["ring", "zigzag", "distflash"]
+VOCAB = 61
+
+
+def tiny_llama(seed=0, impl="sdpa") -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      attn_implementation=impl)
+    return LlamaForCausalLM(cfg).double()
+
+
+def packed_example(seed: int, total: int):
+    rng = random.Random(seed)
+    lens = random_doc_lens(rng, total, max_len=total // 2)
+    ids = torch.randint(0, VOCAB, (1, total), generator=torch.Generator().manual_seed(seed))
+    return PackedBatch.from_doc_lens(lens), ids
+
+
+def loss_sum_fp64(logits, targets):
+    """Sum of token cross-entropies in float64 (transformers' own loss upcasts only to float32)."""
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB).double(), targets.reshape(-1),
+                                             ignore_index=-100, reduction="sum")
+
+
+def reference_loss_and_grads(model, packed: PackedBatch, ids):
+    """Single process, SDPA, one forward per document; loss = sum of token losses / all targets."""
+    model.zero_grad()
+    model.set_attn_implementation("sdpa")
+    targets = sum(n - 1 for n in packed.doc_lens)
+    total = 0.0
+    for s, n in zip(packed.doc_starts, packed.doc_lens):
+        if n < 2:
+            continue
+        doc = ids[:, s : s + n]
+        loss = loss_sum_fp64(model(input_ids=doc).logits[:, :-1], doc[:, 1:]) / targets
+        loss.backward()
+        total += loss.detach()
+    return total, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def assert_group_sum_equal(loss, model, ref_loss, ref_grads, where, tol=1e-8):
+    summed = loss.detach().clone()
+    dist.all_reduce(summed)
+    torch.testing.assert_close(summed, torch.as_tensor(ref_loss, dtype=summed.dtype), rtol=tol, atol=tol,
+                               msg=lambda m: f"loss {where} {m}")
+    for name, p in model.named_parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad)
+        torch.testing.assert_close(grad, ref_grads[name], rtol=tol, atol=tol,
+                                   msg=lambda m, n=name: f"grad {n} {where} {m}")
+
+
+def check_sharded_llama(rank, world, backends, seeds):
+    for seed in seeds:
+        packed, ids = packed_example(seed, total=24 * world + seed % world)
+        model = tiny_llama(seed)
+        ref_loss, ref_grads = reference_loss_and_grads(model, packed, ids)
+        for backend in backends:
+            model.zero_grad()
+            model.set_attn_implementation(implementation_name(backend))
+            plan = plan_for(packed, backend, None)
+            batch = {"input_ids": ids, "position_ids": packed.position_ids[None]}
+            local = shard_batch(batch, plan, rank)
+            out = model(**local)
+            loss = loss_sum_fp64(out.logits, local["shift_labels"]) / local["num_items_in_batch"]
+            loss.backward()
+            where = f"{backend} world={world} rank={rank} seed={seed} docs={packed.doc_lens}"
+            assert_group_sum_equal(loss, model, ref_loss, ref_grads, where)
+            # transformers' own loss (float32 inside) is the same share of the single-device loss
+            hf_loss = out.loss.detach().clone()
+            dist.all_reduce(hf_loss)
+            torch.testing.assert_close(hf_loss, torch.as_tensor(ref_loss, dtype=hf_loss.dtype), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_llama_loss_and_grads_equal_sdpa(world):
+    run_distributed(world, check_sharded_llama, BACKENDS, range(2))
+
+
+def check_input_hook(rank, world):
+    """Each rank passes its own packed rows; the group trains on their concatenation."""
+    model = tiny_llama(5)
+    rows = [packed_example(100 + r, total=20 + 3 * r) for r in range(world)]
+    group_ids = torch.cat([ids for _, ids in rows], dim=1)
+    group_packed = PackedBatch.from_doc_lens([n for p, _ in rows for n in p.doc_lens])
+    ref_loss, ref_grads = reference_loss_and_grads(model, group_packed, group_ids)
+    model.zero_grad()
+    model.set_attn_implementation("longctx_distfa")
+    install_input_hook(model, group=None)
+    packed, ids = rows[rank]
+    labels = ids.clone()
+    labels[0, list(packed.doc_starts)] = -100  # DataCollatorWithFlattening's convention
+    loss = model(input_ids=ids, position_ids=packed.position_ids[None], labels=labels).loss
+    loss.backward()
+    # transformers computes the loss in float32: equal to that precision
+    assert_group_sum_equal(loss, model, ref_loss, ref_grads, f"hook rank={rank}", tol=1e-6)
+
+
+def test_input_hook_trains_on_the_concatenated_group_batch():
+    run_distributed(2, check_input_hook)
+
+
+def _step(model, local):
+    reset_stats()
+    model.zero_grad()
+    model(**local).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, dict(stats())
+
+
+def test_recompute_aware_checkpointing_keeps_attention_and_equal_grads():
+    packed, ids = packed_example(7, total=64)
+    model = tiny_llama(7, impl="longctx_ring")
+    model.train()
+    local = shard_batch({"input_ids": ids, "position_ids": packed.position_ids[None]},
+                        plan_for(packed, "ring", None), 0)
+    plain_grads, plain_calls = _step(model, local)
+    enable_layer_checkpointing(model)
+    layer_grads, layer_calls = _step(model, local)
+    enable_recompute_aware_checkpointing(model)
+    aware_grads, aware_calls = _step(model, local)
+    layers = model.config.num_hidden_layers
+    assert plain_calls["core_attention.forward"] == layers
+    assert layer_calls["core_attention.forward"] == 2 * layers  # attention re-run in backward
+    assert aware_calls["core_attention.forward"] == layers  # never re-run
+    for name in plain_grads:
+        torch.testing.assert_close(aware_grads[name], layer_grads[name], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(aware_grads[name], plain_grads[name], rtol=1e-10, atol=1e-12)
+    assert aware_calls["core_attention.backward"] == layers
+
+
+def test_config_errors_name_the_fix():
+    with pytest.raises(ValueError, match="unknown backend 'distflsh'"):
+        LongContextConfig(backend="distflsh")
+    with pytest.raises(ValueError, match="did you mean 'sp_size'"):
+        LongContextConfig.from_dict({"sp_sise": 2})
+    with pytest.raises(ValueError, match="does not divide the 6 processes"):
+        LongContextConfig(sp_size=4).resolved_sp_size(6)
+    with pytest.raises(ValueError, match="checkpointing"):
+        LongContextConfig(checkpointing="selective")
+
+
+def test_model_and_batch_errors_name_the_fix():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with pytest.raises(ValueError, match="attn_implementation='longctx_<backend>'"):
+        install_input_hook(tiny_llama(0), None)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB))
+    gpt2.config._attn_implementation = "longctx_ring"
+    with pytest.raises(ValueError, match="rotary position embedding"):
+        install_input_hook(gpt2, None)
+    model = tiny_llama(0, impl="longctx_ring")
+    install_input_hook(model, None)
+    with pytest.raises(ValueError, match="not packed"):
+        model(input_ids=torch.randint(0, VOCAB, (1, 8)))
+    with pytest.raises(ValueError, match="batch size 1"):
+        model(input_ids=torch.randint(0, VOCAB, (2, 8)), position_ids=torch.arange(8).repeat(2, 1))
+    plain = tiny_llama(0, impl="longctx_ring")
+    with pytest.raises(ValueError, match="needs a sharded batch"):
+        plain(input_ids=torch.randint(0, VOCAB, (1, 8)))
