@@ -12,3 +12,11 @@ try:
     ATTENTION_IMPLEMENTATIONS = _register()
 except ImportError:  # transformers missing: kernels, layouts and backends still work
     ATTENTION_IMPLEMENTATIONS = []
+
+
+def __getattr__(name: str):
+    if name == "LongContextCallback":  # imports transformers.Trainer machinery only when asked for
+        from .hf.callback import LongContextCallback
+
+        return LongContextCallback
+    raise AttributeError(f"module 'hf_longctx' has no attribute {name!r}")

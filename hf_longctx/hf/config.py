@@ -25,6 +25,7 @@ class LongContextConfig:
     sp_size: int = 0  # 0: the whole world is one sequence-parallel group
     checkpointing: str = "recompute_aware"
     kernel: str = "auto"
+    seq_len: int = 0  # tokens per process per step (0: the training script's default)
 
     def __post_init__(self):
         if self.backend not in backend_names():
@@ -89,7 +90,7 @@ def _launcher_config_file() -> str | None:
     return None
 
 
-_ENV = {"backend": str, "sp_size": int, "checkpointing": str, "kernel": str}
+_ENV = {"backend": str, "sp_size": int, "checkpointing": str, "kernel": str, "seq_len": int}
 
 
 def load_config(recipe: str | os.PathLike | None = None) -> LongContextConfig:
