@@ -19,7 +19,14 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import hf_longctx
-from hf_longctx.data import PackedCollator, load_sample_tokenizer, load_text_dataset, pack_documents, sample_corpus_path
+from hf_longctx.data import (
+    PackedCollator,
+    load_sample_tokenizer,
+    load_text_dataset,
+    pack_documents,
+    packed_synthetic_dataset,
+    sample_corpus_path,
+)
 from hf_longctx.hf import load_config
 
 
@@ -32,10 +39,24 @@ def tiny_llama_config(vocab_size: int, attn_implementation: str) -> LlamaConfig:
     )
 
 
+def llama3_8b_shape(vocab_size: int, layers: int, attn_implementation: str) -> LlamaConfig:
+    """Llama-3-8B dimensions (hidden 4096, 32 heads, 8 KV heads, MLP 14336) with a chosen depth and vocab."""
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=1 << 22, rope_theta=500000.0,
+        attn_implementation=attn_implementation,
+    )
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny", help="'tiny' (random, built here) or a path / hub name")
-    p.add_argument("--dataset", default=None, help="text dataset (default: the shipped sample corpus)")
+    p.add_argument("--model", default="tiny",
+                   help="'tiny' or 'llama3-8b-shape' (random weights, built here), or a path / hub name")
+    p.add_argument("--num-layers", type=int, default=32, help="depth of llama3-8b-shape")
+    p.add_argument("--vocab-size", type=int, default=32000, help="vocabulary of llama3-8b-shape")
+    p.add_argument("--dataset", default=None,
+                   help="text dataset (default: the shipped sample corpus), or 'synthetic' for random tokens")
+    p.add_argument("--synthetic-mix", default="lognormal", help="document-length mix of --dataset synthetic")
     p.add_argument("--seq-len", type=int, default=None,
                    help="tokens per process per step (default: the recipe's seq_len, else 1024)")
     p.add_argument("--max-steps", type=int, default=40)
@@ -52,25 +73,36 @@ def main() -> None:
     cfg = load_config(args.recipe)
     args.seq_len = args.seq_len or cfg.seq_len or 1024
     on_gpu = torch.cuda.is_available()
-    tokenizer = load_sample_tokenizer() if args.model == "tiny" else None
-    if tokenizer is None:
+    built = args.model in ("tiny", "llama3-8b-shape")
+    if built:
+        tokenizer = load_sample_tokenizer()
+    else:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.model)
     torch.manual_seed(args.seed)
+    dtype = torch.bfloat16 if on_gpu else torch.float32
     if args.model == "tiny":
         model = LlamaForCausalLM(tiny_llama_config(len(tokenizer), cfg.attn_implementation))
+    elif args.model == "llama3-8b-shape":
+        with torch.device("cuda" if on_gpu else "cpu"):
+            model = LlamaForCausalLM(llama3_8b_shape(args.vocab_size, args.num_layers, cfg.attn_implementation))
+        model.to(dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation=cfg.attn_implementation,
-                                                     dtype=torch.bfloat16 if on_gpu else torch.float32)
-    texts = load_text_dataset(args.dataset or str(sample_corpus_path()))
-    packed = pack_documents(texts, tokenizer, seq_len=args.seq_len, seed=args.seed)
+                                                     dtype=dtype)
+    if args.dataset == "synthetic":
+        packed = packed_synthetic_dataset(4 * args.max_steps * max(1, torch.cuda.device_count()), args.seq_len,
+                                          mix=args.synthetic_mix, vocab_size=model.config.vocab_size, seed=args.seed)
+    else:
+        texts = load_text_dataset(args.dataset or str(sample_corpus_path()))
+        packed = pack_documents(texts, tokenizer, seq_len=args.seq_len, seed=args.seed)
     training_args = TrainingArguments(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=1,
         learning_rate=args.lr, lr_scheduler_type="cosine", warmup_steps=max(1, args.max_steps // 10),
         logging_steps=args.logging_steps, save_strategy="no", report_to=[], seed=args.seed,
         remove_unused_columns=False,  # keep doc_lens: the document structure the backends need
-        use_cpu=not on_gpu, bf16=on_gpu, dataloader_drop_last=True, ddp_find_unused_parameters=False,
+        use_cpu=not on_gpu, dataloader_drop_last=True, ddp_find_unused_parameters=False,
     )
     callback = hf_longctx.LongContextCallback(cfg)
     trainer = Trainer(model=model, args=training_args, train_dataset=packed, data_collator=PackedCollator(),

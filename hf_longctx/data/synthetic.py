@@ -30,9 +30,11 @@ def document_lengths(mix: str, total: int, seed: int = 0) -> list[int]:
 def packed_synthetic_dataset(num_rows: int, seq_len: int, mix: str = "lognormal", vocab_size: int = 512,
                              seed: int = 0) -> datasets.Dataset:
     """``num_rows`` rows of ``seq_len`` random tokens with ``doc_lens`` drawn from ``mix``."""
-    rng = random.Random(seed)
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
     rows = {"input_ids": [], "doc_lens": []}
     for i in range(num_rows):
         rows["doc_lens"].append(document_lengths(mix, seq_len, seed=seed * 100003 + i))
-        rows["input_ids"].append([rng.randrange(vocab_size) for _ in range(seq_len)])
+        rows["input_ids"].append(torch.randint(0, vocab_size, (seq_len,), generator=gen).tolist())
     return datasets.Dataset.from_dict(rows)

@@ -18,7 +18,7 @@ from ..comm.groups import sequence_parallel_group
 from ..kernels import available_kernels
 from .checkpointing import enable_layer_checkpointing, enable_recompute_aware_checkpointing
 from .config import LongContextConfig, load_config
-from .inputs import install_input_hook, model_flops_per_token, peak_flops
+from .inputs import attention_flops, install_input_hook, model_flops_per_token, peak_flops
 
 logger = logging.getLogger("hf_longctx")
 
@@ -49,22 +49,24 @@ class LongContextCallback(TrainerCallback):
                         "kernels_available": available_kernels(args.device)}
         self._flops_per_token = model_flops_per_token(model)
         self._peak = peak_flops(args.device)
-        self._last = (time.perf_counter(), 0)
+        self._model = model
+        self._last = (time.perf_counter(), 0, 0)
         if state.is_world_process_zero:
             logger.info("hf_longctx: %s", self.summary)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.hook is None or logs is None or "loss" not in logs:
             return
-        now, tokens = time.perf_counter(), self.hook.tokens
-        t0, tok0 = self._last
-        self._last = (now, tokens)
-        sp = self.summary["sp_size"]
-        # every rank of an SP group counts the group's tokens; groups are data-parallel replicas
-        tokens_per_s = (tokens - tok0) / max(now - t0, 1e-9) * self.summary["dp_size"] / 1.0
+        now, tokens, pairs = time.perf_counter(), self.hook.tokens, self.hook.causal_pairs
+        t0, tok0, pairs0 = self._last
+        self._last = (now, tokens, pairs)
+        seconds = max(now - t0, 1e-9)
+        dp, sp = self.summary["dp_size"], self.summary["sp_size"]
+        # each rank counts the tokens of its sequence-parallel group; data-parallel groups add up
+        tokens_per_s = (tokens - tok0) / seconds * dp
         logs["tokens_per_s"] = round(tokens_per_s, 1)
         logs["attn_imbalance"] = round(self.hook.work_max / max(self.hook.work_mean, 1), 3)
         if self._peak:
-            gpus = sp * self.summary["dp_size"]
-            logs["mfu_estimate"] = round(tokens_per_s * self._flops_per_token / (gpus * self._peak), 4)
-        self.summary.update({k: logs[k] for k in ("tokens_per_s", "attn_imbalance") if k in logs})
+            flops = (tokens - tok0) * self._flops_per_token + attention_flops(self._model, pairs - pairs0)
+            logs["mfu"] = round(flops * dp / seconds / (dp * sp * self._peak), 4)
+        self.summary.update({k: logs[k] for k in ("tokens_per_s", "attn_imbalance", "mfu") if k in logs})

@@ -50,6 +50,7 @@ class SequenceParallelInputs:
         self.group = group
         self.kernel = kernel
         self.tokens = 0
+        self.causal_pairs = 0
         self.work_max = 0
         self.work_mean = 0.0
         self.started = time.perf_counter()
@@ -73,6 +74,7 @@ class SequenceParallelInputs:
             local.pop("num_items_in_batch")
         kwargs.update(local)
         self.tokens += packed.num_tokens
+        self.causal_pairs += packed.causal_pairs()
         work = schedule_work(plan, backend, world)
         self.work_max, self.work_mean = max(work), sum(work) / len(work)
         return args, kwargs
