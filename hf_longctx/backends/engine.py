@@ -56,7 +56,7 @@ class RunContext:
     kernel: str
 
     def exchange(self, task: Task) -> Exchange:
-        return exchange_plan(self.plan, task.q_rank, task.kv_rank)
+        return exchange_plan(self.plan, task.q_rank, task.kv_rank, task.part, task.parts)
 
     def active(self, step: int):
         """Tasks of ``step`` that involve this rank and have work."""

@@ -6,6 +6,8 @@ key rank) block of the shard plan's exchange table and who computes it:
 - ``at_kv_owner=False``: the query rank computes; the key/value rows travel to it (ring style).
 - ``at_kv_owner=True``: the key owner computes for the query rank; the query rows travel to it and
   the partial (out, lse) travels back (DistFlashAttn's helper tasks).
+- ``part``/``parts``: the task covers one of ``parts`` equal slices of the block's query rows, so two
+  ranks can share one block (only blocks of full, non-causal attention are split).
 
 The executor (:mod:`.engine`) runs any schedule forward and backward, so an algorithm is just a
 schedule builder. A block whose exchange is empty (documents that never meet) is skipped: no
@@ -22,6 +24,8 @@ class Task:
     q_rank: int
     kv_rank: int
     at_kv_owner: bool = False
+    part: int = 0
+    parts: int = 1
 
     def computed_by(self) -> int:
         return self.kv_rank if self.at_kv_owner else self.q_rank
@@ -47,13 +51,19 @@ def distflash_schedule(world_size: int) -> Schedule:
     With contiguous chunks, query rank i needs key ranks 0..i. At step t (1 <= t <= P // 2) rank i
     computes its own block (i, i - t) when i >= t; the ranks i < t, idle otherwise, compute the block
     (i + P - t, i) of a busy rank with their own keys. Steps cover distances t and P - t, so every
-    rank works at every step for odd P; for even P the last step only has distance P / 2.
+    rank works at every step for odd P. For even P the last step has only distance P / 2, which the
+    original schedule leaves to the P / 2 busy ranks; here each of those blocks is split in two by
+    query rows and its idle key owner computes the second half, so even P is balanced as well.
     """
     p = world_size
     steps = [tuple(Task(r, r) for r in range(p))]
     for t in range(1, p // 2 + 1):
-        own = [Task(i, i - t) for i in range(t, p)]
-        helper = [Task(i + p - t, i, at_kv_owner=True) for i in range(t)] if p - t != t else []
+        if p - t != t:
+            own = [Task(i, i - t) for i in range(t, p)]
+            helper = [Task(i + p - t, i, at_kv_owner=True) for i in range(t)]
+        else:  # distance P/2 only: share every block between its query owner and its key owner
+            own = [Task(i, i - t, part=0, parts=2) for i in range(t, p)]
+            helper = [Task(i, i - t, at_kv_owner=True, part=1, parts=2) for i in range(t, p)]
         steps.append(tuple(own + helper))
     return tuple(steps)
 

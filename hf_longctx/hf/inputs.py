@@ -39,7 +39,7 @@ def schedule_work(plan, backend: str, world: int) -> list[int]:
     work = [0] * world
     for step in get_backend(backend).schedule(world):
         for task in step:
-            work[task.computed_by()] += exchange_plan(plan, task.q_rank, task.kv_rank).work
+            work[task.computed_by()] += exchange_plan(plan, task.q_rank, task.kv_rank, task.part, task.parts).work
     return work
 
 

@@ -185,6 +185,42 @@ def _build_exchange(plan: ShardPlan, q_rank: int, kv_rank: int) -> Exchange:
     return Exchange(q_rank, kv_rank, tuple(pairs), tuple(ranges))
 
 
-def exchange_plan(plan: ShardPlan, q_rank: int, kv_rank: int) -> Exchange:
-    """Cached :class:`Exchange` of query rank ``q_rank`` against the keys of ``kv_rank``."""
-    return plan.cached(("exchange", q_rank, kv_rank), lambda: _build_exchange(plan, q_rank, kv_rank))
+def _clip_pair(p: Pair, lo: int, hi: int) -> Pair | None:
+    """The part of a full (non-causal) pair whose query rows fall in [lo, hi); keys are unchanged."""
+    cu_q = [0]
+    start, end = max(lo, p.q_start), min(hi, p.q_end)
+    if start >= end:
+        return None
+    work = 0
+    for i in range(len(p.cu_q) - 1):
+        a, b = p.q_start + p.cu_q[i], p.q_start + p.cu_q[i + 1]
+        kept = max(0, min(b, end) - max(a, start))
+        cu_q.append(cu_q[-1] + kept)
+        work += kept * (p.cu_k[i + 1] - p.cu_k[i])
+    return replace(p, q_start=start, q_end=end, cu_q=tuple(cu_q), work=work)
+
+
+def _split_exchange(ex: Exchange, part: int, parts: int) -> Exchange:
+    if not ex.pairs:
+        return ex
+    if any(p.causal for p in ex.pairs):
+        raise ValueError("only blocks of full (non-causal) attention can be split by query rows")
+    rows = sorted({r for a, b in ex.q_ranges for r in (a, b)})
+    lo_all, hi_all = rows[0], rows[-1]
+    total = hi_all - lo_all
+    lo = lo_all + total * part // parts
+    hi = lo_all + total * (part + 1) // parts
+    pairs = tuple(c for p in ex.pairs if (c := _clip_pair(p, lo, hi)) is not None and c.work)
+    return replace(ex, pairs=pairs, kv_ranges=ex.kv_ranges if pairs else ())
+
+
+def exchange_plan(plan: ShardPlan, q_rank: int, kv_rank: int, part: int = 0, parts: int = 1) -> Exchange:
+    """Cached :class:`Exchange` of query rank ``q_rank`` against the keys of ``kv_rank``.
+
+    ``part``/``parts`` restrict it to one of ``parts`` equal slices of its query rows (keys unchanged),
+    which is how a block's work is shared between its query owner and an idle key owner.
+    """
+    if parts == 1:
+        return plan.cached(("exchange", q_rank, kv_rank), lambda: _build_exchange(plan, q_rank, kv_rank))
+    return plan.cached(("exchange", q_rank, kv_rank, part, parts),
+                       lambda: _split_exchange(exchange_plan(plan, q_rank, kv_rank), part, parts))
