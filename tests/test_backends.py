@@ -6,6 +6,7 @@ runs the backend on its shard, and checks its own output rows and its own q/k/v 
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -18,10 +19,12 @@ from hf_longctx.layout import PackedBatch, shard_plan
 from distributed import run_distributed
 from helpers import random_doc_lens
 
-BACKENDS = ["ring", "zigzag", "distflash"]
+BACKENDS = ["ring", "zigzag", "distflash", "ulysses"]
+RING_BACKENDS = ["ring", "zigzag", "distflash"]
 
 
-def make_problem(seed: int, world: int, dtype: torch.dtype, hq=4, hkv=2, d=16):
+def make_problem(seed: int, world: int, dtype: torch.dtype, hkv=2, d=16):
+    hq = math.lcm(4, world)  # query heads split over the ranks (Ulysses), GQA ratio hq / 2
     rng = random.Random(seed)
     shard = rng.randint(8, 40)
     total = shard * world + rng.randint(0, world - 1)  # token counts that do not divide
@@ -68,7 +71,7 @@ def test_backends_match_single_device_fp64_and_fp32(world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_backends_on_every_placement(world):
-    run_distributed(world, check_backends, ["ring", "zigzag"], [torch.float64], range(2),
+    run_distributed(world, check_backends, ["ring", "zigzag", "ulysses"], [torch.float64], range(2),
                     ["contiguous", "zigzag", "doc_zigzag"])
 
 
@@ -78,7 +81,7 @@ def count_traffic(rank, world, doc_lens, expect_cross):
 
     batch = PackedBatch.from_doc_lens(doc_lens)
     q = torch.randn(batch.num_tokens, 2, 8, dtype=torch.float64)
-    for backend in BACKENDS:
+    for backend in RING_BACKENDS:  # Ulysses always trades heads: skipping applies to ring-style schedules
         plan = shard_plan(batch, world, "contiguous")
         idx = plan.local_indices(rank)
         ql, kl, vl = (q[idx].clone().requires_grad_() for _ in range(3))
@@ -151,3 +154,15 @@ def test_a_failing_rank_does_not_hang_its_peers(tmp_path):
     assert "CommunicationError" in outcome and "peer rank" in outcome, outcome
     assert float(seconds) < 60
     assert outcomes[1][1] == "returned" or "CommunicationError" in outcomes[1][1]
+
+
+def test_ulysses_rejects_heads_that_do_not_split():
+    batch = PackedBatch.from_doc_lens([8])
+    plan = shard_plan(batch, 1, "contiguous")
+    from hf_longctx.backends.ulysses import kv_repeat
+
+    assert kv_repeat(32, 8, 4) == 1 and kv_repeat(32, 2, 8) == 4 and kv_repeat(12, 2, 3) == 3
+    with pytest.raises(ValueError, match="divisible by the sequence-parallel size"):
+        kv_repeat(4, 2, 3)
+    q = torch.randn(8, 4, 8)
+    assert sequence_parallel_attention(q, q, q, plan=plan, backend="ulysses").shape == q.shape

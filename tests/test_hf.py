@@ -24,14 +24,14 @@ from hf_longctx.layout import PackedBatch
 from distributed import run_distributed
 from helpers import random_doc_lens
 
-BACKENDS = ["ring", "zigzag", "distflash"]
+BACKENDS = ["ring", "zigzag", "distflash", "ulysses"]
 VOCAB = 61
 
 
 def tiny_llama(seed=0, impl="sdpa") -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
                       attn_implementation=impl)
     return LlamaForCausalLM(cfg).double()
 

@@ -45,6 +45,13 @@ def _local_problem(q, k, v, plan: ShardPlan, backend: str, rank: int, world: int
                     "index the global tensors with plan.local_indices(rank)")
     if q.shape[1] % k.shape[1]:
         return f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
+    if spec.name == "ulysses":
+        from .ulysses import kv_repeat
+
+        try:
+            kv_repeat(q.shape[1], k.shape[1], world)
+        except ValueError as exc:
+            return str(exc)
     if q.dtype not in _DTYPE_CODES or not (q.dtype == k.dtype == v.dtype):
         return f"q, k, v must share one float dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
     return None
@@ -90,6 +97,11 @@ def check_group_agrees(q, k, v, plan, backend, group, rank, world, causal) -> No
 
 def make_run_context(plan, backend, group, rank, world, scale, kernel) -> RunContext:
     spec = get_backend(backend)
+    if spec.runner is not None:
+        import importlib
+
+        runner = importlib.import_module(f"{__package__}.{spec.runner}")
+        return RunContext(plan, (), group, rank, scale, kernel, runner.run_forward, runner.run_backward)
     return RunContext(plan, spec.schedule(world), group, rank, scale, kernel)
 
 
@@ -125,4 +137,5 @@ def sequence_parallel_attention_with_lse(q_local, k_local, v_local, *, plan, bac
     rank, world = group_rank_and_size(group)
     check_group_agrees(q_local, k_local, v_local, plan, backend, group, rank, world, True)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_local.shape[-1])
-    return run_forward(make_run_context(plan, backend, group, rank, world, scale, kernel), q_local, k_local, v_local)
+    run = make_run_context(plan, backend, group, rank, world, scale, kernel)
+    return (run.forward_fn or run_forward)(run, q_local, k_local, v_local)

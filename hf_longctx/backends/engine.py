@@ -54,6 +54,8 @@ class RunContext:
     rank: int
     scale: float
     kernel: str
+    forward_fn: object = None  # a backend with its own runner (not a schedule) sets these
+    backward_fn: object = None
 
     def exchange(self, task: Task) -> Exchange:
         return exchange_plan(self.plan, task.q_rank, task.kv_rank, task.part, task.parts)

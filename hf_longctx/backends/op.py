@@ -45,7 +45,8 @@ def _context(key: int) -> RunContext:
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of this rank's queries under the schedule registered as ``key``."""
     count("core_attention.forward")
-    return run_forward(_context(key), q, k, v)
+    run = _context(key)
+    return (run.forward_fn or run_forward)(run, q, k, v)
 
 
 @core_attention.register_fake
@@ -66,7 +67,8 @@ def _backward(ctx, dout, dlse):
     if dout is None:
         dout = torch.zeros_like(out)
     count("core_attention.backward")
-    dq, dk, dv = run_backward(_context(ctx.key), dout, q, k, v, out, lse)
+    run = _context(ctx.key)
+    dq, dk, dv = (run.backward_fn or run_backward)(run, dout, q, k, v, out, lse)
     return dq, dk, dv, None
 
 

@@ -15,6 +15,7 @@ class BackendSpec:
     strategies: tuple[str, ...]  # shard strategies the backend is exact for
     schedule: Callable[[int], Schedule] | None  # None: a backend with its own runner
     summary: str
+    runner: str | None = None  # module of hf_longctx.backends with run_forward/run_backward
 
 
 _BACKENDS: dict[str, BackendSpec] = {}
@@ -53,6 +54,11 @@ register_backend(BackendSpec(
 register_backend(BackendSpec(
     "zigzag", "zigzag", _ANY, rotation_schedule,
     "ring attention over zig-zag placement (doc_zigzag placement: per-document zig-zag ring)",
+))
+register_backend(BackendSpec(
+    "ulysses", "contiguous", _ANY, None,
+    "Ulysses: all_to_all from token shards to head shards, whole-sequence attention per head group",
+    runner="ulysses",
 ))
 register_backend(BackendSpec(
     "distflash", "contiguous", ("contiguous",), distflash_schedule,

@@ -1,0 +1,105 @@
+"""Ulysses (DeepSpeed-Ulysses style) sequence parallelism: all_to_all from token shards to head shards.
+
+Each rank trades its token shard of every head for the whole sequence of P-th of the heads, runs
+single-device attention over the whole packed sequence (document masking from cu_seqlens), and trades
+back. Work is balanced whatever the placement or documents; communication is four all_to_alls of the
+local activations per direction, independent of P. Limits: query heads must split over the ranks;
+KV heads that do not are repeated locally just enough to split (GQA), never more.
+
+Backward repeats the forward exchanges instead of saving the head-sharded tensors, so memory stays
+that of the local shard (recompute-friendly, like the rest of the package).
+"""
+
+from __future__ import annotations
+
+from math import gcd
+
+import torch
+import torch.distributed as dist
+
+from ..kernels import attention_backward, attention_forward
+
+
+def kv_repeat(hq: int, hkv: int, world: int) -> int:
+    """How many times KV heads are repeated so they split over ``world`` ranks (1 when they already do)."""
+    rep = world // gcd(hkv, world)
+    if hq % world or hq % (hkv * rep):
+        raise ValueError(f"ulysses needs query heads ({hq}) divisible by the sequence-parallel size ({world}); "
+                         "use a ring backend (ring, zigzag, distflash) for this head count")
+    return rep
+
+
+def _token_counts(ctx) -> list[int]:
+    return ctx.plan.token_counts
+
+
+def _order(ctx, device) -> torch.Tensor | None:
+    """Global token index of each row of the rank-order concatenation (None when already global order)."""
+    idx = torch.cat([ctx.plan.local_indices(r) for r in range(ctx.plan.world_size)])
+    if torch.equal(idx, torch.arange(idx.numel())):
+        return None
+    return idx.to(device)
+
+
+def _to_heads(x: torch.Tensor, ctx, order) -> torch.Tensor:
+    """(T_local, H, D) token shard -> (T, H / P, D) head shard in global token order."""
+    world = ctx.plan.world_size
+    if world == 1:
+        return x
+    t, h, d = x.shape
+    send = x.view(t, world, h // world, d).transpose(0, 1).contiguous()  # (P, T_local, H/P, D)
+    counts = _token_counts(ctx)
+    recv = x.new_empty(sum(counts), h // world, d)
+    dist.all_to_all_single(recv, send.view(world * t, h // world, d), counts, [t] * world, group=ctx.group)
+    if order is None:
+        return recv
+    out = torch.empty_like(recv)
+    out[order] = recv
+    return out
+
+
+def _to_tokens(x: torch.Tensor, ctx, order, rank: int) -> torch.Tensor:
+    """Inverse of :func:`_to_heads`: (T, H / P, D) -> (T_local, H, D)."""
+    world = ctx.plan.world_size
+    if world == 1:
+        return x
+    if order is not None:
+        x = x[order]
+    counts = _token_counts(ctx)
+    t = counts[rank]
+    recv = x.new_empty(world * t, *x.shape[1:])
+    dist.all_to_all_single(recv, x.contiguous(), [t] * world, counts, group=ctx.group)
+    return recv.view(world, t, *x.shape[1:]).transpose(0, 1).reshape(t, world * x.shape[1], x.shape[2])
+
+
+def _heads(ctx, q, k, v):
+    rep = kv_repeat(q.shape[1], k.shape[1], ctx.plan.world_size)
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    order = _order(ctx, q.device)
+    return order, rep, [_to_heads(t, ctx, order) for t in (q, k, v)]
+
+
+def run_forward(ctx, q, k, v):
+    order, _, (qh, kh, vh) = _heads(ctx, q, k, v)
+    cu = ctx.plan.batch.cu_seqlens.tolist()
+    m = ctx.plan.batch.max_seqlen
+    out, lse = attention_forward(qh, kh, vh, cu, cu, m, m, causal=True, softmax_scale=ctx.scale, kernel=ctx.kernel)
+    out_local = _to_tokens(out, ctx, order, ctx.rank)
+    lse_local = _to_tokens(lse.t().unsqueeze(-1).contiguous(), ctx, order, ctx.rank).squeeze(-1).t()
+    return out_local, lse_local.contiguous()
+
+
+def run_backward(ctx, dout, q, k, v, out, lse):
+    order, rep, (qh, kh, vh) = _heads(ctx, q, k, v)
+    outh, douth = (_to_heads(t, ctx, order) for t in (out, dout.contiguous()))
+    lseh = _to_heads(lse.t().unsqueeze(-1).contiguous(), ctx, order).squeeze(-1).t().contiguous()
+    cu = ctx.plan.batch.cu_seqlens.tolist()
+    m = ctx.plan.batch.max_seqlen
+    dq, dk, dv = attention_backward(douth, qh, kh, vh, outh, lseh, cu, cu, m, m, causal=True,
+                                    softmax_scale=ctx.scale, kernel=ctx.kernel)
+    dq, dk, dv = (_to_tokens(g, ctx, order, ctx.rank) for g in (dq, dk, dv))
+    if rep > 1:  # repeated KV heads: their gradients add up on the original head
+        dk = dk.view(dk.shape[0], -1, rep, dk.shape[2]).sum(2)
+        dv = dv.view(dv.shape[0], -1, rep, dv.shape[2]).sum(2)
+    return dq, dk, dv
