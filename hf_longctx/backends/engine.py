@@ -12,7 +12,7 @@ keeps NCCL (issue-order matching) and gloo (tag matching) from ever pairing the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,7 @@ class RunContext:
     kernel: str
     forward_fn: object = None  # a backend with its own runner (not a schedule) sets these
     backward_fn: object = None
+    options: dict = field(default_factory=dict)  # runner-specific state (e.g. CAD tasks)
 
     def exchange(self, task: Task) -> Exchange:
         return exchange_plan(self.plan, task.q_rank, task.kv_rank, task.part, task.parts)
