@@ -80,8 +80,12 @@ def global_tensors(total, hq, hkv, d, dtype, device, seed):
     return [torch.randn(total, h, d, generator=g, device=device, dtype=dtype) for h in (hq, hkv, hkv, hq)]
 
 
+VARIANTS = {"cad-nopp": ("cad", {"pingpong": False})}  # label -> (backend, options)
+
+
 def run_ours(backend, batch, tensors, world, rank, reps, device, strategy=None):
     q, k, v, dout = tensors
+    backend, options = VARIANTS.get(backend, (backend, None))
     plan = shard_plan(batch, world, strategy or default_strategy(backend))
     idx = plan.local_indices(rank).to(device)
     ql, kl, vl, dl = (t.index_select(0, idx) for t in (q, k, v, dout))
@@ -91,10 +95,10 @@ def run_ours(backend, batch, tensors, world, rank, reps, device, strategy=None):
 
     def fwd():
         with torch.no_grad():
-            return sequence_parallel_attention(ql, kl, vl, plan=plan, backend=backend)
+            return sequence_parallel_attention(ql, kl, vl, plan=plan, backend=backend, options=options)
 
     def fwd_bwd():
-        out = sequence_parallel_attention(ql, kl, vl, plan=plan, backend=backend)
+        out = sequence_parallel_attention(ql, kl, vl, plan=plan, backend=backend, options=options)
         torch.autograd.backward(out, dl)
 
     t_f = timed(fwd, reps, device)

@@ -95,14 +95,17 @@ def check_group_agrees(q, k, v, plan, backend, group, rank, world, causal) -> No
     plan._cache[key] = True
 
 
-def make_run_context(plan, backend, group, rank, world, scale, kernel) -> RunContext:
+def make_run_context(plan, backend, group, rank, world, scale, kernel, options=None) -> RunContext:
     spec = get_backend(backend)
+    options = dict(options or {})
     if spec.runner is not None:
         import importlib
 
         runner = importlib.import_module(f"{__package__}.{spec.runner}")
-        return RunContext(plan, (), group, rank, scale, kernel, runner.run_forward, runner.run_backward)
-    return RunContext(plan, spec.schedule(world), group, rank, scale, kernel)
+        if hasattr(runner, "prepare"):
+            options = runner.prepare(plan, options)
+        return RunContext(plan, (), group, rank, scale, kernel, runner.run_forward, runner.run_backward, options)
+    return RunContext(plan, spec.schedule(world), group, rank, scale, kernel, options=options)
 
 
 def sequence_parallel_attention(
@@ -116,17 +119,19 @@ def sequence_parallel_attention(
     causal: bool = True,
     softmax_scale: float | None = None,
     kernel: str = "auto",
+    options: dict | None = None,
 ) -> torch.Tensor:
     """Exact causal attention of this rank's queries over the whole packed sequence.
 
     ``q_local = q_global[plan.local_indices(rank)]`` (token-major (T, H, D), GQA allowed), likewise
     k/v. Returns this rank's output rows in the same order; autograd gives exact gradients to the
-    three local inputs. ``backend`` is one of :func:`~hf_longctx.backends.registry.backend_names`.
+    three local inputs. ``backend`` is one of :func:`~hf_longctx.backends.registry.backend_names`;
+    ``options`` tune a backend (CAD: ``eps``, ``pingpong``).
     """
     rank, world = group_rank_and_size(group)
     check_group_agrees(q_local, k_local, v_local, plan, backend, group, rank, world, causal)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_local.shape[-1])
-    run = make_run_context(plan, backend, group, rank, world, scale, kernel)
+    run = make_run_context(plan, backend, group, rank, world, scale, kernel, options)
     out, _lse = core_attention(q_local, k_local, v_local, register_context(run))
     return out
 

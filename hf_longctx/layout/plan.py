@@ -11,6 +11,8 @@ slots:
 - ``doc_zigzag``: every document cut into 2P near-equal pieces; rank r holds pieces r and 2P-1-r
   of every document (two slots: all "front" pieces, then all "back" pieces). Balances causal work
   of packed batches whatever the document lengths.
+- ``cad``: documents whole on a rank, cut only where equal token counts require it (the contiguous
+  cut); the CAD backend then moves core-attention work, not tokens.
 
 Token counts that do not divide: chunks differ by at most one token (no padding, nothing reaches
 the loss that should not). For ``doc_zigzag`` the spare tokens of each document are dealt to the
@@ -26,7 +28,7 @@ import torch
 
 from .packed import PackedBatch
 
-STRATEGIES = ("contiguous", "zigzag", "doc_zigzag")
+STRATEGIES = ("contiguous", "zigzag", "doc_zigzag", "cad")
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,9 @@ def _doc_zigzag(batch: PackedBatch, p: int):
     return tuple(_build_slots([front[r], back[r]]) for r in range(p))
 
 
-_BUILDERS = {"contiguous": _contiguous, "zigzag": _zigzag, "doc_zigzag": _doc_zigzag}
+# "cad": documents stay whole on a rank except where equal token counts force a cut, which is
+# exactly the contiguous cut in document order; core attention is then rebalanced by the CAD scheduler.
+_BUILDERS = {"contiguous": _contiguous, "zigzag": _zigzag, "doc_zigzag": _doc_zigzag, "cad": _contiguous}
 
 
 def shard_plan(batch: PackedBatch, world_size: int, strategy: str = "zigzag") -> ShardPlan:

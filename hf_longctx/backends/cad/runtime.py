@@ -115,6 +115,21 @@ def nano_batches(plan: ShardPlan, tasks: list[CadTask], rank: int, pingpong: boo
     return plan.cached(("cad_nano", tuple(tasks), rank, pingpong, str(device)), build)
 
 
+def prepare(plan: ShardPlan, options: dict) -> dict:
+    """Runner hook: schedule the plan's documents onto servers (cached per plan and eps)."""
+    if "tasks" in options:
+        return options
+    eps = options.get("eps", 0.1)
+
+    def build():
+        from .scheduler import schedule
+
+        sched = schedule(docs_per_rank(plan), plan.world_size, eps=eps)
+        return [CadTask(t.rank, t.doc, t.q_start, t.q_end, t.server) for t in sched.tasks]
+
+    return {**options, "tasks": plan.cached(("cad_tasks", eps), build)}
+
+
 def _rows_t(lse: torch.Tensor) -> torch.Tensor:
     """(H, T) -> (T, H) rows for transfer."""
     return lse.t().contiguous()
