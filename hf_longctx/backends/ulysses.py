@@ -17,6 +17,7 @@ from math import gcd
 import torch
 import torch.distributed as dist
 
+from ..comm.p2p import count_all_to_all
 from ..kernels import attention_backward, attention_forward
 
 
@@ -50,6 +51,8 @@ def _to_heads(x: torch.Tensor, ctx, order) -> torch.Tensor:
     send = x.view(t, world, h // world, d).transpose(0, 1).contiguous()  # (P, T_local, H/P, D)
     counts = _token_counts(ctx)
     recv = x.new_empty(sum(counts), h // world, d)
+    send_counts = [t] * world
+    count_all_to_all(send.view(world * t, h // world, d), send_counts, counts, ctx.rank)
     dist.all_to_all_single(recv, send.view(world * t, h // world, d), counts, [t] * world, group=ctx.group)
     if order is None:
         return recv
@@ -68,6 +71,7 @@ def _to_tokens(x: torch.Tensor, ctx, order, rank: int) -> torch.Tensor:
     counts = _token_counts(ctx)
     t = counts[rank]
     recv = x.new_empty(world * t, *x.shape[1:])
+    count_all_to_all(x, counts, [t] * world, ctx.rank)
     dist.all_to_all_single(recv, x.contiguous(), [t] * world, counts, group=ctx.group)
     return recv.view(world, t, *x.shape[1:]).transpose(0, 1).reshape(t, world * x.shape[1], x.shape[2])
 

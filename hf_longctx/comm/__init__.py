@@ -8,12 +8,20 @@ from .groups import (
     sequence_parallel_group,
     sequence_parallel_mesh,
 )
-from .p2p import CommunicationError, PendingExchange, comm_stats, post_exchange, reset_comm_stats
+from .p2p import (
+    CommunicationError,
+    PendingExchange,
+    comm_stats,
+    count_all_to_all,
+    post_exchange,
+    reset_comm_stats,
+)
 
 __all__ = [
     "CommunicationError",
     "PendingExchange",
     "comm_stats",
+    "count_all_to_all",
     "reset_comm_stats",
     "current_device",
     "data_parallel_group",

@@ -32,6 +32,13 @@ def reset_comm_stats() -> None:
     _counters.clear()
 
 
+def count_all_to_all(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], rank: int) -> None:
+    """Record the bytes an all_to_all moves to and from OTHER ranks (the self chunk is a local copy)."""
+    row = send[0].numel() * send.element_size() if send.shape[0] else 0
+    _counters["sent_bytes"] += row * sum(c for d, c in enumerate(send_counts) if d != rank)
+    _counters["recv_bytes"] += row * sum(c for s, c in enumerate(recv_counts) if s != rank)
+
+
 class CommunicationError(RuntimeError):
     """A peer rank did not answer: it most likely raised or died. Carries the step for diagnosis."""
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ...comm.p2p import count_all_to_all
+
 
 @dataclass(frozen=True)
 class Item:
@@ -33,6 +35,7 @@ class RowTransfer:
 
     def __init__(self, items: list[Item], rank: int, world: int, buffer_rows: int):
         self.world = world
+        self.rank = rank
         self.buffer_rows = buffer_rows
         by_dst = [[it for it in items if it.src == rank and it.dst == d] for d in range(world)]
         by_src = [[it for it in items if it.dst == rank and it.src == s] for s in range(world)]
@@ -42,7 +45,6 @@ class RowTransfer:
         place = [r for group in by_src for it in group for r in range(it.offset, it.offset + it.rows)]
         self.src_index = torch.tensor(src_rows, dtype=torch.long)
         self.place = torch.tensor(place, dtype=torch.long)
-        self.bytes_rows = sum(c for d, c in enumerate(self.send_counts) if d != rank)
 
     def to(self, device) -> RowTransfer:
         self.src_index = self.src_index.to(device)
@@ -53,6 +55,7 @@ class RowTransfer:
         """Post the forward all_to_all of ``local``'s rows; :meth:`finish` gives the filled buffer."""
         send = local.index_select(0, self.src_index).contiguous()
         recv = local.new_empty(sum(self.recv_counts), *local.shape[1:])
+        count_all_to_all(send, self.send_counts, self.recv_counts, self.rank)
         work = _a2a(recv, send, self.recv_counts, self.send_counts, group)
         return work, recv
 
@@ -68,6 +71,7 @@ class RowTransfer:
         """Post sending buffer rows back to the rows they came from."""
         send = buffer.index_select(0, self.place).contiguous()
         recv = buffer.new_empty(sum(self.send_counts), *buffer.shape[1:])
+        count_all_to_all(send, self.recv_counts, self.send_counts, self.rank)
         work = _a2a(recv, send, self.send_counts, self.recv_counts, group)
         return work, recv
 
