@@ -19,7 +19,7 @@ from hf_longctx.layout import PackedBatch, shard_plan
 from distributed import run_distributed
 from helpers import random_doc_lens
 
-BACKENDS = ["ring", "zigzag", "distflash", "ulysses"]
+BACKENDS = ["ring", "zigzag", "distflash", "ulysses", "tasp", "cad"]
 RING_BACKENDS = ["ring", "zigzag", "distflash"]
 
 
@@ -71,7 +71,7 @@ def test_backends_match_single_device_fp64_and_fp32(world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_backends_on_every_placement(world):
-    run_distributed(world, check_backends, ["ring", "zigzag", "ulysses"], [torch.float64], range(2),
+    run_distributed(world, check_backends, ["ring", "zigzag", "ulysses", "tasp"], [torch.float64], range(2),
                     ["contiguous", "zigzag", "doc_zigzag"])
 
 

@@ -24,7 +24,7 @@ from hf_longctx.layout import PackedBatch
 from distributed import run_distributed
 from helpers import random_doc_lens
 
-BACKENDS = ["ring", "zigzag", "distflash", "ulysses"]
+BACKENDS = ["ring", "zigzag", "distflash", "ulysses", "tasp", "cad"]
 VOCAB = 61
 
 

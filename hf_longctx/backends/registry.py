@@ -61,6 +61,16 @@ register_backend(BackendSpec(
     runner="ulysses",
 ))
 register_backend(BackendSpec(
+    "tasp", "zigzag", _ANY, None,
+    "TASP: key/value sub-blocks travel on the arc-disjoint Hamiltonian cycles of K_n, one all_to_all per hop",
+    runner="tasp",
+))
+register_backend(BackendSpec(
+    "cad", "cad", ("cad", "contiguous"), None,
+    "CAD: documents stay whole; a scheduler balances core-attention tasks over all ranks as servers",
+    runner="cad.runtime",
+))
+register_backend(BackendSpec(
     "distflash", "contiguous", ("contiguous",), distflash_schedule,
     "DistFlashAttn: contiguous chunks, idle ranks compute for busy ones, P // 2 + 1 steps",
 ))

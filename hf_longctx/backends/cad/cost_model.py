@@ -1,0 +1,203 @@
+"""Cost of core-attention tasks for the CAD scheduler.
+
+Every CA-task the scheduler forms is one *segment*: ``q_len`` consecutive query rows of a document
+that attend, bottom-right causally, to ``kv_len`` keys (the causal prefix ending at the last query
+row). A cost model prices such a segment; the scheduler never needs anything else, so FLOP counts and
+measured kernel times are interchangeable.
+
+- :class:`FlopsCostModel` counts attention FLOPs exactly. Query row ``i`` of the segment sees
+  ``kv_len - q_len + i + 1`` keys, so the segment has ``q_len * kv_len - q_len * (q_len - 1) / 2``
+  visible (query, key) pairs; forward FLOPs are ``4 * heads * head_dim`` per pair (QK^T and PV).
+- :class:`ProfiledCostModel` interpolates measured kernel times on a (q_len, kv_len) grid
+  bilinearly (written by ``scripts/profile_cad.py``), which captures what FLOPs miss: short
+  segments run below peak throughput.
+
+Both offer a scalar ``cost(q_len, kv_len)`` in plain Python (the scheduler's inner loop prices a
+few candidates per move, where numpy's per-call overhead would dominate) and a vectorised
+``cost_array`` for pricing whole batches at once.
+
+:class:`TokenBytes` holds the wire sizes per token of what a remote task moves, so that bytes can be
+weighed against cost.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+__all__ = [
+    "CostModel",
+    "FlopsCostModel",
+    "ProfiledCostModel",
+    "TokenBytes",
+    "query_rows_cost",
+]
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    """Prices a segment of ``q_len`` query rows over ``kv_len`` keys (bottom-right causal)."""
+
+    def cost(self, q_len: int, kv_len: int) -> float: ...
+
+    def cost_array(self, q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class FlopsCostModel:
+    """Exact forward attention FLOPs of a bottom-right causal segment.
+
+    ``flops_per_pair`` defaults to ``4 * 32 * 128`` (Llama-3-8B: 32 query heads of dim 128). Use 1.0
+    to count visible (query, key) pairs. Rows that would see no key (``q_len > kv_len``) cost 0.
+    """
+
+    flops_per_pair: float = 4.0 * 32 * 128
+
+    def cost(self, q_len: int, kv_len: int) -> float:
+        if q_len <= 0:
+            return 0.0
+        if q_len > kv_len:  # the first q_len - kv_len rows see nothing
+            q_len = kv_len
+        return self.flops_per_pair * (q_len * kv_len - q_len * (q_len - 1) / 2)
+
+    def cost_array(self, q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
+        kv = np.asarray(kv_len, dtype=np.float64)
+        q = np.clip(np.asarray(q_len, dtype=np.float64), 0.0, kv)
+        return self.flops_per_pair * (q * kv - q * (q - 1) / 2)
+
+
+_PAIRS = FlopsCostModel(flops_per_pair=1.0)
+
+
+def query_rows_cost(model: CostModel, length: int, offset: int, q_start: int, q_end: int) -> float:
+    """Cost of query rows ``[q_start, q_end)`` of a piece of ``length`` rows preceded by ``offset`` tokens.
+
+    The rows see the causal prefix: ``offset + q_end`` keys for the last row.
+    """
+    if not 0 <= q_start <= q_end <= length:
+        raise ValueError(f"query rows [{q_start}, {q_end}) outside a piece of {length} rows")
+    return model.cost(q_end - q_start, offset + q_end)
+
+
+def _axis_weights(grid: list[float], x: float) -> tuple[int, float]:
+    """Cell index and fractional position of ``x`` on a sorted axis; beyond the ends the edge cell
+    is extended linearly (costs keep growing past the largest profiled size)."""
+    if len(grid) == 1:
+        return 0, 0.0
+    i = bisect.bisect_right(grid, x) - 1
+    i = min(max(i, 0), len(grid) - 2)
+    return i, (x - grid[i]) / (grid[i + 1] - grid[i])
+
+
+@dataclass(frozen=True)
+class ProfiledCostModel:
+    """Measured segment cost on a (q_len, kv_len) grid, bilinearly interpolated.
+
+    ``table[i][j]`` is the cost (e.g. milliseconds of forward + backward) of ``q_lens[i]`` query rows
+    over ``kv_lens[j]`` keys. Exact on grid points; outside the grid the edge cells are extended
+    linearly and the result clamped at 0. A segment with no rows costs 0.
+
+    ``interpolate="time"`` (default) interpolates the cost itself: linear along each axis between grid
+    points. Attention cost is quadratic in length, so on a coarse grid (factor-4 steps) this overstates
+    the cost of mid-cell shapes, and a split segment can seem dearer than the whole.
+    ``interpolate="rate"`` interpolates cost per visible (query, key) pair instead and multiplies by the
+    exact pair count: still exact on grid points, and faithful between them wherever throughput varies
+    slowly (the compute-bound regime long documents live in).
+    """
+
+    q_lens: tuple[float, ...]
+    kv_lens: tuple[float, ...]
+    table: tuple[tuple[float, ...], ...]
+    units: str = "ms"
+    interpolate: str = "time"
+
+    def __post_init__(self) -> None:
+        for name, axis in (("q_lens", self.q_lens), ("kv_lens", self.kv_lens)):
+            if not axis or any(b <= a for a, b in zip(axis, axis[1:])):
+                raise ValueError(f"{name} must be non-empty and strictly increasing")
+        if len(self.table) != len(self.q_lens) or any(len(row) != len(self.kv_lens) for row in self.table):
+            raise ValueError(f"table must be {len(self.q_lens)} x {len(self.kv_lens)}")
+        if not all(math.isfinite(v) for row in self.table for v in row):
+            raise ValueError("table holds a non-finite cost")
+        if self.interpolate not in ("time", "rate"):
+            raise ValueError("interpolate must be 'time' or 'rate'")
+        grid = self.table
+        if self.interpolate == "rate":
+            grid = tuple(tuple(v / _PAIRS.cost(int(q), int(k)) for k, v in zip(self.kv_lens, row))
+                         for q, row in zip(self.q_lens, self.table))
+        object.__setattr__(self, "_grid", grid)
+
+    @classmethod
+    def from_grid(cls, q_lens, kv_lens, table, units: str = "ms", interpolate: str = "time") -> ProfiledCostModel:
+        return cls(tuple(float(x) for x in q_lens), tuple(float(x) for x in kv_lens),
+                   tuple(tuple(float(v) for v in row) for row in table), units, interpolate)
+
+    @classmethod
+    def load(cls, path: str | Path, interpolate: str = "time") -> ProfiledCostModel:
+        """Read the JSON written by ``scripts/profile_cad.py``: ``{"q_lens", "kv_lens", "cost", "units"}``."""
+        data = json.loads(Path(path).read_text())
+        return cls.from_grid(data["q_lens"], data["kv_lens"], data["cost"], data.get("units", "ms"), interpolate)
+
+    def save(self, path: str | Path, **meta) -> None:
+        doc = {"q_lens": list(self.q_lens), "kv_lens": list(self.kv_lens), "cost": [list(r) for r in self.table],
+               "units": self.units, "meta": meta}
+        Path(path).write_text(json.dumps(doc, indent=1))
+
+    def cost(self, q_len: int, kv_len: int) -> float:
+        if q_len <= 0:
+            return 0.0
+        i, u = _axis_weights(self.q_lens, float(q_len))
+        j, w = _axis_weights(self.kv_lens, float(kv_len))
+        t = self._grid
+        i1 = min(i + 1, len(self.q_lens) - 1)
+        j1 = min(j + 1, len(self.kv_lens) - 1)
+        v = ((1 - u) * ((1 - w) * t[i][j] + w * t[i][j1])
+             + u * ((1 - w) * t[i1][j] + w * t[i1][j1]))
+        if self.interpolate == "rate":
+            v *= _PAIRS.cost(q_len, kv_len)
+        return max(v, 0.0)
+
+    def cost_array(self, q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
+        q = np.asarray(q_len, dtype=np.float64)
+        kv = np.asarray(kv_len, dtype=np.float64)
+        t = np.asarray(self._grid, dtype=np.float64)
+
+        def weights(grid: tuple[float, ...], x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            g = np.asarray(grid)
+            if len(g) == 1:
+                z = np.zeros(x.shape, dtype=np.int64)
+                return z, z, np.zeros(x.shape)
+            i = np.clip(np.searchsorted(g, x, side="right") - 1, 0, len(g) - 2)
+            return i, i + 1, (x - g[i]) / (g[i + 1] - g[i])
+
+        i, i1, u = weights(self.q_lens, q)
+        j, j1, w = weights(self.kv_lens, kv)
+        v = (1 - u) * ((1 - w) * t[i, j] + w * t[i, j1]) + u * ((1 - w) * t[i1, j] + w * t[i1, j1])
+        if self.interpolate == "rate":
+            v = v * _PAIRS.cost_array(q, kv)
+        return np.where(q > 0, np.maximum(v, 0.0), 0.0)
+
+
+@dataclass(frozen=True)
+class TokenBytes:
+    """Bytes per token that a task sent to another rank's server moves.
+
+    Defaults: Llama-3-8B attention in bf16 (32 query heads, 8 KV heads, head dim 128): a query row
+    is 32*128*2 B, a key+value row 2*8*128*2 B, and an output row comes back with its fp32
+    log-sum-exp per head (32*128*2 + 32*4 B).
+    """
+
+    q: float = 32 * 128 * 2
+    kv: float = 2 * 8 * 128 * 2
+    out: float = 32 * 128 * 2 + 32 * 4
+
+    @classmethod
+    def for_model(cls, heads: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> TokenBytes:
+        return cls(heads * head_dim * dtype_bytes, 2 * kv_heads * head_dim * dtype_bytes,
+                   heads * head_dim * dtype_bytes + heads * 4)

@@ -1,0 +1,533 @@
+"""Communication-aware greedy scheduler for core attention disaggregation (CAD / DistCA).
+
+Each rank keeps its documents for the context-independent layers (equal token counts keep linear
+layers and activation memory balanced); only core attention is rebalanced. Core attention is
+divisible at token granularity: any run of query rows of a document can be computed anywhere, given
+its causal KV prefix. Every rank is also an *attention server* (in-place servers: server ``s`` lives
+on rank ``s``). The scheduler decides which server computes which query rows.
+
+Algorithm (the paper's greedy, with numpy/heap bookkeeping so 512 ranks schedule in milliseconds):
+
+1. Every server starts with its own rank's documents; ``F = total cost / num_servers`` is the target.
+2. Repeatedly take the server with the largest deficit ``F - load`` and, among the items of the
+   ``search_width`` servers with the largest surplus ``load - F``, pick the move with the most cost
+   moved per byte sent. A move transfers ``dF <= min(item cost, surplus, deficit)``: a whole item
+   when it fits, else a shard sized to ``dF``. Moves never push a source below ``F`` or a receiver
+   above it, so the process cannot oscillate.
+3. Stop when every server is within ``eps * F`` of the target, or when no move is possible (shards
+   would fall below ``min_shard`` rows), worth at least ``min_move_frac * F``, or pays
+   ``min_gain_per_byte`` for its bytes.
+
+Head-tail pairing (the paper's appendix B). A shard cut from a document is a ring: a head chunk
+``[lo, lo + k)`` and the mirrored tail chunk ``[hi - k, hi)`` of the rows still held, which stay
+``[lo + k, hi - k)``. Row ``i`` of a piece at offset ``o`` sees ``o + i + 1`` keys, so rows ``i`` and
+``L - 1 - i`` together always see ``2 o + L + 1``: a ring costs the document's average per row, its
+cost is linear in ``k`` (the shard for a given ``dF`` is found in one Newton step, exactly for FLOPs)
+and the estimate a profiled model gives per token stays accurate. The rows left behind stay one
+contiguous run, which the source computes in place.
+
+Bytes. A task computed on a server other than its token owner's rank moves its query rows there,
+its KV prefix (offset tokens plus piece rows ``[0, q_end)``) unless that server already received it
+for another task of the same piece, and its output rows plus log-sum-exp back. Offset tokens live on
+another rank (the piece continues a document cut at a rank boundary), so even an in-place task fetches
+``offset`` KV rows. All bytes of a task are charged to its token owner's rank (``bytes_per_rank``) and
+to its server (``bytes_per_server``). Items are candidates only for moves from their home server, so
+the search stays small; a piece's rows are thus split into the home run and rings on other servers.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from .cost_model import CostModel, FlopsCostModel, TokenBytes
+
+__all__ = ["Schedule", "Task", "parse_docs", "schedule", "verify_schedule"]
+
+DocItem = int | tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Task:
+    """Query rows ``[q_start, q_end)`` of document ``doc`` of rank ``rank`` (piece-local rows),
+    computed on ``server``; keys are the piece's offset tokens plus its rows ``[0, q_end)``."""
+
+    rank: int
+    doc: int
+    q_start: int
+    q_end: int
+    server: int
+
+
+@dataclass
+class Schedule:
+    """Result of :func:`schedule`. Task fields are stored as parallel int64 arrays (``task_*``);
+    :attr:`tasks` builds :class:`Task` objects on first access.
+
+    Tasks are ordered: first one per piece for the rows computed at the piece's home server (in
+    (rank, doc) order), then the moved shards in the order they were moved, adjacent rows on the
+    same server merged into one task.
+    """
+
+    task_rank: np.ndarray
+    task_doc: np.ndarray
+    task_q_start: np.ndarray
+    task_q_end: np.ndarray
+    task_server: np.ndarray
+    loads: np.ndarray  # cost per server
+    initial_loads: np.ndarray  # cost per server before balancing (every rank serves its own documents)
+    target: float  # F = total / num_servers
+    bytes_per_rank: np.ndarray  # bytes of the tasks of each token owner
+    bytes_per_server: np.ndarray  # the same bytes, by the server that computes the task
+    num_moves: int
+    converged: bool  # every server within eps * target
+    eps: float
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def num_servers(self) -> int:
+        return len(self.loads)
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean of the server loads (1.0 is perfect)."""
+        mean = float(self.loads.mean()) if len(self.loads) else 0.0
+        return float(self.loads.max()) / mean if mean > 0 else 1.0
+
+    @property
+    def initial_imbalance(self) -> float:
+        mean = float(self.initial_loads.mean()) if len(self.initial_loads) else 0.0
+        return float(self.initial_loads.max()) / mean if mean > 0 else 1.0
+
+    @cached_property
+    def tasks(self) -> list[Task]:
+        cols = (self.task_rank, self.task_doc, self.task_q_start, self.task_q_end, self.task_server)
+        return [Task(*row) for row in zip(*(c.tolist() for c in cols))]
+
+    def tasks_of_server(self, server: int) -> np.ndarray:
+        """Indices of the tasks computed on ``server``."""
+        return np.flatnonzero(self.task_server == server)
+
+
+def _pair(d) -> tuple[int, int]:
+    if isinstance(d, (int, np.integer)):
+        return int(d), 0
+    length, offset = d  # anything but a pair raises here
+    return int(length), int(offset)
+
+
+def parse_docs(docs_per_rank: Sequence[Sequence[DocItem]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Flatten ``docs_per_rank`` into (length, offset, rank, doc index) int64 arrays.
+
+    A rank's list may also be an int array (lengths) or an (m, 2) array of (length, offset) rows.
+    Pairs usually sit at the ends of a rank's list (pieces cut at rank boundaries): those are
+    unpacked first and the rest converted in one numpy call; only lists with pairs inside fall back
+    to a per-item loop.
+    """
+    counts = np.fromiter((len(d) for d in docs_per_rank), dtype=np.int64, count=len(docs_per_rank))
+    total = int(counts.sum())
+    rank = np.repeat(np.arange(len(docs_per_rank), dtype=np.int64), counts)
+    first = (np.cumsum(counts) - counts).astype(np.int64)
+    doc = np.arange(total, dtype=np.int64) - first[rank]
+    if any(isinstance(d, np.ndarray) for d in docs_per_rank):
+        flat: list = []
+        for d in docs_per_rank:
+            flat.extend(d.tolist() if isinstance(d, np.ndarray) else d)
+    else:
+        flat = list(itertools.chain.from_iterable(docs_per_rank))
+    off = np.zeros(total, dtype=np.int64)
+    nonempty = counts > 0
+    for j in (*first[nonempty].tolist(), *(first + counts - 1)[nonempty].tolist()):
+        if not isinstance(flat[j], int):
+            flat[j], off[j] = _pair(flat[j])
+    try:
+        length = np.fromiter(flat, dtype=np.int64, count=total)
+    except (TypeError, ValueError):  # pairs inside a list
+        for j, d in enumerate(flat):
+            if not isinstance(d, int):
+                flat[j], off[j] = _pair(d)
+        length = np.fromiter(flat, dtype=np.int64, count=total)
+    if total and (length.min() < 1 or off.min() < 0):
+        raise ValueError("document lengths must be >= 1 and offsets >= 0")
+    return length, off, rank, doc
+
+
+class _Balancer:
+    """Mutable state of one scheduling run; :func:`schedule` wraps it in a pure function."""
+
+    def __init__(self, length, off, rank, num_servers, cost_model, tb, eps, min_shard, search_width,
+                 min_move_frac, min_gain_per_byte, max_moves):
+        self.n = num_servers
+        self.cm = cost_model
+        self.tb = tb
+        self.min_shard = max(int(min_shard), 1)
+        self.width = max(int(search_width), 1)
+        self.min_gain = float(min_gain_per_byte)
+        self.max_moves = max_moves
+        self.home = rank % num_servers
+        item_cost = cost_model.cost_array(length, off + length) if len(length) else np.zeros(0)
+        self.item_cost = item_cost
+        loads = np.bincount(self.home, weights=item_cost, minlength=num_servers).astype(np.float64)
+        self.initial_loads = loads.copy()
+        self.target = float(loads.sum()) / num_servers
+        self.tol = eps * self.target
+        self.min_move = min_move_frac * self.target
+        self.loads = loads.tolist()
+        self.version = [0] * num_servers
+        self.length, self.off, self.rank = length, off, rank
+        # per touched item: [lo, hi] rows still at home; per (item, server): largest q_end shipped there
+        self.info: dict[int, tuple[int, int, int]] = {}  # item -> (length, offset, rank), for indexed servers
+        self.q_out_bytes = tb.q + tb.out
+        self.pair_flops = cost_model.flops_per_pair if isinstance(cost_model, FlopsCostModel) else 0.0
+        self.span: dict[int, list[int]] = {}
+        self.shipped: dict[tuple[int, int], int] = {}
+        self.moved: list[tuple[int, int, int, int]] = []  # (item, server, q_start, q_end)
+        self.retired_src: set[int] = set()
+        self.retired_dst: set[int] = set()
+        self._by_server = None
+        self._sorted: dict[int, list[tuple[float, int]]] = {}
+        self.surplus_heap = [(-(v - self.target), s, 0) for s, v in enumerate(self.loads) if v > self.target]
+        self.deficit_heap = [(-(self.target - v), s, 0) for s, v in enumerate(self.loads) if v < self.target]
+        heapq.heapify(self.surplus_heap)
+        heapq.heapify(self.deficit_heap)
+        self.num_moves = 0
+
+    # -- per-server candidate lists, built only for servers that act as sources -------------------
+
+    def items_of(self, s: int) -> list[tuple[float, int]]:
+        """Items whose home is ``s``, as (remaining cost, item) sorted ascending."""
+        lst = self._sorted.get(s)
+        if lst is None:
+            if self._by_server is None:
+                home = self.home
+                # items arrive in rank order, so with a server per rank they are already grouped
+                order = (np.arange(len(home)) if len(home) < 2 or np.all(home[1:] >= home[:-1])
+                         else np.argsort(home, kind="stable"))
+                bounds = np.searchsorted(home[order], np.arange(self.n + 1))
+                self._by_server = (order, bounds)
+            order, bounds = self._by_server
+            ids = order[bounds[s]:bounds[s + 1]]
+            ids = ids[np.argsort(self.item_cost[ids], kind="stable")]
+            lst = list(zip(self.item_cost[ids].tolist(), ids.tolist()))
+            self._sorted[s] = lst
+        return lst
+
+    def _info(self, i: int) -> tuple[int, int, int]:
+        """(length, offset, rank) of item ``i`` as Python ints, cached (numpy scalars are slow)."""
+        info = self.info.get(i)
+        if info is None:
+            info = self.info[i] = (int(self.length[i]), int(self.off[i]), int(self.rank[i]))
+        return info
+
+    # -- heaps with lazy invalidation -------------------------------------------------------------
+
+    def _top(self, heap: list, k: int, retired: set[int], sign: float) -> list[tuple[float, int, int]]:
+        out = []
+        while heap and len(out) < k:
+            negv, s, ver = heap[0]
+            if ver != self.version[s] or s in retired or sign * (self.loads[s] - self.target) <= 0:
+                heapq.heappop(heap)
+                continue
+            out.append(heapq.heappop(heap))
+        for e in out:
+            heapq.heappush(heap, e)
+        return out
+
+    def _update(self, s: int, delta: float) -> None:
+        self.loads[s] += delta
+        self.version[s] += 1
+        v = self.loads[s] - self.target
+        if v > 0:
+            heapq.heappush(self.surplus_heap, (-v, s, self.version[s]))
+        elif v < 0:
+            heapq.heappush(self.deficit_heap, (v, s, self.version[s]))
+
+    # -- pricing a move ---------------------------------------------------------------------------
+
+    def _ring_cost(self, o: int, lo: int, hi: int, k: int) -> float:
+        cost = self.cm.cost
+        return cost(k, o + lo + k) + cost(k, o + hi)
+
+    def _evaluate(self, i: int, f_item: float, dst: int, cap: float, slack: float):
+        """Best move of item ``i`` to ``dst``: (dF, bytes, k, overshoot) or None.
+
+        ``k`` is the ring's chunk size, -1 for the whole remainder. The move shifts at most ``cap``
+        (the source's surplus and the receiver's deficit) when it can; failing that, a whole item or
+        a ``min_shard`` ring of cost up to ``slack`` (half the gap between the two loads, so the
+        larger of the two still falls) is an *overshoot* move, used when granularity leaves
+        no exact one (e.g. ``eps = 0``).
+        """
+        L, o, r = self._info(i)
+        span = self.span.get(i)
+        lo, hi = (span[0], span[1]) if span else (0, L)
+        over = False
+        if f_item <= cap:
+            df, rows, k = f_item, hi - lo, -1
+        else:
+            ms = self.min_shard
+            kmax = (hi - lo - ms) // 2
+            k, c = 0, 0.0
+            if kmax >= ms and self.pair_flops:  # FLOPs: every row pair of a ring costs the same
+                unit = self.pair_flops * (2 * o + lo + hi + 1)
+                k = min(int(cap / unit), kmax)
+                c = k * unit
+            elif kmax >= ms:
+                k = int(cap * (hi - lo) / (2.0 * f_item))  # rows cost the piece average
+                k = min(max(k, 1), kmax)
+                c = self._ring_cost(o, lo, hi, k)
+                if c > 0:  # one Newton step on the (nearly) linear ring cost
+                    k = min(int(k * cap / c), kmax)
+                for _ in range(4):
+                    if k < ms:
+                        break
+                    c = self._ring_cost(o, lo, hi, k)
+                    if c <= cap:
+                        break
+                    k = min(k - 1, int(k * cap / c))
+                else:
+                    k = 0
+            if k >= ms:
+                df, rows = c, 2 * k
+            elif kmax >= ms and (c := self._ring_cost(o, lo, hi, ms)) <= slack:
+                df, rows, k, over = c, 2 * ms, ms, True
+            elif f_item <= slack:
+                df, rows, k, over = f_item, hi - lo, -1, True
+            else:
+                return None
+        if df < self.min_move or df <= 0:
+            return None
+        if k > 0 and not self.pair_flops:
+            # a measured cost need not be additive (kernel paths differ by shape): skip splits that make
+            # the source shed much less than the receiver takes on
+            if f_item - self.cm.cost(hi - lo - 2 * k, o + hi - k) < 0.5 * df:
+                return None
+        if r == dst:
+            nbytes = 0.0
+        else:
+            have = self.shipped.get((i, dst), -1)
+            kv_extra = (o + hi) if have < 0 else max(0, hi - have)
+            nbytes = rows * self.q_out_bytes + kv_extra * self.tb.kv
+        return df, nbytes, k, over
+
+    def _best(self, dst: int, sources: list[int]):
+        best, best_key = None, None
+        deficit = self.target - self.loads[dst]
+        for s in sources:
+            cap = min(self.loads[s] - self.target, deficit)
+            slack = (self.loads[s] - self.loads[dst]) / 2
+            if max(cap, slack) < self.min_move:
+                continue
+            lst = self.items_of(s)
+            if not lst:
+                continue
+            pos = bisect.bisect_right(lst, (cap, 1 << 62))
+            cands = lst[max(pos - 2, 0):pos + 2]
+            if pos + 2 < len(lst):
+                cands.append(lst[-1])
+            for f_item, i in cands:
+                res = self._evaluate(i, f_item, dst, cap, slack)
+                if res is None:
+                    continue
+                df, nbytes, k, over = res
+                ratio = df / nbytes if nbytes > 0 else float("inf")
+                key = (not over, ratio, df)
+                if best_key is None or key > best_key:
+                    best_key, best = key, (s, i, f_item, df, nbytes, k)
+        return best, (best_key[1] if best_key else 0.0)
+
+    def _apply(self, dst: int, move) -> None:
+        s, i, f_item, df, _nbytes, k = move
+        L, o, _ = self._info(i)
+        span = self.span.setdefault(i, [0, L])
+        lo, hi = span
+        lst = self._sorted[s]
+        del lst[bisect.bisect_left(lst, (f_item, i))]
+        released = f_item  # what the source stops computing; equals df unless the model is not additive
+        if k < 0:  # whole remainder
+            self.moved.append((i, dst, lo, hi))
+            span[0] = span[1] = lo
+            end = hi
+        else:
+            self.moved.append((i, dst, lo, lo + k))
+            self.moved.append((i, dst, hi - k, hi))
+            span[0], span[1] = lo + k, hi - k
+            end = hi
+            new_cost = self.cm.cost(span[1] - span[0], o + span[1])
+            bisect.insort(lst, (new_cost, i))
+            released = f_item - new_cost
+        key = (i, dst)
+        self.shipped[key] = max(self.shipped.get(key, -1), end)
+        self._update(s, -released)
+        self._update(dst, df)
+        self.num_moves += 1
+
+    def run(self) -> bool:
+        while self.num_moves < self.max_moves:
+            dtop = self._top(self.deficit_heap, 1, self.retired_dst, -1.0)
+            if not dtop:
+                break
+            dst, deficit = dtop[0][1], -dtop[0][0]
+            if deficit > self.tol:
+                srcs = [e[1] for e in self._top(self.surplus_heap, self.width, self.retired_src, 1.0)]
+            else:
+                stop = self._top(self.surplus_heap, 1, self.retired_src, 1.0)
+                if not stop or -stop[0][0] <= self.tol:
+                    break
+                srcs = [stop[0][1]]
+            if not srcs:
+                break
+            move, ratio = self._best(dst, srcs)
+            if move is None or ratio < self.min_gain:
+                if deficit > self.tol:
+                    self.retired_dst.add(dst)
+                else:
+                    self.retired_src.add(srcs[0])
+                continue
+            self._apply(dst, move)
+        return all(abs(v - self.target) <= self.tol * (1 + 1e-9) + 1e-9 * self.target for v in self.loads)
+
+
+def _merge_moved(moved: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """Merge shards of the same item on the same server whose rows touch."""
+    moved = sorted(moved)
+    out: list[list[int]] = []
+    for i, s, a, b in moved:
+        if out and out[-1][0] == i and out[-1][1] == s and out[-1][3] == a:
+            out[-1][3] = b
+        else:
+            out.append([i, s, a, b])
+    return [tuple(t) for t in out]
+
+
+def _bytes(off, rank, n_ranks, n_servers, tb, home_items, home_lo, home_hi, moved):
+    """Bytes per rank and per server of the final task set (see the module docstring)."""
+    # home runs: one task per (item, home server); local unless the rank has no server of its own
+    r = rank[home_items]
+    o = off[home_items]
+    b = o * float(tb.kv)
+    if n_ranks > n_servers:
+        remote = r >= n_servers
+        b[remote] = ((home_hi - home_lo)[remote] * (tb.q + tb.out) + (o[remote] + home_hi[remote]) * tb.kv)
+    per_rank = np.bincount(r, weights=b, minlength=n_ranks)
+    per_server = np.bincount(r % n_servers, weights=b, minlength=n_servers)
+    if len(moved):
+        # moved shards, grouped by (item, server): KV prefix once, up to the largest q_end
+        mv = np.asarray(moved, dtype=np.int64).reshape(-1, 4)
+        keys, inv = np.unique(mv[:, 0] * n_servers + mv[:, 1], return_inverse=True)
+        item, srv = keys // n_servers, keys % n_servers
+        nrows = np.bincount(inv, weights=mv[:, 3] - mv[:, 2], minlength=len(keys))
+        end = np.zeros(len(keys), dtype=np.int64)
+        np.maximum.at(end, inv, mv[:, 3])
+        gr = rank[item]
+        nb = np.where(gr == srv, off[item] * float(tb.kv), nrows * (tb.q + tb.out) + (off[item] + end) * tb.kv)
+        per_rank += np.bincount(gr, weights=nb, minlength=n_ranks)
+        per_server += np.bincount(srv, weights=nb, minlength=n_servers)
+    return per_rank, per_server
+
+
+def schedule(
+    docs_per_rank: Sequence[Sequence[DocItem]],
+    num_servers: int | None = None,
+    eps: float = 0.1,
+    cost_model: CostModel | None = None,
+    min_shard: int = 128,
+    *,
+    token_bytes: TokenBytes | None = None,
+    search_width: int = 1,
+    min_move_frac: float = 1e-4,
+    min_gain_per_byte: float = 0.0,
+    max_moves: int | None = None,
+) -> Schedule:
+    """Assign every query row of every document to an attention server, balancing attention cost.
+
+    Pure function of its arguments (deterministic, no global state).
+
+    Args:
+        docs_per_rank: ``docs_per_rank[r]`` lists what rank ``r`` holds: ints (a whole document) or
+            ``(length, offset)`` pairs, ``offset`` tokens of the same document preceding the piece
+            (held elsewhere; its queries attend to them too).
+        num_servers: attention servers; server ``s`` lives on rank ``s``. Default: one per rank.
+            Ranks ``r >= num_servers`` start on server ``r % num_servers`` (their tasks are remote).
+        eps: stop once every server's cost is within ``eps * F`` of ``F = total / num_servers``.
+        cost_model: :class:`FlopsCostModel` (default) or a ``ProfiledCostModel``.
+        min_shard: a split never makes a task shorter than this many rows; pieces shorter than
+            ``3 * min_shard`` (a ring of two chunks plus the run left behind) move only whole.
+        token_bytes: wire bytes per token (Q, KV, out + lse); default Llama-3-8B bf16.
+        search_width: surplus servers whose items are priced for each move (the largest surpluses).
+        min_move_frac: moves smaller than this fraction of ``F`` are not worth a transfer.
+        min_gain_per_byte: a move must shift at least this much cost per byte sent (0: any move).
+        max_moves: safety cap on moves (default ``50 * num_servers + 1000``).
+    """
+    n_ranks = len(docs_per_rank)
+    n = n_ranks if num_servers is None else int(num_servers)
+    if n < 1:
+        raise ValueError("num_servers must be >= 1")
+    if eps < 0:
+        raise ValueError("eps must be >= 0")
+    cm = cost_model if cost_model is not None else FlopsCostModel()
+    tb = token_bytes if token_bytes is not None else TokenBytes()
+    length, off, rank, doc = parse_docs(docs_per_rank)
+    bal = _Balancer(length, off, rank, n, cm, tb, eps, min_shard, search_width, min_move_frac,
+                    min_gain_per_byte, max_moves if max_moves is not None else 50 * n + 1000)
+    converged = bal.run()
+
+    lo = np.zeros(len(length), dtype=np.int64)
+    hi = length.copy()
+    if bal.span:
+        touched = np.fromiter(bal.span.keys(), dtype=np.int64, count=len(bal.span))
+        spans = np.array(list(bal.span.values()), dtype=np.int64).reshape(-1, 2)
+        lo[touched], hi[touched] = spans[:, 0], spans[:, 1]
+    keep = np.flatnonzero(hi > lo)
+    moved = _merge_moved(bal.moved)
+    mv = np.array(moved, dtype=np.int64).reshape(-1, 4)
+    mi = mv[:, 0]
+    task_rank = np.concatenate([rank[keep], rank[mi]])
+    task_doc = np.concatenate([doc[keep], doc[mi]])
+    task_q_start = np.concatenate([lo[keep], mv[:, 2]])
+    task_q_end = np.concatenate([hi[keep], mv[:, 3]])
+    task_server = np.concatenate([bal.home[keep], mv[:, 1]])
+    loads = np.asarray(bal.loads)
+    if not isinstance(cm, FlopsCostModel):  # merged shards may cost less than their parts: price the tasks
+        costs = cm.cost_array(task_q_end - task_q_start, off[np.concatenate([keep, mi])] + task_q_end)
+        loads = np.bincount(task_server, weights=costs, minlength=n)
+    per_rank, per_server = _bytes(off, rank, n_ranks, n, tb, keep, lo[keep], hi[keep], moved)
+    return Schedule(
+        task_rank=task_rank, task_doc=task_doc, task_q_start=task_q_start, task_q_end=task_q_end,
+        task_server=task_server, loads=loads, initial_loads=bal.initial_loads,
+        target=bal.target, bytes_per_rank=per_rank, bytes_per_server=per_server, num_moves=bal.num_moves,
+        converged=converged, eps=eps,
+        stats={"items": len(length), "sources_indexed": len(bal._sorted), "retired_servers": len(bal.retired_dst),
+               "retired_sources": len(bal.retired_src)},
+    )
+
+
+def verify_schedule(docs_per_rank: Sequence[Sequence[DocItem]], sched: Schedule,
+                    cost_model: CostModel | None = None, rtol: float = 1e-6) -> None:
+    """Raise ``AssertionError`` unless every query row of every piece is in exactly one task and the
+    per-server loads equal the summed task costs (under ``cost_model``, FLOPs by default)."""
+    length, off, rank, doc = parse_docs(docs_per_rank)
+    first = np.concatenate([[0], np.cumsum([len(d) for d in docs_per_rank])])[:-1].astype(np.int64)
+    item = first[sched.task_rank] + sched.task_doc if len(sched.task_rank) else np.zeros(0, dtype=np.int64)
+    order = np.lexsort((sched.task_q_start, item))
+    it, a, b = item[order], sched.task_q_start[order], sched.task_q_end[order]
+    assert np.all(b > a), "empty or reversed task"
+    assert np.all(b <= length[it]), "task past the end of its piece"
+    new_item = np.ones(len(it), dtype=bool)
+    new_item[1:] = it[1:] != it[:-1]
+    assert np.all(a[new_item] == 0), "a piece's first rows are not covered"
+    assert np.all(a[~new_item] == b[np.flatnonzero(~new_item) - 1]), "rows covered twice or not at all"
+    last = np.ones(len(it), dtype=bool)
+    last[:-1] = it[1:] != it[:-1]
+    assert np.array_equal(np.sort(it[last]), np.flatnonzero(length > 0)), "a piece has no task"
+    assert np.all(b[last] == length[it[last]]), "a piece's last rows are not covered"
+    cm = cost_model if cost_model is not None else FlopsCostModel()
+    costs = cm.cost_array(sched.task_q_end - sched.task_q_start, off[item] + sched.task_q_end)
+    loads = np.bincount(sched.task_server, weights=costs, minlength=sched.num_servers)
+    assert np.allclose(loads, sched.loads, rtol=rtol, atol=rtol * max(float(loads.max(initial=0)), 1.0)), \
+        "server loads differ from the summed task costs"

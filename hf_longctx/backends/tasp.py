@@ -1,0 +1,273 @@
+"""TASP: keys and values travel on the arc-disjoint Hamiltonian cycles of the complete digraph K_n.
+
+A ring uses one of the n (n - 1) directed links of a fully connected fabric per rank and step. TASP
+(Topology-Aware Sequence Parallelism) splits every rank's keys/values into one sub-block per
+Hamiltonian cycle of a decomposition of K_n* (n - 1 cycles; n - 2 for n = 4 and 6) and moves every
+sub-block one hop along its own cycle per step, all of them in ONE all_to_all, so every link carries
+data at once. After n - 1 hops each sub-block has visited every rank.
+
+Packed documents: a sub-block is forwarded only as far as some rank on its cycle still needs it, and
+(query, key) pieces whose documents do not meet cost nothing. Backward re-sends the keys along the
+same routes and returns each rank's dK/dV of a visiting sub-block straight to its owner (one extra
+all_to_all per step, in float32 so gradients add up exactly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import cache
+
+import torch
+import torch.distributed as dist
+
+from ..comm.p2p import count_all_to_all
+from ..kernels import PartialAccumulator, accumulation_dtype, attention_backward, attention_forward
+from ..layout import Pair, ShardPlan, exchange_plan, pair_between_slots
+from .engine import gather_rows, scatter_add_rows
+
+
+@cache
+def cycles_for(n: int) -> tuple[tuple[int, ...], ...]:
+    """Arc-disjoint directed Hamiltonian cycles used for ``n`` ranks (empty for one rank)."""
+    if n == 1:
+        return ()
+    from ..comm.topology import hamiltonian_decomposition
+
+    return tuple(tuple(c) for c in hamiltonian_decomposition(n))
+
+
+@dataclass(frozen=True)
+class SubBlock:
+    owner: int
+    cycle: int
+    start: int  # key rows [start, end) of the owner's local tensor
+    end: int
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a sub-block is at each hop, and how far it has to go."""
+
+    block: SubBlock
+    visits: tuple[int, ...]  # visits[h - 1] = rank holding it after h hops
+    hops: int  # hops actually made (0: nobody else needs it)
+    pairs: tuple[tuple[Pair, ...], ...]  # pairs[h - 1]: kernel calls at visits[h - 1], keys relative to start
+
+
+def _clip_keys(p: Pair, lo: int, hi: int) -> Pair | None:
+    """Part of a full (non-causal) pair whose key rows fall in [lo, hi), keys re-based to lo."""
+    start, end = max(lo, p.k_start), min(hi, p.k_end)
+    if start >= end:
+        return None
+    cu_k, work = [0], 0
+    for i in range(len(p.cu_k) - 1):
+        a, b = p.k_start + p.cu_k[i], p.k_start + p.cu_k[i + 1]
+        kept = max(0, min(b, end) - max(a, start))
+        cu_k.append(cu_k[-1] + kept)
+        work += kept * (p.cu_q[i + 1] - p.cu_q[i])
+    if not work:
+        return None
+    return replace(p, k_start=start - lo, k_end=end - lo, cu_k=tuple(cu_k), work=work)
+
+
+def _raw_pairs(plan: ShardPlan, q_rank: int, kv_rank: int) -> list[Pair]:
+    pairs = [p for qs in plan.rank_slots(q_rank) for ks in plan.rank_slots(kv_rank)
+             if (p := pair_between_slots(qs, ks)) is not None]
+    if any(p.causal for p in pairs):
+        raise ValueError("TASP needs a placement where blocks of different ranks never share a diagonal")
+    return pairs
+
+
+def routes(plan: ShardPlan) -> tuple[Route, ...]:
+    """Every sub-block's route (cached on the plan)."""
+
+    def build():
+        n = plan.world_size
+        cycles = cycles_for(n)
+        out = []
+        for s in range(n):
+            rows = plan.num_local_tokens(s)
+            for c, cyc in enumerate(cycles):
+                block = SubBlock(s, c, rows * c // len(cycles), rows * (c + 1) // len(cycles))
+                pos = cyc.index(s)
+                visits = tuple(cyc[(pos + h) % n] for h in range(1, n))
+                pairs = tuple(
+                    tuple(q for p in _raw_pairs(plan, v, s) if (q := _clip_keys(p, block.start, block.end)))
+                    for v in visits
+                )
+                hops = max((h + 1 for h, ps in enumerate(pairs) if ps), default=0)
+                out.append(Route(block, visits, hops, pairs))
+        return tuple(out)
+
+    return plan.cached("tasp_routes", build)
+
+
+def _exchange(sends: dict[int, list[torch.Tensor]], recv_rows: dict[int, int], like: torch.Tensor, ctx):
+    """One all_to_all_single: ``sends[dst]`` tensors (rows back to back) out, ``recv_rows[src]`` rows in."""
+    world = ctx.plan.world_size
+    width = like.shape[1:]
+    out_parts = [torch.cat(sends[d]) if sends.get(d) else like.new_empty(0, *width) for d in range(world)]
+    send = torch.cat(out_parts) if out_parts else like.new_empty(0, *width)
+    in_split = [recv_rows.get(s, 0) for s in range(world)]
+    recv = like.new_empty(sum(in_split), *width)
+    count_all_to_all(send, [p.shape[0] for p in out_parts], in_split, ctx.rank)
+    work = dist.all_to_all_single(recv, send, in_split, [p.shape[0] for p in out_parts], group=ctx.group,
+                                  async_op=True)
+    return work, recv, in_split
+
+
+def _split_recv(recv: torch.Tensor, in_split: list[int], layout: dict[int, list[tuple[object, int]]]) -> dict:
+    """Cut the receive buffer back into the items each source sent, in the agreed order."""
+    items, pos = {}, 0
+    for src, rows in enumerate(in_split):
+        end = pos + rows
+        for key, n in layout.get(src, []):
+            items[key] = recv[pos : pos + n]
+            pos += n
+        assert pos == end
+    return items
+
+
+def _kv_step_layout(ctx, hop: int):
+    """Sends (dst -> [(route, rows)]) and receives (src -> [(route, rows)]) of keys for ``hop``."""
+    rank = ctx.rank
+    sends, recvs = {}, {}
+    for i, r in enumerate(routes(ctx.plan)):
+        if hop > r.hops:
+            continue
+        holder = r.block.owner if hop == 1 else r.visits[hop - 2]
+        dst = r.visits[hop - 1]
+        rows = 2 * (r.block.end - r.block.start)  # keys then values
+        if holder == rank:
+            sends.setdefault(dst, []).append((i, rows))
+        if dst == rank:
+            recvs.setdefault(holder, []).append((i, rows))
+    return sends, recvs
+
+
+def _post_kv(ctx, hop: int, held: dict[int, tuple[torch.Tensor, torch.Tensor]], k, v):
+    sends, recvs = _kv_step_layout(ctx, hop)
+    payload = {}
+    rts = routes(ctx.plan)
+    for dst, items in sends.items():
+        payload[dst] = []
+        for i, _ in items:
+            b = rts[i].block
+            kb, vb = held[i] if i in held else (k[b.start : b.end], v[b.start : b.end])
+            payload[dst] += [kb, vb]
+    work, recv, split = _exchange(payload, {s: sum(n for _, n in it) for s, it in recvs.items()}, k, ctx)
+    return work, recv, split, recvs
+
+
+def _receive_kv(pending) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    work, recv, split, layout = pending
+    work.wait()
+    items = _split_recv(recv, split, layout)
+    out = {}
+    for i, kv in items.items():
+        half = kv.shape[0] // 2
+        out[i] = (kv[:half], kv[half:])
+    return out
+
+
+def run_forward(ctx, q, k, v):
+    acc = PartialAccumulator(q.shape[0], q.shape[1], q.shape[2], q.dtype, q.device)
+    last = max_hops(ctx.plan)
+    pending = _post_kv(ctx, 1, {}, k, v) if last else None
+    _local_forward(ctx, q, k, v, acc)
+    rts = routes(ctx.plan)
+    for hop in range(1, last + 1):
+        held = _receive_kv(pending)
+        pending = _post_kv(ctx, hop + 1, held, k, v) if hop < last else None
+        for i, (kb, vb) in held.items():
+            for p in rts[i].pairs[hop - 1]:
+                out, lse = attention_forward(q[p.q_start : p.q_end], kb[p.k_start : p.k_end], vb[p.k_start : p.k_end],
+                                             p.cu_q, p.cu_k, p.max_q, p.max_k, causal=False,
+                                             softmax_scale=ctx.scale, kernel=ctx.kernel)
+                acc.add(p.q_start, out, lse)
+    return acc.result()
+
+
+def _local_forward(ctx, q, k, v, acc):
+    ex = exchange_plan(ctx.plan, ctx.rank, ctx.rank)
+    ks, vs = gather_rows(k, ex.kv_ranges), gather_rows(v, ex.kv_ranges)
+    for p in ex.pairs:
+        out, lse = attention_forward(q[p.q_start : p.q_end], ks[p.k_start : p.k_end], vs[p.k_start : p.k_end],
+                                     p.cu_q, p.cu_k, p.max_q, p.max_k, causal=p.causal, softmax_scale=ctx.scale,
+                                     kernel=ctx.kernel)
+        acc.add(p.q_start, out, lse)
+
+
+def _grad_sends(ctx, grads: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
+    """dK/dV of every visiting sub-block, grouped by owner in route order (the order owners expect)."""
+    rts = routes(ctx.plan)
+    sends: dict[int, list] = {}
+    for i, (gk, gv) in sorted(grads.items()):
+        sends.setdefault(rts[i].block.owner, []).extend([gk, gv])
+    return sends
+
+
+def _grad_receives(ctx, hop: int) -> dict[int, list[tuple[int, int]]]:
+    """Which ranks return dK/dV of this rank's sub-blocks after ``hop``, in route order."""
+    expect: dict[int, list] = {}
+    for i, r in enumerate(routes(ctx.plan)):
+        if r.block.owner == ctx.rank and hop <= r.hops and r.pairs[hop - 1]:
+            expect.setdefault(r.visits[hop - 1], []).append((i, 2 * (r.block.end - r.block.start)))
+    return expect
+
+
+def max_hops(plan: ShardPlan) -> int:
+    """Hops the furthest-travelling sub-block makes; no step past it costs anything."""
+    return max((r.hops for r in routes(plan)), default=0)
+
+
+def run_backward(ctx, dout, q, k, v, out, lse):
+    acc_dtype = accumulation_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
+    dout = dout.contiguous()
+    last = max_hops(ctx.plan)
+    rts = routes(ctx.plan)
+    pending = _post_kv(ctx, 1, {}, k, v) if last else None
+    ex = exchange_plan(ctx.plan, ctx.rank, ctx.rank)
+    ks, vs = gather_rows(k, ex.kv_ranges), gather_rows(v, ex.kv_ranges)
+    gk = torch.zeros(ks.shape, dtype=acc_dtype, device=k.device)
+    gv = torch.zeros(vs.shape, dtype=acc_dtype, device=v.device)
+    _pairs_backward(ctx, ex.pairs, dout, q, out, lse, ks, vs, dq, gk, gv, causal=None)
+    scatter_add_rows(dk, ex.kv_ranges, gk)
+    scatter_add_rows(dv, ex.kv_ranges, gv)
+    for hop in range(1, last + 1):
+        held = _receive_kv(pending)
+        pending = _post_kv(ctx, hop + 1, held, k, v) if hop < last else None
+        grads = {}
+        for i, (kb, vb) in held.items():
+            if not rts[i].pairs[hop - 1]:
+                continue  # only passing through
+            gk = torch.zeros(kb.shape, dtype=acc_dtype, device=k.device)
+            gv = torch.zeros(vb.shape, dtype=acc_dtype, device=v.device)
+            _pairs_backward(ctx, rts[i].pairs[hop - 1], dout, q, out, lse, kb, vb, dq, gk, gv, causal=False)
+            grads[i] = (gk, gv)
+        # dK/dV of this hop go straight home; the owner knows which of its blocks visited whom
+        sends = _grad_sends(ctx, grads)
+        expect = _grad_receives(ctx, hop)
+        like = torch.empty(0, *k.shape[1:], dtype=acc_dtype, device=k.device)
+        work, recv, split = _exchange(sends, {s: sum(m for _, m in it) for s, it in expect.items()}, like, ctx)
+        work.wait()
+        for i, g in _split_recv(recv, split, expect).items():
+            b = rts[i].block
+            half = g.shape[0] // 2
+            dk[b.start : b.end] += g[:half]
+            dv[b.start : b.end] += g[half:]
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _pairs_backward(ctx, pairs, dout, q, out, lse, ks, vs, dq, gk, gv, causal):
+    for p in pairs:
+        sq, sk = slice(p.q_start, p.q_end), slice(p.k_start, p.k_end)
+        a, b, c = attention_backward(dout[sq], q[sq], ks[sk], vs[sk], out[sq], lse[:, sq], p.cu_q, p.cu_k, p.max_q,
+                                     p.max_k, causal=p.causal if causal is None else causal,
+                                     softmax_scale=ctx.scale, kernel=ctx.kernel)
+        dq[sq] += a
+        gk[sk] += b
+        gv[sk] += c

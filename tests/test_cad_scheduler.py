@@ -1,0 +1,296 @@
+"""CAD scheduler, cost models and synthetic length mixes: coverage, balance, bytes, speed."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hf_longctx.backends.cad.cost_model import FlopsCostModel, ProfiledCostModel, TokenBytes, query_rows_cost
+from hf_longctx.backends.cad.scheduler import parse_docs, schedule, verify_schedule
+from hf_longctx.data.synthetic_lengths import synthetic_doc_lengths
+
+PAIRS = FlopsCostModel(flops_per_pair=1.0)
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def contiguous_layout(lengths: list[int], ranks: int, tokens_per_rank: int) -> list[list]:
+    """Documents laid end to end, ``tokens_per_rank`` per rank, cut at rank boundaries."""
+    docs: list[list] = [[] for _ in range(ranks)]
+    pos = 0
+    for length in lengths:
+        off = 0
+        while length:
+            r = pos // tokens_per_rank
+            take = min(length, (r + 1) * tokens_per_rank - pos)
+            docs[r].append((take, off) if off else take)
+            pos, off, length = pos + take, off + take, length - take
+    return docs
+
+
+def brute_pairs(q_len: int, kv_len: int) -> int:
+    """Visible (query, key) pairs of a bottom-right aligned causal mask, by building it."""
+    rows = np.arange(q_len)[:, None]
+    cols = np.arange(kv_len)[None, :]
+    return int((cols <= rows + kv_len - q_len).sum())
+
+
+def task_rows(sched, docs_per_rank):
+    length, off, rank, _ = parse_docs(docs_per_rank)
+    first = np.cumsum([0] + [len(d) for d in docs_per_rank])[:-1]
+    item = first[sched.task_rank] + sched.task_doc
+    return item, length, off
+
+
+# ---------------------------------------------------------------- cost models
+
+
+@pytest.mark.parametrize("q_len,kv_len", [(1, 1), (5, 5), (3, 10), (7, 64), (64, 64), (10, 4), (0, 8)])
+def test_flops_formula_matches_the_mask(q_len, kv_len):
+    assert PAIRS.cost(q_len, kv_len) == brute_pairs(q_len, kv_len)
+    assert PAIRS.cost_array(np.array([q_len]), np.array([kv_len]))[0] == brute_pairs(q_len, kv_len)
+    assert FlopsCostModel().cost(q_len, kv_len) == 4 * 32 * 128 * brute_pairs(q_len, kv_len)
+
+
+@given(length=st.integers(1, 60), offset=st.integers(0, 40), data=st.data())
+@settings(max_examples=40, deadline=None)
+def test_query_rows_cost_is_a_sum_over_rows(length, offset, data):
+    a = data.draw(st.integers(0, length))
+    b = data.draw(st.integers(a, length))
+    # row i of the piece sees the offset tokens and rows 0..i
+    assert query_rows_cost(PAIRS, length, offset, a, b) == sum(offset + i + 1 for i in range(a, b))
+
+
+def grid_model() -> ProfiledCostModel:
+    q = [1, 64, 512, 4096]
+    kv = [1, 128, 1024, 8192, 65536]
+    table = [[0.01 + 1e-6 * x * y + 1e-4 * x for y in kv] for x in q]
+    return ProfiledCostModel.from_grid(q, kv, table)
+
+
+def test_bilinear_exact_on_grid_points():
+    m = grid_model()
+    for i, x in enumerate(m.q_lens):
+        for j, y in enumerate(m.kv_lens):
+            assert m.cost(x, y) == pytest.approx(m.table[i][j], rel=1e-12)
+    qq, kk = np.meshgrid(m.q_lens, m.kv_lens, indexing="ij")
+    assert np.allclose(m.cost_array(qq, kk), np.asarray(m.table), rtol=1e-12)
+
+
+@given(u=st.floats(0, 1), w=st.floats(0, 1), i=st.integers(0, 2), j=st.integers(0, 3))
+@settings(max_examples=50, deadline=None)
+def test_bilinear_linear_between_grid_points(u, w, i, j):
+    m = grid_model()
+    x0, x1 = m.q_lens[i], m.q_lens[i + 1]
+    y0, y1 = m.kv_lens[j], m.kv_lens[j + 1]
+    t = m.table
+    x, y = x0 + u * (x1 - x0), y0 + w * (y1 - y0)
+    expect = (1 - u) * ((1 - w) * t[i][j] + w * t[i][j + 1]) + u * ((1 - w) * t[i + 1][j] + w * t[i + 1][j + 1])
+    assert m.cost(x, y) == pytest.approx(expect, rel=1e-9)
+    assert m.cost_array(np.array([x]), np.array([y]))[0] == pytest.approx(expect, rel=1e-9)
+    # along one axis, the interpolant is a straight line between the two grid values
+    assert m.cost(x, y0) == pytest.approx((1 - u) * t[i][j] + u * t[i + 1][j], rel=1e-9)
+
+
+def test_rate_interpolation_exact_on_grid_and_for_constant_throughput():
+    m = grid_model()
+    r = ProfiledCostModel.from_grid(m.q_lens, m.kv_lens, m.table, interpolate="rate")
+    qq, kk = np.meshgrid(m.q_lens, m.kv_lens, indexing="ij")
+    assert np.allclose(r.cost_array(qq, kk), np.asarray(m.table), rtol=1e-12)
+    # a grid at constant cost per pair is reproduced exactly off the grid points too
+    flat = ProfiledCostModel.from_grid(m.q_lens, m.kv_lens, [[2.0 * PAIRS.cost(int(q), int(k)) for k in m.kv_lens]
+                                                              for q in m.q_lens], interpolate="rate")
+    for q, k in [(100, 3000), (700, 700), (3000, 60000)]:
+        assert flat.cost(q, k) == pytest.approx(2.0 * PAIRS.cost(q, k), rel=1e-12)
+
+
+def test_profiled_model_round_trips_through_json(tmp_path):
+    m = grid_model()
+    path = tmp_path / "profile.json"
+    m.save(path, device="test")
+    assert ProfiledCostModel.load(path) == m
+    with pytest.raises(ValueError, match="increasing"):
+        ProfiledCostModel.from_grid([2, 1], [1], [[0.0], [0.0]])
+
+
+# ---------------------------------------------------------------- scheduler: structure
+
+
+@st.composite
+def batches(draw):
+    """Ranks holding whole documents and pieces with offsets, lengths long-tailed."""
+    ranks = draw(st.integers(1, 10))
+    lengths = st.one_of(st.integers(1, 300), st.integers(300, 5000), st.integers(5000, 40000))
+    docs = []
+    for _ in range(ranks):
+        items = draw(st.lists(st.one_of(lengths, st.tuples(lengths, st.integers(0, 20000))), max_size=8))
+        docs.append(items)
+    return docs
+
+
+@given(docs=batches(), eps=st.sampled_from([0.0, 0.05, 0.2]), min_shard=st.sampled_from([1, 16, 128]),
+       extra_servers=st.integers(-2, 2))
+@SETTINGS
+def test_every_query_row_in_exactly_one_task(docs, eps, min_shard, extra_servers):
+    servers = max(1, len(docs) + extra_servers)
+    sched = schedule(docs, servers, eps=eps, cost_model=PAIRS, min_shard=min_shard)
+    verify_schedule(docs, sched, PAIRS)
+    assert sched.loads.sum() == pytest.approx(sched.initial_loads.sum(), rel=1e-9)
+    item, length, _ = task_rows(sched, docs)
+    q = sched.task_q_end - sched.task_q_start
+    # min_shard: no task shorter than min_shard unless its whole piece is
+    assert np.all(q >= np.minimum(min_shard, length[item]))
+    # head-tail pairing: the rows a server holds of a piece are mirror-symmetric within it
+    for it in np.unique(item):
+        for s in np.unique(sched.task_server[item == it]):
+            sel = (item == it) & (sched.task_server == s)
+            rows = np.concatenate([np.arange(a, b) for a, b in zip(sched.task_q_start[sel], sched.task_q_end[sel])])
+            assert np.array_equal(np.sort(rows), np.sort(length[it] - 1 - rows))
+
+
+def test_deterministic_and_input_untouched():
+    lengths = synthetic_doc_lengths("prolong", 64 * 65536, seed=3, max_doc_len=65536)
+    docs = contiguous_layout(lengths, 64, 65536)
+    snapshot = [list(d) for d in docs]
+    a, b = schedule(docs, 64), schedule(docs, 64)
+    assert docs == snapshot
+    for name in ("task_rank", "task_doc", "task_q_start", "task_q_end", "task_server", "loads", "bytes_per_rank"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_explicit_split_and_bytes():
+    """One long document against an empty rank: half its cost moves as one head-tail ring."""
+    tb = TokenBytes(q=1.0, kv=10.0, out=100.0)
+    docs = [[4096], []]
+    sched = schedule(docs, 2, eps=0.0, cost_model=PAIRS, min_shard=128, token_bytes=tb)
+    verify_schedule(docs, sched, PAIRS)
+    tasks = sorted((t.rank, t.doc, t.q_start, t.q_end, t.server) for t in sched.tasks)
+    # every pair of mirrored rows (i, 4095 - i) costs 4097 keys; half the total is k = 1024 pairs
+    assert tasks == [(0, 0, 0, 1024, 1), (0, 0, 1024, 3072, 0), (0, 0, 3072, 4096, 1)]
+    assert sched.loads.tolist() == [1024 * 4097, 1024 * 4097]
+    # rank 0 sends 2048 query rows, the KV prefix up to row 4096 once, and gets 2048 outputs back
+    assert sched.bytes_per_rank.tolist() == [2048 * (1 + 100) + 4096 * 10, 0.0]
+    assert sched.bytes_per_server.tolist() == [0.0, 2048 * (1 + 100) + 4096 * 10]
+
+
+def test_bytes_of_pieces_with_offsets():
+    """In place, a piece fetches its offset KV only; remote, also its rows and its KV prefix."""
+    tb = TokenBytes(q=1.0, kv=10.0, out=100.0)
+    docs = [[(200, 1000)], [(50, 7)]]
+    sched = schedule(docs, 2, eps=10.0, cost_model=PAIRS, token_bytes=tb)  # nothing moves
+    assert sched.num_moves == 0 and sched.bytes_per_rank.tolist() == [1000 * 10.0, 7 * 10.0]
+    sched = schedule(docs, 1, eps=10.0, cost_model=PAIRS, token_bytes=tb)  # rank 1 has no server
+    assert sched.bytes_per_rank.tolist() == [1000 * 10.0, 50 * 101.0 + (7 + 50) * 10.0]
+
+
+@given(docs=batches(), eps=st.sampled_from([0.0, 0.1]))
+@SETTINGS
+def test_bytes_accounting_matches_the_tasks(docs, eps):
+    tb = TokenBytes(q=3.0, kv=5.0, out=7.0)
+    sched = schedule(docs, len(docs), eps=eps, cost_model=PAIRS, min_shard=16, token_bytes=tb)
+    item, length, off = task_rows(sched, docs)
+    expect = np.zeros(len(docs))
+    for it in np.unique(item):
+        for s in np.unique(sched.task_server[item == it]):
+            sel = (item == it) & (sched.task_server == s)
+            r = int(sched.task_rank[sel][0])
+            if r == s:
+                expect[r] += off[it] * tb.kv
+            else:
+                rows = int((sched.task_q_end[sel] - sched.task_q_start[sel]).sum())
+                expect[r] += rows * (tb.q + tb.out) + (off[it] + sched.task_q_end[sel].max()) * tb.kv
+    assert np.allclose(sched.bytes_per_rank, expect)
+    assert sched.bytes_per_server.sum() == pytest.approx(expect.sum())
+
+
+def test_a_move_must_pay_for_its_bytes():
+    docs = [[8192], [16], [16]]
+    assert schedule(docs, 3, min_gain_per_byte=1e30).num_moves == 0
+    assert schedule(docs, 3).num_moves > 0
+
+
+# ---------------------------------------------------------------- scheduler: balance
+
+
+def granularity(docs, min_shard: int) -> float:
+    """Largest cost the scheduler can only move in one piece: a ``min_shard`` ring
+    (``min_shard`` row pairs of ``2 o + L + 1`` keys each) or a piece too short to split."""
+    length, off, _, _ = parse_docs(docs)
+    ring = min_shard * (2 * off + length + 1)
+    whole = PAIRS.cost_array(length, off + length)
+    return float(np.where(length >= 3 * min_shard, ring, whole).max(initial=0.0))
+
+
+@st.composite
+def long_tailed(draw):
+    ranks = draw(st.integers(2, 24))
+    tokens = draw(st.sampled_from([16384, 32768, 65536]))
+    seed = draw(st.integers(0, 10_000))
+    mix = draw(st.sampled_from(["pretrain", "prolong"]))
+    lengths = synthetic_doc_lengths(mix, ranks * tokens, seed=seed, max_doc_len=tokens)
+    return contiguous_layout(lengths, ranks, tokens)
+
+
+@given(docs=long_tailed(), eps=st.sampled_from([0.02, 0.05, 0.1, 0.2]), min_shard=st.sampled_from([16, 64, 128]))
+@SETTINGS
+def test_within_eps_when_granularity_allows(docs, eps, min_shard):
+    """Achievable when ``eps * F >= 2 * g``, ``g`` the largest cost that moves in one piece (``granularity``):
+    every server then ends within ``eps * F`` of ``F``."""
+    sched = schedule(docs, len(docs), eps=eps, cost_model=PAIRS, min_shard=min_shard)
+    verify_schedule(docs, sched, PAIRS)
+    if eps * sched.target >= 2 * granularity(docs, min_shard):
+        assert sched.converged
+        assert sched.loads.max() <= (1 + eps) * sched.target * (1 + 1e-9)
+        assert sched.loads.min() >= (1 - eps) * sched.target * (1 - 1e-9)
+        assert sched.imbalance <= 1 + eps + 1e-9
+    assert sched.imbalance <= sched.initial_imbalance * (1 + 1e-9)
+
+
+def test_profiled_cost_model_drives_the_scheduler():
+    grid = [1, 128, 1024, 8192, 65536, 262144]
+    model = ProfiledCostModel.from_grid(grid, grid, [[PAIRS.cost(q, k) + 1e3 for k in grid] for q in grid])
+    lengths = synthetic_doc_lengths("prolong", 16 * 65536, seed=1, max_doc_len=65536)
+    docs = contiguous_layout(lengths, 16, 65536)
+    sched = schedule(docs, 16, eps=0.1, cost_model=model)
+    verify_schedule(docs, sched, model)
+    assert sched.initial_imbalance > 1.3 and sched.imbalance <= 1.1 + 1e-9
+
+
+# ---------------------------------------------------------------- speed and the length mixes
+
+
+@pytest.mark.parametrize("mix", ["pretrain", "prolong"])
+def test_speed_512_ranks_512k_tokens(mix):
+    tokens = 512 * 1024
+    docs = contiguous_layout(synthetic_doc_lengths(mix, 512 * tokens, seed=0, max_doc_len=tokens), 512, tokens)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        sched = schedule(docs, 512, eps=0.1)
+        best = min(best, time.perf_counter() - t)
+    print(f"\n{mix}: 512 ranks x 512K tokens, {sched.stats['items']} pieces, {sched.num_moves} moves: "
+          f"schedule() best of 3 {best * 1e3:.1f} ms, imbalance {sched.initial_imbalance:.2f} -> {sched.imbalance:.3f}")
+    assert sched.imbalance <= 1.1 + 1e-9
+    assert best < 0.5
+
+
+@pytest.mark.parametrize("mix", ["pretrain", "prolong"])
+def test_synthetic_lengths(mix):
+    lens = synthetic_doc_lengths(mix, 3_000_000, seed=5, max_doc_len=200_000)
+    assert sum(lens) == 3_000_000 and min(lens) >= 1 and max(lens) <= 200_000
+    assert lens == synthetic_doc_lengths(mix, 3_000_000, seed=5, max_doc_len=200_000)
+    assert lens != synthetic_doc_lengths(mix, 3_000_000, seed=6, max_doc_len=200_000)
+    assert sum(synthetic_doc_lengths(mix, 7, seed=1)) == 7
+
+
+def test_prolong_has_more_long_document_tokens():
+    def long_share(mix):
+        lens = np.array(synthetic_doc_lengths(mix, 8_000_000, seed=0))
+        return lens[lens >= 32768].sum() / lens.sum()
+
+    assert long_share("pretrain") < 0.25 < 0.4 < long_share("prolong")
+    with pytest.raises(ValueError, match="unknown length mix"):
+        synthetic_doc_lengths("web", 10)
