@@ -15,6 +15,7 @@ kernel on the whole sequence. Prints a markdown table last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import random
@@ -28,6 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hf_longctx.backends import default_strategy, sequence_parallel_attention
+from hf_longctx.backends.auto import auto_decisions
 from hf_longctx.comm import comm_stats, reset_comm_stats
 from hf_longctx.kernels import attention_backward, attention_forward
 from hf_longctx.layout import PackedBatch, shard_plan
@@ -83,7 +85,44 @@ def global_tensors(total, hq, hkv, d, dtype, device, seed):
 VARIANTS = {"cad-nopp": ("cad", {"pingpong": False})}  # label -> (backend, options)
 
 
-def run_ours(backend, batch, tensors, world, rank, reps, device, strategy=None):
+class _DoneWork:
+    def wait(self):
+        return True
+
+
+@contextlib.contextmanager
+def stubbed(part: str):
+    """Time one part alone: ``"kernels"`` (attention kernels return at once, so only transfers and
+    bookkeeping remain) or ``"comm"`` (the backends' all_to_all and P2P calls return at once, so only
+    kernels and bookkeeping remain). Results are garbage under either; only the time is read."""
+    from hf_longctx.kernels import dispatch
+
+    saved = {}
+    if part == "kernels":
+        def fwd(name, q, k, v, *args):
+            return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+
+        def bwd(name, dout, q, k, v, *args):
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+        saved = {(dispatch, "_forward"): dispatch._forward, (dispatch, "_backward"): dispatch._backward}
+        dispatch._forward, dispatch._backward = fwd, bwd
+    else:
+        def a2a(*args, async_op=False, **kwargs):
+            return _DoneWork() if async_op else None
+
+        saved = {(dist, "all_to_all_single"): dist.all_to_all_single,
+                 (dist, "batch_isend_irecv"): dist.batch_isend_irecv}
+        dist.all_to_all_single = a2a
+        dist.batch_isend_irecv = lambda ops: [_DoneWork() for _ in ops]
+    try:
+        yield
+    finally:
+        for (mod, name), fn in saved.items():
+            setattr(mod, name, fn)
+
+
+def run_ours(backend, batch, tensors, world, rank, reps, device, strategy=None, breakdown=False):
     q, k, v, dout = tensors
     backend, options = VARIANTS.get(backend, (backend, None))
     plan = shard_plan(batch, world, strategy or default_strategy(backend))
@@ -105,7 +144,12 @@ def run_ours(backend, batch, tensors, world, rank, reps, device, strategy=None):
     reset_comm_stats()
     t_fb = timed(fwd_bwd, reps, device)
     sent = comm_stats().get("sent_bytes", 0) / (reps + 1)
-    return t_f, t_fb, sent
+    parts = {}
+    if breakdown:
+        for part in ("kernels", "comm"):
+            with stubbed(part):
+                parts[part] = timed(fwd_bwd, reps, device)
+    return t_f, t_fb, sent, parts
 
 
 def run_torch_cp(sdpa_backend, tensors, world, reps, device):
@@ -135,7 +179,7 @@ def run_torch_cp(sdpa_backend, tensors, world, reps, device):
                 out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True)
             torch.autograd.backward(out, dl)
 
-        return timed(fwd, reps, device), timed(fwd_bwd, reps, device), math.nan
+        return timed(fwd, reps, device), timed(fwd_bwd, reps, device), math.nan, {}
 
 
 def run_single_gpu(batch, tensors, reps, device, kernel="auto"):
@@ -163,7 +207,7 @@ def run_single_gpu(batch, tensors, reps, device, kernel="auto"):
             torch.cuda.synchronize() if device.type == "cuda" else None
             ts.append((time.perf_counter() - t0) * 1e3)
         res.append(statistics.median(ts))
-    return res[0], res[1], 0.0
+    return res[0], res[1], 0.0, {}
 
 
 def worker(rank, world, args):
@@ -199,10 +243,13 @@ def worker(rank, world, args):
             label = backend if strategy is None else f"{backend}+{strategy}"
             try:
                 if backend.startswith("cp_"):
-                    t_f, t_fb, sent = run_torch_cp(backend[3:], tensors, world, args.reps, device)
+                    t_f, t_fb, sent, parts = run_torch_cp(backend[3:], tensors, world, args.reps, device)
                 else:
-                    t_f, t_fb, sent = run_ours(backend, batch, tensors, world, rank, args.reps, device, strategy)
-                result[label] = (flops / world / t_f / 1e9, 3.5 * flops / world / t_fb / 1e9, sent)
+                    t_f, t_fb, sent, parts = run_ours(backend, batch, tensors, world, rank, args.reps, device,
+                                                      strategy, args.breakdown)
+                if backend == "auto":
+                    label = f"auto -> {auto_decisions()[-1]['backend']}"
+                result[label] = (flops / world / t_f / 1e9, 3.5 * flops / world / t_fb / 1e9, sent, t_fb, parts)
             except Exception as exc:  # noqa: BLE001 - one call measures everything; report and go on
                 if rank == 0:
                     print(f"{name} {total} kv{hkv} {label}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
@@ -213,8 +260,8 @@ def worker(rank, world, args):
             single = None
             if rank == 0:
                 try:
-                    t_f, t_fb, _ = run_single_gpu(batch, tensors, max(2, args.reps // 2), device)
-                    single = (flops / t_f / 1e9, 3.5 * flops / t_fb / 1e9, 0.0)
+                    t_f, t_fb, _, _ = run_single_gpu(batch, tensors, max(2, args.reps // 2), device)
+                    single = (flops / t_f / 1e9, 3.5 * flops / t_fb / 1e9, 0.0, t_fb, {})
                 except Exception as exc:  # noqa: BLE001
                     print(f"single-GPU {total}: {type(exc).__name__}: {exc}", flush=True)
             dist.barrier()
@@ -222,10 +269,11 @@ def worker(rank, world, args):
                 result["1 GPU"] = single
         if rank == 0:
             best_single = result.get("1 GPU", (math.nan, math.nan))[1]
-            for label, (tf, tfb, sent) in result.items():
+            for label, (tf, tfb, sent, ms, parts) in result.items():
                 ratio = tfb / best_single if best_single == best_single else math.nan
+                comm, comp = parts.get("kernels", math.nan), parts.get("comm", math.nan)
                 row = (f"| {name} | {total // 1024}K | {hkv} | {label} | {tf:.0f} | {tfb:.0f} | {ratio:.2f} | "
-                       f"{sent / 2**20:.0f} |")
+                       f"{sent / 2**20:.0f} | {ms:.1f} | {comm:.1f} | {comp:.1f} | {comp / comm:.2f} |")
                 rows.append(row)
                 print(row, flush=True)
         del tensors
@@ -233,8 +281,8 @@ def worker(rank, world, args):
         gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
         print(f"\n{world} x {gpu}, torch {torch.__version__}")
         print("| workload | tokens | kv heads | backend | fwd TFLOP/s/GPU | fwd+bwd TFLOP/s/GPU | vs 1 GPU (fwd+bwd) |"
-              " MiB sent/rank/iter |")
-        print("|---|---|---|---|---|---|---|---|")
+              " MiB sent/rank/iter | fwd+bwd ms | comm-only ms | compute-only ms | compute/comm |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         print("\n".join(rows))
     dist.destroy_process_group()
 
@@ -250,6 +298,8 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--single-max", type=int, default=262144, help="largest sequence timed on one GPU")
     p.add_argument("--quick", action="store_true", help="CPU smoke run with gloo and tiny sizes")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time fwd+bwd with kernels stubbed (communication) and collectives stubbed (compute)")
     args = p.parse_args()
     if args.quick:
         args.seqs, args.packed_seqs, args.reps = "512", "512", 1

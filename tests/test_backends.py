@@ -69,6 +69,11 @@ def test_backends_match_single_device_fp64_and_fp32(world):
     run_distributed(world, check_backends, BACKENDS, [torch.float64, torch.float32], range(3))
 
 
+def test_tasp_on_six_ranks_where_no_hamiltonian_decomposition_exists():
+    """K_6* has no decomposition into 5 Hamiltonian cycles: TASP runs on 4 and stays exact."""
+    run_distributed(6, check_backends, ["tasp"], [torch.float64], range(2), ["zigzag", "contiguous"])
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_backends_on_every_placement(world):
     run_distributed(world, check_backends, ["ring", "zigzag", "ulysses", "tasp"], [torch.float64], range(2),

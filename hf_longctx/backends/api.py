@@ -125,15 +125,30 @@ def sequence_parallel_attention(
 
     ``q_local = q_global[plan.local_indices(rank)]`` (token-major (T, H, D), GQA allowed), likewise
     k/v. Returns this rank's output rows in the same order; autograd gives exact gradients to the
-    three local inputs. ``backend`` is one of :func:`~hf_longctx.backends.registry.backend_names`;
+    three local inputs. ``backend`` is one of :func:`~hf_longctx.backends.registry.backend_names`
+    (``"auto"`` times the candidates once per problem shape and keeps the fastest, see :mod:`.auto`);
     ``options`` tune a backend (CAD: ``eps``, ``pingpong``).
     """
     rank, world = group_rank_and_size(group)
     check_group_agrees(q_local, k_local, v_local, plan, backend, group, rank, world, causal)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_local.shape[-1])
+    backend = resolve_backend(q_local, k_local, v_local, plan, backend, group, rank, world, scale, kernel, options)
     run = make_run_context(plan, backend, group, rank, world, scale, kernel, options)
     out, _lse = core_attention(q_local, k_local, v_local, register_context(run))
     return out
+
+
+def resolve_backend(q, k, v, plan, backend, group, rank, world, scale, kernel, options=None) -> str:
+    """``backend`` itself, or for ``"auto"`` the candidate measured fastest on these inputs (cached)."""
+    if backend != "auto":
+        return backend
+    from .auto import choose_backend
+
+    def forward(name: str):
+        run = make_run_context(plan, name, group, rank, world, scale, kernel, options)
+        return (run.forward_fn or run_forward)(run, q, k, v)
+
+    return choose_backend(q, k, v, plan, group, forward)
 
 
 def sequence_parallel_attention_with_lse(q_local, k_local, v_local, *, plan, backend="distflash", group=None,
@@ -142,5 +157,6 @@ def sequence_parallel_attention_with_lse(q_local, k_local, v_local, *, plan, bac
     rank, world = group_rank_and_size(group)
     check_group_agrees(q_local, k_local, v_local, plan, backend, group, rank, world, True)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_local.shape[-1])
+    backend = resolve_backend(q_local, k_local, v_local, plan, backend, group, rank, world, scale, kernel)
     run = make_run_context(plan, backend, group, rank, world, scale, kernel)
     return (run.forward_fn or run_forward)(run, q_local, k_local, v_local)

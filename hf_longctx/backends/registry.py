@@ -13,7 +13,7 @@ class BackendSpec:
     name: str
     default_strategy: str
     strategies: tuple[str, ...]  # shard strategies the backend is exact for
-    schedule: Callable[[int], Schedule] | None  # None: a backend with its own runner
+    schedule: Callable[[int], Schedule] | None  # None: a backend with its own runner (or "auto")
     summary: str
     runner: str | None = None  # module of hf_longctx.backends with run_forward/run_backward
 
@@ -73,4 +73,8 @@ register_backend(BackendSpec(
 register_backend(BackendSpec(
     "distflash", "contiguous", ("contiguous",), distflash_schedule,
     "DistFlashAttn: contiguous chunks, idle ranks compute for busy ones, P // 2 + 1 steps",
+))
+register_backend(BackendSpec(
+    "auto", "zigzag", _ANY, None,
+    "measures tasp against zigzag (and ring/distflash on contiguous placement) once per shape, keeps the fastest",
 ))

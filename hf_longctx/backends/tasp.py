@@ -14,6 +14,7 @@ all_to_all per step, in float32 so gradients add up exactly).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from functools import cache
 
@@ -25,14 +26,20 @@ from ..kernels import PartialAccumulator, accumulation_dtype, attention_backward
 from ..layout import Pair, ShardPlan, exchange_plan, pair_between_slots
 from .engine import gather_rows, scatter_add_rows
 
+log = logging.getLogger(__name__)
+
 
 @cache
 def cycles_for(n: int) -> tuple[tuple[int, ...], ...]:
     """Arc-disjoint directed Hamiltonian cycles used for ``n`` ranks (empty for one rank)."""
     if n == 1:
         return ()
-    from ..comm.topology import hamiltonian_decomposition
+    from ..comm.topology import hamiltonian_decomposition, idle_arcs
 
+    idle = idle_arcs(n)
+    if idle:  # K_4* and K_6* have no Hamiltonian decomposition (Tillson 1980)
+        log.info("hf_longctx tasp: %d ranks use %d Hamiltonian cycles; %d directed links stay idle: %s", n, n - 2,
+                 len(idle), idle)
     return tuple(tuple(c) for c in hamiltonian_decomposition(n))
 
 

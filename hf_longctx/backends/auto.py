@@ -1,0 +1,116 @@
+"""``backend="auto"``: measure the candidate backends on the real inputs and keep the fastest.
+
+Whether TASP's multi-ring all_to_all beats a ring of point-to-point transfers depends on the fabric
+(a fully connected mesh of links favours TASP, a switch that already gives one ring the whole GPU
+bandwidth does not), on the message size, and on how much compute there is to hide transfers
+behind (TASP's paper: it helps when compute/communication is below ~1.5). No formula captures the
+fabric, so the first call for a problem shape times one forward of every candidate on the actual
+q/k/v, takes each candidate's slowest rank (an all_reduce MAX, so every rank sees the same numbers
+and picks the same backend), and caches the verdict per group and shape. Later calls cost nothing.
+
+Candidates are the backends exact for the plan's placement: ``zigzag`` and ``tasp`` on zig-zag
+placements, plus ``ring`` and ``distflash`` on contiguous ones. The verdict and its timings are
+logged at INFO level and kept in :func:`auto_decisions`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..layout import ShardPlan
+from .registry import get_backend
+
+log = logging.getLogger(__name__)
+
+# ring and zigzag run the same rotation schedule: on a zig-zag placement they are one candidate.
+CANDIDATES = {
+    "contiguous": ("ring", "distflash", "tasp"),
+    "zigzag": ("zigzag", "tasp"),
+    "doc_zigzag": ("zigzag", "tasp"),
+}
+_decisions: dict[tuple, dict] = {}
+
+
+def auto_decisions() -> list[dict]:
+    """Every verdict of this process: backend chosen, candidates' forward seconds (slowest rank), key."""
+    return [dict(v, key=k) for k, v in _decisions.items()]
+
+
+def reset_auto_decisions() -> None:
+    _decisions.clear()
+
+
+def candidates_for(plan: ShardPlan) -> list[str]:
+    """Backends of :data:`CANDIDATES` that are exact for ``plan``'s placement."""
+    names = [b for b in CANDIDATES.get(plan.strategy, ()) if plan.strategy in get_backend(b).strategies]
+    if not names:
+        raise ValueError(f"backend 'auto' has no candidate for plan strategy {plan.strategy!r}; use one of "
+                         f"{sorted(CANDIDATES)} or name a backend")
+    return names
+
+
+def _size_bucket(tokens: int) -> int:
+    """Verdicts are shared between plans of similar length (powers of two): packed batches vary."""
+    return 1 << max(0, math.ceil(math.log2(max(1, tokens))))
+
+
+def _decision_key(q, k, plan: ShardPlan, group) -> tuple:
+    return (id(group), plan.world_size, plan.strategy, _size_bucket(plan.batch.num_tokens), tuple(q.shape[1:]),
+            tuple(k.shape[1:]), q.dtype, q.device.type)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slowest_rank(seconds: list[float], device, group) -> list[float]:
+    t = torch.tensor(seconds, dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def time_forward(run_forward: Callable[[str], object], device: torch.device, reps: int = 2) -> float:
+    """Median wall seconds of ``run_forward()`` after one warm-up call (device synchronised)."""
+    run_forward()
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        start = time.perf_counter()
+        run_forward()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def choose_backend(q, k, v, plan: ShardPlan, group, forward: Callable[[str], object],
+                   timer: Callable[[Callable[[], object], torch.device], float] | None = None) -> str:
+    """The fastest candidate for this problem; ``forward(backend)`` runs one forward of it.
+
+    Every rank of ``group`` must call this at the same point (it issues collectives); all get the
+    same answer. ``timer`` replaces :func:`time_forward` (tests use it to impose timings).
+    """
+    key = _decision_key(q, k, plan, group)
+    if key in _decisions:
+        return _decisions[key]["backend"]
+    names = candidates_for(plan)
+    if plan.world_size == 1 or len(names) == 1:
+        chosen, seconds = names[0], [0.0] * len(names)
+    else:
+        timer = timer or time_forward
+        with torch.no_grad():
+            local = [timer(lambda b=b: forward(b), q.device) for b in names]
+        seconds = _slowest_rank(local, q.device, group)
+        chosen = names[min(range(len(names)), key=lambda i: (seconds[i], i))]
+    _decisions[key] = {"backend": chosen, "seconds": dict(zip(names, seconds))}
+    log.info("hf_longctx auto backend: %s for %d tokens on %d ranks (forward seconds, slowest rank: %s)", chosen,
+             plan.batch.num_tokens, plan.world_size,
+             ", ".join(f"{n}={s * 1e3:.2f} ms" for n, s in zip(names, seconds)))
+    return chosen
