@@ -122,7 +122,7 @@ def stubbed(part: str):
             setattr(mod, name, fn)
 
 
-def run_ours(backend, batch, tensors, world, rank, reps, device, strategy=None, breakdown=False):
+def run_ours(backend, batch, tensors, world, rank, reps, device, strategy=None, breakdown=False, reference=None):
     q, k, v, dout = tensors
     backend, options = VARIANTS.get(backend, (backend, None))
     plan = shard_plan(batch, world, strategy or default_strategy(backend))
@@ -140,6 +140,18 @@ def run_ours(backend, batch, tensors, world, rank, reps, device, strategy=None, 
         out = sequence_parallel_attention(ql, kl, vl, plan=plan, backend=backend, options=options)
         torch.autograd.backward(out, dl)
 
+    errors = {}
+    if reference is not None:  # one fwd+bwd against the single-GPU kernel on the whole sequence
+        for t in (ql, kl, vl):
+            t.grad = None
+        out = sequence_parallel_attention(ql, kl, vl, plan=plan, backend=backend, options=options)
+        torch.autograd.backward(out, dl)
+        for name, got, want in zip(("out", "dq", "dk", "dv"), (out, ql.grad, kl.grad, vl.grad), reference):
+            want = want.index_select(0, idx).float()
+            err = torch.tensor([(got.float() - want).norm().item() ** 2, want.norm().item() ** 2], device=device,
+                               dtype=torch.float64)
+            dist.all_reduce(err)
+            errors[name] = math.sqrt(err[0].item() / max(err[1].item(), 1e-300))
     t_f = timed(fwd, reps, device)
     reset_comm_stats()
     t_fb = timed(fwd_bwd, reps, device)
@@ -149,7 +161,7 @@ def run_ours(backend, batch, tensors, world, rank, reps, device, strategy=None, 
         for part in ("kernels", "comm"):
             with stubbed(part):
                 parts[part] = timed(fwd_bwd, reps, device)
-    return t_f, t_fb, sent, parts
+    return t_f, t_fb, sent, parts, errors
 
 
 def run_torch_cp(sdpa_backend, tensors, world, reps, device):
@@ -179,7 +191,7 @@ def run_torch_cp(sdpa_backend, tensors, world, reps, device):
                 out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True)
             torch.autograd.backward(out, dl)
 
-        return timed(fwd, reps, device), timed(fwd_bwd, reps, device), math.nan, {}
+        return timed(fwd, reps, device), timed(fwd_bwd, reps, device), math.nan, {}, {}
 
 
 def run_single_gpu(batch, tensors, reps, device, kernel="auto"):
@@ -207,7 +219,7 @@ def run_single_gpu(batch, tensors, reps, device, kernel="auto"):
             torch.cuda.synchronize() if device.type == "cuda" else None
             ts.append((time.perf_counter() - t0) * 1e3)
         res.append(statistics.median(ts))
-    return res[0], res[1], 0.0, {}
+    return res[0], res[1], 0.0, {}, {}
 
 
 def worker(rank, world, args):
@@ -220,7 +232,7 @@ def worker(rank, world, args):
                             timeout=timedelta(seconds=600), device_id=device if device.type == "cuda" else None)
     dtype = torch.float32 if quick else torch.bfloat16
     hq, d = (4, 16) if quick else (32, 128)
-    rows = []
+    rows, checks = [], []
     workloads = []
     for s in args.seqs:
         for hkv in args.kv_heads:
@@ -233,6 +245,13 @@ def worker(rank, world, args):
         batch = PackedBatch.from_doc_lens(lens)
         flops = 4 * d * hq * batch.causal_pairs()
         tensors = global_tensors(total, hq, hkv, d, dtype, device, seed=total + hkv)
+        reference = None
+        if total <= args.check_max:
+            cu = batch.cu_seqlens.tolist()
+            q, k, v, dout = tensors
+            out, lse = attention_forward(q, k, v, cu, cu, batch.max_seqlen, batch.max_seqlen)
+            reference = (out, *attention_backward(dout, q, k, v, out, lse, cu, cu, batch.max_seqlen,
+                                                  batch.max_seqlen))
         candidates = [(b, None) for b in args.backends if not b.startswith("cp_")]
         if len(lens) > 1 and "zigzag" in args.backends:
             candidates.append(("zigzag", "doc_zigzag"))
@@ -243,10 +262,16 @@ def worker(rank, world, args):
             label = backend if strategy is None else f"{backend}+{strategy}"
             try:
                 if backend.startswith("cp_"):
-                    t_f, t_fb, sent, parts = run_torch_cp(backend[3:], tensors, world, args.reps, device)
+                    t_f, t_fb, sent, parts, _ = run_torch_cp(backend[3:], tensors, world, args.reps, device)
                 else:
-                    t_f, t_fb, sent, parts = run_ours(backend, batch, tensors, world, rank, args.reps, device,
-                                                      strategy, args.breakdown)
+                    t_f, t_fb, sent, parts, errors = run_ours(backend, batch, tensors, world, rank, args.reps,
+                                                              device, strategy, args.breakdown, reference)
+                    if errors and rank == 0:
+                        worst = max(errors.values())
+                        checks.append(f"{name} {total // 1024}K kv{hkv} {label}: relative error vs 1 GPU "
+                                      + ", ".join(f"{k} {e:.1e}" for k, e in errors.items())
+                                      + ("  OK" if worst < 1e-2 else "  FAILED (>= 1e-2)"))
+                        print(checks[-1], flush=True)
                 if backend == "auto":
                     label = f"auto -> {auto_decisions()[-1]['backend']}"
                 result[label] = (flops / world / t_f / 1e9, 3.5 * flops / world / t_fb / 1e9, sent, t_fb, parts)
@@ -260,7 +285,7 @@ def worker(rank, world, args):
             single = None
             if rank == 0:
                 try:
-                    t_f, t_fb, _, _ = run_single_gpu(batch, tensors, max(2, args.reps // 2), device)
+                    t_f, t_fb, _, _, _ = run_single_gpu(batch, tensors, max(2, args.reps // 2), device)
                     single = (flops / t_f / 1e9, 3.5 * flops / t_fb / 1e9, 0.0, t_fb, {})
                 except Exception as exc:  # noqa: BLE001
                     print(f"single-GPU {total}: {type(exc).__name__}: {exc}", flush=True)
@@ -276,7 +301,7 @@ def worker(rank, world, args):
                        f"{sent / 2**20:.0f} | {ms:.1f} | {comm:.1f} | {comp:.1f} | {comp / comm:.2f} |")
                 rows.append(row)
                 print(row, flush=True)
-        del tensors
+        del tensors, reference
     if rank == 0:
         gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
         print(f"\n{world} x {gpu}, torch {torch.__version__}")
@@ -284,6 +309,8 @@ def worker(rank, world, args):
               " MiB sent/rank/iter | fwd+bwd ms | comm-only ms | compute-only ms | compute/comm |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         print("\n".join(rows))
+        if checks:
+            print("\n" + "\n".join(checks))
     dist.destroy_process_group()
 
 
@@ -298,11 +325,13 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--single-max", type=int, default=262144, help="largest sequence timed on one GPU")
     p.add_argument("--quick", action="store_true", help="CPU smoke run with gloo and tiny sizes")
+    p.add_argument("--check-max", type=int, default=0,
+                   help="check outputs and gradients against one GPU for workloads up to this many tokens")
     p.add_argument("--breakdown", action="store_true",
                    help="also time fwd+bwd with kernels stubbed (communication) and collectives stubbed (compute)")
     args = p.parse_args()
     if args.quick:
-        args.seqs, args.packed_seqs, args.reps = "512", "512", 1
+        args.seqs, args.packed_seqs, args.reps, args.check_max = "512", "512", 1, 512
     args.seqs = [int(s) for s in args.seqs.split(",") if s]
     args.packed_seqs = [int(s) for s in args.packed_seqs.split(",") if s]
     args.kv_heads = [int(s) for s in args.kv_heads.split(",")]

@@ -68,6 +68,12 @@ def test_the_slowest_rank_decides():
     run_distributed(2, check_slowest_rank_decides)
 
 
+def test_a_tie_keeps_the_plain_ring():
+    assert auto._pick(["zigzag", "tasp"], [1.00, 0.99], margin=0.03) == "zigzag"
+    assert auto._pick(["zigzag", "tasp"], [1.00, 0.90], margin=0.03) == "tasp"
+    assert auto._pick(["ring", "distflash", "tasp"], [1.0, 0.5, 0.6], margin=0.03) == "distflash"
+
+
 def test_candidates_follow_the_placement():
     batch = PackedBatch.from_doc_lens([50, 30, 20])
     assert auto.candidates_for(shard_plan(batch, 3, "zigzag")) == ["zigzag", "tasp"]

@@ -108,6 +108,32 @@ def test_documents_inside_shards_cost_no_communication(world):
     run_distributed(world, count_traffic, [16 * world], True)
 
 
+def count_tasp_rows(rank, world):
+    import torch.distributed as dist
+
+    from hf_longctx.backends.tasp import cycles_for
+    from hf_longctx.comm import comm_stats, reset_comm_stats
+
+    # three shards of 16 rows; only document 1 crosses a boundary: rank 1 needs key rows 10..15 of rank 0
+    batch = PackedBatch.from_doc_lens([10, 10, 12, 16])
+    plan = shard_plan(batch, world, "contiguous")
+    q = torch.randn(batch.num_tokens, 2, 8, dtype=torch.float64)
+    idx = plan.local_indices(rank)
+    reset_comm_stats()
+    sequence_parallel_attention(q[idx], q[idx], q[idx], plan=plan, backend="tasp")
+    sent = torch.tensor([comm_stats().get("sent_bytes", 0)], dtype=torch.float64)
+    dist.all_reduce(sent)
+    # rank 0's rows 8..15 form the sub-block of cycle 1; it travels until it reaches rank 1
+    cycle = cycles_for(3)[1]
+    hops = (cycle.index(1) - cycle.index(0)) % 3
+    row_bytes = 2 * 8 * 8
+    assert sent.item() == hops * 6 * 2 * row_bytes, (sent.item(), hops)
+
+
+def test_tasp_sends_only_the_rows_later_ranks_read():
+    run_distributed(3, count_tasp_rows)
+
+
 def raise_on_one_rank(rank, world, result_dir):
     import os
     import time

@@ -90,12 +90,24 @@ def time_forward(run_forward: Callable[[str], object], device: torch.device, rep
     return sorted(times)[len(times) // 2]
 
 
+def _pick(names: list[str], seconds: list[float], margin: float) -> str:
+    """The first candidate (the plain ring of the placement) unless another is faster by ``margin``.
+
+    Timings of near-equal candidates are noise (at two ranks TASP IS a ring): a tie keeps the simpler
+    backend, so the verdict does not flip between runs.
+    """
+    best = min(range(len(names)), key=lambda i: (seconds[i], i))
+    return names[best] if seconds[best] < (1.0 - margin) * seconds[0] else names[0]
+
+
 def choose_backend(q, k, v, plan: ShardPlan, group, forward: Callable[[str], object],
-                   timer: Callable[[Callable[[], object], torch.device], float] | None = None) -> str:
+                   timer: Callable[[Callable[[], object], torch.device], float] | None = None,
+                   margin: float = 0.03) -> str:
     """The fastest candidate for this problem; ``forward(backend)`` runs one forward of it.
 
     Every rank of ``group`` must call this at the same point (it issues collectives); all get the
-    same answer. ``timer`` replaces :func:`time_forward` (tests use it to impose timings).
+    same answer. ``timer`` replaces :func:`time_forward` (tests use it to impose timings); another
+    candidate replaces the first only when it is faster by more than ``margin``.
     """
     key = _decision_key(q, k, plan, group)
     if key in _decisions:
@@ -108,7 +120,7 @@ def choose_backend(q, k, v, plan: ShardPlan, group, forward: Callable[[str], obj
         with torch.no_grad():
             local = [timer(lambda b=b: forward(b), q.device) for b in names]
         seconds = _slowest_rank(local, q.device, group)
-        chosen = names[min(range(len(names)), key=lambda i: (seconds[i], i))]
+        chosen = _pick(names, seconds, margin)
     _decisions[key] = {"backend": chosen, "seconds": dict(zip(names, seconds))}
     log.info("hf_longctx auto backend: %s for %d tokens on %d ranks (forward seconds, slowest rank: %s)", chosen,
              plan.batch.num_tokens, plan.world_size,

@@ -6,8 +6,9 @@ Hamiltonian cycle of a decomposition of K_n* (n - 1 cycles; n - 2 for n = 4 and 
 sub-block one hop along its own cycle per step, all of them in ONE all_to_all, so every link carries
 data at once. After n - 1 hops each sub-block has visited every rank.
 
-Packed documents: a sub-block is forwarded only as far as some rank on its cycle still needs it, and
-(query, key) pieces whose documents do not meet cost nothing. Backward re-sends the keys along the
+Packed documents: a sub-block is forwarded only as far as some rank on its cycle still needs it, each
+hop carries only the span of its rows that this and later ranks read, and (query, key) pieces whose
+documents do not meet cost nothing. Backward re-sends the keys along the
 same routes and returns each rank's dK/dV of a visiting sub-block straight to its owner (one extra
 all_to_all per step, in float32 so gradients add up exactly).
 """
@@ -58,7 +59,15 @@ class Route:
     block: SubBlock
     visits: tuple[int, ...]  # visits[h - 1] = rank holding it after h hops
     hops: int  # hops actually made (0: nobody else needs it)
-    pairs: tuple[tuple[Pair, ...], ...]  # pairs[h - 1]: kernel calls at visits[h - 1], keys relative to start
+    pairs: tuple[tuple[Pair, ...], ...]  # pairs[h - 1]: kernel calls at visits[h - 1], keys relative to spans[h - 1]
+    spans: tuple[tuple[int, int], ...]  # spans[h - 1]: key rows (relative to start) that travel on hop h
+
+    def span(self, hop: int) -> tuple[int, int]:
+        return self.spans[hop - 1]
+
+    def rows(self, hop: int) -> int:
+        lo, hi = self.spans[hop - 1]
+        return hi - lo
 
 
 def _clip_keys(p: Pair, lo: int, hi: int) -> Pair | None:
@@ -85,6 +94,22 @@ def _raw_pairs(plan: ShardPlan, q_rank: int, kv_rank: int) -> list[Pair]:
     return pairs
 
 
+def _travelling_spans(pairs: tuple[tuple[Pair, ...], ...], hops: int) -> tuple[tuple[int, int], ...]:
+    """Per hop, the smallest row span holding every key that this and all later hops use.
+
+    With packed documents most ranks on a cycle need only the tail of a sub-block (the start of the
+    document crossing into their shard), so a sub-block shrinks as it travels. Spans are nested, so
+    each holder forwards a slice of what it received.
+    """
+    spans, lo, hi = [], None, None
+    for h in range(hops, 0, -1):
+        for p in pairs[h - 1]:
+            lo = p.k_start if lo is None else min(lo, p.k_start)
+            hi = p.k_end if hi is None else max(hi, p.k_end)
+        spans.append((lo or 0, hi or 0))
+    return tuple(reversed(spans))
+
+
 def routes(plan: ShardPlan) -> tuple[Route, ...]:
     """Every sub-block's route (cached on the plan)."""
 
@@ -103,7 +128,13 @@ def routes(plan: ShardPlan) -> tuple[Route, ...]:
                     for v in visits
                 )
                 hops = max((h + 1 for h, ps in enumerate(pairs) if ps), default=0)
-                out.append(Route(block, visits, hops, pairs))
+                spans = _travelling_spans(pairs, hops)
+                pairs = tuple(  # keys relative to the span that arrives on that hop
+                    tuple(replace(p, k_start=p.k_start - spans[h][0], k_end=p.k_end - spans[h][0]) for p in ps)
+                    if h < hops else ps
+                    for h, ps in enumerate(pairs)
+                )
+                out.append(Route(block, visits, hops, pairs, spans))
         return tuple(out)
 
     return plan.cached("tasp_routes", build)
@@ -144,7 +175,7 @@ def _kv_step_layout(ctx, hop: int):
             continue
         holder = r.block.owner if hop == 1 else r.visits[hop - 2]
         dst = r.visits[hop - 1]
-        rows = 2 * (r.block.end - r.block.start)  # keys then values
+        rows = 2 * r.rows(hop)  # keys then values
         if holder == rank:
             sends.setdefault(dst, []).append((i, rows))
         if dst == rank:
@@ -159,8 +190,12 @@ def _post_kv(ctx, hop: int, held: dict[int, tuple[torch.Tensor, torch.Tensor]], 
     for dst, items in sends.items():
         payload[dst] = []
         for i, _ in items:
-            b = rts[i].block
-            kb, vb = held[i] if i in held else (k[b.start : b.end], v[b.start : b.end])
+            b, (lo, hi) = rts[i].block, rts[i].span(hop)
+            if i in held:  # forward the part of what arrived on the previous hop that is still needed
+                base = rts[i].span(hop - 1)[0]
+                kb, vb = (t[lo - base : hi - base] for t in held[i])
+            else:
+                kb, vb = k[b.start + lo : b.start + hi], v[b.start + lo : b.start + hi]
             payload[dst] += [kb, vb]
     work, recv, split = _exchange(payload, {s: sum(n for _, n in it) for s, it in recvs.items()}, k, ctx)
     return work, recv, split, recvs
@@ -219,7 +254,7 @@ def _grad_receives(ctx, hop: int) -> dict[int, list[tuple[int, int]]]:
     expect: dict[int, list] = {}
     for i, r in enumerate(routes(ctx.plan)):
         if r.block.owner == ctx.rank and hop <= r.hops and r.pairs[hop - 1]:
-            expect.setdefault(r.visits[hop - 1], []).append((i, 2 * (r.block.end - r.block.start)))
+            expect.setdefault(r.visits[hop - 1], []).append((i, 2 * r.rows(hop)))
     return expect
 
 
@@ -262,10 +297,10 @@ def run_backward(ctx, dout, q, k, v, out, lse):
         work, recv, split = _exchange(sends, {s: sum(m for _, m in it) for s, it in expect.items()}, like, ctx)
         work.wait()
         for i, g in _split_recv(recv, split, expect).items():
-            b = rts[i].block
+            b, (lo, hi) = rts[i].block, rts[i].span(hop)
             half = g.shape[0] // 2
-            dk[b.start : b.end] += g[:half]
-            dv[b.start : b.end] += g[half:]
+            dk[b.start + lo : b.start + hi] += g[:half]
+            dv[b.start + lo : b.start + hi] += g[half:]
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
