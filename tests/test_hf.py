@@ -104,27 +104,31 @@ def test_sharded_llama_loss_and_grads_equal_sdpa(world):
     run_distributed(world, check_sharded_llama, BACKENDS, range(2))
 
 
-def check_input_hook(rank, world):
-    """Each rank passes its own packed rows; the group trains on their concatenation."""
-    model = tiny_llama(5)
+def check_input_hook(rank, world, backends):
+    """Each rank passes its own packed rows; the group trains on their concatenation, for every backend."""
     rows = [packed_example(100 + r, total=20 + 3 * r) for r in range(world)]
     group_ids = torch.cat([ids for _, ids in rows], dim=1)
     group_packed = PackedBatch.from_doc_lens([n for p, _ in rows for n in p.doc_lens])
-    ref_loss, ref_grads = reference_loss_and_grads(model, group_packed, group_ids)
-    model.zero_grad()
-    model.set_attn_implementation("longctx_distfa")
-    install_input_hook(model, group=None)
-    packed, ids = rows[rank]
-    labels = ids.clone()
-    labels[0, list(packed.doc_starts)] = -100  # DataCollatorWithFlattening's convention
-    loss = model(input_ids=ids, position_ids=packed.position_ids[None], labels=labels).loss
-    loss.backward()
-    # transformers computes the loss in float32: equal to that precision
-    assert_group_sum_equal(loss, model, ref_loss, ref_grads, f"hook rank={rank}", tol=1e-6)
+    for backend in backends:
+        model = tiny_llama(5)
+        ref_loss, ref_grads = reference_loss_and_grads(model, group_packed, group_ids)
+        model.zero_grad()
+        model.set_attn_implementation(implementation_name(backend))
+        hook = install_input_hook(model, group=None)
+        packed, ids = rows[rank]
+        labels = ids.clone()
+        labels[0, list(packed.doc_starts)] = -100  # DataCollatorWithFlattening's convention
+        loss = model(input_ids=ids, position_ids=packed.position_ids[None], labels=labels).loss
+        loss.backward()
+        # transformers computes the loss in float32: equal to that precision
+        assert_group_sum_equal(loss, model, ref_loss, ref_grads, f"hook {backend} rank={rank}", tol=1e-6)
+        # the logged attention load covers every visible pair of the group batch exactly once
+        assert hook.work_mean * world == pytest.approx(group_packed.causal_pairs()), backend
+        assert hook.work_max >= hook.work_mean
 
 
 def test_input_hook_trains_on_the_concatenated_group_batch():
-    run_distributed(2, check_input_hook)
+    run_distributed(2, check_input_hook, BACKENDS + ["auto"])
 
 
 def _step(model, local):

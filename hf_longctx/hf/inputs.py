@@ -14,8 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..backends.load import attention_load
 from ..comm.groups import group_rank_and_size
-from ..layout import exchange_plan
 from .attention import backend_of
 from .sharding import gather_group_batch, packed_batch_of, plan_for, shard_batch
 
@@ -30,17 +30,6 @@ def check_model(model) -> None:
     if getattr(inner, "rotary_emb", None) is None:
         raise ValueError(f"{type(model).__name__} has no rotary position embedding; sequence parallelism "
                          "needs position_ids to travel with the tokens (Llama-family RoPE models)")
-
-
-def schedule_work(plan, backend: str, world: int) -> list[int]:
-    """Visible (query, key) pairs each rank computes under the backend's schedule: the attention load."""
-    from ..backends import get_backend
-
-    work = [0] * world
-    for step in get_backend(backend).schedule(world):
-        for task in step:
-            work[task.computed_by()] += exchange_plan(plan, task.q_rank, task.kv_rank, task.part, task.parts).work
-    return work
 
 
 class SequenceParallelInputs:
@@ -75,7 +64,7 @@ class SequenceParallelInputs:
         kwargs.update(local)
         self.tokens += packed.num_tokens
         self.causal_pairs += packed.causal_pairs()
-        work = schedule_work(plan, backend, world)
+        work = attention_load(plan, backend)
         self.work_max, self.work_mean = max(work), sum(work) / len(work)
         return args, kwargs
 
