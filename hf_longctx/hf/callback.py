@@ -19,6 +19,7 @@ from ..kernels import available_kernels
 from .checkpointing import enable_layer_checkpointing, enable_recompute_aware_checkpointing
 from .config import LongContextConfig, load_config
 from .inputs import attention_flops, install_input_hook, model_flops_per_token, peak_flops
+from .tiled_loss import enable_tiled_loss
 
 logger = logging.getLogger("hf_longctx")
 
@@ -40,12 +41,19 @@ class LongContextCallback(TrainerCallback):
         sp = cfg.resolved_sp_size(world)
         group = sequence_parallel_group(sp) if world > 1 else None
         self.hook = install_input_hook(model, group, cfg.kernel)
+        if cfg.tiled_loss:
+            enable_tiled_loss(model, chunk_tokens=cfg.tiled_loss)
+        if cfg.tiled_mlp:
+            from .tiled_mlp import enable_tiled_mlp
+
+            enable_tiled_mlp(model, chunk_tokens=cfg.tiled_mlp)
         if cfg.checkpointing == "recompute_aware":
             enable_recompute_aware_checkpointing(model)
         elif cfg.checkpointing == "layer":
             enable_layer_checkpointing(model)
         self.summary = {"backend": cfg.backend, "sp_size": sp, "dp_size": world // sp,
-                        "checkpointing": cfg.checkpointing, "kernel": cfg.kernel,
+                        "checkpointing": cfg.checkpointing, "kernel": cfg.kernel, "tiled_loss": cfg.tiled_loss,
+                        "tiled_mlp": cfg.tiled_mlp,
                         "kernels_available": available_kernels(args.device)}
         self._flops_per_token = model_flops_per_token(model)
         self._peak = peak_flops(args.device)

@@ -26,14 +26,18 @@ class LongContextConfig:
     checkpointing: str = "recompute_aware"
     kernel: str = "auto"
     seq_len: int = 0  # tokens per process per step (0: the training script's default)
+    tiled_loss: int = 0  # tokens per chunk of the vocabulary loss (0: off, logits for the whole shard)
+    tiled_mlp: int = 0  # tokens per chunk of each decoder layer's MLP (0: off)
 
     def __post_init__(self):
         if self.backend not in backend_names():
             raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(backend_names())}")
         if self.checkpointing not in CHECKPOINTING_MODES:
             raise ValueError(f"unknown checkpointing {self.checkpointing!r}; choose one of {CHECKPOINTING_MODES}")
-        if not isinstance(self.sp_size, int) or self.sp_size < 0:
-            raise ValueError(f"sp_size must be a non-negative int (0 = whole world), got {self.sp_size!r}")
+        for key in ("sp_size", "seq_len", "tiled_loss", "tiled_mlp"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{key} must be a non-negative int (0 = default/off), got {value!r}")
 
     @property
     def attn_implementation(self) -> str:
@@ -90,7 +94,8 @@ def _launcher_config_file() -> str | None:
     return None
 
 
-_ENV = {"backend": str, "sp_size": int, "checkpointing": str, "kernel": str, "seq_len": int}
+_ENV = {"backend": str, "sp_size": int, "checkpointing": str, "kernel": str, "seq_len": int, "tiled_loss": int,
+        "tiled_mlp": int}
 
 
 def load_config(recipe: str | os.PathLike | None = None) -> LongContextConfig:

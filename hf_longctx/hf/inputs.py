@@ -72,7 +72,8 @@ class SequenceParallelInputs:
 def install_input_hook(model, group: dist.ProcessGroup | None, kernel: str = "auto") -> SequenceParallelInputs:
     check_model(model)
     hook = SequenceParallelInputs(group, kernel)
-    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    # prepended: every other pre-hook (tiled loss, user hooks) must see the sharded inputs
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
     hook.handle = handle
     return hook
 
