@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import math
 import os
-import random
 import statistics
 import sys
 import traceback
@@ -36,19 +35,10 @@ from hf_longctx.layout import PackedBatch, shard_plan
 
 
 def long_tailed_doc_lens(total: int, seed: int, mix: str) -> list[int]:
-    """Document lengths summing to ``total`` from the named mix (falls back to a lognormal tail)."""
-    try:
-        from hf_longctx.data.synthetic_lengths import synthetic_doc_lengths
+    """Document lengths summing to ``total`` from the named mix (``pretrain`` or ``prolong``)."""
+    from hf_longctx.data.synthetic_lengths import synthetic_doc_lengths
 
-        return synthetic_doc_lengths(mix, total, seed=seed, max_doc_len=total)
-    except ImportError:
-        rng = random.Random(seed)
-        lens, left = [], total
-        while left:
-            n = min(left, max(1, int(rng.lognormvariate(8.5, 1.8))))
-            lens.append(n)
-            left -= n
-        return lens
+    return synthetic_doc_lengths(mix, total, seed=seed, max_doc_len=total)
 
 
 def timed(fn, reps: int, device) -> float:

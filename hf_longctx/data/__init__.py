@@ -7,13 +7,35 @@ with document boundaries (:func:`pack_documents`) -> collate rows into one packe
 paper's length distributions (:func:`synthetic_doc_lengths`).
 """
 
-from .collator import IGNORE_INDEX, PackedCollator
-from .mixing import bucket_of, document_token_lengths, length_mix, token_shares
-from .packing import STRATEGIES, best_fit_layout, concat_layout, pack_arrow, pack_documents
-from .sources import data_dir, load_sample_tokenizer, load_text_dataset, load_tokenizer, sample_corpus_path
-from .stats import PackingSummary, save_histogram_png, summarize_packed
-from .synthetic import document_lengths, packed_synthetic_dataset
-from .tokenization import tokenize_documents
+from importlib import import_module
+
+# Names are imported on first use (PEP 562): the benchmarks import synthetic_lengths (numpy only) on
+# machines without ``datasets``, and ``import hf_longctx.data`` stays cheap.
+_WHERE = {
+    "IGNORE_INDEX": "collator",
+    "PackedCollator": "collator",
+    "PackingSummary": "stats",
+    "STRATEGIES": "packing",
+    "best_fit_layout": "packing",
+    "bucket_of": "mixing",
+    "concat_layout": "packing",
+    "data_dir": "sources",
+    "document_lengths": "synthetic",
+    "document_token_lengths": "mixing",
+    "length_mix": "mixing",
+    "load_sample_tokenizer": "sources",
+    "load_text_dataset": "sources",
+    "load_tokenizer": "sources",
+    "pack_arrow": "packing",
+    "pack_documents": "packing",
+    "packed_synthetic_dataset": "synthetic",
+    "sample_corpus_path": "sources",
+    "save_histogram_png": "stats",
+    "summarize_packed": "stats",
+    "synthetic_doc_lengths": "synthetic_lengths",
+    "token_shares": "mixing",
+    "tokenize_documents": "tokenization",
+}
 
 __all__ = [
     "IGNORE_INDEX",
@@ -42,9 +64,15 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    if name == "synthetic_doc_lengths":  # written separately; imported only when asked for
-        from .synthetic_lengths import synthetic_doc_lengths
 
-        return synthetic_doc_lengths
-    raise AttributeError(f"module 'hf_longctx.data' has no attribute {name!r}")
+def __getattr__(name: str):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hf_longctx.data' has no attribute {name!r}")
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -9,6 +9,7 @@ from .checkpointing import (
 from .config import LongContextConfig, load_config
 from .context import SequenceParallelContext
 from .sharding import gather_group_batch, packed_batch_of, plan_for, shard_batch, shift_labels_per_document
+from .tiled_mlp import TiledMLP, disable_tiled_mlp, enable_tiled_mlp
 
 __all__ = [
     "LongContextConfig",
@@ -17,7 +18,10 @@ __all__ = [
     "recompute_aware_checkpointing_kwargs",
     "recompute_aware_policy",
     "SequenceParallelContext",
+    "TiledMLP",
     "backend_of",
+    "disable_tiled_mlp",
+    "enable_tiled_mlp",
     "gather_group_batch",
     "implementation_name",
     "packed_batch_of",

@@ -1,0 +1,259 @@
+"""Train a Llama-3-8B-shaped model (random weights) for a few steps and report throughput and memory.
+
+One command per measurement, on the GPU machine (NCCL; one process per GPU)::
+
+    python scripts/bench_train.py --gpus 2 --backend zigzag --seq 131072 --layers 4
+    python scripts/bench_train.py --gpus 1 --backend local --seq 65536 --layers 4 --search   # largest that fits
+    python scripts/bench_train.py --quick --gpus 2 --backend zigzag                          # CPU smoke run
+
+``--seq`` is tokens per GPU; the sequence-parallel group (all GPUs) trains on ``gpus x seq`` tokens of
+packed documents from a ProLong-style length mix. Prints tokens/s, MFU (6 x parameters per token plus
+causal attention FLOPs, over the GPUs' dense bf16 peak), peak memory per GPU, and the share of the
+step spent in core attention (core attention timed alone on the same shapes, times the layers).
+Memory options are each optional: ``--checkpointing``, ``--tiled-loss``, ``--tiled-mlp``.
+``--search`` doubles ``--seq`` until a step runs out of memory, then bisects; each try runs in a
+fresh process so an out-of-memory error leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def build_model(args, impl: str, device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if args.quick:
+        cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=args.layers,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1 << 22,
+                          attn_implementation=impl)
+    else:
+        cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=4096, intermediate_size=14336,
+                          num_hidden_layers=args.layers, num_attention_heads=32, num_key_value_heads=8,
+                          max_position_embeddings=1 << 24, rope_theta=500000.0, attn_implementation=impl)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    return model.to(torch.float32 if args.quick else torch.bfloat16)
+
+
+def packed_batch(total: int, vocab: int, mix: str, seed: int, device):
+    from hf_longctx.data.synthetic_lengths import synthetic_doc_lengths
+    from hf_longctx.layout import PackedBatch
+
+    lens = synthetic_doc_lengths(mix, total, seed=seed, max_doc_len=total) if mix != "one" else [total]
+    packed = PackedBatch.from_doc_lens(lens)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (1, total), generator=g).to(device)
+    return packed, {"input_ids": ids, "position_ids": packed.position_ids[None].to(device)}
+
+
+def attention_ms(plan, backend, rank, group, cfg, device, dtype, reps=3) -> float:
+    """Core attention forward+backward of one layer on this plan, alone (ms, slowest rank)."""
+    from hf_longctx.backends import sequence_parallel_attention
+
+    n = plan.num_local_tokens(rank)
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    q = torch.randn(n, cfg.num_attention_heads, hd, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(n, cfg.num_key_value_heads, hd, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+
+    def step():
+        out = sequence_parallel_attention(q, k, v, plan=plan, backend=backend, group=group)
+        out.backward(torch.ones_like(out))
+
+    return _timed(step, reps, device)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, reps, device) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        t = torch.tensor([(time.perf_counter() - t0) * 1e3], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(t.item())
+    return statistics.median(times)
+
+
+def worker(rank, world, args):
+    from hf_longctx.backends.load import attention_load  # noqa: F401 - registers the backends
+    from hf_longctx.hf import implementation_name, plan_for, shard_batch
+    from hf_longctx.hf.checkpointing import enable_layer_checkpointing, enable_recompute_aware_checkpointing
+    from hf_longctx.hf.inputs import attention_flops, model_flops_per_token, peak_flops
+    from hf_longctx.hf.tiled_loss import enable_tiled_loss
+
+    device = torch.device("cpu") if args.quick else torch.device("cuda", rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo" if args.quick else "nccl", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=900), device_id=device if device.type == "cuda" else None)
+    if world == 1 and args.backend != "local":
+        raise SystemExit("one GPU runs the 'local' backend; name --backend local")
+    model = build_model(args, implementation_name(args.backend), device)
+    if args.checkpointing == "recompute_aware":
+        enable_recompute_aware_checkpointing(model)
+    elif args.checkpointing == "layer":
+        enable_layer_checkpointing(model)
+    if args.tiled_loss:
+        enable_tiled_loss(model, chunk_tokens=args.tiled_loss)
+    if args.tiled_mlp:
+        from hf_longctx.hf.tiled_mlp import enable_tiled_mlp
+
+        enable_tiled_mlp(model, chunk_tokens=args.tiled_mlp)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
+    total = args.seq * world
+    packed, batch = packed_batch(total, model.config.vocab_size, args.mix, args.seed, device)
+    plan = plan_for(packed, args.backend, None)
+    local = shard_batch(batch, plan, rank, None)
+
+    def step():
+        loss = model(**local).loss
+        loss.backward()
+        for p in params:  # each rank holds its share of the loss: the gradient is the group's sum
+            if world > 1:
+                dist.all_reduce(p.grad)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    ms = _timed(step, args.steps, device)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    peak_t = torch.tensor([peak], device=device)
+    dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
+    attn = attention_ms(plan, args.backend, rank, None, model.config, device, next(model.parameters()).dtype)
+    # layer checkpointing runs attention forward again in backward: ~1/3.5 of a forward+backward
+    attn_runs = model.config.num_hidden_layers * (1 + (args.checkpointing == "layer") / 3.5)
+    flops = total * model_flops_per_token(model) + attention_flops(model, packed.causal_pairs())
+    peak_flops_gpu = peak_flops(device)
+    result = {
+        "backend": args.backend, "gpus": world, "tokens_per_gpu": args.seq, "context": total,
+        "layers": model.config.num_hidden_layers, "checkpointing": args.checkpointing,
+        "tiled_loss": args.tiled_loss, "tiled_mlp": args.tiled_mlp, "docs": packed.num_docs,
+        "longest_doc": max(packed.doc_lens), "step_s": ms / 1e3, "tokens_per_s": total / (ms / 1e3),
+        "mfu": flops / (ms / 1e3) / (world * peak_flops_gpu) if peak_flops_gpu else None,
+        "peak_gib": peak_t.item(), "attention_share": min(1.0, attn * attn_runs / ms),
+    }
+    if rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def row(r: dict) -> str:
+    mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+    return (f"| {r['backend']} | {r['gpus']} | {r['tokens_per_gpu'] // 1024}K | {r['context'] // 1024}K | "
+            f"{r['layers']} | {r['checkpointing']} | {r['tiled_loss'] or '-'} | {r['tiled_mlp'] or '-'} | "
+            f"{r['step_s']:.2f} | {r['tokens_per_s']:.0f} | {mfu} | {r['peak_gib']:.1f} | "
+            f"{100 * r['attention_share']:.0f}% |")
+
+
+HEADER = ("| backend | GPUs | tokens/GPU | context | layers | checkpointing | tiled loss | tiled MLP | step s | "
+          "tokens/s | MFU | peak GiB/GPU | attention share |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def try_seq(args, seq: int) -> dict | None:
+    """One measurement in a fresh process; None when it ran out of memory."""
+    out = Path(f"/tmp/bench_train_{os.getpid()}_{seq}.json")
+    cmd = [sys.executable, __file__, *[a for a in sys.argv[1:] if a != "--search"], "--seq", str(seq),
+           "--json-out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode == 0 and out.exists():
+        return json.loads(out.read_text())
+    text = proc.stdout + proc.stderr
+    if "out of memory" in text.lower() or "OutOfMemoryError" in text:
+        print(f"{seq // 1024}K tokens/GPU: out of memory", flush=True)
+        return None
+    raise RuntimeError(f"bench_train at {seq} tokens failed (not out of memory):\n{text[-3000:]}")
+
+
+def search(args) -> int:
+    good, bad, results = None, None, []
+    seq = args.seq
+    while seq <= args.max_seq:
+        r = try_seq(args, seq)
+        if r is None:
+            bad = seq
+            break
+        good = seq
+        results.append(r)
+        print(row(r), flush=True)
+        seq *= 2
+    for _ in range(args.bisect if good and bad else 0):
+        mid = (good + bad) // 2 // args.granularity * args.granularity
+        if mid in (good, bad):
+            break
+        r = try_seq(args, mid)
+        if r is None:
+            bad = mid
+        else:
+            good = mid
+            results.append(r)
+            print(row(r), flush=True)
+    print("\n" + HEADER)
+    print("\n".join(row(r) for r in sorted(results, key=lambda r: r["tokens_per_gpu"])))
+    fits = f"{good // 1024}K tokens/GPU ({good * args.gpus // 1024}K context)" if good else "nothing"
+    print(f"\nlargest that fits: {fits}" + (f"; {bad // 1024}K/GPU ran out of memory" if bad else ""))
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gpus", type=int, default=torch.cuda.device_count() or 2)
+    p.add_argument("--backend", default="zigzag")
+    p.add_argument("--seq", type=int, default=65536, help="tokens per GPU")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--mix", default="prolong", help="document-length mix: prolong, pretrain, or one (one document)")
+    p.add_argument("--checkpointing", default="recompute_aware", choices=["none", "layer", "recompute_aware"])
+    p.add_argument("--tiled-loss", type=int, default=0, help="tokens per loss chunk (0: off)")
+    p.add_argument("--tiled-mlp", type=int, default=0, help="tokens per MLP chunk (0: off)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--search", action="store_true", help="find the largest --seq that fits")
+    p.add_argument("--max-seq", type=int, default=1 << 23)
+    p.add_argument("--bisect", type=int, default=2, help="bisection rounds after the first failure")
+    p.add_argument("--granularity", type=int, default=16384)
+    p.add_argument("--json-out", default=None)
+    p.add_argument("--quick", action="store_true", help="CPU smoke run: gloo, a tiny model, 2K tokens per rank")
+    args = p.parse_args()
+    if args.quick and "--seq" not in sys.argv:
+        args.seq = 2048
+    if args.search:
+        return search(args)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29600 + os.getpid() % 1000))
+    mp.spawn(worker, args=(args.gpus, args), nprocs=args.gpus, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
