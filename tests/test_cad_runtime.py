@@ -68,3 +68,194 @@ def test_cad_runtime_exact_without_pingpong():
 def test_docs_per_rank_gives_pieces_with_their_prefix_offset():
     plan = shard_plan(PackedBatch.from_doc_lens([5, 10, 1]), 2, "contiguous")  # shards [0, 8), [8, 16)
     assert runtime.docs_per_rank(plan) == [[(5, 0), (3, 0)], [(7, 3), (1, 0)]]
+
+
+# ----------------------------------------------------------------------------- traffic: only rows a server lacks
+
+
+def run_schedule(rank, world, batch, tensors, tasks, pingpong):
+    """Run the CAD runtime on ``tasks``; returns this rank's (out, dq, dk, dv), its traffic counters and the
+    number of all_to_all collectives it issued."""
+    import torch.distributed as dist
+
+    from hf_longctx.comm import comm_stats, reset_comm_stats
+
+    q, k, v, dout = tensors
+    plan = shard_plan(batch, world, "contiguous")
+    run = RunContext(plan, (), None, rank, 1 / math.sqrt(q.shape[-1]), "auto", runtime.run_forward,
+                     runtime.run_backward, {"tasks": tasks, "pingpong": pingpong})
+    idx = plan.local_indices(rank)
+    ql, kl, vl = (t[idx].clone().requires_grad_() for t in (q, k, v))
+    calls, real = [], dist.all_to_all_single
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    reset_comm_stats()
+    dist.all_to_all_single = counting
+    try:
+        out, _ = core_attention(ql, kl, vl, register_context(run))
+        out.backward(dout[idx])
+    finally:
+        dist.all_to_all_single = real
+    return (out, ql.grad, kl.grad, vl.grad), comm_stats(), len(calls)
+
+
+def expected_traffic(plan, tasks, pingpong, rank, hq, hkv, d, itemsize=8):
+    """(sent, received) bytes of ``rank``, forward + backward, counted from first principles (fp64: every
+    row element 8 bytes): query rows of a task served away from its owner travel there (q; in backward q,
+    out, dout, lse) and back (out, lse; in backward dq); per nano-batch, server and document, the key rows
+    of the UNION of the tasks' prefixes that the server does not hold travel once each way and a half
+    (k, v forward and backward; dk, dv back)."""
+    q_row, lse_row, kv_row = hq * d * itemsize, hq * itemsize, 2 * hkv * d * itemsize
+    owner_of = {int(g): r for r in range(plan.world_size) for g in plan.local_indices(r)}
+    pieces = [runtime.pieces_of(plan, r) for r in range(plan.world_size)]
+    sent = recv = 0
+    for nb in (runtime.pingpong_split(plan, tasks) if pingpong else [tasks]):
+        prefix = {}  # (server, doc) -> end of the union of key prefixes
+        for t in nb:
+            piece, _ = pieces[t.owner][t.piece]
+            n = t.q_end - t.q_start
+            if n and t.server != t.owner:
+                fetched, returned = n * (q_row + 3 * q_row + lse_row), n * (q_row + lse_row + q_row)
+                sent += fetched * (rank == t.owner) + returned * (rank == t.server)
+                recv += fetched * (rank == t.server) + returned * (rank == t.owner)
+            if n:
+                key = (t.server, piece.doc)
+                prefix[key] = max(prefix.get(key, 0), piece.start + t.q_end)
+        for (server, doc), end in prefix.items():
+            for g in range(plan.batch.doc_starts[doc], end):
+                holder = owner_of[g]
+                if holder != server:
+                    sent += 2 * kv_row * (rank == holder) + kv_row * (rank == server)
+                    recv += 2 * kv_row * (rank == server) + kv_row * (rank == holder)
+    return sent, recv
+
+
+def check_traffic(rank, world, doc_lens, schedules, pingpong, expect_no_collective):
+    """Every schedule: exact results, and traffic equal to :func:`expected_traffic` (unique rows only)."""
+    batch = PackedBatch.from_doc_lens(doc_lens)
+    g = torch.Generator().manual_seed(7)
+    tensors = [torch.randn(batch.num_tokens, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4)]
+    ref = reference(batch, *tensors)
+    plan = shard_plan(batch, world, "contiguous")
+    idx = plan.local_indices(rank)
+    traffic = []
+    for tasks in schedules:
+        got, stats, collectives = run_schedule(rank, world, batch, tensors, tasks, pingpong)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+            torch.testing.assert_close(a, b[idx], rtol=1e-9, atol=1e-9, msg=lambda m, n=name: f"{n} {m}")
+        sent, received = expected_traffic(plan, tasks, pingpong, rank, 4, 2, 8)
+        assert (stats.get("sent_bytes", 0), stats.get("recv_bytes", 0)) == (sent, received), (rank, stats, sent,
+                                                                                               received)
+        if expect_no_collective:
+            assert sent == received == 0 and collectives == 0, (rank, stats, collectives)
+        traffic.append((sent, received))
+    return traffic
+
+
+def local_tasks(plan, seed):
+    """Random cuts of every piece, each task served by its owner."""
+    return [runtime.CadTask(t.owner, t.piece, t.q_start, t.q_end, t.owner) for t in random_tasks(plan, seed)]
+
+
+@pytest.mark.parametrize("pingpong", [True, False])
+def test_servers_holding_their_rows_send_nothing(pingpong):
+    """Documents inside shards, every task on its owner: zero bytes and not even a collective, both ways."""
+    world = 3
+    plan = shard_plan(PackedBatch.from_doc_lens([5, 9, 2] * world), world, "contiguous")
+    run_distributed(world, check_traffic, [5, 9, 2] * world, [local_tasks(plan, s) for s in range(2)], pingpong,
+                    True)
+
+
+def check_union_not_sum(rank, world):
+    # rank 0 holds document 0 ([0, 16)), rank 1 document 1; everything is computed on server 1
+    doc_lens = [16, 16]
+    whole = [runtime.CadTask(0, 0, 0, 16, 1), runtime.CadTask(1, 0, 0, 16, 1)]
+    split = [runtime.CadTask(0, 0, a, a + 4, 1) for a in (12, 0, 8, 4)] + whole[1:]
+    for pingpong in (False, True):
+        t_whole, t_split = check_traffic(rank, world, doc_lens, [whole, split], pingpong, False)
+        # four tasks reading prefixes of 4, 8, 12 and 16 rows move the 16 rows once, not 40: the same as one task
+        assert t_split == t_whole, (rank, t_split, t_whole)
+        kv, qs = 16 * 2 * 2 * 8 * 8, 16 * (4 * 4 * 8 * 8 + 4 * 8)  # key rows (k+v), query-side rows (q,out,dout,lse)
+        assert t_whole[0] == (2 * kv + qs if rank == 0 else 16 * (2 * 4 * 8 + 4) * 8 + kv), (rank, t_whole)
+
+
+def test_tasks_of_one_document_on_one_server_fetch_the_union_of_their_prefixes():
+    run_distributed(2, check_union_not_sum)
+
+
+@pytest.mark.parametrize("world,pingpong", [(3, True), (4, False)])
+def test_traffic_is_the_unique_rows_each_server_lacks(world, pingpong):
+    """Random schedules over documents crossing shard boundaries: counted bytes equal the first-principles count."""
+    rng = random.Random(world)
+    doc_lens = [rng.randint(1, 30) for _ in range(4 * world)]
+    plan = shard_plan(PackedBatch.from_doc_lens(doc_lens), world, "contiguous")
+    run_distributed(world, check_traffic, doc_lens, [random_tasks(plan, s) for s in range(3)], pingpong, False)
+
+
+# ----------------------------------------------------------------------------- ping-pong split
+
+
+def doc_of(plan, t):
+    return runtime.pieces_of(plan, t.owner)[t.piece][0].doc
+
+
+def check_split(plan, tasks, halves):
+    """Both halves together compute exactly the query rows of ``tasks`` on the same servers; returns per
+    server the halves' costs and the documents of the tasks whose server lacks some of their keys."""
+    def rows(ts):
+        return sorted((t.owner, t.piece, r, t.server) for t in ts for r in range(t.q_start, t.q_end))
+
+    assert rows(t for h in halves for t in h) == rows(tasks)
+    cost = {s: [sum(runtime.task_cost(plan, t) for t in h if t.server == s) for h in halves]
+            for s in {t.server for t in tasks}}
+    docs = [{doc_of(plan, t) for t in h if not runtime._server_holds_keys(plan, t)} for h in halves]
+    shuffled = list(tasks)
+    random.Random(0).shuffle(shuffled)
+    assert runtime.pingpong_split(plan, shuffled) == halves  # a function of the task set, whatever its order
+    return cost, docs
+
+
+def test_pingpong_keeps_documents_whole_when_that_balances():
+    # rank 0 holds four documents of 32 rows, cut into uneven tasks, all computed on server 1: two whole
+    # documents per half (splitting one would send its shared prefix twice)
+    plan = shard_plan(PackedBatch.from_doc_lens([32, 32, 32, 32, 128]), 2, "contiguous")
+    tasks = [runtime.CadTask(0, d, a, b, 1) for d in range(4) for a, b in ((0, 5), (5, 20), (20, 32))]
+    halves = runtime.pingpong_split(plan, tasks)
+    cost, docs = check_split(plan, tasks, halves)
+    assert cost[1][0] == cost[1][1] and len(docs[0]) == len(docs[1]) == 2 and not docs[0] & docs[1]
+
+
+def test_pingpong_breaks_a_document_only_when_that_reaches_the_tolerance():
+    # a document of 64 rows in 8 tasks and one of 8 rows, all remote on server 1: whole documents give
+    # 2080 vs 36 pairs; breaking the long one balances within 10%
+    plan = shard_plan(PackedBatch.from_doc_lens([64, 8, 72]), 2, "contiguous")
+    tasks = [runtime.CadTask(0, 0, a, a + 8, 1) for a in range(0, 64, 8)] + [runtime.CadTask(0, 1, 0, 8, 1)]
+    cost, docs = check_split(plan, tasks, runtime.pingpong_split(plan, tasks))
+    assert abs(cost[1][0] - cost[1][1]) <= runtime.PINGPONG_TOLERANCE * max(cost[1]), cost
+    assert 0 in docs[0] & docs[1]
+    # head and tail of one document, remote: no split of the two reaches 10%, so they stay together
+    tasks = [runtime.CadTask(0, 0, 0, 8, 1), runtime.CadTask(0, 0, 48, 64, 1)]
+    halves = runtime.pingpong_split(plan, tasks)
+    assert len(halves) == 1 and sorted(halves[0]) == sorted(tasks)
+
+
+def test_pingpong_cuts_a_task_whose_keys_the_server_holds():
+    # one local document, one task: cut in two parts of (nearly) equal cost, at no byte of cost
+    plan = shard_plan(PackedBatch.from_doc_lens([64, 64]), 2, "contiguous")
+    tasks = [runtime.CadTask(0, 0, 0, 64, 0), runtime.CadTask(1, 0, 0, 64, 1)]
+    halves = runtime.pingpong_split(plan, tasks)
+    cost, _ = check_split(plan, tasks, halves)
+    for s in (0, 1):
+        assert abs(cost[s][0] - cost[s][1]) <= runtime.PINGPONG_TOLERANCE * max(cost[s]), cost
+
+
+def test_pingpong_on_random_schedules_covers_every_row():
+    for seed in range(20):
+        rng = random.Random(seed)
+        world = rng.randint(1, 4)
+        plan = shard_plan(PackedBatch.from_doc_lens([rng.randint(1, 40) for _ in range(6)]), world, "contiguous")
+        tasks = random_tasks(plan, seed) + [runtime.CadTask(0, 0, 0, 0, 0)]  # an empty task is dropped
+        check_split(plan, tasks, runtime.pingpong_split(plan, tasks))

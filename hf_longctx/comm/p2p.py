@@ -34,7 +34,9 @@ def reset_comm_stats() -> None:
 
 def count_all_to_all(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], rank: int) -> None:
     """Record the bytes an all_to_all moves to and from OTHER ranks (the self chunk is a local copy)."""
-    row = send[0].numel() * send.element_size() if send.shape[0] else 0
+    row = send.element_size()  # bytes of one row, from the shape: a rank that sends nothing may still receive
+    for size in send.shape[1:]:
+        row *= size
     _counters["sent_bytes"] += row * sum(c for d, c in enumerate(send_counts) if d != rank)
     _counters["recv_bytes"] += row * sum(c for s, c in enumerate(recv_counts) if s != rank)
 

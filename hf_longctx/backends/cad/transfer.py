@@ -1,93 +1,235 @@
-"""Row transfers between ranks with one all_to_all_single, and their exact inverse.
+"""Row gathers between ranks: each remote row travels at most once, local rows never travel.
 
-A transfer is a list of items "rows [a, b) of rank src go to offset o of rank dst's buffer", in an
-order every rank derives identically from the plan. Forward gathers the rows each rank sends into one
-buffer, trades with ``all_to_all_single`` and places received rows at their buffer offsets. Reverse
-sends buffer rows back and adds (or copies) them into the source rows: gradients of keys that several
-tasks read add up.
+A CAD server needs, for one nano-batch, a *segment sequence*: rows of q (or k and v) laid out task
+after task, as the varlen kernel wants them. Several tasks of one document read the same key rows
+(their causal prefixes overlap), and many rows are already on the server. Sending every task's rows
+(what a per-task transfer does) moves the shared prefix once per task and copies local rows through
+the collective. A :class:`GatherPlan` instead:
+
+1. takes, per server, the segment sequence as *runs* ``(holder rank, local row start, local row end)``,
+   in segment order, repeats allowed;
+2. reduces the remote runs of every (server, holder) pair to the set of UNIQUE rows (sorted by holder
+   rank, then local row: a canonical order that sender and receiver derive independently, so no
+   layout has to be agreed on the wire);
+3. trades only those rows with one ``all_to_all_single`` per dtype (tensors of one dtype, e.g. k and
+   v, are packed side by side into one message), and skips the collective entirely when no rank
+   moves a row (every rank knows the whole plan, so all agree);
+4. assembles the segments with ONE ``index_select`` from ``[local rows ; received unique rows]``
+   (the index is precomputed per plan).
+
+Its inverse serves gradients and outputs: segment rows that read local rows are added (or copied)
+into the local tensor directly; the rest are index-added into a buffer of the unique received rows
+(several segments reading one row add their gradients there, in the caller's accumulation dtype),
+which the reverse all_to_all returns to the holders, who add them at the rows they sent.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ...comm.p2p import count_all_to_all
 
-
-@dataclass(frozen=True)
-class Item:
-    src: int
-    start: int
-    end: int
-    dst: int
-    offset: int
-
-    @property
-    def rows(self) -> int:
-        return self.end - self.start
+Run = tuple[int, int, int]  # (holder rank, local row start, local row end)
 
 
-class RowTransfer:
-    """The part of a list of :class:`Item` that concerns ``rank``; reusable for any tensor of those rows."""
+@dataclass
+class _Pending:
+    """Posted all_to_alls, one per dtype group: (work or None, receive buffer, tensor positions)."""
 
-    def __init__(self, items: list[Item], rank: int, world: int, buffer_rows: int):
-        self.world = world
-        self.rank = rank
-        self.buffer_rows = buffer_rows
-        by_dst = [[it for it in items if it.src == rank and it.dst == d] for d in range(world)]
-        by_src = [[it for it in items if it.dst == rank and it.src == s] for s in range(world)]
-        self.send_counts = [sum(it.rows for it in group) for group in by_dst]
-        self.recv_counts = [sum(it.rows for it in group) for group in by_src]
-        src_rows = [r for group in by_dst for it in group for r in range(it.start, it.end)]
-        place = [r for group in by_src for it in group for r in range(it.offset, it.offset + it.rows)]
-        self.src_index = torch.tensor(src_rows, dtype=torch.long)
-        self.place = torch.tensor(place, dtype=torch.long)
-
-    def to(self, device) -> RowTransfer:
-        self.src_index = self.src_index.to(device)
-        self.place = self.place.to(device)
-        return self
-
-    def start(self, local: torch.Tensor, group) -> tuple:
-        """Post the forward all_to_all of ``local``'s rows; :meth:`finish` gives the filled buffer."""
-        send = local.index_select(0, self.src_index).contiguous()
-        recv = local.new_empty(sum(self.recv_counts), *local.shape[1:])
-        count_all_to_all(send, self.send_counts, self.recv_counts, self.rank)
-        work = _a2a(recv, send, self.recv_counts, self.send_counts, group)
-        return work, recv
-
-    def finish(self, pending) -> torch.Tensor:
-        work, recv = pending
-        if work is not None:
-            work.wait()
-        buffer = recv.new_empty(self.buffer_rows, *recv.shape[1:])
-        buffer[self.place] = recv
-        return buffer
-
-    def start_reverse(self, buffer: torch.Tensor, group) -> tuple:
-        """Post sending buffer rows back to the rows they came from."""
-        send = buffer.index_select(0, self.place).contiguous()
-        recv = buffer.new_empty(sum(self.send_counts), *buffer.shape[1:])
-        count_all_to_all(send, self.recv_counts, self.send_counts, self.rank)
-        work = _a2a(recv, send, self.send_counts, self.recv_counts, group)
-        return work, recv
-
-    def finish_reverse(self, pending, local: torch.Tensor, add: bool) -> None:
-        work, recv = pending
-        if work is not None:
-            work.wait()
-        recv = recv.to(local.dtype)
-        if add:
-            local.index_add_(0, self.src_index, recv)
-        else:
-            local.index_copy_(0, self.src_index, recv)
+    parts: list[tuple[object, torch.Tensor, list[int]]]
 
 
-def _a2a(recv, send, recv_counts, send_counts, group):
+def _dtype_groups(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Positions of ``tensors`` grouped by dtype, in order of first appearance (the same on every rank)."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    return list(groups.values())
+
+
+def _row_width(t: torch.Tensor) -> int:
+    n = 1
+    for s in t.shape[1:]:
+        n *= s
+    return n
+
+
+def _pack(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Rows of same-dtype tensors side by side: (rows, sum of row widths), contiguous."""
+    flat = [p.reshape(p.shape[0], _row_width(p)) for p in parts]
+    return flat[0].contiguous() if len(flat) == 1 else torch.cat(flat, dim=1)
+
+
+def _unpack(buf: torch.Tensor, likes: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Inverse of :func:`_pack`: views of ``buf``'s column blocks shaped like the rows of ``likes``."""
+    out, col = [], 0
+    for like in likes:
+        w = _row_width(like)
+        out.append(buf[:, col:col + w].view(buf.shape[0], *like.shape[1:]))
+        col += w
+    return out
+
+
+def _a2a(recv: torch.Tensor, send: torch.Tensor, recv_counts: list[int], send_counts: list[int], group):
     if dist.is_available() and dist.is_initialized() and len(recv_counts) > 1:
         return dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group, async_op=True)
     recv.copy_(send)
     return None
+
+
+class GatherPlan:
+    """What ``rank`` sends, receives and assembles for one segment sequence per server.
+
+    Attributes (index tensors are int64):
+
+    - ``send_index``: local rows this rank sends, grouped by destination rank; ``send_counts[d]`` rows
+      go to rank ``d`` (0 for itself: local rows never travel).
+    - ``recv_counts[s]``: unique rows received from rank ``s``; they follow the local rows in
+      ``[local ; received]``.
+    - ``index``: this rank's segment sequence as rows of ``[local ; received]``.
+    - ``local_pos``/``local_src``: segment positions that read local rows, and those rows;
+      ``remote_pos``/``remote_slot``: the other positions and their rows in the received block.
+    - ``moves``: whether ANY rank sends a row to another rank (else no collective is issued).
+    """
+
+    def __init__(self, runs_by_server: Sequence[Sequence[Run]], rank: int, rows_per_rank: Sequence[int]):
+        world = len(rows_per_rank)
+        if len(runs_by_server) != world:
+            raise ValueError(f"runs for {len(runs_by_server)} servers, but {world} ranks")
+        self.rank = rank
+        self.world = world
+        self.local_rows = rows_per_rank[rank]
+        self.moves = any(h != s and b > a for s, runs in enumerate(runs_by_server) for h, a, b in runs)
+
+        # as a holder: the unique rows every other server needs from this rank
+        send, self.send_counts = [], [0] * world
+        for s, runs in enumerate(runs_by_server):
+            if s == rank:
+                continue
+            rows = np.flatnonzero(_mask(runs, rank, self.local_rows))
+            send.append(rows)
+            self.send_counts[s] = len(rows)
+
+        # as a server: unique rows from every other holder, then the segment index
+        self.recv_counts = [0] * world
+        positions: dict[int, np.ndarray] = {}  # holder -> slot in the received block of each of its rows
+        base = 0
+        for h in range(world):
+            if h == rank:
+                continue
+            mask = _mask(runs_by_server[rank], h, rows_per_rank[h])
+            n = int(mask.sum())
+            if n:
+                positions[h] = base + np.cumsum(mask) - 1
+            self.recv_counts[h] = n
+            base += n
+        self.recv_rows = base
+        pieces = [np.arange(a, b) if h == rank else self.local_rows + positions[h][a:b]
+                  for h, a, b in runs_by_server[rank] if b > a]
+        index = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+        local = index < self.local_rows
+        self.local_pos = _long(np.flatnonzero(local))
+        self.local_src = _long(index[local])
+        self.remote_pos = _long(np.flatnonzero(~local))
+        self.remote_slot = _long(index[~local] - self.local_rows)
+        self.index = _long(index)
+        self.send_index = _long(np.concatenate(send) if send else np.zeros(0, dtype=np.int64))
+
+    @property
+    def segment_rows(self) -> int:
+        return int(self.index.shape[0])
+
+    def to(self, device) -> GatherPlan:
+        for name in ("index", "local_pos", "local_src", "remote_pos", "remote_slot", "send_index"):
+            setattr(self, name, getattr(self, name).to(device))
+        return self
+
+    # ------------------------------------------------------------------ forward: rows to servers
+
+    def start(self, tensors: Sequence[torch.Tensor], group) -> _Pending:
+        """Post sending the unique rows of ``tensors`` (local tensors, same rows) this rank serves to others."""
+        parts = []
+        if self.moves:
+            for idx in _dtype_groups(tensors):
+                send = _pack([tensors[i].index_select(0, self.send_index) for i in idx])
+                recv = send.new_empty(self.recv_rows, send.shape[1])
+                count_all_to_all(send, self.send_counts, self.recv_counts, self.rank)
+                parts.append((_a2a(recv, send, self.recv_counts, self.send_counts, group), recv, idx))
+        return _Pending(parts)
+
+    def gather(self, pending: _Pending, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Wait for :meth:`start` and assemble this rank's segment sequence of each tensor."""
+        received: list[torch.Tensor | None] = [None] * len(tensors)
+        for work, recv, idx in pending.parts:
+            if work is not None:
+                work.wait()
+            for i, r in zip(idx, _unpack(recv, [tensors[i] for i in idx])):
+                received[i] = r
+        out = []
+        for t, r in zip(tensors, received):
+            if r is None or r.shape[0] == 0:
+                out.append(t.index_select(0, self.index))
+            else:
+                out.append(torch.cat([t, r]).index_select(0, self.index))
+        return out
+
+    # ------------------------------------------------------------------ reverse: results to holders
+
+    def scatter_local(self, segments: Sequence[torch.Tensor], locals_: Sequence[torch.Tensor], add: bool) -> None:
+        """Put the segment rows that read local rows into the local tensors (added, or copied)."""
+        if self.local_pos.shape[0] == 0:
+            return
+        for seg, loc in zip(segments, locals_):
+            rows = seg.index_select(0, self.local_pos).to(loc.dtype)
+            if add:
+                loc.index_add_(0, self.local_src, rows)
+            else:
+                loc.index_copy_(0, self.local_src, rows)
+
+    def start_return(self, segments: Sequence[torch.Tensor], group) -> _Pending:
+        """Post returning the remote segment rows to their holders, summed per unique row.
+
+        Segments must already be in the dtype the holder accumulates in (sums happen here)."""
+        parts = []
+        if self.moves:
+            for idx in _dtype_groups(segments):
+                seg = [segments[i] for i in idx]
+                buf = seg[0].new_zeros(self.recv_rows, sum(_row_width(s) for s in seg))
+                if self.recv_rows:
+                    buf.index_add_(0, self.remote_slot, _pack([s.index_select(0, self.remote_pos) for s in seg]))
+                recv = buf.new_empty(self.send_index.shape[0], buf.shape[1])
+                count_all_to_all(buf, self.recv_counts, self.send_counts, self.rank)
+                parts.append((_a2a(recv, buf, self.send_counts, self.recv_counts, group), recv, idx))
+        return _Pending(parts)
+
+    def finish_return(self, pending: _Pending, locals_: Sequence[torch.Tensor], add: bool) -> None:
+        """Wait for :meth:`start_return` and add (or copy) the returned rows at the rows this rank sent."""
+        for work, recv, idx in pending.parts:
+            if work is not None:
+                work.wait()
+            if recv.shape[0] == 0:
+                continue
+            for i, r in zip(idx, _unpack(recv, [locals_[i] for i in idx])):
+                r = r.to(locals_[i].dtype)
+                if add:
+                    locals_[i].index_add_(0, self.send_index, r)
+                else:
+                    locals_[i].index_copy_(0, self.send_index, r)
+
+
+def _mask(runs: Sequence[Run], holder: int, rows: int) -> np.ndarray:
+    """Rows of ``holder`` that ``runs`` read (a boolean mask of its ``rows`` local rows)."""
+    mask = np.zeros(rows, dtype=bool)
+    for h, a, b in runs:
+        if h == holder:
+            mask[a:b] = True
+    return mask
+
+
+def _long(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
