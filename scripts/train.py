@@ -65,6 +65,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-dir", default="outputs/train")
     p.add_argument("--recipe", default=None, help="recipe path (default: the one accelerate launch was given)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-json", default=None, help="write the Trainer's log history (losses, grad norms) here")
     return p.parse_args()
 
 
@@ -118,6 +119,9 @@ def main() -> None:
             "seconds": round(elapsed, 1), "processes": training_args.world_size,
         }
         print("hf_longctx training summary: " + json.dumps(summary))
+        if args.log_json:
+            with open(args.log_json, "w") as f:
+                json.dump(trainer.state.log_history, f)
 
 
 if __name__ == "__main__":

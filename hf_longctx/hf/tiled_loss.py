@@ -26,19 +26,22 @@ IGNORE_INDEX = -100
 
 
 def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    targets: torch.Tensor) -> torch.Tensor:
-    logits = F.linear(hidden, weight, bias)
+                    targets: torch.Tensor, head: torch.nn.Module | None = None) -> torch.Tensor:
+    # through the module when given: ZeRO-3 gathers a partitioned weight in the module's forward hooks
+    logits = head(hidden) if head is not None else F.linear(hidden, weight, bias)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32, fp64 stays
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def tiled_causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          num_items_in_batch: int | torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                         chunk_tokens: int = 8192) -> torch.Tensor:
+                         chunk_tokens: int = 8192, head: torch.nn.Module | None = None) -> torch.Tensor:
     """sum over tokens of CE(hidden @ weight.T + bias, targets) / num_items_in_batch, in token chunks.
 
     ``hidden`` (..., T, H) and ``targets`` (..., T) are flattened; targets are already shifted
-    (``-100``: no target). Without ``num_items_in_batch`` the mean over targets is returned.
+    (``-100``: no target). Without ``num_items_in_batch`` the mean over targets is returned. With
+    ``head`` (the output projection module holding ``weight`` and ``bias``) each chunk is projected
+    by calling it, so hooks that gather sharded weights (DeepSpeed ZeRO-3) run.
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
@@ -53,9 +56,9 @@ def tiled_causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: to
             continue  # no target: contributes nothing (and no gradient)
         hc = h[start : start + chunk_tokens]
         if torch.is_grad_enabled() and (hc.requires_grad or weight.requires_grad):
-            part = checkpoint(_chunk_loss_sum, hc, weight, bias, tc, use_reentrant=False)
+            part = checkpoint(_chunk_loss_sum, hc, weight, bias, tc, head, use_reentrant=False)
         else:
-            part = _chunk_loss_sum(hc, weight, bias, tc)
+            part = _chunk_loss_sum(hc, weight, bias, tc, head)
         total = total + part
     if num_items_in_batch is None:
         num_items_in_batch = (t != IGNORE_INDEX).sum().clamp(min=1)
@@ -107,7 +110,8 @@ class TiledLoss:
             return None
         targets, num_items = self._pending
         hidden, self._hidden, self._pending = self._hidden, None, None
-        loss = tiled_causal_lm_loss(hidden, self.head.weight, targets, num_items, self.head.bias, self.chunk_tokens)
+        loss = tiled_causal_lm_loss(hidden, self.head.weight, targets, num_items, self.head.bias, self.chunk_tokens,
+                                    head=self.head)
         return type(output)(**{**{k: v for k, v in output.items() if k != "loss"}, "loss": loss})
 
     def remove(self) -> None:
