@@ -106,6 +106,7 @@ def worker(rank, world, args):
     from hf_longctx.hf.inputs import attention_flops, model_flops_per_token, peak_flops
     from hf_longctx.hf.tiled_loss import enable_tiled_loss
 
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))  # what DeepSpeed reads
     device = torch.device("cpu") if args.quick else torch.device("cuda", rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -125,22 +126,38 @@ def worker(rank, world, args):
 
         enable_tiled_mlp(model, chunk_tokens=args.tiled_mlp)
     model.train()
+    flops_per_token = model_flops_per_token(model)  # before ZeRO-3 partitions the parameters away
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
+    opt = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda" and not args.zero)
     total = args.seq * world
     packed, batch = packed_batch(total, model.config.vocab_size, args.mix, args.seed, device)
     plan = plan_for(packed, args.backend, None)
     local = shard_batch(batch, plan, rank, None)
 
-    def step():
-        loss = model(**local).loss
-        loss.backward()
-        for p in params:  # each rank holds its share of the loss: the gradient is the group's sum
-            if world > 1:
-                dist.all_reduce(p.grad)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+    if args.zero:  # DeepSpeed ZeRO shards gradients / optimizer states (and parameters at stage 3)
+        import deepspeed
+
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config={
+            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+            "bf16": {"enabled": device.type == "cuda"}, "zero_optimization": {"stage": args.zero},
+        })
+
+        def step():
+            # each rank's loss is its share and ZeRO averages over the ranks: scale to get the sum
+            loss = engine(**local).loss
+            engine.backward(loss * world)
+            engine.step()
+            return loss
+    else:
+        def step():
+            loss = model(**local).loss
+            loss.backward()
+            for p in params:  # each rank holds its share of the loss: the gradient is the group's sum
+                if world > 1:
+                    dist.all_reduce(p.grad)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -151,12 +168,12 @@ def worker(rank, world, args):
     attn = attention_ms(plan, args.backend, rank, None, model.config, device, next(model.parameters()).dtype)
     # layer checkpointing runs attention forward again in backward: ~1/3.5 of a forward+backward
     attn_runs = model.config.num_hidden_layers * (1 + (args.checkpointing == "layer") / 3.5)
-    flops = total * model_flops_per_token(model) + attention_flops(model, packed.causal_pairs())
+    flops = total * flops_per_token + attention_flops(model, packed.causal_pairs())
     peak_flops_gpu = peak_flops(device)
     result = {
         "backend": args.backend, "gpus": world, "tokens_per_gpu": args.seq, "context": total,
         "layers": model.config.num_hidden_layers, "checkpointing": args.checkpointing,
-        "tiled_loss": args.tiled_loss, "tiled_mlp": args.tiled_mlp, "docs": packed.num_docs,
+        "tiled_loss": args.tiled_loss, "tiled_mlp": args.tiled_mlp, "zero": args.zero, "docs": packed.num_docs,
         "longest_doc": max(packed.doc_lens), "step_s": ms / 1e3, "tokens_per_s": total / (ms / 1e3),
         "mfu": flops / (ms / 1e3) / (world * peak_flops_gpu) if peak_flops_gpu else None,
         "peak_gib": peak_t.item(), "attention_share": min(1.0, attn * attn_runs / ms),
@@ -172,12 +189,13 @@ def row(r: dict) -> str:
     mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
     return (f"| {r['backend']} | {r['gpus']} | {r['tokens_per_gpu'] // 1024}K | {r['context'] // 1024}K | "
             f"{r['layers']} | {r['checkpointing']} | {r['tiled_loss'] or '-'} | {r['tiled_mlp'] or '-'} | "
+            f"{r.get('zero') or '-'} | "
             f"{r['step_s']:.2f} | {r['tokens_per_s']:.0f} | {mfu} | {r['peak_gib']:.1f} | "
             f"{100 * r['attention_share']:.0f}% |")
 
 
-HEADER = ("| backend | GPUs | tokens/GPU | context | layers | checkpointing | tiled loss | tiled MLP | step s | "
-          "tokens/s | MFU | peak GiB/GPU | attention share |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| backend | GPUs | tokens/GPU | context | layers | checkpointing | tiled loss | tiled MLP | ZeRO | step s | "
+          "tokens/s | MFU | peak GiB/GPU | attention share |\n" + "|---" * 14 + "|")
 
 
 def try_seq(args, seq: int) -> dict | None:
@@ -237,6 +255,7 @@ def main() -> int:
     p.add_argument("--tiled-loss", type=int, default=0, help="tokens per loss chunk (0: off)")
     p.add_argument("--tiled-mlp", type=int, default=0, help="tokens per MLP chunk (0: off)")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage (0: plain)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--search", action="store_true", help="find the largest --seq that fits")
     p.add_argument("--max-seq", type=int, default=1 << 23)

@@ -362,3 +362,12 @@ def test_parameters_swapped_mid_step_are_refused():
     mlp.down_proj.weight = torch.nn.Parameter(mlp.down_proj.weight.detach().clone())
     with pytest.raises(RuntimeError, match="replaced between forward and backward"):
         loss.backward()
+
+
+def test_zero3_partitioned_parameters_are_refused_with_the_fix():
+    """ZeRO-3 frees partitioned weights after forward; the chunked backward cannot read them."""
+    model = tiny_llama(1)
+    enable_tiled_mlp(model, chunk_tokens=4)
+    model.model.layers[0].mlp.gate_proj.weight.ds_id = 0  # what DeepSpeed ZeRO-3 marks its parameters with
+    with pytest.raises(ValueError, match="ZeRO-3.*tiled_mlp: 0"):
+        model(input_ids=token_ids())

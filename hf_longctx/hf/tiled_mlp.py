@@ -201,6 +201,10 @@ class TiledMLP(nn.Module):
         if not spans:  # no tokens
             return self._wrapped(x)
         params = tuple(self._wrapped.parameters())
+        if any(hasattr(p, "ds_id") for p in params):
+            # ZeRO-3 frees a partitioned weight after each forward; the chunked backward would read it
+            raise ValueError("tiled MLP does not work with DeepSpeed ZeRO-3 parameter partitioning; "
+                             "use ZeRO-2 (or ZeRO-1) with tiled_mlp, or set tiled_mlp: 0")
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
             return _TiledMLPFunction.apply(self._wrapped, spans, x, *params)
         return _run_chunks(self._wrapped, x, spans)  # no graph wanted: chunking still bounds the peak
