@@ -31,8 +31,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 
 def build_model(args, impl: str, device):
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -100,7 +98,6 @@ def _timed(fn, reps, device) -> float:
 
 
 def worker(rank, world, args):
-    from hf_longctx.backends.load import attention_load  # noqa: F401 - registers the backends
     from hf_longctx.hf import implementation_name, plan_for, shard_batch
     from hf_longctx.hf.checkpointing import enable_layer_checkpointing, enable_recompute_aware_checkpointing
     from hf_longctx.hf.inputs import attention_flops, model_flops_per_token, peak_flops

@@ -21,13 +21,9 @@ def _own_queries(plan: ShardPlan) -> list[int]:
 def _cad(plan: ShardPlan) -> list[int]:
     from .cad import runtime
 
-    tasks = runtime.prepare(plan, {})["tasks"]
-    offsets = runtime.docs_per_rank(plan)
     work = [0] * plan.world_size
-    for t in tasks:
-        first = offsets[t.owner][t.piece][1] + t.q_start + 1  # keys visible to the task's first row
-        rows = t.q_end - t.q_start
-        work[t.server] += rows * first + rows * (rows - 1) // 2
+    for t in runtime.prepare(plan, {})["tasks"]:
+        work[t.server] += round(runtime.task_cost(plan, t))
     return work
 
 

@@ -10,7 +10,7 @@ Packed documents: a sub-block is forwarded only as far as some rank on its cycle
 hop carries only the span of its rows that this and later ranks read, and (query, key) pieces whose
 documents do not meet cost nothing. Backward re-sends the keys along the
 same routes and returns each rank's dK/dV of a visiting sub-block straight to its owner (one extra
-all_to_all per step, in float32 so gradients add up exactly).
+all_to_all per step, in float32 so gradients add up exactly, overlapped with the next hop's kernels).
 """
 
 from __future__ import annotations
@@ -119,12 +119,13 @@ def routes(plan: ShardPlan) -> tuple[Route, ...]:
         out = []
         for s in range(n):
             rows = plan.num_local_tokens(s)
+            raw = {v: _raw_pairs(plan, v, s) for v in range(n) if v != s}  # shared by every cycle
             for c, cyc in enumerate(cycles):
                 block = SubBlock(s, c, rows * c // len(cycles), rows * (c + 1) // len(cycles))
                 pos = cyc.index(s)
                 visits = tuple(cyc[(pos + h) % n] for h in range(1, n))
                 pairs = tuple(
-                    tuple(q for p in _raw_pairs(plan, v, s) if (q := _clip_keys(p, block.start, block.end)))
+                    tuple(q for p in raw[v] if (q := _clip_keys(p, block.start, block.end)))
                     for v in visits
                 )
                 hops = max((h + 1 for h, ps in enumerate(pairs) if ps), default=0)
@@ -144,13 +145,13 @@ def _exchange(sends: dict[int, list[torch.Tensor]], recv_rows: dict[int, int], l
     """One all_to_all_single: ``sends[dst]`` tensors (rows back to back) out, ``recv_rows[src]`` rows in."""
     world = ctx.plan.world_size
     width = like.shape[1:]
-    out_parts = [torch.cat(sends[d]) if sends.get(d) else like.new_empty(0, *width) for d in range(world)]
-    send = torch.cat(out_parts) if out_parts else like.new_empty(0, *width)
+    parts = [t for d in range(world) for t in sends.get(d, [])]
+    send = torch.cat(parts) if parts else like.new_empty(0, *width)  # one copy into the send buffer
+    out_split = [sum(t.shape[0] for t in sends.get(d, [])) for d in range(world)]
     in_split = [recv_rows.get(s, 0) for s in range(world)]
     recv = like.new_empty(sum(in_split), *width)
-    count_all_to_all(send, [p.shape[0] for p in out_parts], in_split, ctx.rank)
-    work = dist.all_to_all_single(recv, send, in_split, [p.shape[0] for p in out_parts], group=ctx.group,
-                                  async_op=True)
+    count_all_to_all(send, out_split, in_split, ctx.rank)
+    work = dist.all_to_all_single(recv, send, in_split, out_split, group=ctx.group, async_op=True)
     return work, recv, in_split
 
 
@@ -279,6 +280,8 @@ def run_backward(ctx, dout, q, k, v, out, lse):
     _pairs_backward(ctx, ex.pairs, dout, q, out, lse, ks, vs, dq, gk, gv, causal=None)
     scatter_add_rows(dk, ex.kv_ranges, gk)
     scatter_add_rows(dv, ex.kv_ranges, gv)
+    like = torch.empty(0, *k.shape[1:], dtype=acc_dtype, device=k.device)
+    returning = None  # dK/dV of the previous hop, on their way home while this hop computes
     for hop in range(1, last + 1):
         held = _receive_kv(pending)
         pending = _post_kv(ctx, hop + 1, held, k, v) if hop < last else None
@@ -290,18 +293,29 @@ def run_backward(ctx, dout, q, k, v, out, lse):
             gv = torch.zeros(vb.shape, dtype=acc_dtype, device=v.device)
             _pairs_backward(ctx, rts[i].pairs[hop - 1], dout, q, out, lse, kb, vb, dq, gk, gv, causal=False)
             grads[i] = (gk, gv)
-        # dK/dV of this hop go straight home; the owner knows which of its blocks visited whom
-        sends = _grad_sends(ctx, grads)
-        expect = _grad_receives(ctx, hop)
-        like = torch.empty(0, *k.shape[1:], dtype=acc_dtype, device=k.device)
-        work, recv, split = _exchange(sends, {s: sum(m for _, m in it) for s, it in expect.items()}, like, ctx)
-        work.wait()
-        for i, g in _split_recv(recv, split, expect).items():
-            b, (lo, hi) = rts[i].block, rts[i].span(hop)
-            half = g.shape[0] // 2
-            dk[b.start + lo : b.start + hi] += g[:half]
-            dv[b.start + lo : b.start + hi] += g[half:]
+        _add_returned(returning, rts, dk, dv)
+        returning = None
+        if any(r.pairs[hop - 1] for r in rts if hop <= r.hops):  # every rank knows whether anyone computed
+            # dK/dV of this hop go straight home; the owner knows which of its blocks visited whom
+            expect = _grad_receives(ctx, hop)
+            work, recv, split = _exchange(_grad_sends(ctx, grads), {s: sum(m for _, m in it) for s, it in
+                                                                     expect.items()}, like, ctx)
+            returning = (hop, work, recv, split, expect)
+    _add_returned(returning, rts, dk, dv)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _add_returned(returning, rts, dk, dv) -> None:
+    """Wait for one hop's returned dK/dV and add them at the rows of the sub-blocks they belong to."""
+    if returning is None:
+        return
+    hop, work, recv, split, expect = returning
+    work.wait()
+    for i, g in _split_recv(recv, split, expect).items():
+        b, (lo, hi) = rts[i].block, rts[i].span(hop)
+        half = g.shape[0] // 2
+        dk[b.start + lo : b.start + hi] += g[:half]
+        dv[b.start + lo : b.start + hi] += g[half:]
 
 
 def _pairs_backward(ctx, pairs, dout, q, out, lse, ks, vs, dq, gk, gv, causal):

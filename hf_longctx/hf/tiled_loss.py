@@ -50,10 +50,14 @@ def tiled_causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     if t.shape[0] != h.shape[0]:
         raise ValueError(f"{h.shape[0]} hidden states but {t.shape[0]} targets")
     total = h.new_zeros((), dtype=torch.promote_types(h.dtype, torch.float32))
-    for start in range(0, h.shape[0], chunk_tokens):
-        tc = t[start : start + chunk_tokens]
-        if not bool((tc != IGNORE_INDEX).any()):
+    starts = range(0, h.shape[0], chunk_tokens)
+    # chunks with a target, read in ONE device-to-host copy (not one sync per chunk)
+    counted = torch.zeros(len(starts), dtype=torch.long, device=t.device).index_add_(
+        0, torch.arange(t.shape[0], device=t.device) // chunk_tokens, (t != IGNORE_INDEX).long()).tolist()
+    for start, n in zip(starts, counted):
+        if not n:
             continue  # no target: contributes nothing (and no gradient)
+        tc = t[start : start + chunk_tokens]
         hc = h[start : start + chunk_tokens]
         if torch.is_grad_enabled() and (hc.requires_grad or weight.requires_grad):
             part = checkpoint(_chunk_loss_sum, hc, weight, bias, tc, head, use_reentrant=False)

@@ -72,7 +72,7 @@ class FlopsCostModel:
         return self.flops_per_pair * (q * kv - q * (q - 1) / 2)
 
 
-_PAIRS = FlopsCostModel(flops_per_pair=1.0)
+PAIRS = FlopsCostModel(flops_per_pair=1.0)  # cost = visible (query, key) pairs
 
 
 def query_rows_cost(model: CostModel, length: int, offset: int, q_start: int, q_end: int) -> float:
@@ -129,7 +129,7 @@ class ProfiledCostModel:
             raise ValueError("interpolate must be 'time' or 'rate'")
         grid = self.table
         if self.interpolate == "rate":
-            grid = tuple(tuple(v / _PAIRS.cost(int(q), int(k)) for k, v in zip(self.kv_lens, row))
+            grid = tuple(tuple(v / PAIRS.cost(int(q), int(k)) for k, v in zip(self.kv_lens, row))
                          for q, row in zip(self.q_lens, self.table))
         object.__setattr__(self, "_grid", grid)
 
@@ -160,7 +160,7 @@ class ProfiledCostModel:
         v = ((1 - u) * ((1 - w) * t[i][j] + w * t[i][j1])
              + u * ((1 - w) * t[i1][j] + w * t[i1][j1]))
         if self.interpolate == "rate":
-            v *= _PAIRS.cost(q_len, kv_len)
+            v *= PAIRS.cost(q_len, kv_len)
         return max(v, 0.0)
 
     def cost_array(self, q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
@@ -180,7 +180,7 @@ class ProfiledCostModel:
         j, j1, w = weights(self.kv_lens, kv)
         v = (1 - u) * ((1 - w) * t[i, j] + w * t[i, j1]) + u * ((1 - w) * t[i1, j] + w * t[i1, j1])
         if self.interpolate == "rate":
-            v = v * _PAIRS.cost_array(q, kv)
+            v = v * PAIRS.cost_array(q, kv)
         return np.where(q > 0, np.maximum(v, 0.0), 0.0)
 
 

@@ -29,11 +29,10 @@ import torch
 
 from ...kernels import accumulation_dtype, attention_backward, attention_forward
 from ...layout import Piece, ShardPlan
-from .cost_model import FlopsCostModel, query_rows_cost
+from .cost_model import PAIRS, query_rows_cost
 from .transfer import GatherPlan, Run
 
 PINGPONG_TOLERANCE = 0.1  # halves of a server's tasks may differ by this share of the larger before docs split
-_PAIRS = FlopsCostModel(flops_per_pair=1.0)  # cost = visible (query, key) pairs
 
 
 @dataclass(frozen=True, order=True)
@@ -93,7 +92,7 @@ def _task_key(plan: ShardPlan, task: CadTask) -> tuple[int, int, int]:
 def _rows_cost(plan: ShardPlan, task: CadTask, q_start: int, q_end: int) -> float:
     """Visible (query, key) pairs of query rows ``[q_start, q_end)`` of ``task``'s piece."""
     piece, _ = _all_pieces(plan)[task.owner][task.piece]
-    return query_rows_cost(_PAIRS, piece.length, piece.start - plan.batch.doc_starts[piece.doc], q_start, q_end)
+    return query_rows_cost(PAIRS, piece.length, piece.start - plan.batch.doc_starts[piece.doc], q_start, q_end)
 
 
 def _server_holds_keys(plan: ShardPlan, task: CadTask) -> bool:

@@ -14,8 +14,8 @@ the collective. A :class:`GatherPlan` instead:
 3. trades only those rows with one ``all_to_all_single`` per dtype (tensors of one dtype, e.g. k and
    v, are packed side by side into one message), and skips the collective entirely when no rank
    moves a row (every rank knows the whole plan, so all agree);
-4. assembles the segments with ONE ``index_select`` from ``[local rows ; received unique rows]``
-   (the index is precomputed per plan).
+4. assembles the segments from the local rows and the received unique rows with two row gathers
+   (indices precomputed per plan; the local tensor is never copied whole).
 
 Its inverse serves gradients and outputs: segment rows that read local rows are added (or copied)
 into the local tensor directly; the rest are index-added into a buffer of the unique received rows
@@ -25,6 +25,7 @@ which the reverse all_to_all returns to the holders, who add them at the rows th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,10 +54,7 @@ def _dtype_groups(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
 
 
 def _row_width(t: torch.Tensor) -> int:
-    n = 1
-    for s in t.shape[1:]:
-        n *= s
-    return n
+    return math.prod(t.shape[1:])
 
 
 def _pack(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -174,8 +172,12 @@ class GatherPlan:
         for t, r in zip(tensors, received):
             if r is None or r.shape[0] == 0:
                 out.append(t.index_select(0, self.index))
-            else:
-                out.append(torch.cat([t, r]).index_select(0, self.index))
+                continue
+            # two row gathers into the segment buffer: no copy of the whole local tensor
+            seg = t.new_empty(self.segment_rows, *t.shape[1:])
+            seg.index_copy_(0, self.local_pos, t.index_select(0, self.local_src))
+            seg.index_copy_(0, self.remote_pos, r.index_select(0, self.remote_slot))
+            out.append(seg)
         return out
 
     # ------------------------------------------------------------------ reverse: results to holders
