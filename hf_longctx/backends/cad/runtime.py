@@ -10,8 +10,9 @@ What travels (see :mod:`.transfer`): only rows a server does not hold, each at m
 nano-batch. Tasks of one document on one server read overlapping key prefixes; their union travels
 once (not one prefix per task), rows the server holds itself are read in place (never copied through
 the collective), and queries, outputs and log-sum-exps of tasks served by their owner never move.
-(Sending every task its whole prefix instead moves a long document's shared prefix once per task.) Backward trades the same rows plus output gradients and returns dQ to owners and
-dK/dV, summed over the tasks that read each row, to every holder.
+(Sending every task its whole prefix instead moves a long document's shared prefix once per task.)
+Backward trades the same rows plus output gradients and returns dQ to owners and dK/dV, summed over
+the tasks that read each row, to every holder.
 
 Ping-pong: each server's tasks are split into two nano-batches of about equal attention cost,
 keeping a document's tasks together where that costs little balance (see :func:`pingpong_split`);
