@@ -21,6 +21,12 @@ from ..comm.p2p import count_all_to_all
 from ..kernels import attention_backward, attention_forward
 
 
+def attention_load(plan) -> list[int]:
+    """Every rank computes the whole sequence for 1/P of the heads: the pairs split evenly."""
+    total, world = plan.batch.causal_pairs(), plan.world_size
+    return [total // world + (r < total % world) for r in range(world)]
+
+
 def kv_repeat(hq: int, hkv: int, world: int) -> int:
     """How many times KV heads are repeated so they split over ``world`` ranks (1 when they already do)."""
     rep = world // gcd(hkv, world)

@@ -322,6 +322,14 @@ def prepare(plan: ShardPlan, options: dict) -> dict:
     return {**options, "tasks": plan.cached(("cad_tasks", eps), build)}
 
 
+def attention_load(plan: ShardPlan) -> list[int]:
+    """Visible (query, key) pairs each server computes under the scheduled tasks."""
+    work = [0] * plan.world_size
+    for t in prepare(plan, {})["tasks"]:
+        work[t.server] += round(task_cost(plan, t))
+    return work
+
+
 def _lse_rows(lse: torch.Tensor) -> torch.Tensor:
     """(H, T) -> (T, H): log-sum-exps as rows, so they travel with their query rows."""
     return lse.t().contiguous()
