@@ -1,10 +1,14 @@
 """Step time and peak memory of layer checkpointing vs recompute-aware checkpointing on one GPU.
 
     python scripts/bench_checkpointing.py --seqs 32768,65536 --layers 4
+    python scripts/bench_checkpointing.py --layers 16 --tiled-loss 8192 \\
+        --modes layer,layer+offload,recompute_aware,recompute_aware+offload     # checkpoint offload
 
 A Llama-3-8B-shaped model (hidden 4096, 32 heads, 8 KV heads, MLP 14336; fewer layers so it fits,
 vocab 32000 so the logits stay small) runs forward+backward on one packed sequence through the
 ``longctx_local`` attention (the same custom op every backend uses). Ratios are taken in one run.
+With offload the gradients are compared with the same mode without it (relative difference; bf16
+kernels are not bitwise reproducible, so expect ~1e-2 at most, not 0).
 """
 
 from __future__ import annotations
@@ -22,13 +26,14 @@ from hf_longctx.kernels import reset_stats, stats
 from hf_longctx.layout import PackedBatch
 
 
-def step_time(model, local, reps: int) -> tuple[float, float, int]:
-    """Median ms of forward+backward, peak GiB, attention forward calls per step."""
+def step_time(model, local, reps: int) -> tuple[float, float, int, dict]:
+    """Median ms of forward+backward, peak GiB, attention forward calls per step, and the last gradients."""
     for _ in range(2):
         model(**local).loss.backward()
+        model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, grads = [], {}
     for _ in range(reps):
         reset_stats()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -37,8 +42,23 @@ def step_time(model, local, reps: int) -> tuple[float, float, int]:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
+        grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
         model.zero_grad(set_to_none=True)
-    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30, stats().get("core_attention.forward", 0)
+    calls = stats().get("core_attention.forward", 0)
+    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30, calls, grads
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    """Largest |a - b| over largest |b|, across all parameters (bf16 kernels are not bitwise reproducible)."""
+    return max(((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-30)).item() for n in b)
+
+
+MODES = {  # name: (enable function, offload)
+    "layer": (enable_layer_checkpointing, False),
+    "layer+offload": (enable_layer_checkpointing, True),
+    "recompute_aware": (enable_recompute_aware_checkpointing, False),
+    "recompute_aware+offload": (enable_recompute_aware_checkpointing, True),
+}
 
 
 def main() -> None:
@@ -46,13 +66,23 @@ def main() -> None:
     p.add_argument("--seqs", default="32768,65536")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--modes", default="layer,recompute_aware", help=f"comma list of {', '.join(MODES)}")
+    p.add_argument("--tiled-loss", type=int, default=0, help="tokens per loss chunk (0: whole-shard logits)")
     args = p.parse_args()
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        p.error(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
     cfg = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.layers,
                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=1 << 20,
                       attn_implementation="longctx_local")
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.train()
+    if args.tiled_loss:
+        from hf_longctx.hf.tiled_loss import enable_tiled_loss
+
+        enable_tiled_loss(model, chunk_tokens=args.tiled_loss)
     rows = []
     for seq in (int(s) for s in args.seqs.split(",")):
         packed = PackedBatch.from_doc_lens([seq])
@@ -60,21 +90,22 @@ def main() -> None:
         local = shard_batch({"input_ids": ids, "position_ids": packed.position_ids[None].cuda()},
                             plan_for(packed, "local", None), 0)
         result = {}
-        for mode in ("layer", "recompute_aware"):
-            if mode == "layer":
-                enable_layer_checkpointing(model)
-            else:
-                enable_recompute_aware_checkpointing(model)
+        for mode in modes:
+            enable, offload = MODES[mode]
+            enable(model, offload=offload)
             result[mode] = step_time(model, local, args.reps)
-        speedup = result["layer"][0] / result["recompute_aware"][0]
-        for mode, (ms, gib, calls) in result.items():
-            rows.append(f"| {seq // 1024}K | {mode} | {ms:.0f} | {gib:.1f} | {calls} | "
-                        f"{speedup if mode == 'recompute_aware' else 1.0:.2f} |")
+        base_ms = result[modes[0]][0]
+        for mode, (ms, gib, calls, grads) in result.items():
+            twin = mode.removesuffix("+offload")
+            diff = (f"{relative_difference(grads, result[twin][3]):.1e}" if mode != twin and twin in result else "-")
+            rows.append(f"| {seq // 1024}K | {mode} | {ms:.0f} | {gib:.1f} | {calls} | {base_ms / ms:.2f} | {diff} |")
             print(rows[-1], flush=True)
     gpu = torch.cuda.get_device_name()
-    print(f"\n{gpu}, Llama-3-8B shape with {args.layers} layers, bf16, torch {torch.__version__}")
-    print("| tokens | checkpointing | fwd+bwd ms | peak GiB | attention forward calls | speedup vs layer |")
-    print("|---|---|---|---|---|---|")
+    print(f"\n{gpu}, Llama-3-8B shape with {args.layers} layers, bf16, torch {torch.__version__}, "
+          f"tiled loss {args.tiled_loss or 'off'}")
+    print(f"| tokens | checkpointing | fwd+bwd ms | peak GiB | attention forward calls | speed vs {modes[0]} | "
+          "grad rel. diff vs no offload |")
+    print("|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 

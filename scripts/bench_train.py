@@ -4,7 +4,7 @@ One command per measurement, on the GPU machine (NCCL; one process per GPU)::
 
     python scripts/bench_train.py --gpus 2 --backend zigzag --seq 131072 --layers 4
     python scripts/bench_train.py --gpus 1 --backend local --seq 65536 --layers 4 --search   # largest that fits
-    python scripts/bench_train.py --quick --gpus 2 --backend zigzag                          # CPU smoke run
+    python scripts/bench_train.py --quick --gpus 2 --backend zigzag                          # smoke run
 
 ``--seq`` is tokens per GPU; the sequence-parallel group (all GPUs) trains on ``gpus x seq`` tokens of
 packed documents from a ProLong-style length mix. Prints tokens/s, MFU (6 x parameters per token plus
@@ -35,10 +35,14 @@ import torch.multiprocessing as mp
 def build_model(args, impl: str, device):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if args.quick:
+    if args.model == "tiny":
         cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=args.layers,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1 << 22,
                           attn_implementation=impl)
+    elif args.model == "small":
+        cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=1024, intermediate_size=2816,
+                          num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=4,
+                          max_position_embeddings=1 << 24, rope_theta=500000.0, attn_implementation=impl)
     else:
         cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=4096, intermediate_size=14336,
                           num_hidden_layers=args.layers, num_attention_heads=32, num_key_value_heads=8,
@@ -46,17 +50,30 @@ def build_model(args, impl: str, device):
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(cfg)
-    return model.to(torch.float32 if args.quick else torch.bfloat16)
+    return model.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 
-def packed_batch(total: int, vocab: int, mix: str, seed: int, device):
+def learnable_tokens(total: int, vocab: int, seed: int) -> torch.Tensor:
+    """A noisy affine chain (next = 7 * prev + 3 mod V, one token in eight random): a loss curve that falls."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.empty(total, dtype=torch.long)
+    ids[0] = torch.randint(0, vocab, (1,), generator=g)
+    noise = torch.randint(0, vocab, (total,), generator=g)
+    jump = torch.rand(total, generator=g) < 0.125
+    for i in range(1, total):  # a few ms for 1M tokens is not the point here; clarity is
+        ids[i] = noise[i] if jump[i] else (7 * ids[i - 1] + 3) % vocab
+    return ids[None]
+
+
+def packed_batch(total: int, vocab: int, mix: str, seed: int, device, learnable: bool = False):
     from hf_longctx.data.synthetic_lengths import synthetic_doc_lengths
     from hf_longctx.layout import PackedBatch
 
     lens = synthetic_doc_lengths(mix, total, seed=seed, max_doc_len=total) if mix != "one" else [total]
     packed = PackedBatch.from_doc_lens(lens)
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (1, total), generator=g).to(device)
+    ids = (learnable_tokens(total, vocab, seed) if learnable
+           else torch.randint(0, vocab, (1, total), generator=g)).to(device)
     return packed, {"input_ids": ids, "position_ids": packed.position_ids[None].to(device)}
 
 
@@ -104,18 +121,25 @@ def worker(rank, world, args):
     from hf_longctx.hf.tiled_loss import enable_tiled_loss
 
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))  # what DeepSpeed reads
-    device = torch.device("cpu") if args.quick else torch.device("cuda", rank)
+    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("gloo" if args.quick else "nccl", rank=rank, world_size=world,
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
                             timeout=timedelta(seconds=900), device_id=device if device.type == "cuda" else None)
     if world == 1 and args.backend != "local":
         raise SystemExit("one GPU runs the 'local' backend; name --backend local")
-    model = build_model(args, implementation_name(args.backend), device)
+    peer = args.backend == "torch_cp"
+    if peer:
+        from torch_cp_peer import register_peer_attention
+
+        impl = register_peer_attention()
+    else:
+        impl = implementation_name(args.backend)
+    model = build_model(args, impl, device)
     if args.checkpointing == "recompute_aware":
-        enable_recompute_aware_checkpointing(model)
+        enable_recompute_aware_checkpointing(model, offload=args.offload)
     elif args.checkpointing == "layer":
-        enable_layer_checkpointing(model)
+        enable_layer_checkpointing(model, offload=args.offload)
     if args.tiled_loss:
         enable_tiled_loss(model, chunk_tokens=args.tiled_loss)
     if args.tiled_mlp:
@@ -125,13 +149,22 @@ def worker(rank, world, args):
     model.train()
     flops_per_token = model_flops_per_token(model)  # before ZeRO-3 partitions the parameters away
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda" and not args.zero)
+    opt = torch.optim.AdamW(params, lr=args.lr, fused=device.type == "cuda" and not args.zero and not peer)
     total = args.seq * world
-    packed, batch = packed_batch(total, model.config.vocab_size, args.mix, args.seed, device)
-    plan = plan_for(packed, args.backend, None)
-    local = shard_batch(batch, plan, rank, None)
+    packed, batch = packed_batch(total, model.config.vocab_size, args.mix, args.seed, device,
+                                 learnable=bool(args.curve))
+    plan = plan_for(packed, args.backend if not peer else "local", None)
+    local = shard_batch(batch, plan, rank, None) if not peer else None
 
-    if args.zero:  # DeepSpeed ZeRO shards gradients / optimizer states (and parameters at stage 3)
+    if peer:  # torch's native context parallelism through accelerate (FSDP2 + cp_size)
+        from torch_cp_peer import TorchCPTrainer, one_sequence_batch
+
+        trainer = TorchCPTrainer(model, opt, world, device)
+        whole = one_sequence_batch(batch["input_ids"], device)
+
+        def step():
+            return trainer.step(**whole)
+    elif args.zero:  # DeepSpeed ZeRO shards gradients / optimizer states (and parameters at stage 3)
         import deepspeed
 
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config={
@@ -156,13 +189,26 @@ def worker(rank, world, args):
             opt.zero_grad(set_to_none=True)
             return loss
 
+    if args.curve:  # the loss of every step, summed over the group (each rank's loss is its share)
+        curve = []
+        for _ in range(args.curve):
+            loss = step().detach().float().reshape(1)
+            dist.all_reduce(loss)
+            curve.append(loss.item() / (world if peer else 1))  # the peer's ranks each hold a local mean
+        if rank == 0:
+            print("CURVE " + json.dumps({"backend": args.backend, "mix": args.mix, "losses": curve}), flush=True)
+            if args.json_out:
+                Path(args.json_out).write_text(json.dumps(curve))
+        dist.destroy_process_group()
+        return
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     ms = _timed(step, args.steps, device)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     peak_t = torch.tensor([peak], device=device)
     dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
-    attn = attention_ms(plan, args.backend, rank, None, model.config, device, next(model.parameters()).dtype)
+    attn = float("nan") if peer else attention_ms(plan, args.backend, rank, None, model.config, device,
+                                                   next(model.parameters()).dtype)
     # layer checkpointing runs attention forward again in backward: ~1/3.5 of a forward+backward
     attn_runs = model.config.num_hidden_layers * (1 + (args.checkpointing == "layer") / 3.5)
     flops = total * flops_per_token + attention_flops(model, packed.causal_pairs())
@@ -170,10 +216,12 @@ def worker(rank, world, args):
     result = {
         "backend": args.backend, "gpus": world, "tokens_per_gpu": args.seq, "context": total,
         "layers": model.config.num_hidden_layers, "checkpointing": args.checkpointing,
-        "tiled_loss": args.tiled_loss, "tiled_mlp": args.tiled_mlp, "zero": args.zero, "docs": packed.num_docs,
+        "tiled_loss": args.tiled_loss, "tiled_mlp": args.tiled_mlp, "zero": args.zero, "offload": args.offload,
+        "docs": packed.num_docs,
         "longest_doc": max(packed.doc_lens), "step_s": ms / 1e3, "tokens_per_s": total / (ms / 1e3),
         "mfu": flops / (ms / 1e3) / (world * peak_flops_gpu) if peak_flops_gpu else None,
-        "peak_gib": peak_t.item(), "attention_share": min(1.0, attn * attn_runs / ms),
+        "peak_gib": peak_t.item(),
+        "attention_share": None if peer else min(1.0, attn * attn_runs / ms),
     }
     if rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
@@ -184,15 +232,16 @@ def worker(rank, world, args):
 
 def row(r: dict) -> str:
     mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+    share = f"{100 * r['attention_share']:.0f}%" if r.get("attention_share") is not None else "-"
     return (f"| {r['backend']} | {r['gpus']} | {r['tokens_per_gpu'] // 1024}K | {r['context'] // 1024}K | "
             f"{r['layers']} | {r['checkpointing']} | {r['tiled_loss'] or '-'} | {r['tiled_mlp'] or '-'} | "
-            f"{r.get('zero') or '-'} | "
+            f"{r.get('zero') or '-'} | {'yes' if r.get('offload') else '-'} | "
             f"{r['step_s']:.2f} | {r['tokens_per_s']:.0f} | {mfu} | {r['peak_gib']:.1f} | "
-            f"{100 * r['attention_share']:.0f}% |")
+            f"{share} |")
 
 
-HEADER = ("| backend | GPUs | tokens/GPU | context | layers | checkpointing | tiled loss | tiled MLP | ZeRO | step s | "
-          "tokens/s | MFU | peak GiB/GPU | attention share |\n" + "|---" * 14 + "|")
+HEADER = ("| backend | GPUs | tokens/GPU | context | layers | checkpointing | tiled loss | tiled MLP | ZeRO | "
+          "offload | step s | tokens/s | MFU | peak GiB/GPU | attention share |\n" + "|---" * 15 + "|")
 
 
 def try_seq(args, seq: int) -> dict | None:
@@ -243,7 +292,8 @@ def search(args) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gpus", type=int, default=torch.cuda.device_count() or 2)
-    p.add_argument("--backend", default="zigzag")
+    p.add_argument("--backend", default="zigzag",
+                   help="an hf_longctx backend, or torch_cp (the peer: torch native CP via accelerate, --mix one)")
     p.add_argument("--seq", type=int, default=65536, help="tokens per GPU")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=128256)
@@ -252,6 +302,7 @@ def main() -> int:
     p.add_argument("--tiled-loss", type=int, default=0, help="tokens per loss chunk (0: off)")
     p.add_argument("--tiled-mlp", type=int, default=0, help="tokens per MLP chunk (0: off)")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--offload", action="store_true", help="keep layer checkpoints in pinned host memory")
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage (0: plain)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--search", action="store_true", help="find the largest --seq that fits")
@@ -259,10 +310,24 @@ def main() -> int:
     p.add_argument("--bisect", type=int, default=2, help="bisection rounds after the first failure")
     p.add_argument("--granularity", type=int, default=16384)
     p.add_argument("--json-out", default=None)
-    p.add_argument("--quick", action="store_true", help="CPU smoke run: gloo, a tiny model, 2K tokens per rank")
+    p.add_argument("--model", default="8b", choices=["8b", "small", "tiny"],
+                   help="Llama-3-8B shape (hidden 4096), small (hidden 1024) or tiny (hidden 64)")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--curve", type=int, default=0, help="train this many steps on learnable tokens, print the losses")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: the tiny model, 2K tokens per rank (CPU and gloo when there is no GPU)")
     args = p.parse_args()
-    if args.quick and "--seq" not in sys.argv:
-        args.seq = 2048
+    if args.quick:
+        args.model = "tiny"
+        if "--seq" not in sys.argv:
+            args.seq = 2048
+    if args.backend == "torch_cp":
+        if args.mix != "one":
+            p.error("torch_cp (torch native context parallelism) has no document masking: use --mix one")
+        if args.checkpointing == "recompute_aware":
+            args.checkpointing = "layer"  # recompute-aware needs our attention op; the peer gets plain layers
+        if args.zero or args.tiled_mlp:
+            p.error("torch_cp shards with FSDP2 itself; --zero and --tiled-mlp do not apply")
     if args.search:
         return search(args)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ..comm.groups import group_rank_and_size
 from ..layout import ShardPlan
 from .engine import RunContext, run_forward
-from .op import core_attention, register_context
+from .op import core_attention, register_context, report_outputs
 from .registry import get_backend
 
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
@@ -134,7 +134,8 @@ def sequence_parallel_attention(
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_local.shape[-1])
     backend = resolve_backend(q_local, k_local, v_local, plan, backend, group, rank, world, scale, kernel, options)
     run = make_run_context(plan, backend, group, rank, world, scale, kernel, options)
-    out, _lse = core_attention(q_local, k_local, v_local, register_context(run))
+    out, lse = core_attention(q_local, k_local, v_local, register_context(run))
+    report_outputs(out, lse)
     return out
 
 

@@ -10,6 +10,8 @@ not op arguments; they are registered under an integer key that the op receives.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -29,6 +31,29 @@ def register_context(run: RunContext) -> int:
     while len(_CONTEXTS) > _MAX_CONTEXTS:
         _CONTEXTS.popitem(last=False)
     return _next_key
+
+
+_OBSERVERS: list[Callable[[torch.Tensor], None]] = []
+
+
+@contextmanager
+def observe_attention_outputs(observer: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """Call ``observer`` on each output tensor of every core-attention call made inside the block.
+
+    Checkpoint offload uses it to find the outputs that selective checkpointing keeps.
+    """
+    _OBSERVERS.append(observer)
+    try:
+        yield
+    finally:
+        _OBSERVERS.remove(observer)
+
+
+def report_outputs(*outputs: torch.Tensor) -> None:
+    """Hand a core-attention call's outputs to the active observers (no-op when none is active)."""
+    for observer in _OBSERVERS:
+        for t in outputs:
+            observer(t)
 
 
 def _context(key: int) -> RunContext:

@@ -48,12 +48,12 @@ class LongContextCallback(TrainerCallback):
 
             enable_tiled_mlp(model, chunk_tokens=cfg.tiled_mlp)
         if cfg.checkpointing == "recompute_aware":
-            enable_recompute_aware_checkpointing(model)
+            enable_recompute_aware_checkpointing(model, offload=cfg.offload_checkpoints)
         elif cfg.checkpointing == "layer":
-            enable_layer_checkpointing(model)
+            enable_layer_checkpointing(model, offload=cfg.offload_checkpoints)
         self.summary = {"backend": cfg.backend, "sp_size": sp, "dp_size": world // sp,
                         "checkpointing": cfg.checkpointing, "kernel": cfg.kernel, "tiled_loss": cfg.tiled_loss,
-                        "tiled_mlp": cfg.tiled_mlp,
+                        "tiled_mlp": cfg.tiled_mlp, "offload_checkpoints": cfg.offload_checkpoints,
                         "kernels_available": available_kernels(args.device)}
         self._flops_per_token = model_flops_per_token(model)
         self._peak = peak_flops(args.device)

@@ -5,6 +5,9 @@ its communication included. Core attention is the most expensive part of a long-
 its output is only (T, H, D) plus an fp32 log-sum-exp, so it is worth keeping: a selective
 checkpointing policy marks the single ``hf_longctx::core_attention`` op MUST_SAVE and lets
 everything else be recomputed (norms, projections, RoPE, MLP).
+
+Both modes take ``offload=True``: what each layer keeps between forward and backward (its input and,
+recompute-aware, its attention output) waits in pinned host memory instead (see :mod:`.offload`).
 """
 
 from __future__ import annotations
@@ -29,17 +32,39 @@ def recompute_aware_checkpointing_kwargs() -> dict:
     return {"use_reentrant": False, "context_fn": partial(create_selective_checkpoint_contexts, recompute_aware_policy)}
 
 
-def enable_recompute_aware_checkpointing(model) -> None:
-    """Checkpoint every decoder layer but keep the core-attention output (and lse) of each."""
+def enable_recompute_aware_checkpointing(model, offload: bool = False) -> None:
+    """Checkpoint every decoder layer but keep the core-attention output (and lse) of each.
+
+    ``offload=True`` keeps those outputs and the layer inputs in pinned host memory between the passes.
+    """
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(model).__name__} does not support gradient checkpointing")
-    enable_layer_checkpointing(model, recompute_aware_checkpointing_kwargs())
+    enable_layer_checkpointing(model, recompute_aware_checkpointing_kwargs(), offload=offload)
 
 
-def enable_layer_checkpointing(model, kwargs: dict | None = None) -> None:
-    """Checkpoint every decoder layer through whichever entry point this transformers version has."""
+def enable_layer_checkpointing(model, kwargs: dict | None = None, offload: bool = False) -> None:
+    """Checkpoint every decoder layer through whichever entry point this transformers version has.
+
+    ``offload=True`` swaps in :class:`~hf_longctx.hf.offload.CheckpointOffloader` as each layer's
+    checkpoint function (transformers' own ``offload`` flag copies synchronously on the compute
+    stream and cannot reach the selective-checkpoint cache).
+    """
     kwargs = kwargs or {"use_reentrant": False}
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"{type(model).__name__} does not support gradient checkpointing")
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if offload:
+        from .offload import CheckpointOffloader
+
+        offloader = CheckpointOffloader(keep_attention_outputs=kwargs.get("context_fn") is not None)
+        function = partial(offloader, **kwargs)
+        layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)
+                  and hasattr(m, "_gradient_checkpointing_func")]
+        if not layers:
+            raise RuntimeError(f"{type(model).__name__}: no checkpointed layer found to offload")
+        for module in layers:
+            module._gradient_checkpointing_func = function
+        model._hf_longctx_offloader = offloader

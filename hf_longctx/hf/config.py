@@ -28,12 +28,18 @@ class LongContextConfig:
     seq_len: int = 0  # tokens per process per step (0: the training script's default)
     tiled_loss: int = 0  # tokens per chunk of the vocabulary loss (0: off, logits for the whole shard)
     tiled_mlp: int = 0  # tokens per chunk of each decoder layer's MLP (0: off)
+    offload_checkpoints: bool = False  # keep layer checkpoints in pinned host memory between the passes
 
     def __post_init__(self):
         if self.backend not in backend_names():
             raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(backend_names())}")
         if self.checkpointing not in CHECKPOINTING_MODES:
             raise ValueError(f"unknown checkpointing {self.checkpointing!r}; choose one of {CHECKPOINTING_MODES}")
+        if not isinstance(self.offload_checkpoints, bool):
+            raise ValueError(f"offload_checkpoints must be true or false, got {self.offload_checkpoints!r}")
+        if self.offload_checkpoints and self.checkpointing == "none":
+            raise ValueError("offload_checkpoints moves layer checkpoints to the host: it needs checkpointing "
+                             "'layer' or 'recompute_aware', not 'none'")
         for key in ("sp_size", "seq_len", "tiled_loss", "tiled_mlp"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -95,7 +101,16 @@ def _launcher_config_file() -> str | None:
 
 
 _ENV = {"backend": str, "sp_size": int, "checkpointing": str, "kernel": str, "seq_len": int, "tiled_loss": int,
-        "tiled_mlp": int}
+        "tiled_mlp": int, "offload_checkpoints": lambda v: _parse_bool("HF_LONGCTX_OFFLOAD_CHECKPOINTS", v)}
+
+
+def _parse_bool(name: str, value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"{name}={value!r} is not a boolean; use 1/0 or true/false")
 
 
 def load_config(recipe: str | os.PathLike | None = None) -> LongContextConfig:
