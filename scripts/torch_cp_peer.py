@@ -59,7 +59,9 @@ class TorchCPTrainer:
         buffers = [input_ids.clone(), position_ids.clone(), shift_labels.clone()]
         with self.accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1, 1, 1],
                                                      no_restore_buffers=set(buffers)):
-            loss = self.model(input_ids=buffers[0], position_ids=buffers[1], shift_labels=buffers[2]).loss
+            # transformers computes a loss only when labels are given; shift_labels says they are shifted already
+            loss = self.model(input_ids=buffers[0], position_ids=buffers[1], labels=buffers[2],
+                              shift_labels=buffers[2]).loss
             self.accelerator.backward(loss)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
