@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The scale measurements on a 2-GPU machine, one part per call (each fits the 10-minute command limit):
 #
-#   scripts/bench_scale.sh smoke       # torch CP peer and checkpoint offload run at all (tiny model)
+#   scripts/bench_scale.sh smoke       # torch CP peer and checkpoint offload run at all (small model)
 #   scripts/bench_scale.sh offload     # 1 GPU: offload vs not, step time / peak memory / gradients
 #   scripts/bench_scale.sh curves      # 2 GPUs: bf16 loss curves, every backend and the peer, 50 steps
 #   scripts/bench_scale.sh maxctx      # 1 GPU: full Llama-3-8B shape with offload (SEQS="262144 ...")

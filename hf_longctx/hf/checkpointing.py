@@ -56,15 +56,17 @@ def enable_layer_checkpointing(model, kwargs: dict | None = None, offload: bool 
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    if offload:
-        from .offload import CheckpointOffloader
+    if not offload:
+        model.__dict__.pop("_hf_longctx_offloader", None)
+        return
+    from .offload import CheckpointOffloader
 
-        offloader = CheckpointOffloader(keep_attention_outputs=kwargs.get("context_fn") is not None)
-        function = partial(offloader, **kwargs)
-        layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)
-                  and hasattr(m, "_gradient_checkpointing_func")]
-        if not layers:
-            raise RuntimeError(f"{type(model).__name__}: no checkpointed layer found to offload")
-        for module in layers:
-            module._gradient_checkpointing_func = function
-        model._hf_longctx_offloader = offloader
+    offloader = CheckpointOffloader(keep_attention_outputs=kwargs.get("context_fn") is not None)
+    function = partial(offloader, **kwargs)
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)
+              and hasattr(m, "_gradient_checkpointing_func")]
+    if not layers:
+        raise RuntimeError(f"{type(model).__name__}: no checkpointed layer found to offload")
+    for module in layers:
+        module._gradient_checkpointing_func = function
+    model._hf_longctx_offloader = offloader
