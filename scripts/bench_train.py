@@ -56,13 +56,12 @@ def build_model(args, impl: str, device):
 def learnable_tokens(total: int, vocab: int, seed: int) -> torch.Tensor:
     """A noisy affine chain (next = 7 * prev + 3 mod V, one token in eight random): a loss curve that falls."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.empty(total, dtype=torch.long)
-    ids[0] = torch.randint(0, vocab, (1,), generator=g)
-    noise = torch.randint(0, vocab, (total,), generator=g)
-    jump = torch.rand(total, generator=g) < 0.125
-    for i in range(1, total):  # a few ms for 1M tokens is not the point here; clarity is
-        ids[i] = noise[i] if jump[i] else (7 * ids[i - 1] + 3) % vocab
-    return ids[None]
+    ids = [int(torch.randint(0, vocab, (1,), generator=g))]
+    noise = torch.randint(0, vocab, (total,), generator=g).tolist()
+    jump = (torch.rand(total, generator=g) < 0.125).tolist()
+    for i in range(1, total):  # plain ints: ~0.5 s per million tokens
+        ids.append(noise[i] if jump[i] else (7 * ids[-1] + 3) % vocab)
+    return torch.tensor(ids)[None]
 
 
 def packed_batch(total: int, vocab: int, mix: str, seed: int, device, learnable: bool = False):
@@ -71,9 +70,8 @@ def packed_batch(total: int, vocab: int, mix: str, seed: int, device, learnable:
 
     lens = synthetic_doc_lengths(mix, total, seed=seed, max_doc_len=total) if mix != "one" else [total]
     packed = PackedBatch.from_doc_lens(lens)
-    g = torch.Generator().manual_seed(seed)
     ids = (learnable_tokens(total, vocab, seed) if learnable
-           else torch.randint(0, vocab, (1, total), generator=g)).to(device)
+           else torch.randint(0, vocab, (1, total), generator=torch.Generator().manual_seed(seed))).to(device)
     return packed, {"input_ids": ids, "position_ids": packed.position_ids[None].to(device)}
 
 

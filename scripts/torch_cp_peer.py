@@ -4,8 +4,8 @@
 context-parallel ranks and, inside ``accelerator.maybe_context_parallel(...)``, splits the listed
 buffers along the sequence (load-balanced) and routes SDPA through torch's ring attention. It has no
 document masking (one causal sequence only) and no GQA path in the ring, so key/value heads are
-repeated, as its users must. Used by ``scripts/bench_train.py --backend torch_cp`` and
-``scripts/compare_losses.py``; nothing in the package depends on it.
+repeated, as its users must. Used by ``scripts/bench_train.py --backend torch_cp``; nothing in the
+package depends on it (accelerate refuses ``cp_size`` on CPU, so it runs on GPUs only).
 """
 
 from __future__ import annotations
@@ -22,9 +22,7 @@ def _peer_attention(module, query, key, value, attention_mask, dropout: float = 
 
     rep = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
-    kernels = ([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION] if query.is_cuda
-               else [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
-    with sdpa_kernel(kernels):
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 

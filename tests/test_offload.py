@@ -147,5 +147,5 @@ def test_offload_setting_is_validated(monkeypatch):
     monkeypatch.setenv("HF_LONGCTX_OFFLOAD_CHECKPOINTS", "1")
     assert load_config().offload_checkpoints is True
     monkeypatch.setenv("HF_LONGCTX_OFFLOAD_CHECKPOINTS", "maybe")
-    with pytest.raises(ValueError, match="HF_LONGCTX_OFFLOAD_CHECKPOINTS='maybe' is not a boolean"):
+    with pytest.raises(ValueError, match="HF_LONGCTX_OFFLOAD_CHECKPOINTS='maybe': not a boolean"):
         load_config()

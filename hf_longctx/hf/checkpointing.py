@@ -37,8 +37,6 @@ def enable_recompute_aware_checkpointing(model, offload: bool = False) -> None:
 
     ``offload=True`` keeps those outputs and the layer inputs in pinned host memory between the passes.
     """
-    if not getattr(model, "supports_gradient_checkpointing", False):
-        raise ValueError(f"{type(model).__name__} does not support gradient checkpointing")
     enable_layer_checkpointing(model, recompute_aware_checkpointing_kwargs(), offload=offload)
 
 

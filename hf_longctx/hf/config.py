@@ -100,17 +100,17 @@ def _launcher_config_file() -> str | None:
     return None
 
 
-_ENV = {"backend": str, "sp_size": int, "checkpointing": str, "kernel": str, "seq_len": int, "tiled_loss": int,
-        "tiled_mlp": int, "offload_checkpoints": lambda v: _parse_bool("HF_LONGCTX_OFFLOAD_CHECKPOINTS", v)}
-
-
-def _parse_bool(name: str, value: str) -> bool:
+def _parse_bool(value: str) -> bool:
     lowered = value.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
         return True
     if lowered in ("0", "false", "no", "off", ""):
         return False
-    raise ValueError(f"{name}={value!r} is not a boolean; use 1/0 or true/false")
+    raise ValueError("not a boolean; use 1/0 or true/false")
+
+
+_ENV = {"backend": str, "sp_size": int, "checkpointing": str, "kernel": str, "seq_len": int, "tiled_loss": int,
+        "tiled_mlp": int, "offload_checkpoints": _parse_bool}
 
 
 def load_config(recipe: str | os.PathLike | None = None) -> LongContextConfig:
@@ -130,7 +130,10 @@ def load_config(recipe: str | os.PathLike | None = None) -> LongContextConfig:
     for key, cast in _ENV.items():
         env = os.environ.get(f"HF_LONGCTX_{key.upper()}")
         if env is not None:
-            values[key] = cast(env)
+            try:
+                values[key] = cast(env)
+            except ValueError as err:
+                raise ValueError(f"HF_LONGCTX_{key.upper()}={env!r}: {err}") from None
     unknown_env = [k for k in os.environ if k.startswith("HF_LONGCTX_") and k[11:].lower() not in _ENV
                    and k != "HF_LONGCTX_RECIPE"]
     if unknown_env:

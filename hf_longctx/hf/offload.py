@@ -42,7 +42,6 @@ class _Streams:
     """Side streams for the copies (None on CPU, where copies are synchronous)."""
 
     def __init__(self, device: torch.device):
-        self.device = device
         cuda = device.type == "cuda"
         self.d2h = torch.cuda.Stream(device) if cuda else None
         self.h2d = torch.cuda.Stream(device) if cuda else None
@@ -100,10 +99,11 @@ class _Slot:
 
     def pack(self, t: torch.Tensor):
         """saved_tensors_hooks pack: large floating-point tensors go to the host, the rest stay."""
-        if t.numel() * t.element_size() < self.offloader.min_bytes or not t.is_floating_point():
+        nbytes = t.numel() * t.element_size()
+        if nbytes < self.offloader.min_bytes or not t.is_floating_point():
             return t
         self.saved.append(_Saved(t.device, *self._to_host(t)))
-        self.offloader.bytes_offloaded += t.numel() * t.element_size()
+        self.offloader.bytes_offloaded += nbytes
         return (self, len(self.saved) - 1)
 
     def keep(self, t: torch.Tensor) -> None:
