@@ -224,11 +224,16 @@ def profile_section(rows: list[Row], profile_path: Path, interpolate: str) -> li
         "| mix | tokens/rank | ranks | method | time max/mean | MiB sent/rank mean | max | sched ms |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        ms = f"{r.sched_ms:.1f}" if r.sched_ms is not None else "-"
-        lines.append(f"| {r.mix} | {r.tokens // 1024}K | {r.ranks} | {r.method} | {r.attn_imbalance:.3f} | "
-                     f"{r.mib_mean:,.0f} | {r.mib_max:,.0f} | {ms} |")
+    lines += [table_row(r, token_imbalance=False) for r in rows]
     return lines
+
+
+def table_row(r: Row, token_imbalance: bool) -> str:
+    """One markdown row: mix, size, method, imbalance(s), bytes sent, scheduler time."""
+    ms = f"{r.sched_ms:.1f}" if r.sched_ms is not None else "-"
+    tokens = f"{r.token_imbalance:.2f} | " if token_imbalance else ""
+    return (f"| {r.mix} | {r.tokens // 1024}K | {r.ranks} | {r.method} | {r.attn_imbalance:.3f} | {tokens}"
+            f"{r.mib_mean:,.0f} | {r.mib_max:,.0f} | {ms} |")
 
 
 def markdown(rows: list[Row], args, command: str, elapsed: float) -> str:
@@ -269,10 +274,7 @@ def markdown(rows: list[Row], args, command: str, elapsed: float) -> str:
         "| sched ms |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        ms = f"{r.sched_ms:.1f}" if r.sched_ms is not None else "-"
-        lines.append(f"| {r.mix} | {r.tokens // 1024}K | {r.ranks} | {r.method} | {r.attn_imbalance:.3f} | "
-                     f"{r.token_imbalance:.2f} | {r.mib_mean:,.0f} | {r.mib_max:,.0f} | {ms} |")
+    lines += [table_row(r, token_imbalance=True) for r in rows]
     lines += ["", "## Summary at the largest scale", ""]
     top_r, top_t = max(args.ranks), max(args.tokens)
     for mix in args.mixes:
