@@ -81,12 +81,12 @@ def correctness(device: str, kernels: list[str]) -> list[str]:
     return [f"correctness failures: {failures}"] if failures else []
 
 
-def timed(fn, reps: int) -> float:
+def timed(fn, reps: int, warmup: int = 2) -> float:
     """Median milliseconds of fn() over reps runs, CUDA events (host clock on CPU)."""
     import time
 
-    fn()
-    fn()
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(reps):
         if torch.cuda.is_available():

@@ -27,11 +27,11 @@ forward only; the default ``fwd+bwd`` is what a training step pays.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
 import torch
+from check_kernels_gpu import timed  # same directory: the scripts share one timing loop
 
 from hf_longctx.backends.cad.cost_model import FlopsCostModel, ProfiledCostModel
 from hf_longctx.kernels import attention_backward, attention_forward
@@ -64,17 +64,7 @@ def time_cell(q_len, kv_len, args, dtype) -> tuple[float, int]:
         if dout is not None:
             attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, q_len, kv_len, causal=True, kernel=args.kernel)
 
-    for _ in range(args.warmup):
-        step()
-    times = []
-    for _ in range(args.reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times) / copies, copies
+    return timed(step, args.reps, warmup=args.warmup) / copies, copies
 
 
 def main(argv: list[str] | None = None) -> int:
