@@ -75,7 +75,7 @@ def packed_batch(total: int, vocab: int, mix: str, seed: int, device, learnable:
     return packed, {"input_ids": ids, "position_ids": packed.position_ids[None].to(device)}
 
 
-def attention_ms(plan, backend, rank, group, cfg, device, dtype, reps=3) -> float:
+def attention_ms(plan, backend, rank, group, cfg, device, dtype, reps=3, kernel="auto") -> float:
     """Core attention forward+backward of one layer on this plan, alone (ms, slowest rank)."""
     from hf_longctx.backends import sequence_parallel_attention
 
@@ -86,7 +86,7 @@ def attention_ms(plan, backend, rank, group, cfg, device, dtype, reps=3) -> floa
     v = torch.randn_like(k, requires_grad=True)
 
     def step():
-        out = sequence_parallel_attention(q, k, v, plan=plan, backend=backend, group=group)
+        out = sequence_parallel_attention(q, k, v, plan=plan, backend=backend, group=group, kernel=kernel)
         out.backward(torch.ones_like(out))
 
     return _timed(step, reps, device)
@@ -152,7 +152,7 @@ def worker(rank, world, args):
     packed, batch = packed_batch(total, model.config.vocab_size, args.mix, args.seed, device,
                                  learnable=bool(args.curve))
     plan = plan_for(packed, args.backend if not peer else "local", None)
-    local = shard_batch(batch, plan, rank, None) if not peer else None
+    local = shard_batch(batch, plan, rank, None, kernel=args.kernel) if not peer else None
 
     if peer:  # torch's native context parallelism through accelerate (FSDP2 + cp_size)
         from torch_cp_peer import TorchCPTrainer, one_sequence_batch
@@ -206,13 +206,13 @@ def worker(rank, world, args):
     peak_t = torch.tensor([peak], device=device)
     dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
     attn = float("nan") if peer else attention_ms(plan, args.backend, rank, None, model.config, device,
-                                                   next(model.parameters()).dtype)
+                                                   next(model.parameters()).dtype, kernel=args.kernel)
     # layer checkpointing runs attention forward again in backward: ~1/3.5 of a forward+backward
     attn_runs = model.config.num_hidden_layers * (1 + (args.checkpointing == "layer") / 3.5)
     flops = total * flops_per_token + attention_flops(model, packed.causal_pairs())
     peak_flops_gpu = peak_flops(device)
     result = {
-        "backend": args.backend, "gpus": world, "tokens_per_gpu": args.seq, "context": total,
+        "backend": args.backend, "kernel": args.kernel, "gpus": world, "tokens_per_gpu": args.seq, "context": total,
         "layers": model.config.num_hidden_layers, "checkpointing": args.checkpointing,
         "tiled_loss": args.tiled_loss, "tiled_mlp": args.tiled_mlp, "zero": args.zero, "offload": args.offload,
         "docs": packed.num_docs,
@@ -231,7 +231,8 @@ def worker(rank, world, args):
 def row(r: dict) -> str:
     mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
     share = f"{100 * r['attention_share']:.0f}%" if r.get("attention_share") is not None else "-"
-    return (f"| {r['backend']} | {r['gpus']} | {r['tokens_per_gpu'] // 1024}K | {r['context'] // 1024}K | "
+    return (f"| {r['backend']} ({r.get('kernel', 'auto')}) | {r['gpus']} | {r['tokens_per_gpu'] // 1024}K | "
+            f"{r['context'] // 1024}K | "
             f"{r['layers']} | {r['checkpointing']} | {r['tiled_loss'] or '-'} | {r['tiled_mlp'] or '-'} | "
             f"{r.get('zero') or '-'} | {'yes' if r.get('offload') else '-'} | "
             f"{r['step_s']:.2f} | {r['tokens_per_s']:.0f} | {mfu} | {r['peak_gib']:.1f} | "
@@ -294,6 +295,8 @@ def main() -> int:
                    help="an hf_longctx backend, or torch_cp (the peer: torch native CP via accelerate, --mix one)")
     p.add_argument("--seq", type=int, default=65536, help="tokens per GPU")
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--kernel", default="auto", help="single-device attention kernel (auto, fa4, cudnn_varlen, "
+                   "torch_flash, ...)")
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--mix", default="prolong", help="document-length mix: prolong, pretrain, or one (one document)")
     p.add_argument("--checkpointing", default="recompute_aware", choices=["none", "layer", "recompute_aware"])

@@ -15,17 +15,22 @@ from collections import Counter
 
 import torch
 
-from . import cudnn, reference, torch_flash
+from . import cudnn, cudnn_varlen, fa4, reference, torch_flash
+from .buckets import bucket
 from .validate import check_attention_inputs
 
 logger = logging.getLogger("hf_longctx.kernels")
 
-KERNELS = ("cudnn", "torch_flash", "reference")
-_AUTO_ORDER = ("cudnn", "torch_flash", "reference")
+KERNELS = ("fa4", "cudnn_varlen", "cudnn", "torch_flash", "reference")
+_AUTO_ORDER = KERNELS
+# Kernels shipped as optional extras: module, install hint.
+_EXTRAS = {"fa4": fa4, "cudnn_varlen": cudnn_varlen}
 
 _calls: Counter = Counter()
-# Kernels that raised a runtime error under "auto" on this process; auto skips them from then on.
-_broken: dict[str, str] = {}
+# (kernel, configuration) pairs that raised a runtime error under "auto" on this process; auto skips
+# that kernel for that configuration from then on.
+_broken: dict[tuple, str] = {}
+_hinted: set[str] = set()
 
 
 def stats() -> dict[str, int]:
@@ -49,6 +54,9 @@ def available_kernels(device: torch.device | str | None = None) -> list[str]:
     device = torch.device(device)
     names = []
     if device.type == "cuda":
+        probe = torch.empty(1, 1, 128, dtype=torch.bfloat16, device=device)
+        names += [name for name, module in _EXTRAS.items()
+                  if module.is_installed() and _reason(name, probe, probe, [0, 1], [0, 1], True) is None]
         if torch.backends.cudnn.is_available() and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
             names.append("cudnn")
         if hasattr(torch.ops.aten, "_flash_attention_forward"):
@@ -68,6 +76,10 @@ def _device_int32(cu: torch.Tensor | list[int], device: torch.device) -> torch.T
 
 
 def _reason(name: str, q, k, cu_q: list[int], cu_k: list[int], causal: bool) -> str | None:
+    if name == "fa4":
+        return fa4.unsupported_reason(q, k)
+    if name == "cudnn_varlen":
+        return cudnn_varlen.unsupported_reason(q, cu_q, cu_k, causal)
     if name == "cudnn":
         return cudnn.unsupported_reason(q, k, cu_q, cu_k, causal)
     if name == "torch_flash":
@@ -85,10 +97,30 @@ def select_kernel(kernel: str, q, k, cu_q: list[int], cu_k: list[int], causal: b
             raise ValueError(f"kernel {kernel!r} cannot run this input: {reason}")
         return kernel
     for name in _AUTO_ORDER:
-        if name not in _broken and _reason(name, q, k, cu_q, cu_k, causal) is None:
+        if _config_key(name, q, k, cu_q, cu_k, causal) in _broken:
+            continue
+        reason = _reason(name, q, k, cu_q, cu_k, causal)
+        if reason is None:
             logger.debug("auto kernel: %s for q %s %s causal=%s", name, tuple(q.shape), q.dtype, causal)
             return name
+        _hint_missing_extra(name, q)
     raise AssertionError("the reference kernel serves every input")
+
+
+def _hint_missing_extra(name: str, q: torch.Tensor) -> None:
+    """Say once per process that a faster kernel exists for this GPU and how to install it."""
+    module = _EXTRAS.get(name)
+    if module is None or name in _hinted or q.device.type != "cuda" or module.is_installed():
+        return
+    _hinted.add(name)
+    logger.warning("kernel %s is not installed, 'auto' uses a slower one; %s", name, module.INSTALL_HINT)
+
+
+def _config_key(name: str, q, k, cu_q: list[int], cu_k: list[int], causal: bool) -> tuple:
+    """What a kernel compiles or plans for: dtype, heads, head dim, causal, bucketed segment shape."""
+    lengths = [b - a for a, b in zip(cu_q, cu_q[1:])] or [0]
+    return (name, q.dtype, q.shape[1], k.shape[1], q.shape[2], causal, bucket(len(cu_q) - 1),
+            bucket(max(lengths)))
 
 
 def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale):
@@ -123,16 +155,17 @@ def attention_forward(
     name = select_kernel(kernel, q, k, cu_q, cu_k, causal)
     try:
         return _forward(name, q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale)
-    except (RuntimeError, IndexError, TypeError) as exc:  # what torch raises for a kernel it cannot run
+    except Exception as exc:  # noqa: BLE001 - a compile, graph build or launch that failed: fall back
         if kernel != "auto" or name == "reference":
             raise
-        _mark_broken(name, exc)
+        _mark_broken(_config_key(name, q, k, cu_q, cu_k, causal), exc)
         return attention_forward(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, kernel)
 
 
-def _mark_broken(name: str, exc: Exception) -> None:
-    _broken[name] = str(exc)
-    logger.warning("kernel %s failed (%s); 'auto' falls back to the next kernel from now on", name, exc)
+def _mark_broken(key: tuple, exc: Exception) -> None:
+    _broken[key] = str(exc)
+    logger.warning("kernel %s failed (%s); 'auto' uses the next kernel for this configuration from now on",
+                   key[0], exc)
 
 
 def _forward(name, q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale):
@@ -142,6 +175,11 @@ def _forward(name, q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scal
         return reference.reference_forward(q, k, v, cu_q, cu_k, causal, scale)
     if name == "cudnn":
         return cudnn.forward(q, k, v, cu_q, cu_k, causal, scale)
+    if name == "cudnn_varlen":
+        return cudnn_varlen.forward(q, k, v, cu_q, cu_k, causal, scale)
+    if name == "fa4":
+        return fa4.forward(q, k, v, _device_int32(cu_q, q.device), _device_int32(cu_k, q.device), max_seqlen_q,
+                           max_seqlen_k, causal, scale)
     return torch_flash.forward(
         q, k, v, _device_int32(cu_q, q.device), _device_int32(cu_k, q.device), max_seqlen_q, max_seqlen_k,
         causal, scale,
@@ -176,10 +214,10 @@ def attention_backward(
     name = select_kernel(kernel, q, k, cu_q, cu_k, causal)
     try:
         return _backward(name, dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale)
-    except (RuntimeError, IndexError, TypeError) as exc:  # what torch raises for a kernel it cannot run
+    except Exception as exc:  # noqa: BLE001 - a compile, graph build or launch that failed: fall back
         if kernel != "auto" or name == "reference":
             raise
-        _mark_broken(name, exc)
+        _mark_broken(_config_key(name, q, k, cu_q, cu_k, causal), exc)
         return attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal,
                                   softmax_scale, kernel)
 
@@ -191,6 +229,11 @@ def _backward(name, dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqle
         return reference.reference_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
     if name == "cudnn":
         return cudnn.backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+    if name == "cudnn_varlen":
+        return cudnn_varlen.backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+    if name == "fa4":
+        return fa4.backward(dout, q, k, v, out, lse, _device_int32(cu_q, q.device), _device_int32(cu_k, q.device),
+                            max_seqlen_q, max_seqlen_k, causal, scale)
     return torch_flash.backward(
         dout, q, k, v, out, lse, _device_int32(cu_q, q.device), _device_int32(cu_k, q.device),
         max_seqlen_q, max_seqlen_k, causal, scale,

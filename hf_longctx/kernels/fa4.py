@@ -1,0 +1,123 @@
+"""FlashAttention-4 varlen kernels (the flash-attention project's CuTe-DSL kernels), an optional extra.
+
+``pip install "hf-longctx[fa4]"`` brings ``flash-attn-4``; on Hopper it runs packed documents at
+about 1.8x torch's FlashAttention-2 (bench/RESULTS.md). The package is pure Python and compiles a
+kernel per configuration (dtype, head dims, GQA ratio, causal, window) on first use, not per
+shape, so varying document lengths cost nothing after warm-up. Its persistent compile cache is
+switched on here (unless the user set ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED``), so a second
+process of the same run loads compiled kernels from disk instead of compiling again.
+
+Forward and backward go through the low-level entry points because the kernel contract needs a
+backward from a GIVEN out and lse (the final, merged ones), which the autograd wrapper
+``flash_attn_varlen_func`` cannot take. FlashAttention-4 already follows the contract: lse is
+float32 (heads, tokens), causal is bottom-right aligned and rows without a visible key give out 0,
+lse -inf.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+# Compute capabilities whose forward AND backward FlashAttention-4 implements (Hopper, Blackwell).
+SUPPORTED_ARCHS = (9, 10, 11)
+INSTALL_HINT = 'pip install "hf-longctx[fa4]" (flash-attn-4 with its CUDA 13 CuTe-DSL libraries)'
+
+_compiles = {"count": 0, "seconds": 0.0}
+
+
+@functools.lru_cache(maxsize=1)
+def _interface():
+    """flash_attn.cute.interface, or the ImportError text when the extra is missing."""
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    try:
+        from flash_attn.cute import interface
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not usable", with the reason kept
+        return f"{type(exc).__name__}: {exc}"
+    return interface
+
+
+def is_installed() -> bool:
+    return not isinstance(_interface(), str)
+
+
+def unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    """Why FlashAttention-4 cannot take this input, or None when it can."""
+    iface = _interface()
+    if isinstance(iface, str):
+        return f"flash-attn-4 is not installed ({iface}); {INSTALL_HINT}"
+    if q.device.type != "cuda":
+        return "fa4 needs CUDA tensors"
+    if q.dtype not in SUPPORTED_DTYPES:
+        return f"fa4 takes float16/bfloat16, not {q.dtype}"
+    major = torch.cuda.get_device_capability(q.device)[0]
+    if major not in SUPPORTED_ARCHS:
+        return f"fa4 runs forward and backward on Hopper and Blackwell (sm90/sm100), this GPU is sm{major}x"
+    d = q.shape[-1]
+    if major == 9 and not (8 <= d <= 256 and d % 8 == 0):
+        return f"fa4 on sm90 needs head_dim in 8..256 and a multiple of 8, got {d}"
+    if major != 9 and not ((8 <= d <= 128 and d % 8 == 0) or d == 256):
+        return f"fa4 on sm{major}x needs head_dim in 8..128 (multiple of 8) or 256, got {d}"
+    return None
+
+
+def compile_stats() -> dict[str, float]:
+    """Kernel configurations first run by this process, and the seconds those first calls took.
+
+    FlashAttention-4 compiles once per configuration (or loads it from its disk cache), so the
+    first call of a configuration is where compile time goes.
+    """
+    return dict(_compiles)
+
+
+_configurations: set[tuple] = set()
+
+
+def _timed_compiles(key: tuple, call):
+    """Run ``call``; the first call of a kernel configuration compiles it, so its time counts as compiling."""
+    if key in _configurations:
+        return call()
+    start = time.perf_counter()
+    result = call()
+    torch.cuda.synchronize()
+    _configurations.add(key)
+    _compiles["count"] += 1
+    _compiles["seconds"] += time.perf_counter() - start
+    return result
+
+
+def _configuration(direction: str, q, k, causal: bool, window_left: int | None) -> tuple:
+    """What FlashAttention-4 compiles a kernel for: not the lengths, only the kind of problem."""
+    return (direction, q.dtype, q.shape[1], k.shape[1], q.shape[2], causal, window_left is not None, q.device)
+
+
+def _window_args(causal: bool, window_left: int | None) -> dict:
+    if window_left is None:
+        return {}
+    return {"window_size_left": window_left, "window_size_right": 0 if causal else None}
+
+
+def forward(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, causal: bool, scale: float,
+            window_left: int | None = None):
+    iface = _interface()
+    out, lse = _timed_compiles(_configuration("fwd", q, k, causal, window_left), lambda: iface._flash_attn_fwd(
+        q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+        softmax_scale=scale, causal=causal, return_lse=True, **_window_args(causal, window_left),
+    )[:2])
+    return out, lse
+
+
+def backward(dout, q, k, v, out, lse, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
+             causal: bool, scale: float, window_left: int | None = None):
+    iface = _interface()
+    lse = lse.float().contiguous()
+    dq, dk, dv = _timed_compiles(_configuration("bwd", q, k, causal, window_left), lambda: iface._flash_attn_bwd(
+        q, k, v, out.contiguous(), dout.contiguous(), lse, softmax_scale=scale, causal=causal,
+        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+        **_window_args(causal, window_left),
+    )[:3])
+    return dq, dk, dv
