@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 import traceback
 
@@ -20,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from hf_longctx.benchmarking import timed
 from hf_longctx.kernels import attention_backward, attention_forward, available_kernels
 
 
@@ -79,28 +79,6 @@ def correctness(device: str, kernels: list[str]) -> list[str]:
     print("\n| case | kernel | out | lse | dq | dk | dv | verdict |\n|---|---|---|---|---|---|---|---|")
     print("\n".join(lines))
     return [f"correctness failures: {failures}"] if failures else []
-
-
-def timed(fn, reps: int, warmup: int = 2) -> float:
-    """Median milliseconds of fn() over reps runs, CUDA events (host clock on CPU)."""
-    import time
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if torch.cuda.is_available():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def probe_cudnn_native_gqa(device: str) -> None:
@@ -172,7 +150,7 @@ def time_case(device, kernels, total, ndocs, hq, hkv, d, reps) -> dict[str, tupl
     return results
 
 
-COLUMNS = ("cudnn", "torch_flash", "auto", "sdpa_flash", "sdpa_cudnn")
+COLUMNS = ("fa4", "cudnn_varlen", "cudnn", "torch_flash", "auto", "sdpa_flash", "sdpa_cudnn")
 
 
 def timing(device: str, kernels: list[str], sizes: list[int], reps: int, hq=32, d=128) -> list[str]:

@@ -31,10 +31,10 @@ import sys
 import time
 
 import torch
-from check_kernels_gpu import timed  # same directory: the scripts share one timing loop
 
 from hf_longctx.backends.cad.cost_model import FlopsCostModel, ProfiledCostModel
-from hf_longctx.kernels import attention_backward, attention_forward
+from hf_longctx.benchmarking import timed
+from hf_longctx.kernels import attention_backward, attention_forward, select_kernel
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--kernel", default="torch_flash", help="kernel name for attention_forward/backward")
+    p.add_argument("--kernel", default="auto",
+                   help="kernel for attention_forward/backward; 'auto' profiles the kernel training will run")
     p.add_argument("--mode", choices=["fwd", "fwd+bwd"], default="fwd+bwd")
     p.add_argument("--min-tokens", type=int, default=65536, help="query rows per timed batch (at least)")
     p.add_argument("--max-kv-tokens", type=int, default=1 << 21, help="keys per timed batch (at most)")
@@ -115,9 +116,11 @@ def main(argv: list[str] | None = None) -> int:
             if table[i][j] != table[i][j]:
                 table[i][j] = rate * pairs.cost(ql, kl)
                 extrapolated.append([ql, kl])
+    probe = torch.empty(args.q_lens[-1], args.heads, args.head_dim, device="cuda", dtype=DTYPES[args.dtype])
+    ran = select_kernel(args.kernel, probe, probe[:, : args.kv_heads], [0, args.q_lens[-1]], [0, args.q_lens[-1]], True)
     model = ProfiledCostModel.from_grid(args.q_lens, args.kv_lens, table, units="ms")
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "heads": args.heads,
-            "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": args.dtype, "kernel": args.kernel,
+            "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": args.dtype, "kernel": ran,
             "mode": args.mode, "extrapolated": extrapolated, "seconds": round(time.perf_counter() - t0, 1)}
     model.save(args.out, **meta)
     print(f"wrote {args.out}: {len(args.q_lens)} x {len(args.kv_lens)} grid, {len(extrapolated)} cells extrapolated")
