@@ -33,6 +33,8 @@ INSTALL_HINT = 'pip install "hf-longctx[cudnn]" (nvidia-cudnn-frontend and nvidi
 # cuDNN before 9.26 can return NaN gradients for rows whose LSE is below about -88.7, which is what
 # a row without any visible key has; such inputs go to another kernel on older cuDNN.
 EMPTY_ROWS_FIXED_IN = 92600
+# Packed (ragged) tensors in cuDNN's fused attention graphs need cuDNN 9.
+MIN_CUDNN = 90000
 LSE_BUDGET_BYTES = int(os.environ.get("HF_LONGCTX_CUDNN_LSE_BUDGET_MB", "512")) * 2**20
 # Steps per octave of the rounding grid: segment counts and max lengths, total tokens.
 SHAPE_STEPS, TOKEN_STEPS = 2, 8
@@ -76,6 +78,8 @@ def unsupported_reason(q: torch.Tensor, cu_q: list[int], cu_k: list[int], causal
     if not torch.backends.cudnn.is_available():
         return "cuDNN is not available in this torch build"
     version = torch.backends.cudnn.version() or 0
+    if version < MIN_CUDNN:
+        return f"cudnn_varlen needs cuDNN >= 9.0 for packed documents, this torch has cuDNN {version}"
     if version < EMPTY_ROWS_FIXED_IN and _has_rows_without_keys(cu_q, cu_k, causal):
         return (f"cuDNN {version} returns NaN gradients for query rows without a visible key (fixed in 9.26); "
                 "this input has such rows")
