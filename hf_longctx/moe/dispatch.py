@@ -323,12 +323,15 @@ def dispatch_experts(
     dispatch: str = "allgather",
     grouped_mm: bool | None = None,
     chunk_tokens: int | None = None,
+    record: dict | None = None,
 ) -> torch.Tensor:
     """(T, H) weighted expert outputs of this rank's tokens, with the experts spread over ``group``.
 
     ``experts`` holds the weights of experts ``[expert_start, expert_start + num_local_experts)``
     (``gate_up_proj``/``down_proj`` sliced on dim 0). ``chunk_tokens`` runs the tokens in chunks
     (every rank the same number of chunks), so the gathered rows of a long shard never exist at once.
+    ``record``, if given, receives ``rows_per_expert``: the rows each local expert computed (for
+    benchmarks: the same rows timed through a bare grouped GEMM).
     """
     if dispatch not in DISPATCHES:
         raise ValueError(f"unknown dispatch {dispatch!r}; choose one of {DISPATCHES}")
@@ -343,10 +346,14 @@ def dispatch_experts(
         x, ids, weights = hidden_states[mine], top_k_index[mine], top_k_weights[mine]
         if dispatch == "allgather":
             rows, pair_weights, link = _AllGatherDispatch.apply(x, weights, ids, state)
-            out = expert_mlp(rows, state.layout.expert_counts, experts, grouped_mm)
+            counts = state.layout.expert_counts
+            out = expert_mlp(rows, counts, experts, grouped_mm)
             pieces.append(_AllGatherCombine.apply(out, pair_weights, link, state, x.dtype, x.shape[0]))
         else:
             rows, link = _AllToAllDispatch.apply(x, ids, state)
-            out = expert_mlp(rows, state.recv_counts, experts, grouped_mm)
+            counts = state.recv_counts
+            out = expert_mlp(rows, counts, experts, grouped_mm)
             pieces.append(_AllToAllCombine.apply(out, weights, link, state, x.dtype))
+        if record is not None:
+            record["rows_per_expert"] = record.get("rows_per_expert", 0) + counts.detach()
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)

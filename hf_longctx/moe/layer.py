@@ -97,6 +97,7 @@ class ExpertParallelExperts(nn.Module):
         self.group, self.ep_rank, self.ep_size = group, rank, world
         self.expert_start, self.num_local_experts, self.num_experts_total = start, per_rank, num_experts
         self.dispatch, self.grouped_mm, self.chunk_tokens = dispatch, grouped_mm, chunk_tokens
+        self.record: dict | None = None  # set to a dict to receive rows_per_expert of each call (benchmarks)
 
     @property
     def experts(self) -> nn.Module:
@@ -111,7 +112,7 @@ class ExpertParallelExperts(nn.Module):
         return dispatch_experts(hidden_states, top_k_index, top_k_weights, self._wrapped, group=self.group,
                                 rank=self.ep_rank, world=self.ep_size, expert_start=self.expert_start,
                                 num_local_experts=self.num_local_experts, dispatch=self.dispatch,
-                                grouped_mm=self.grouped_mm, chunk_tokens=self.chunk_tokens)
+                                grouped_mm=self.grouped_mm, chunk_tokens=self.chunk_tokens, record=self.record)
 
     def train(self, mode: bool = True) -> ExpertParallelExperts:
         super().train(mode)
