@@ -348,6 +348,12 @@ def test_parallel_sizes_are_validated_with_the_fix():
         LongContextConfig(ep_size=3).resolved_sizes(8)
     with pytest.raises(ValueError, match="unknown dispatch"):
         apply_expert_parallel(block_of("qwen3", 2), None, "alltoall")
+    from hf_longctx.hf.callback import check_moe_layout
+
+    with pytest.raises(ValueError, match="experts are not sharded"):  # a recipe's ep_size is never ignored
+        check_moe_layout(tiny_qwen3_moe(), LongContextConfig(ep_size=2), world=2)
+    with pytest.raises(ValueError, match="ep_size 3 does not divide the model's 4 experts"):
+        check_moe_layout(tiny_qwen3_moe(), LongContextConfig(ep_size=3), world=3)
 
 
 def test_bench_moe_quick_runs_end_to_end():
