@@ -28,7 +28,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 import hf_longctx  # noqa: F401 - registers the attention implementations
 from hf_longctx.backends import default_strategy
 from hf_longctx.comm.mesh import check_parallel_sizes, parallel_groups
-from hf_longctx.hf import LongContextConfig, implementation_name, shard_batch
+from hf_longctx.hf import LongContextConfig, enable_tiled_mlp, implementation_name, shard_batch
+from hf_longctx.hf.checkpointing import enable_recompute_aware_checkpointing
 from hf_longctx.hf.head_parallel import apply_head_parallel_attention
 from hf_longctx.layout import PackedBatch, shard_plan
 from hf_longctx.moe import (
@@ -265,7 +266,8 @@ def sharded_reference(packed, ids, alone):
 
 
 def check_sp_ep_zigzag(rank, world, alone):
-    """DP2 x SP2 x EP2: zig-zag attention over the sequence shards, experts over the same ranks, aux loss on."""
+    """DP2 x SP2 x EP2: zig-zag attention over the sequence shards, experts over the same ranks, aux loss on,
+    recompute-aware checkpointing."""
     groups = parallel_groups(sp_size=2, tp_size=1, ep_size=2)
     batches = [packed_example(seed, total=22 + 5 * seed) for seed in range(groups.dp_size)]
     packed = PackedBatch.from_doc_lens([n for p, _ in batches for n in p.doc_lens])
@@ -275,6 +277,10 @@ def check_sp_ep_zigzag(rank, world, alone):
     model = tiny_qwen3_moe(implementation_name("zigzag"))
     apply_expert_parallel(model, groups.ep)
     enable_distributed_aux_loss(model, group=None)
+    model.train()
+    enable_recompute_aware_checkpointing(model)  # the recipes' default: MoE blocks re-run (with collectives)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        enable_tiled_mlp(model, chunk_tokens=4)  # per-rank chunk counts would leave collectives unmatched
     my_packed, my_ids = batches[rank // 2]
     sp_rank = dist.get_rank(groups.sp)
     local = shard_batch({"input_ids": my_ids, "position_ids": my_packed.position_ids[None]},

@@ -52,10 +52,6 @@ class PairLayout:
                 yield start, start + count
             start += count
 
-    def offsets(self) -> torch.Tensor:
-        """Cumulative pair counts per local expert, int32: the ``offs`` of ``torch._grouped_mm``."""
-        return torch.cumsum(self.expert_counts, dim=0, dtype=torch.int32)
-
     def inverse_expert_order(self) -> torch.Tensor:
         """``inverse[slot_major_position]`` = position of that pair in expert order."""
         inverse = torch.empty_like(self.expert_order)
