@@ -36,6 +36,7 @@ from hf_longctx.moe import (
     ExpertParallelExperts,
     all_reduce_expert_grads,
     apply_expert_parallel,
+    clip_grad_norm_,
     enable_distributed_aux_loss,
     expert_shards,
     gather_full_state_dict,
@@ -196,7 +197,7 @@ def assert_dense_and_expert_grads(model, ref, where, dense_group, tol=FP32_LOSS)
 
 def check_dp_ep_step_and_state_dict(rank, world):
     """DP x EP: DDP ignores the expert slices, expert grads are averaged over their replicas only, and one
-    SGD step with the batch-exact aux loss equals one process on the whole batch. Shards merge back."""
+    clipped SGD step with the batch-exact aux loss equals one process on the whole batch. Shards merge back."""
     groups = parallel_groups(sp_size=1, tp_size=1, ep_size=2)
     seq = 9
     ids = torch.randint(0, VOCAB, (world, seq), generator=torch.Generator().manual_seed(3))
@@ -204,6 +205,8 @@ def check_dp_ep_step_and_state_dict(rank, world):
     original = {k: v.clone() for k, v in ref.state_dict().items()}
     out_ref = ref(input_ids=ids, labels=ids)  # transformers: mean token loss + coef x aux over all 4 sequences
     out_ref.loss.backward()
+    max_norm = 0.5 * float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
     torch.optim.SGD(ref.parameters(), lr=1.0).step()
 
     model = tiny_qwen3_moe()
@@ -237,6 +240,8 @@ def check_dp_ep_step_and_state_dict(rank, world):
     out = ddp(input_ids=local, labels=local, num_items_in_batch=torch.tensor(world * (seq - 1)))
     (out.loss * world).backward()  # DDP averages over the world; each rank's loss is its share (Trainer's scaling)
     all_reduce_expert_grads(model, groups.expert_dp)
+    norm = clip_grad_norm_(model, max_norm)  # every rank the same factor: expert slices of the EP group counted
+    torch.testing.assert_close(norm, ref_norm.to(norm.dtype), **FP32_LOSS)
     total = out.loss.detach().clone()
     dist.all_reduce(total)
     torch.testing.assert_close(total, out_ref.loss.detach(), **FP32_LOSS)

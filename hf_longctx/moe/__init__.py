@@ -11,7 +11,7 @@ from .aux_loss import DistributedAuxLoss, enable_distributed_aux_loss, load_bala
 from .checkpoint import ExpertShard, expert_shards, gather_full_state_dict, merge_expert_shards, shard_state_dict
 from .dispatch import DISPATCHES, dispatch_experts, moe_comm_stats, reset_moe_comm_stats
 from .experts import expert_mlp, expert_mlp_flops
-from .grads import all_reduce_expert_grads, expert_parameter_names, ignore_expert_params_in_ddp
+from .grads import all_reduce_expert_grads, clip_grad_norm_, expert_parameter_names, ignore_expert_params_in_ddp
 from .layer import ExpertParallelExperts, apply_expert_parallel, find_experts_modules
 from .routing import PairLayout, expert_load, pair_layout
 
@@ -23,6 +23,7 @@ __all__ = [
     "PairLayout",
     "all_reduce_expert_grads",
     "apply_expert_parallel",
+    "clip_grad_norm_",
     "dispatch_experts",
     "enable_distributed_aux_loss",
     "expert_load",

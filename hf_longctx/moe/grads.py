@@ -14,6 +14,10 @@ once. DDP divides the dense gradients by the number of ranks it averages over; d
 sums by the same number keeps both kinds of parameters on one scale (Megatron scales its expert
 gradients the same way). That number is the world size (ranks of a tensor-parallel group compute
 the same tokens, and their copies of an expert's gradient add up to tp times the sum).
+
+Clipping. ``torch.nn.utils.clip_grad_norm_`` (and Trainer's ``max_grad_norm``) would measure each
+rank's own expert slices only: ranks would clip by different factors and their replicated
+parameters would drift apart. :func:`clip_grad_norm_` adds the expert norms of the whole EP group.
 """
 
 from __future__ import annotations
@@ -83,3 +87,39 @@ def all_reduce_expert_grads(model: nn.Module, expert_dp_group: dist.ProcessGroup
             n = p.grad.numel()
             p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
             offset += n
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip all gradients by their total 2-norm over the whole model, expert shards of the EP group included.
+
+    Call it after :func:`all_reduce_expert_grads` (every replica then holds the same expert gradients),
+    on every rank. Dense gradients are replicated (tensor-parallel DTensor shards are gathered into the
+    norm); each expert slice is counted once, through a sum of squares over the EP group. Returns the
+    total norm, the same on every rank.
+    """
+    modules = [m for _, m in expert_parallel_modules(model)]
+    groups = {id(m.group): m.group for m in modules if m.ep_size > 1}
+    if len(groups) > 1:
+        raise ValueError("the model's expert modules use different EP groups; clip them group by group")
+    experts = {id(p) for m in modules for p in m.parameters(recurse=False)}
+    grads = [(p.grad, id(p) in experts) for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    device = grads[0][0].device
+    dense_sq = torch.zeros((), dtype=torch.float64, device=device)
+    expert_sq = torch.zeros((), dtype=torch.float64, device=device)
+    for grad, is_expert in grads:
+        sq = torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2
+        if hasattr(sq, "full_tensor"):  # a tensor-parallel DTensor: the norm of the whole tensor
+            sq = sq.full_tensor()
+        if is_expert:
+            expert_sq += sq
+        else:
+            dense_sq += sq
+    if groups:
+        dist.all_reduce(expert_sq, group=next(iter(groups.values())))
+    total = (dense_sq + expert_sq).sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for grad, _ in grads:
+        grad.mul_(coef.to(grad.dtype))
+    return total
