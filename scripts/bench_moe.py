@@ -134,9 +134,11 @@ def timed(fn, reps: int, warmup: int, device) -> float:
 
 
 def bare_grouped_gemm_ms(rows_per_expert: torch.Tensor, hidden: int, inter: int, dtype, device, reps, warmup):
-    """fwd+bwd of the two expert GEMMs alone (torch._grouped_mm) on rows grouped as the experts saw them."""
-    if not hasattr(torch, "_grouped_mm"):
-        return float("nan")
+    """fwd+bwd of the two expert GEMMs alone (torch._grouped_mm) on rows grouped as the experts saw them.
+
+    Every rank takes part in the timing collectives even when it has no rows or grouped GEMM cannot
+    run there (then the result is nan on every rank), so no rank is left waiting.
+    """
     experts = rows_per_expert.numel()
     rows = int(rows_per_expert.sum())
     offsets = torch.cumsum(rows_per_expert.to(device), 0, dtype=torch.int32)
@@ -146,14 +148,21 @@ def bare_grouped_gemm_ms(rows_per_expert: torch.Tensor, hidden: int, inter: int,
     grad = torch.randn(rows, hidden, device=device, dtype=dtype)
 
     def step():
+        if rows == 0:
+            return
         h = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
         y = torch._grouped_mm(h[:, :inter].contiguous(), w2.transpose(-2, -1), offs=offsets)
         y.backward(grad)
 
-    try:
-        return timed(step, reps, warmup, device)
-    except RuntimeError:  # e.g. a device or dtype grouped GEMM does not serve
-        return float("nan")
+    ok = hasattr(torch, "_grouped_mm")
+    if ok:
+        try:
+            step()
+        except RuntimeError:  # a device or dtype grouped GEMM does not serve
+            ok = False
+    everyone_ok = torch.tensor([1.0 if ok else 0.0], device=device)
+    dist.all_reduce(everyone_ok, op=dist.ReduceOp.MIN)
+    return timed(step, reps, warmup, device) if everyone_ok.item() else float("nan")
 
 
 def peak_gb(device) -> float:
