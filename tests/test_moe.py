@@ -163,6 +163,23 @@ def test_expert_parallel_block_equals_unsharded_on_one_rank():
     check_blocks(None)
 
 
+@pytest.mark.parametrize("kind", ["qwen3", "gpt_oss"])  # plain SwiGLU; transposed weights with biases
+def test_grouped_gemm_path_equals_per_expert_loop(kind):
+    """The grouped-GEMM expert path GPUs take (``torch._grouped_mm``, float32 on CPU) equals the loop."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no grouped GEMM")
+    results = []
+    for grouped in (True, False):
+        block = block_of(kind, 3).float()
+        block.experts = ExpertParallelExperts(block.experts, None, "allgather", grouped_mm=grouped)
+        x = torch.randn(1, 40, HIDDEN, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        out = run_block(block, x)
+        out.square().sum().backward()
+        results.append([out, x.grad] + [p.grad for p in block.parameters()])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 # ---- whole models (world 4) ------------------------------------------------------------------------------
 
 
