@@ -24,6 +24,28 @@ from .tiled_loss import enable_tiled_loss
 logger = logging.getLogger("hf_longctx")
 
 
+def check_moe_layout(model, cfg: LongContextConfig, world: int) -> None:
+    """tp_size / ep_size must already be applied: DDP wraps the model before any callback runs.
+
+    Expert slices have to exist before DDP is built (it would copy rank 0's experts everywhere), so
+    the training script shards the model before creating the Trainer; this check turns a recipe
+    whose sizes were never applied into an error instead of a silently unsharded run.
+    """
+    from ..moe import ExpertParallelExperts
+
+    cfg.resolved_sizes(world, model.config)
+    modules = list(model.modules())
+    if cfg.ep_size > 1 and not any(isinstance(m, ExpertParallelExperts) and m.ep_size == cfg.ep_size
+                                   for m in modules):
+        raise ValueError(f"the recipe sets ep_size={cfg.ep_size} but the model's experts are not sharded; before "
+                         "creating the Trainer call hf_longctx.moe.apply_expert_parallel(model, groups.ep) and "
+                         "ignore_expert_params_in_ddp(model), with groups = hf_longctx.comm.mesh.parallel_groups(...)")
+    if cfg.tp_size > 1 and not any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        raise ValueError(f"the recipe sets tp_size={cfg.tp_size} but the attention heads are not split; before "
+                         "creating the Trainer call hf_longctx.hf.head_parallel.apply_head_parallel_attention("
+                         "model, groups.tp_mesh)")
+
+
 class LongContextCallback(TrainerCallback):
     def __init__(self, config: LongContextConfig | None = None):
         self.config = config
@@ -39,6 +61,8 @@ class LongContextCallback(TrainerCallback):
                              f"attn_implementation={cfg.attn_implementation!r}")
         world = dist.get_world_size() if dist.is_initialized() else 1
         sp = cfg.resolved_sp_size(world)
+        if cfg.tp_size > 1 or cfg.ep_size > 1:
+            check_moe_layout(model, cfg, world)
         group = sequence_parallel_group(sp) if world > 1 else None
         self.hook = install_input_hook(model, group, cfg.kernel)
         if cfg.tiled_loss:

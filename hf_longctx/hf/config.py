@@ -17,6 +17,7 @@ from pathlib import Path
 from ..backends import backend_names
 
 CHECKPOINTING_MODES = ("none", "layer", "recompute_aware")
+MOE_DISPATCHES = ("allgather", "all_to_all")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,9 @@ class LongContextConfig:
     tiled_loss: int = 0  # tokens per chunk of the vocabulary loss (0: off, logits for the whole shard)
     tiled_mlp: int = 0  # tokens per chunk of each decoder layer's MLP (0: off)
     offload_checkpoints: bool = False  # keep layer checkpoints in pinned host memory between the passes
+    tp_size: int = 1  # ranks splitting each attention layer's heads (tensor parallel)
+    ep_size: int = 1  # ranks splitting each MoE layer's experts (expert parallel)
+    moe_dispatch: str = "allgather"  # how tokens reach their experts: allgather or all_to_all
 
     def __post_init__(self):
         if self.backend not in backend_names():
@@ -44,6 +48,12 @@ class LongContextConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{key} must be a non-negative int (0 = default/off), got {value!r}")
+        for key in ("tp_size", "ep_size"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{key} must be a positive int (1 = off), got {value!r}")
+        if self.moe_dispatch not in MOE_DISPATCHES:
+            raise ValueError(f"unknown moe_dispatch {self.moe_dispatch!r}; choose one of {MOE_DISPATCHES}")
 
     @property
     def attn_implementation(self) -> str:
@@ -59,6 +69,17 @@ class LongContextConfig:
                 f"{[d for d in range(1, world_size + 1) if world_size % d == 0]} in the recipe"
             )
         return size
+
+    def resolved_sizes(self, world_size: int, model_config=None) -> tuple[int, int, int, int]:
+        """(dp, sp, tp, ep) on ``world_size`` processes; errors name the fix (checked against the model if given)."""
+        from ..comm.mesh import check_parallel_sizes
+
+        sp = self.sp_size or max(1, world_size // self.tp_size)
+        text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+        heads = getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None)
+        dp = check_parallel_sizes(world_size, sp, self.tp_size, self.ep_size, experts, *heads)
+        return dp, sp, self.tp_size, self.ep_size
 
     @classmethod
     def from_dict(cls, values: dict, source: str = "config") -> LongContextConfig:
@@ -110,7 +131,7 @@ def _parse_bool(value: str) -> bool:
 
 
 _ENV = {"backend": str, "sp_size": int, "checkpointing": str, "kernel": str, "seq_len": int, "tiled_loss": int,
-        "tiled_mlp": int, "offload_checkpoints": _parse_bool}
+        "tiled_mlp": int, "offload_checkpoints": _parse_bool, "tp_size": int, "ep_size": int, "moe_dispatch": str}
 
 
 def load_config(recipe: str | os.PathLike | None = None) -> LongContextConfig:

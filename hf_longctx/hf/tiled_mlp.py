@@ -159,6 +159,10 @@ class TiledMLP(nn.Module):
             if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0:
                 raise ValueError(f"TiledMLP recomputes the MLP in backward, so dropout ({name or 'the MLP'}, "
                                  f"p={sub.p}) would draw a different mask; set the MLP's dropout to 0")
+            if getattr(sub, "ep_size", 1) > 1 and hasattr(sub, "expert_start"):
+                # ranks with different token counts would run different numbers of chunks, each a collective
+                raise ValueError(f"{name} runs expert-parallel collectives, which TiledMLP's per-rank chunks "
+                                 "would leave unmatched; tile it with apply_expert_parallel(..., chunk_tokens=N)")
         object.__setattr__(self, "_wrapped", mlp)  # not registered: keys stay those of the untiled model
         # Share the registries: parameters, buffers and children are the wrapped module's, by the same names.
         object.__setattr__(self, "_parameters", mlp._parameters)

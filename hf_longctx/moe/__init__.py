@@ -1,0 +1,43 @@
+"""Mixture-of-experts training: allgather expert parallelism over transformers' own MoE blocks.
+
+``apply_expert_parallel(model, ep_group)`` keeps each rank's slice of every MoE block's experts and
+runs them through allgather (or all-to-all) dispatch with grouped GEMMs; router, shared experts and
+router-logit outputs stay transformers' own, state-dict keys do not change. Around it: expert
+gradients kept out of DDP and averaged over their replicas, the batch-exact load-balancing loss,
+and merging/cutting of expert shards in state dicts. Process groups: :mod:`hf_longctx.comm.mesh`.
+"""
+
+from .aux_loss import DistributedAuxLoss, enable_distributed_aux_loss, load_balancing_loss_share
+from .checkpoint import ExpertShard, expert_shards, gather_full_state_dict, merge_expert_shards, shard_state_dict
+from .dispatch import DISPATCHES, dispatch_experts, moe_comm_stats, reset_moe_comm_stats
+from .experts import expert_mlp, expert_mlp_flops
+from .grads import all_reduce_expert_grads, clip_grad_norm_, expert_parameter_names, ignore_expert_params_in_ddp
+from .layer import ExpertParallelExperts, apply_expert_parallel, find_experts_modules
+from .routing import PairLayout, expert_load, pair_layout
+
+__all__ = [
+    "DISPATCHES",
+    "DistributedAuxLoss",
+    "ExpertParallelExperts",
+    "ExpertShard",
+    "PairLayout",
+    "all_reduce_expert_grads",
+    "apply_expert_parallel",
+    "clip_grad_norm_",
+    "dispatch_experts",
+    "enable_distributed_aux_loss",
+    "expert_load",
+    "expert_mlp",
+    "expert_mlp_flops",
+    "expert_parameter_names",
+    "expert_shards",
+    "find_experts_modules",
+    "gather_full_state_dict",
+    "ignore_expert_params_in_ddp",
+    "load_balancing_loss_share",
+    "merge_expert_shards",
+    "moe_comm_stats",
+    "pair_layout",
+    "reset_moe_comm_stats",
+    "shard_state_dict",
+]

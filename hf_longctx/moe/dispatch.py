@@ -1,0 +1,359 @@
+"""Token dispatch for expert parallelism: allgather (with reduce-scatter back) and all-to-all.
+
+Both run the same pieces: :func:`~hf_longctx.moe.routing.pair_layout` compacts the (token, slot)
+pairs of this rank's experts, :func:`~hf_longctx.moe.experts.expert_mlp` runs them grouped by
+expert, and the weighted expert outputs are summed back into token rows slot by slot in at least
+float32. They differ in how rows travel.
+
+**allgather** (the design of Megatron's ``MoEAllGatherTokenDispatcher``, our own code). Every rank
+of the EP group all-gathers the group's tokens together with their routing weights and expert ids
+(one collective: the routing is bit-packed behind the hidden states), computes the pairs of its own
+experts, sums each token's weighted outputs in float32 into a buffer of all the group's tokens, and
+one reduce-scatter in float32 returns each token's sum to its owner. Backward is the transpose: one
+all-gather of the output gradients (in the activation dtype: they are exact there), and one
+reduce-scatter in float32 of the input and routing-weight gradients. Collectives have fixed sizes:
+ranks may hold different token counts, so every rank pads to the group's largest count, learned
+from a small all-gather of counts per call (padding rows carry expert id -1 and are never
+computed). Padding keeps ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (NCCL's fastest
+collectives) instead of uneven all-gathers, which NCCL runs as one broadcast per rank. Bytes per rank
+(ep ranks, T tokens each, hidden H, activations of b bytes): (ep - 1) T (H b + 8k) gathered and
+(ep - 1) T H 4 reduce-scattered forward; the all-to-all moves about 2 (ep - 1)/ep T k H b. So the
+gather wins when top-k is large against ep (Qwen3-MoE and OLMoE route 8 experts per token) and loses
+for top-2 Mixtral. Reduce-scattering in float32 costs twice the bytes of bf16 and rounds once,
+where a bf16 reduce-scatter would round at every hop.
+
+**all_to_all** (the baseline). Each rank sends each pair's row to the rank of its expert, which
+receives them grouped by (source rank, expert), regroups them by expert for the GEMM, and sends the
+outputs back; the owner applies the routing weights and sums in float32. Split sizes are read back
+to the host every call.
+
+Ordering is deterministic in both: sums follow slot order with distinct rows per ``index_add_``
+(see :mod:`~hf_longctx.moe.routing`), and permutations are stable sorts. The gathered rows of all
+the group's tokens are never saved for backward: only the compacted rows of local pairs survive
+(inside the expert GEMMs' autograd), and the combine keeps the pairs' outputs for the weight
+gradient.
+
+A rank whose experts get no rows still takes part in every collective of forward and backward: a
+zero-size ``link`` tensor ties the combine step to the dispatch step in the autograd graph, so the
+dispatch's backward (a reduce-scatter every rank must join) runs even when no expert row connects
+them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .experts import expert_mlp
+from .routing import PairLayout, pair_layout, scatter_pairs_to_tokens
+
+DISPATCHES = ("allgather", "all_to_all")
+
+_stats: Counter = Counter()
+
+
+def moe_comm_stats() -> dict[str, int]:
+    """Bytes this process sent to and received from OTHER ranks in expert dispatch, and calls per collective."""
+    return dict(_stats)
+
+
+def reset_moe_comm_stats() -> None:
+    _stats.clear()
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """At least float32: token sums and reduce-scatters of bf16 activations run in float32."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _count_symmetric(kind: str, chunk_bytes: int, world: int) -> None:
+    """all-gather / reduce-scatter: each rank sends its chunk to, and receives one from, each other rank."""
+    _stats[f"{kind}_calls"] += 1
+    _stats["sent_bytes"] += (world - 1) * chunk_bytes
+    _stats["recv_bytes"] += (world - 1) * chunk_bytes
+
+
+def _all_gather(chunk: torch.Tensor, group, world: int) -> torch.Tensor:
+    if world == 1:
+        return chunk
+    out = chunk.new_empty((world * chunk.shape[0], *chunk.shape[1:]))
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, chunk.contiguous(), group=group)
+    _count_symmetric("all_gather", chunk.numel() * chunk.element_size(), world)
+    return out
+
+
+def _reduce_scatter(full: torch.Tensor, group, world: int) -> torch.Tensor:
+    if world == 1:
+        return full
+    out = full.new_empty((full.shape[0] // world, *full.shape[1:]))
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(out, full.contiguous(), group=group)
+    _count_symmetric("reduce_scatter", out.numel() * out.element_size(), world)
+    return out
+
+
+def _all_to_all(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group, rank: int, world: int
+                ) -> torch.Tensor:
+    if world == 1:
+        return rows
+    out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv_splits, input_split_sizes=send_splits,
+                           group=group)
+    row_bytes = rows.element_size() * math.prod(rows.shape[1:])
+    _stats["all_to_all_calls"] += 1
+    _stats["sent_bytes"] += row_bytes * sum(c for r, c in enumerate(send_splits) if r != rank)
+    _stats["recv_bytes"] += row_bytes * sum(c for r, c in enumerate(recv_splits) if r != rank)
+    return out
+
+
+@dataclass
+class DispatchState:
+    """What one dispatch call shares between its dispatch and combine steps (filled during forward)."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    world: int
+    expert_start: int
+    num_local_experts: int
+    max_tokens: int = 0  # allgather: rows per rank in the fixed-size collectives
+    layout: PairLayout | None = None
+    # all_to_all: split sizes and the regrouping of received rows by expert
+    send_splits: list[int] = field(default_factory=list)
+    recv_splits: list[int] = field(default_factory=list)
+    recv_order: torch.Tensor | None = None
+    recv_counts: torch.Tensor | None = None
+
+
+def _routing_dtype(x: torch.Tensor, weights: torch.Tensor) -> torch.dtype:
+    """Float dtype that carries weights and expert ids exactly and packs behind rows of ``x`` (whole elements)."""
+    dtype = accumulation_dtype(weights.dtype)
+    if torch.empty((), dtype=dtype).element_size() < x.element_size():
+        dtype = x.dtype  # e.g. float32 weights beside float64 activations
+    return dtype
+
+
+class _AllGatherDispatch(torch.autograd.Function):
+    """Rows and weights of the group's pairs routed to this rank's experts, in expert order."""
+
+    @staticmethod
+    def forward(ctx, x, weights, expert_ids, state: DispatchState):
+        tokens, hidden = x.shape
+        top_k = expert_ids.shape[1]
+        routing_dtype = _routing_dtype(x, weights)
+        routing = torch.cat([weights.to(routing_dtype), expert_ids.to(routing_dtype)], dim=1)
+        packed = torch.cat([x, routing.view(x.dtype)], dim=1)
+        if tokens < state.max_tokens:  # padding rows: zero states, weight 0, expert -1 (never selected)
+            pad_routing = torch.cat([torch.zeros(1, top_k, dtype=routing_dtype, device=x.device),
+                                     torch.full((1, top_k), -1, dtype=routing_dtype, device=x.device)], dim=1)
+            pad = torch.cat([x.new_zeros(1, hidden), pad_routing.view(x.dtype)], dim=1)
+            packed = torch.cat([packed, pad.expand(state.max_tokens - tokens, -1)])
+        gathered = _all_gather(packed, state.group, state.world)
+        routing_all = gathered[:, hidden:].contiguous().view(routing_dtype)
+        layout = pair_layout(routing_all[:, top_k:].long(), state.expert_start, state.num_local_experts)
+        state.layout = layout
+        rows = gathered[:, :hidden].index_select(0, layout.token_index[layout.expert_order])
+        pair_weights = routing_all[layout.token_index, layout.slot_index][layout.expert_order].to(weights.dtype)
+        del gathered, routing_all  # the gathered rows of every token are not kept for backward
+        ctx.state, ctx.x_dtype, ctx.w_dtype, ctx.tokens = state, x.dtype, weights.dtype, tokens
+        return rows, pair_weights, x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, grad_rows, grad_pair_weights, _grad_link):
+        state, layout = ctx.state, ctx.state.layout
+        acc = accumulation_dtype(ctx.x_dtype)
+        hidden = grad_rows.shape[1]  # autograd materialises an unused output's gradient as zeros
+        full = grad_rows.new_zeros((state.world * state.max_tokens, hidden + layout.top_k), dtype=acc)
+        if layout.num_pairs:
+            slot_major = torch.empty_like(grad_rows)
+            slot_major[layout.expert_order] = grad_rows
+            for start, stop in layout.slot_segments():
+                full[:, :hidden].index_add_(0, layout.token_index[start:stop], slot_major[start:stop].to(acc))
+            if grad_pair_weights is not None:
+                order = layout.expert_order
+                full[layout.token_index[order], hidden + layout.slot_index[order]] = grad_pair_weights.to(acc)
+        mine = _reduce_scatter(full, state.group, state.world)[: ctx.tokens]
+        return mine[:, :hidden].to(ctx.x_dtype), mine[:, hidden:].to(ctx.w_dtype), None, None
+
+
+class _AllGatherCombine(torch.autograd.Function):
+    """Each token's weighted sum of its experts' outputs, summed over the group, back on its owner."""
+
+    @staticmethod
+    def forward(ctx, expert_out, pair_weights, link, state: DispatchState, out_dtype: torch.dtype, tokens: int):
+        layout = state.layout
+        acc = accumulation_dtype(out_dtype)
+        slot_major = layout.inverse_expert_order()
+        weights = pair_weights.index_select(0, slot_major).to(acc)
+        weighted = expert_out.index_select(0, slot_major).to(acc) * weights[:, None]
+        partial = scatter_pairs_to_tokens(weighted, layout, acc)
+        del weighted
+        out = _reduce_scatter(partial, state.group, state.world)[:tokens].to(out_dtype)
+        ctx.save_for_backward(expert_out, pair_weights)
+        ctx.state, ctx.tokens = state, tokens
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        expert_out, pair_weights = ctx.saved_tensors
+        state, layout = ctx.state, ctx.state.layout
+        acc = accumulation_dtype(grad_out.dtype)
+        if ctx.tokens < state.max_tokens:
+            grad_out = torch.cat([grad_out, grad_out.new_zeros(state.max_tokens - ctx.tokens, grad_out.shape[1])])
+        grad_all = _all_gather(grad_out, state.group, state.world)
+        grad_pairs = grad_all.index_select(0, layout.token_index[layout.expert_order]).to(acc)
+        del grad_all
+        grad_expert_out = (grad_pairs * pair_weights.to(acc)[:, None]).to(expert_out.dtype)
+        grad_weights = (grad_pairs * expert_out.to(acc)).sum(dim=1).to(pair_weights.dtype)
+        return grad_expert_out, grad_weights, grad_out.new_zeros(0), None, None, None
+
+
+class _AllToAllDispatch(torch.autograd.Function):
+    """Rows of this rank's pairs sent to their experts' ranks; returns the rows this rank's experts run."""
+
+    @staticmethod
+    def forward(ctx, x, expert_ids, state: DispatchState):
+        layout = pair_layout(expert_ids, 0, state.world * state.num_local_experts)
+        state.layout = layout
+        send_counts = layout.expert_counts.view(state.world, state.num_local_experts)
+        recv_counts = send_counts
+        if state.world > 1:
+            recv_counts = torch.empty_like(send_counts)
+            dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=state.group)
+        splits = torch.stack([send_counts.sum(dim=1), recv_counts.sum(dim=1)]).tolist()
+        state.send_splits, state.recv_splits = splits
+        send_rows = x.index_select(0, layout.token_index[layout.expert_order])
+        received = _all_to_all(send_rows, state.send_splits, state.recv_splits, state.group, state.rank, state.world)
+        expert_of_row = torch.arange(state.num_local_experts, device=x.device).repeat(state.world)
+        expert_of_row = torch.repeat_interleave(expert_of_row, recv_counts.reshape(-1), output_size=received.shape[0])
+        state.recv_order = torch.argsort(expert_of_row, stable=True)
+        state.recv_counts = recv_counts.sum(dim=0)
+        ctx.state, ctx.x_dtype = state, x.dtype
+        return received.index_select(0, state.recv_order), x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, grad_rows, _grad_link):
+        state, layout = ctx.state, ctx.state.layout
+        grad_received = torch.empty_like(grad_rows)
+        grad_received[state.recv_order] = grad_rows
+        grad_sent = _all_to_all(grad_received, state.recv_splits, state.send_splits, state.group, state.rank,
+                                state.world)
+        slot_major = torch.empty_like(grad_sent)
+        slot_major[layout.expert_order] = grad_sent
+        grad_x = scatter_pairs_to_tokens(slot_major, layout, accumulation_dtype(ctx.x_dtype))
+        return grad_x.to(ctx.x_dtype), None, None
+
+
+class _AllToAllCombine(torch.autograd.Function):
+    """Expert outputs back to the tokens' owner, weighted and summed per token in at least float32."""
+
+    @staticmethod
+    def forward(ctx, expert_out, weights, link, state: DispatchState, out_dtype: torch.dtype):
+        layout = state.layout
+        acc = accumulation_dtype(out_dtype)
+        back = torch.empty_like(expert_out)
+        back[state.recv_order] = expert_out
+        returned = _all_to_all(back, state.recv_splits, state.send_splits, state.group, state.rank, state.world)
+        slot_major = returned.index_select(0, layout.inverse_expert_order())
+        pair_weights = weights[layout.token_index, layout.slot_index]
+        out = scatter_pairs_to_tokens(slot_major.to(acc) * pair_weights.to(acc)[:, None], layout, acc)
+        ctx.save_for_backward(slot_major, weights)
+        ctx.state = state
+        return out.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        slot_major, weights = ctx.saved_tensors
+        state, layout = ctx.state, ctx.state.layout
+        acc = accumulation_dtype(grad_out.dtype)
+        grad_pairs = grad_out.index_select(0, layout.token_index).to(acc)
+        pair_weights = weights[layout.token_index, layout.slot_index].to(acc)
+        grad_slot_major = (grad_pairs * pair_weights[:, None]).to(slot_major.dtype)
+        grad_weights = torch.zeros_like(weights, dtype=acc)
+        grad_weights[layout.token_index, layout.slot_index] = (grad_pairs * slot_major.to(acc)).sum(dim=1)
+        grad_sent = grad_slot_major.index_select(0, layout.expert_order)
+        grad_received = _all_to_all(grad_sent, state.send_splits, state.recv_splits, state.group, state.rank,
+                                    state.world)
+        grad_expert_out = grad_received.index_select(0, state.recv_order)
+        return grad_expert_out, grad_weights.to(weights.dtype), grad_out.new_zeros(0), None, None
+
+
+def _group_token_counts(tokens: int, signature: list[int], group, world: int, device: torch.device) -> list[int]:
+    """Token counts of every rank of the group; raises on every rank alike if their problems disagree."""
+    if world == 1:
+        return [tokens]
+    mine = torch.tensor([tokens, *signature], dtype=torch.int64, device=device)
+    everyone = mine.new_empty(world * mine.numel())
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(everyone, mine, group=group)
+    rows = everyone.view(world, -1).tolist()
+    if any(row[1:] != rows[0][1:] for row in rows):
+        raise ValueError("expert-parallel ranks disagree on (hidden size, top-k, dtype, experts, dispatch): "
+                         f"{[row[1:] for row in rows]}; every rank of an EP group must run the same model")
+    return [row[0] for row in rows]
+
+
+_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+
+
+def chunk_bounds(max_tokens: int, chunk_tokens: int | None) -> list[tuple[int, int]]:
+    """(start, stop) token ranges every rank of a group runs in turn (the same list on every rank)."""
+    if max_tokens == 0:
+        return [(0, 0)]
+    step = max_tokens if not chunk_tokens else max(1, chunk_tokens)
+    return [(start, min(start + step, max_tokens)) for start in range(0, max_tokens, step)]
+
+
+def dispatch_experts(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    experts: nn.Module,
+    *,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    world: int,
+    expert_start: int,
+    num_local_experts: int,
+    dispatch: str = "allgather",
+    grouped_mm: bool | None = None,
+    chunk_tokens: int | None = None,
+    record: dict | None = None,
+) -> torch.Tensor:
+    """(T, H) weighted expert outputs of this rank's tokens, with the experts spread over ``group``.
+
+    ``experts`` holds the weights of experts ``[expert_start, expert_start + num_local_experts)``
+    (``gate_up_proj``/``down_proj`` sliced on dim 0). ``chunk_tokens`` runs the tokens in chunks
+    (every rank the same number of chunks), so the gathered rows of a long shard never exist at once.
+    ``record``, if given, receives ``rows_per_expert``: the rows each local expert computed (for
+    benchmarks: the same rows timed through a bare grouped GEMM).
+    """
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"unknown dispatch {dispatch!r}; choose one of {DISPATCHES}")
+    tokens, hidden = hidden_states.shape
+    signature = [hidden, top_k_index.shape[1], _DTYPE_CODES.get(hidden_states.dtype, 0), num_local_experts,
+                 DISPATCHES.index(dispatch), int(chunk_tokens or 0)]
+    counts = _group_token_counts(tokens, signature, group, world, hidden_states.device)
+    pieces = []
+    for start, stop in chunk_bounds(max(counts), chunk_tokens):
+        mine = slice(min(start, tokens), min(stop, tokens))
+        state = DispatchState(group, rank, world, expert_start, num_local_experts, max_tokens=stop - start)
+        x, ids, weights = hidden_states[mine], top_k_index[mine], top_k_weights[mine]
+        if dispatch == "allgather":
+            rows, pair_weights, link = _AllGatherDispatch.apply(x, weights, ids, state)
+            counts = state.layout.expert_counts
+            out = expert_mlp(rows, counts, experts, grouped_mm)
+            pieces.append(_AllGatherCombine.apply(out, pair_weights, link, state, x.dtype, x.shape[0]))
+        else:
+            rows, link = _AllToAllDispatch.apply(x, ids, state)
+            counts = state.recv_counts
+            out = expert_mlp(rows, counts, experts, grouped_mm)
+            pieces.append(_AllToAllCombine.apply(out, weights, link, state, x.dtype))
+        if record is not None:
+            record["rows_per_expert"] = record.get("rows_per_expert", 0) + counts.detach()
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
