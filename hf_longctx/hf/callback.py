@@ -22,7 +22,7 @@ from transformers import TrainerCallback
 
 from ..comm.groups import sequence_parallel_group
 from ..kernels import available_kernels
-from .attention import PREFIX, backend_of
+from .attention import PREFIX
 from .checkpointing import enable_layer_checkpointing, enable_recompute_aware_checkpointing
 from .config import LongContextConfig, load_config
 from .inputs import attention_flops, install_input_hook, model_flops_per_token, peak_flops
@@ -55,7 +55,6 @@ class LongContextCallback(TrainerCallback):
         if not impl.startswith(PREFIX):
             raise ValueError(f"LongContextCallback needs a model loaded with attn_implementation='longctx_<backend>' "
                              f"(e.g. 'longctx_zigzag'); this one uses {impl!r}")
-        backend = backend_of(impl)
         world = dist.get_world_size() if dist.is_initialized() else 1
         check_process_count(world)
         sp = cfg.resolved_sp_size(world)
@@ -80,7 +79,6 @@ class LongContextCallback(TrainerCallback):
                         "tiled_loss": cfg.tiled_loss, "tiled_mlp": cfg.tiled_mlp,
                         "offload_checkpoints": cfg.offload_checkpoints and checkpointing != "none",
                         "kernels_available": available_kernels(args.device)}
-        self._backend = backend
         self._flops_per_token = model_flops_per_token(model)
         self._peak = peak_flops(args.device)
         self._model = model

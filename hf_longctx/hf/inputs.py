@@ -50,7 +50,6 @@ class SequenceParallelInputs:
         self.work_max = 0
         self.work_mean = 0.0
         self.started = time.perf_counter()
-
         self.handles: list = []
         self._eval: tuple | None = None
 
