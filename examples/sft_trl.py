@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -41,6 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("hf_longctx").setLevel(logging.INFO)  # the callback says what it set up
     with report_config_errors():
         cfg = check_run()
     impl = args.attn_implementation or cfg.attn_implementation

@@ -11,6 +11,7 @@ callback has taken its hooks off: the same model evaluates and generates in each
 from __future__ import annotations
 
 import argparse
+import logging
 
 import torch
 from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
@@ -33,6 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("hf_longctx").setLevel(logging.INFO)  # the callback says what it set up
     with report_config_errors():
         cfg = check_run()
     impl = args.attn_implementation or cfg.attn_implementation

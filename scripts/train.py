@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 
 import torch
@@ -71,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("hf_longctx").setLevel(logging.INFO)  # the callback says what it set up
     with report_config_errors():  # before any model or data: one short message, no per-rank tracebacks
         cfg = check_run(args.recipe, dataset=args.dataset, model=args.model)
     args.seq_len = args.seq_len or cfg.seq_len or 1024

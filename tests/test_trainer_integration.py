@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import re
 import subprocess
@@ -149,13 +150,17 @@ def test_trainer_bf16_autocast_trains_like_sdpa_and_generates_after(tmp_path):
     assert torch.equal(sequences["longctx_zigzag"], sequences["sdpa"])
 
 
-def test_checkpointing_follows_training_arguments_and_backend_follows_the_model(tmp_path):
-    """gradient_checkpointing off: none; on: recompute-aware (attention runs once per layer and step)."""
+def test_checkpointing_follows_training_arguments_and_backend_follows_the_model(tmp_path, caplog):
+    """gradient_checkpointing off: none; on: recompute-aware (attention runs once per layer and step), logged."""
     recipe_says_ring = LongContextConfig(backend="ring")
     for on in (False, True):
         reset_stats()
-        run = flattening_run(str(tmp_path / str(on)), steps=1, evaluate=False, gradient_checkpointing=on,
-                             config=recipe_says_ring)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="hf_longctx"):
+            run = flattening_run(str(tmp_path / str(on)), steps=1, evaluate=False, gradient_checkpointing=on,
+                                 config=recipe_says_ring)
+        said = "gradient_checkpointing is on: recompute-aware" if on else "gradient_checkpointing is off"
+        assert said in caplog.text
         assert run["summary"]["checkpointing"] == ("recompute_aware" if on else "none")
         assert run["summary"]["backend"] == "zigzag"  # the model's, not the recipe's
         model = run["model"]
