@@ -282,3 +282,19 @@ def test_readme_first_code_block_runs(tmp_path):
     proc = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("example,argv", [
+    ("trainer_flattening.py", ["--max-steps", "1", "--docs-per-step", "2", "--max-tokens", "64"]),
+    ("sft_trl.py", ["--max-steps", "1", "--max-length", "128"]),
+])
+def test_examples_run_on_cpu(example, argv, tmp_path, monkeypatch, capsys):
+    """The examples run as shipped (one process here; the 2-process paths are the tests above)."""
+    monkeypatch.delenv("HF_LONGCTX_RECIPE", raising=False)
+    monkeypatch.setenv("HF_LONGCTX_BACKEND", "zigzag")
+    spec = importlib.util.spec_from_file_location(example[:-3], ROOT / "examples" / example)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main([*argv, "--output-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert ("generated:" in out) if example.startswith("trainer") else ('"losses": [' in out), out[-2000:]
