@@ -14,9 +14,16 @@ except ImportError:  # transformers missing: kernels, layouts and backends still
     ATTENTION_IMPLEMENTATIONS = []
 
 
+_SUBPACKAGES = ("backends", "comm", "data", "hf", "kernels", "layout")
+
+
 def __getattr__(name: str):
     if name == "LongContextCallback":  # imports transformers.Trainer machinery only when asked for
         from .hf.callback import LongContextCallback
 
         return LongContextCallback
+    if name in _SUBPACKAGES:  # hf_longctx.data etc. work after a plain `import hf_longctx`
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'hf_longctx' has no attribute {name!r}")

@@ -37,7 +37,7 @@ def losses(backend: str, args, tmp: Path) -> list[float]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default=str(ROOT / "recipes" / "cpu-2proc-distfa.yaml"))
-    p.add_argument("--backends", default="ring,zigzag,distflash,ulysses,tasp,cad,auto")
+    p.add_argument("--backends", default="ring,zigzag,distfa,ulysses,tasp,cad,auto")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--out", default=None, help="PNG of the curves")
     p.add_argument("train_args", nargs="*", help="extra arguments for scripts/train.py (after --)")

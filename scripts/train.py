@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import logging
 import time
 
 import torch
@@ -27,7 +27,8 @@ from hf_longctx.data import (
     packed_synthetic_dataset,
     sample_corpus_path,
 )
-from hf_longctx.hf import load_config
+from hf_longctx.hf import check_run, report_config_errors
+from hf_longctx.hf.checkpointing import checkpointing_training_args
 
 
 def tiny_llama_config(vocab_size: int, attn_implementation: str) -> LlamaConfig:
@@ -48,7 +49,7 @@ def llama3_8b_shape(vocab_size: int, layers: int, attn_implementation: str) -> L
     )
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny",
                    help="'tiny' or 'llama3-8b-shape' (random weights, built here), or a path / hub name")
@@ -66,12 +67,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--recipe", default=None, help="recipe path (default: the one accelerate launch was given)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-json", default=None, help="write the Trainer's log history (losses, grad norms) here")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
-def main() -> None:
-    args = parse_args()
-    cfg = load_config(args.recipe)
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("hf_longctx").setLevel(logging.INFO)  # the callback says what it set up
+    with report_config_errors():  # before any model or data: one short message, no per-rank tracebacks
+        cfg = check_run(args.recipe, dataset=args.dataset, model=args.model)
     args.seq_len = args.seq_len or cfg.seq_len or 1024
     on_gpu = torch.cuda.is_available()
     built = args.model in ("tiny", "llama3-8b-shape")
@@ -101,9 +105,10 @@ def main() -> None:
     training_args = TrainingArguments(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=1,
         learning_rate=args.lr, lr_scheduler_type="cosine", warmup_steps=max(1, args.max_steps // 10),
-        logging_steps=args.logging_steps, save_strategy="no", report_to=[], seed=args.seed,
+        logging_steps=min(args.logging_steps, args.max_steps), save_strategy="no", report_to=[], seed=args.seed,
         remove_unused_columns=False,  # keep doc_lens: the document structure the backends need
         use_cpu=not on_gpu, dataloader_drop_last=True, ddp_find_unused_parameters=False,
+        **checkpointing_training_args(cfg.checkpointing != "none"),  # the callback makes it recompute-aware
     )
     callback = hf_longctx.LongContextCallback(cfg)
     trainer = Trainer(model=model, args=training_args, train_dataset=packed, data_collator=PackedCollator(),
@@ -115,7 +120,7 @@ def main() -> None:
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         summary = {
             **callback.summary, "steps": trainer.state.global_step, "rows": len(packed),
-            "first_loss": losses[0] if losses else math.nan, "last_loss": losses[-1] if losses else math.nan,
+            "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
             "seconds": round(elapsed, 1), "processes": training_args.world_size,
         }
         print("hf_longctx training summary: " + json.dumps(summary))

@@ -185,6 +185,3 @@ def test_model_and_batch_errors_name_the_fix():
         model(input_ids=torch.randint(0, VOCAB, (1, 8)))
     with pytest.raises(ValueError, match="batch size 1"):
         model(input_ids=torch.randint(0, VOCAB, (2, 8)), position_ids=torch.arange(8).repeat(2, 1))
-    plain = tiny_llama(0, impl="longctx_ring")
-    with pytest.raises(ValueError, match="needs a sharded batch"):
-        plain(input_ids=torch.randint(0, VOCAB, (1, 8)))

@@ -1,6 +1,7 @@
 """Distributed core attention backends over the kernels, layouts and comm layers."""
 
 from .api import sequence_parallel_attention
+from .local import varlen_attention
 from .registry import BackendSpec, backend_names, default_strategy, get_backend, register_backend
 from .schedule import Task, distflash_schedule, rotation_schedule
 
@@ -14,4 +15,5 @@ __all__ = [
     "register_backend",
     "rotation_schedule",
     "sequence_parallel_attention",
+    "varlen_attention",
 ]

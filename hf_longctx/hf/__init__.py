@@ -2,18 +2,30 @@
 
 from .attention import backend_of, implementation_name, register_attention_implementations
 from .checkpointing import (
+    enable_layer_checkpointing,
     enable_recompute_aware_checkpointing,
     recompute_aware_checkpointing_kwargs,
     recompute_aware_policy,
 )
-from .config import LongContextConfig, load_config
+from .config import LongContextConfig, backend_from_name, load_config
 from .context import SequenceParallelContext
+from .local import local_attention
+from .preflight import ConfigError, check_run, report_config_errors
 from .sharding import gather_group_batch, packed_batch_of, plan_for, shard_batch, shift_labels_per_document
+from .tiled_loss import enable_tiled_loss
 from .tiled_mlp import TiledMLP, disable_tiled_mlp, enable_tiled_mlp
 
 __all__ = [
+    "ConfigError",
+    "LongContextCallback",
     "LongContextConfig",
+    "backend_from_name",
+    "check_run",
+    "enable_layer_checkpointing",
     "enable_recompute_aware_checkpointing",
+    "enable_tiled_loss",
+    "local_attention",
+    "report_config_errors",
     "load_config",
     "recompute_aware_checkpointing_kwargs",
     "recompute_aware_policy",
@@ -30,3 +42,11 @@ __all__ = [
     "shard_batch",
     "shift_labels_per_document",
 ]
+
+
+def __getattr__(name: str):
+    if name == "LongContextCallback":  # imports transformers' Trainer machinery only when asked for
+        from .callback import LongContextCallback
+
+        return LongContextCallback
+    raise AttributeError(f"module 'hf_longctx.hf' has no attribute {name!r}")

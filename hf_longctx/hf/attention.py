@@ -1,10 +1,15 @@
 """transformers integration: one AttentionInterface entry per backend, and a mask that is never built.
 
 ``import hf_longctx`` registers ``longctx_<backend>`` for every backend, so users write
-``AutoModelForCausalLM.from_pretrained(path, attn_implementation="longctx_distflash")``. The
-functions replace only core attention (softmax(QK^T)V); projections, RoPE and everything else stay
-transformers' own. Document masking comes from the shard plan, so the matching mask function
-returns None and no (T x T) mask is ever materialised.
+``AutoModelForCausalLM.from_pretrained(path, attn_implementation="longctx_zigzag")`` (DistFlashAttn:
+``longctx_distfa``). The functions replace only core attention (softmax(QK^T)V); projections, RoPE and
+everything else stay transformers' own. Document masking comes from the shard plan (or, without one,
+from the packed positions, see :mod:`.local`), so no (T x T) mask is ever materialised: the matching
+mask function passes on at most the 2-D padding mask.
+
+With a ``longctx`` context (a batch sharded by :func:`~hf_longctx.hf.shard_batch` or the callback's
+input hook) attention is sequence parallel; without one the model runs in this process alone, so
+evaluation, ``generate()`` and padded batches work anywhere.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import backend_names, sequence_parallel_attention
+from .local import local_attention, match_dtypes, padding_mask, without_autocast
 
 PREFIX = "longctx_"
 # transformers treats every attention name containing "flash" as a FlashAttention kernel to import,
@@ -34,30 +40,29 @@ def backend_of(implementation: str) -> str:
 def _make_attention(backend: str):
     def attention(module: torch.nn.Module, query, key, value, attention_mask, dropout: float = 0.0,
                   scaling: float | None = None, **kwargs):
-        ctx = kwargs.get("longctx")
-        if ctx is None:
-            raise ValueError(
-                f"attn_implementation={implementation_name(backend)!r} needs a sharded batch: call the model with "
-                "hf_longctx.hf.shard_batch(...) kwargs, or train with hf_longctx.LongContextCallback"
-            )
         if dropout:
             raise ValueError("attention dropout is not supported by hf_longctx backends; set attention_dropout=0")
-        if query.shape[0] != 1:
-            raise ValueError(f"hf_longctx attention takes one packed sequence (batch 1), got batch {query.shape[0]}")
-        # (1, H, S, D) -> packed token-major (S, H, D)
-        q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
-        out = sequence_parallel_attention(q, k, v, plan=ctx.plan, backend=backend, group=ctx.group,
-                                          softmax_scale=scaling, kernel=ctx.kernel)
-        return out.unsqueeze(0), None
+        query, key, value = match_dtypes(query, key, value)
+        with without_autocast(query):  # the kernels accumulate in float32 themselves
+            ctx = kwargs.get("longctx")
+            if ctx is None:  # no sequence-parallel batch: exact attention in this process (evaluation, generate)
+                out = local_attention(query, key, value, attention_mask, scaling=scaling,
+                                      position_ids=kwargs.get("position_ids"),
+                                      cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
+                                      cu_seq_lens_k=kwargs.get("cu_seq_lens_k"))
+                return out, None
+            if query.shape[0] != 1:
+                raise ValueError(f"hf_longctx attention takes one packed sequence (batch 1), got batch "
+                                 f"{query.shape[0]}")
+            # (1, H, S, D) -> packed token-major (S, H, D)
+            q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
+            out = sequence_parallel_attention(q, k, v, plan=ctx.plan, backend=backend, group=ctx.group,
+                                              softmax_scale=scaling, kernel=ctx.kernel)
+            return out.unsqueeze(0), None
 
     attention.__name__ = f"{PREFIX}{backend}_attention"
     attention.__doc__ = f"Core attention through the hf_longctx {backend!r} backend."
     return attention
-
-
-def _no_mask(*args, **kwargs):
-    """Masking follows from the document structure in the shard plan: nothing to build."""
-    return None
 
 
 def register_attention_implementations() -> list[str]:
@@ -69,6 +74,6 @@ def register_attention_implementations() -> list[str]:
     for backend in backend_names():
         name = implementation_name(backend)
         AttentionInterface.register(name, _make_attention(backend))
-        AttentionMaskInterface.register(name, _no_mask)
+        AttentionMaskInterface.register(name, padding_mask)
         names.append(name)
     return names

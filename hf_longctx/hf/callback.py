@@ -1,9 +1,15 @@
 """``LongContextCallback``: sequence parallelism for transformers.Trainer without a Trainer subclass.
 
+The model decides the backend: it is the one the model was loaded with
+(``attn_implementation="longctx_<backend>"``). The recipe (or ``HF_LONGCTX_*``, or nothing at all)
+only says how many processes share a sequence and which memory knobs to turn.
+
 At ``on_train_begin`` it builds the sequence-parallel group (a ("dp", "sp") DeviceMesh over the
-processes accelerate started), installs the input hook that shards every batch, switches on the
-configured checkpointing, and from then on adds to the logs: tokens/s, an MFU estimate, the
-attention-load imbalance of the schedule across ranks, the backend and the kernel.
+processes accelerate started), installs the input hook that shards every batch, switches on
+recompute-aware checkpointing when ``TrainingArguments.gradient_checkpointing`` is on, and from then
+on adds to the logs: tokens/s, an MFU estimate, the attention-load imbalance of the schedule across
+ranks. At ``on_train_end`` it takes its hooks off again, so evaluation and ``generate()`` after
+training run the model as loaded (exact attention in each process).
 """
 
 from __future__ import annotations
@@ -16,9 +22,11 @@ from transformers import TrainerCallback
 
 from ..comm.groups import sequence_parallel_group
 from ..kernels import available_kernels
+from .attention import PREFIX
 from .checkpointing import enable_layer_checkpointing, enable_recompute_aware_checkpointing
 from .config import LongContextConfig, load_config
 from .inputs import attention_flops, install_input_hook, model_flops_per_token, peak_flops
+from .preflight import check_process_count
 from .tiled_loss import enable_tiled_loss
 
 logger = logging.getLogger("hf_longctx")
@@ -46,38 +54,54 @@ def check_moe_layout(model, cfg: LongContextConfig, world: int) -> None:
                          "model, groups.tp_mesh)")
 
 
+def checkpointing_requested(args) -> bool:
+    """Whether the TrainingArguments turn activation checkpointing on (either of transformers' names)."""
+    return bool(getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False))
+
+
 class LongContextCallback(TrainerCallback):
+    """Shards every training batch of a ``longctx_*`` model over the sequence-parallel group (module docstring)."""
+
     def __init__(self, config: LongContextConfig | None = None):
         self.config = config
         self.hook = None
         self.summary: dict = {}
         self._last = None
+        self._tiled_loss = None
+        self._tiled_mlp = False
+        self._model = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         cfg = self.config = self.config or load_config()
-        if model.config._attn_implementation != cfg.attn_implementation:
-            raise ValueError(f"the recipe selects backend {cfg.backend!r} but the model was loaded with "
-                             f"attn_implementation={model.config._attn_implementation!r}; load it with "
-                             f"attn_implementation={cfg.attn_implementation!r}")
+        impl = getattr(model.config, "_attn_implementation", None) or ""
+        if not impl.startswith(PREFIX):
+            raise ValueError(f"LongContextCallback needs a model loaded with attn_implementation='longctx_<backend>' "
+                             f"(e.g. 'longctx_zigzag'); this one uses {impl!r}")
         world = dist.get_world_size() if dist.is_initialized() else 1
+        check_process_count(world)
         sp = cfg.resolved_sp_size(world)
         if cfg.tp_size > 1 or cfg.ep_size > 1:
             check_moe_layout(model, cfg, world)
         group = sequence_parallel_group(sp) if world > 1 else None
-        self.hook = install_input_hook(model, group, cfg.kernel)
-        if cfg.tiled_loss:
-            enable_tiled_loss(model, chunk_tokens=cfg.tiled_loss)
+        if cfg.tiled_loss:  # before the input hook: its output hook must run after the tiled loss's
+            self._tiled_loss = enable_tiled_loss(model, chunk_tokens=cfg.tiled_loss)
         if cfg.tiled_mlp:
             from .tiled_mlp import enable_tiled_mlp
 
-            enable_tiled_mlp(model, chunk_tokens=cfg.tiled_mlp)
-        if cfg.checkpointing == "recompute_aware":
-            enable_recompute_aware_checkpointing(model, offload=cfg.offload_checkpoints)
-        elif cfg.checkpointing == "layer":
-            enable_layer_checkpointing(model, offload=cfg.offload_checkpoints)
-        self.summary = {"backend": cfg.backend, "sp_size": sp, "dp_size": world // sp,
-                        "checkpointing": cfg.checkpointing, "kernel": cfg.kernel, "tiled_loss": cfg.tiled_loss,
-                        "tiled_mlp": cfg.tiled_mlp, "offload_checkpoints": cfg.offload_checkpoints,
+            self._tiled_mlp = enable_tiled_mlp(model, chunk_tokens=cfg.tiled_mlp) > 0
+        self.hook = install_input_hook(model, group, cfg.kernel)
+        checkpointing = "none"
+        if checkpointing_requested(args):
+            # layer-boundary checkpointing would re-run attention and its communication in backward
+            checkpointing = "layer" if cfg.checkpointing == "layer" else "recompute_aware"
+            if checkpointing == "recompute_aware":
+                enable_recompute_aware_checkpointing(model, offload=cfg.offload_checkpoints)
+            else:
+                enable_layer_checkpointing(model, offload=cfg.offload_checkpoints)
+        self.summary = {"backend": impl[len(PREFIX):], "attn_implementation": impl, "sp_size": sp,
+                        "dp_size": world // sp, "checkpointing": checkpointing, "kernel": cfg.kernel,
+                        "tiled_loss": cfg.tiled_loss, "tiled_mlp": cfg.tiled_mlp,
+                        "offload_checkpoints": cfg.offload_checkpoints and checkpointing != "none",
                         "kernels_available": available_kernels(args.device)}
         self._flops_per_token = model_flops_per_token(model)
         self._peak = peak_flops(args.device)
@@ -85,6 +109,25 @@ class LongContextCallback(TrainerCallback):
         self._last = (time.perf_counter(), 0, 0)
         if state.is_world_process_zero:
             logger.info("hf_longctx: %s", self.summary)
+            if checkpointing == "recompute_aware":
+                logger.info("hf_longctx: gradient_checkpointing is on: recompute-aware (every decoder layer is "
+                            "checkpointed, its core-attention output is kept, so backward never re-runs attention)")
+            elif checkpointing == "none" and cfg.checkpointing != "none":
+                logger.info("hf_longctx: gradient_checkpointing is off: no activation checkpointing (set "
+                            "gradient_checkpointing=True for recompute-aware checkpointing)")
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        """Remove what ``on_train_begin`` installed; checkpointing stays as the Trainer left it."""
+        if self.hook is not None:
+            self.hook.remove()
+        if self._tiled_loss is not None:
+            self._tiled_loss.remove()
+            self._tiled_loss = None
+        if self._tiled_mlp and self._model is not None:
+            from .tiled_mlp import disable_tiled_mlp
+
+            disable_tiled_mlp(self._model)
+            self._tiled_mlp = False
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.hook is None or logs is None or "loss" not in logs:

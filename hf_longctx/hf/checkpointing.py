@@ -68,3 +68,15 @@ def enable_layer_checkpointing(model, kwargs: dict | None = None, offload: bool 
     for module in layers:
         module._gradient_checkpointing_func = function
     model._hf_longctx_offloader = offloader
+
+
+def checkpointing_training_args(enabled: bool) -> dict:
+    """``TrainingArguments`` keyword that turns activation checkpointing on or off in this transformers.
+
+    transformers 5.2x renamed ``gradient_checkpointing`` to ``activation_checkpointing`` (the old name
+    warns); :class:`~hf_longctx.hf.callback.LongContextCallback` makes either recompute-aware.
+    """
+    from transformers import TrainingArguments
+
+    fields = getattr(TrainingArguments, "__dataclass_fields__", {})
+    return {"activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing": enabled}

@@ -35,8 +35,8 @@ class LongContextConfig:
     moe_dispatch: str = "allgather"  # how tokens reach their experts: allgather or all_to_all
 
     def __post_init__(self):
-        if self.backend not in backend_names():
-            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(backend_names())}")
+        object.__setattr__(self, "backend", backend_from_name(self.backend))
+        _check_kernel(self.kernel)
         if self.checkpointing not in CHECKPOINTING_MODES:
             raise ValueError(f"unknown checkpointing {self.checkpointing!r}; choose one of {CHECKPOINTING_MODES}")
         if not isinstance(self.offload_checkpoints, bool):
@@ -63,6 +63,13 @@ class LongContextConfig:
 
     def resolved_sp_size(self, world_size: int) -> int:
         size = self.sp_size or world_size
+        if world_size == 1 and size > 1:
+            raise ValueError(
+                f"sp_size {size} asks for sequence parallelism but this run has ONE process. On CPU, "
+                "`accelerate launch --num_processes N` without --multi_gpu (or a recipe with distributed_type "
+                "MULTI_GPU) starts one process: use `accelerate launch --config_file recipes/cpu-2proc-distfa.yaml "
+                "...`, or set sp_size: 1 to train without sequence parallelism"
+            )
         if world_size % size:
             raise ValueError(
                 f"sp_size {size} does not divide the {world_size} processes; pick one of "
@@ -89,10 +96,51 @@ class LongContextConfig:
                 hint = difflib.get_close_matches(key, known, n=1)
                 raise ValueError(f"{source}: unknown key {key!r}" + (f"; did you mean {hint[0]!r}?" if hint else "")
                                  + f" (known keys: {', '.join(known)})")
-        return cls(**values)
+        try:
+            return cls(**values)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{source}: {err}") from None
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def backend_from_name(name: str) -> str:
+    """Registry name of a backend given as in a recipe or as an attn_implementation.
+
+    One name per backend: the recipe's ``backend`` is the ``attn_implementation`` without its
+    ``longctx_`` prefix (``zigzag``, ``distfa``, ...); the full ``longctx_*`` name and the registry's
+    ``distflash`` are accepted too. Anything else fails with the closest valid name.
+    """
+    from .attention import PREFIX, backend_of, implementation_name
+
+    if not isinstance(name, str):
+        raise ValueError(f"backend must be a name, got {name!r}")
+    short = name[len(PREFIX):] if name.startswith(PREFIX) else name
+    names = backend_names()
+    if short in names:
+        return short
+    try:
+        backend = backend_of(PREFIX + short)
+    except ValueError:
+        backend = None
+    if backend in names:
+        return backend
+    public = [implementation_name(b)[len(PREFIX):] for b in names]
+    hint = difflib.get_close_matches(short, public, n=1, cutoff=0.5)
+    raise ValueError(f"unknown backend {name!r}" + (f"; did you mean {hint[0]!r}?" if hint else "")
+                     + f" (choose one of {', '.join(public)}; the same names as attn_implementation='longctx_<name>')")
+
+
+def _check_kernel(kernel: str) -> None:
+    """Kernel names are checked when the recipe is read, not at the first forward."""
+    from ..kernels import KERNELS
+
+    valid = ("auto",) + tuple(KERNELS)
+    if kernel not in valid:
+        hint = difflib.get_close_matches(str(kernel), valid, n=1, cutoff=0.5)
+        raise ValueError(f"unknown kernel {kernel!r}" + (f"; did you mean {hint[0]!r}?" if hint else "")
+                         + f" (choose one of {', '.join(valid)})")
 
 
 def sidecar_path(recipe: str | os.PathLike) -> Path:
@@ -101,8 +149,8 @@ def sidecar_path(recipe: str | os.PathLike) -> Path:
     return p.with_name(p.stem + ".longctx.yaml") if not p.name.endswith(".longctx.yaml") else p
 
 
-def _launcher_config_file() -> str | None:
-    """The ``--config_file`` of an ``accelerate launch`` among this process's ancestors (Linux /proc)."""
+def _launcher_argv() -> list[str] | None:
+    """Command line of the ``accelerate launch`` among this process's ancestors (Linux /proc), if any."""
     pid = os.getppid()
     for _ in range(4):
         try:
@@ -111,14 +159,39 @@ def _launcher_config_file() -> str | None:
         except OSError:
             return None
         args = [a.decode(errors="replace") for a in argv if a]
-        if any(a.endswith("accelerate") or a == "launch" for a in args) and "--config_file" in args:
-            i = args.index("--config_file")
-            if i + 1 < len(args):
-                return args[i + 1]
+        if any(a.endswith("accelerate") or a == "launch" or a.endswith("accelerate.commands.launch") for a in args):
+            return args
         pid = int(stat.rsplit(")", 1)[1].split()[1])
         if pid <= 1:
             return None
     return None
+
+
+def _launcher_option(name: str) -> str | None:
+    """Value of ``--name`` / ``--name=value`` (dashes or underscores) on the launcher's command line."""
+    args = _launcher_argv() or []
+    spellings = {f"--{name}", f"--{name.replace('_', '-')}"}
+    for i, a in enumerate(args):
+        if a in spellings and i + 1 < len(args):
+            return args[i + 1]
+        key, _, value = a.partition("=")
+        if key in spellings and value:
+            return value
+    return None
+
+
+def _launcher_config_file() -> str | None:
+    """The ``--config_file`` of an ``accelerate launch`` among this process's ancestors."""
+    return _launcher_option("config_file")
+
+
+def launcher_num_processes() -> int | None:
+    """``--num_processes`` given to the ``accelerate launch`` that started this process, if any."""
+    value = _launcher_option("num_processes")
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 def _parse_bool(value: str) -> bool:
@@ -134,12 +207,22 @@ _ENV = {"backend": str, "sp_size": int, "checkpointing": str, "kernel": str, "se
         "tiled_mlp": int, "offload_checkpoints": _parse_bool, "tp_size": int, "ep_size": int, "moe_dispatch": str}
 
 
+def _recipe(recipe: str | os.PathLike | None) -> str | os.PathLike | None:
+    return recipe or os.environ.get("HF_LONGCTX_RECIPE") or _launcher_config_file()
+
+
+def recipe_source(recipe: str | os.PathLike | None = None) -> str:
+    """Where :func:`load_config` reads the settings from: the sidecar file, or the environment."""
+    found = _recipe(recipe)
+    return str(sidecar_path(found)) if found else "settings from the environment (no recipe)"
+
+
 def load_config(recipe: str | os.PathLike | None = None) -> LongContextConfig:
     """Settings from the recipe's sidecar file (see the module docstring), then HF_LONGCTX_* overrides."""
     import yaml
 
     values: dict = {}
-    recipe = recipe or os.environ.get("HF_LONGCTX_RECIPE") or _launcher_config_file()
+    recipe = _recipe(recipe)
     if recipe:
         path = sidecar_path(recipe)
         if not path.is_file():
@@ -148,6 +231,7 @@ def load_config(recipe: str | os.PathLike | None = None) -> LongContextConfig:
         source = str(path)
     else:
         source = "environment"
+    overridden = []
     for key, cast in _ENV.items():
         env = os.environ.get(f"HF_LONGCTX_{key.upper()}")
         if env is not None:
@@ -155,6 +239,9 @@ def load_config(recipe: str | os.PathLike | None = None) -> LongContextConfig:
                 values[key] = cast(env)
             except ValueError as err:
                 raise ValueError(f"HF_LONGCTX_{key.upper()}={env!r}: {err}") from None
+            overridden.append(f"HF_LONGCTX_{key.upper()}")
+    if overridden and source != "environment":
+        source += f" with {', '.join(overridden)} from the environment"
     unknown_env = [k for k in os.environ if k.startswith("HF_LONGCTX_") and k[11:].lower() not in _ENV
                    and k != "HF_LONGCTX_RECIPE"]
     if unknown_env:

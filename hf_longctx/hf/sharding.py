@@ -92,6 +92,7 @@ def gather_group_batch(batch: dict, group: dist.ProcessGroup | None) -> dict:
 
     Each rank's data loader yields its own rows; the sequence-parallel group trains on their
     concatenation, so every row is used exactly once and no sampler has to know about the group.
+    ``rank_tokens`` lists how many of the tokens each rank brought, in rank order.
     """
     rank, world = group_rank_and_size(group)
     packed = packed_batch_of(batch)
@@ -100,7 +101,7 @@ def gather_group_batch(batch: dict, group: dist.ProcessGroup | None) -> dict:
     labels = ids if labels is None else labels.reshape(-1)
     if world == 1:
         return {"input_ids": ids.unsqueeze(0), "labels": labels.unsqueeze(0),
-                "doc_lens": torch.tensor(packed.doc_lens)}
+                "doc_lens": torch.tensor(packed.doc_lens), "rank_tokens": [packed.num_tokens]}
     device = ids.device
     sizes = torch.tensor([packed.num_tokens, packed.num_docs], device=device)
     all_sizes = [torch.empty_like(sizes) for _ in range(world)]
@@ -119,4 +120,4 @@ def gather_group_batch(batch: dict, group: dist.ProcessGroup | None) -> dict:
         out_labels.append(p[1, :n_tok])
         out_docs.append(p[0, max_tokens : max_tokens + n_doc])
     return {"input_ids": torch.cat(out_ids).unsqueeze(0), "labels": torch.cat(out_labels).unsqueeze(0),
-            "doc_lens": torch.cat(out_docs).cpu()}
+            "doc_lens": torch.cat(out_docs).cpu(), "rank_tokens": [int(s[0]) for s in all_sizes]}

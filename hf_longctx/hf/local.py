@@ -1,0 +1,143 @@
+"""A ``longctx_*`` model without a sequence-parallel batch: exact attention in this process alone.
+
+Evaluation, ``generate()``, a padded batch or plain single-process training reach the attention
+function with no ``longctx`` context. The documents are then found from what transformers and TRL
+hand every attention function, in this order:
+
+1. ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``,
+   TRL's padding-free collator): used as given;
+2. a 2-D padding mask (``attention_mask`` with zeros; :func:`padding_mask` passes it through):
+   padding tokens are dropped and every row is its own sequence;
+3. ``position_ids`` restarting at 0 (a packed batch): one document per restart.
+
+With a KV cache the queries are the last tokens of each row, so a segment has fewer queries than
+keys and the kernels' bottom-right causal mask is exactly the decoding mask. Padded query rows get a
+zero output (nothing reads them). The attention runs through
+:func:`hf_longctx.backends.varlen_attention`: no process group is touched, so this works in any
+process of a distributed run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..backends import varlen_attention
+
+_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def match_dtypes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v in one dtype: the autocast dtype under autocast, else they must already agree.
+
+    Under ``torch.autocast`` with float32 weights the projections return the autocast dtype but RoPE
+    returns q and k in float32; SDPA and transformers' flash path cast to the autocast dtype, and so
+    does this (the kernels then accumulate in float32 as always). Outside autocast mixed dtypes mean
+    a half-cast model, which is an error worth stating.
+    """
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        target = torch.get_autocast_dtype(device_type)
+        query, key, value = (t.to(target) if t.dtype in _CASTABLE and t.dtype != target else t
+                             for t in (query, key, value))
+    if not (query.dtype == key.dtype == value.dtype):
+        raise ValueError(
+            f"hf_longctx attention got q {query.dtype}, k {key.dtype}, v {value.dtype} outside autocast: cast the "
+            "whole model to one dtype (model.to(torch.bfloat16)) or run it under torch.autocast (Trainer: bf16=True)"
+        )
+    return query, key, value
+
+
+def without_autocast(like: torch.Tensor):
+    """Autocast off for the kernels: they take q, k, v in one dtype and accumulate in float32 on purpose.
+
+    Left on, autocast would run the reference kernel's float32 products in bf16 again.
+    """
+    return torch.autocast(like.device.type, enabled=False)
+
+
+def padding_mask(batch_size: int, q_length: int, kv_length: int, *args, attention_mask=None, **kwargs):
+    """Mask function of ``longctx_*``: the 2-D padding mask when it masks something, else None.
+
+    No (q x kv) mask is ever built: document structure and causality come from the segments, and
+    the 2-D mask only says which tokens are padding (sliced from the right, as a sliding cache does).
+    """
+    if attention_mask is None or attention_mask.dim() != 2:
+        return None
+    mask = attention_mask[:, -kv_length:]
+    if mask.shape[1] == kv_length and bool(mask.all()):
+        return None
+    return mask
+
+
+def _segments(batch: int, sq: int, sk: int, mask: torch.Tensor | None, position_ids: torch.Tensor | None):
+    """Row indices of the kept queries and keys (into the flattened (B*S) tensors) and their cu_seqlens."""
+    q_rows, k_rows, cu_q, cu_k = [], [], [0], [0]
+    device = mask.device if mask is not None else None
+    for b in range(batch):
+        if mask is None:
+            valid_k = torch.ones(sk, dtype=torch.bool, device=device)
+            q_span = (sk - sq, sk)
+        else:
+            row = mask[b].to(torch.bool)
+            valid_k = torch.zeros(sk, dtype=torch.bool, device=row.device)
+            valid_k[: row.shape[0]] = row  # keys past the mask (static cache slots) are empty
+            q_span = (row.shape[0] - sq, row.shape[0])
+        keys = torch.nonzero(valid_k).flatten()
+        queries = keys[(keys >= q_span[0]) & (keys < q_span[1])]
+        if queries.numel() == 0:
+            continue
+        if sq == sk and position_ids is not None:  # no cache: documents restart at position 0
+            pos = position_ids[b if position_ids.shape[0] > 1 else 0].to(keys.device)[keys]
+            starts = torch.nonzero(pos == 0).flatten().tolist()
+            bounds = sorted(set([0] + starts)) + [keys.numel()]
+            for a, z in zip(bounds, bounds[1:]):
+                cu_q.append(cu_q[-1] + z - a)
+                cu_k.append(cu_k[-1] + z - a)
+            q_rows.append(keys + b * sq)
+            k_rows.append(keys + b * sk)
+        else:
+            cu_q.append(cu_q[-1] + queries.numel())
+            cu_k.append(cu_k[-1] + keys.numel())
+            q_rows.append(queries - q_span[0] + b * sq)
+            k_rows.append(keys + b * sk)
+    return q_rows, k_rows, cu_q, cu_k
+
+
+def local_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    scaling: float | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    kernel: str = "auto",
+    window: int | None = None,
+) -> torch.Tensor:
+    """HF-layout (B, H, S, D) q/k/v -> (B, Sq, Hq, D) exact causal attention per document (module docstring)."""
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(
+            f"longctx_* attention takes a 2-D padding mask (or none), got a {attention_mask.dim()}-D mask: custom "
+            "attention masks are not supported; pass position_ids restarting per document for packed sequences"
+        )
+    batch, hq, sq, dim = query.shape
+    sk = key.shape[2]
+    q = query.transpose(1, 2).reshape(batch * sq, hq, dim)
+    k = key.transpose(1, 2).reshape(batch * sk, key.shape[1], dim)
+    v = value.transpose(1, 2).reshape(batch * sk, value.shape[1], value.shape[-1])
+    run = {"softmax_scale": scaling, "kernel": kernel, "window": window}
+    if attention_mask is None and cu_seq_lens_q is not None and cu_seq_lens_k is not None and batch == 1:
+        cu_q, cu_k = cu_seq_lens_q.tolist(), cu_seq_lens_k.tolist()
+        if cu_q[-1] == sq and cu_k[-1] == sk:
+            return varlen_attention(q, k, v, cu_q, cu_k, **run).view(batch, sq, hq, dim)
+    q_rows, k_rows, cu_q, cu_k = _segments(batch, sq, sk, attention_mask, position_ids)
+    if len(q_rows) == batch and cu_q[-1] == batch * sq and cu_k[-1] == batch * sk:  # nothing dropped
+        return varlen_attention(q, k, v, cu_q, cu_k, **run).view(batch, sq, hq, dim)
+    out = q.new_zeros(q.shape)
+    if q_rows:
+        qi, ki = torch.cat(q_rows).to(q.device), torch.cat(k_rows).to(k.device)
+        kept = varlen_attention(q[qi], k[ki], v[ki], cu_q, cu_k, **run)
+        out = out.index_copy(0, qi, kept.to(out.dtype))
+    return out.view(batch, sq, hq, dim)

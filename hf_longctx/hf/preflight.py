@@ -1,0 +1,108 @@
+"""Check a launch's settings before anything expensive happens, and report a mistake once, briefly.
+
+A wrong recipe value found at the first forward costs a whole launch: the model and data are built,
+every rank prints its own traceback. :func:`check_run` reads the recipe, checks its values (backend
+and kernel names with the closest valid name), the sequence-parallel size against the processes that
+were actually started, and local dataset or model paths, all before a model or dataset exists.
+:func:`report_config_errors` turns a :class:`ConfigError` into a few lines on rank 0 and exit status 2
+on every rank, without a traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from .config import LongContextConfig, launcher_num_processes, load_config, recipe_source
+
+_DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow", ".csv", ".txt")
+
+
+class ConfigError(ValueError):
+    """A mistake in the run's settings, found before any model or data is built."""
+
+
+def _looks_local(value: str, suffixes: tuple[str, ...] = ()) -> bool:
+    """A local path rather than a hub name: explicit path syntax, a known suffix, or an existing parent folder."""
+    if value.startswith((".", "/", "~")) or (suffixes and value.endswith(suffixes)):
+        return True
+    parent = Path(value).expanduser().parent
+    return str(parent) not in ("", ".") and parent.is_dir()
+
+
+def _missing_path(option: str, value: str) -> ConfigError:
+    path = Path(value).expanduser()
+    parent = path.parent if str(path.parent) else Path(".")
+    siblings = [p.name for p in parent.iterdir()] if parent.is_dir() else []
+    hint = difflib.get_close_matches(path.name, siblings, n=1, cutoff=0.6)
+    where = f"; did you mean {str(parent / hint[0])!r}?" if hint else (
+        f" (folder {str(parent)!r} does not exist either)" if not parent.is_dir() else "")
+    return ConfigError(f"{option} {value!r}: no such file or folder{where}")
+
+
+def check_path(option: str, value: str | None, builtin: tuple[str, ...] = (),
+               suffixes: tuple[str, ...] = ()) -> None:
+    """Raise ConfigError when ``value`` names a local path that does not exist (hub names pass)."""
+    if value is None or value in builtin:
+        return
+    if any(c in value for c in "*?["):  # a glob: its folder must exist
+        folder = Path(value).expanduser().parent
+        if not folder.is_dir():
+            raise _missing_path(option, str(folder))
+        return
+    if _looks_local(value, suffixes) and not Path(value).expanduser().exists():
+        raise _missing_path(option, value)
+
+
+def check_process_count(world: int) -> None:
+    """A launcher asked for N processes but this run has fewer: say so instead of training alone.
+
+    ``accelerate launch --num_processes 2`` on a CPU machine without ``--multi_gpu`` (or a recipe with
+    ``distributed_type: MULTI_GPU``) starts ONE process, which would otherwise train silently at
+    sequence-parallel size 1.
+    """
+    asked = launcher_num_processes()
+    if asked is not None and asked > world:
+        raise ValueError(
+            f"accelerate launch was given --num_processes {asked} but started {world} process(es): on CPU add "
+            "--multi_gpu (accelerate's multi-process launcher, it runs on CPU with gloo), or launch with "
+            "--config_file recipes/cpu-2proc-distfa.yaml"
+        )
+
+
+def check_run(recipe: str | os.PathLike | None = None, *, world_size: int | None = None,
+              dataset: str | None = None, model: str | None = None) -> LongContextConfig:
+    """The run's :class:`LongContextConfig`, or a ConfigError naming the file, the value and the fix.
+
+    ``world_size`` defaults to the launcher's ``WORLD_SIZE`` (1 without a launcher). ``dataset`` and
+    ``model`` are checked only where they name local paths; ``"synthetic"``/``"sample"`` and the
+    built-in model names of the training script pass.
+    """
+    try:
+        cfg = load_config(recipe)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        check_process_count(world)
+        cfg.resolved_sp_size(world)
+    except ValueError as err:
+        raise ConfigError(f"{recipe_source(recipe)}: {err}") from None
+    check_path("--dataset", dataset, builtin=("synthetic", "sample"), suffixes=_DATA_SUFFIXES)
+    check_path("--model", model, builtin=("tiny", "llama3-8b-shape"))
+    return cfg
+
+
+@contextmanager
+def report_config_errors() -> Iterator[None]:
+    """Inside the block, a ConfigError prints once (rank 0) in a few lines and every rank exits with status 2."""
+    try:
+        yield
+    except ConfigError as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"hf_longctx: configuration error, nothing was started\n  {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None

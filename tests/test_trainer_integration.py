@@ -1,0 +1,300 @@
+"""What a user of transformers, TRL and accelerate meets first: every path a ``longctx_*`` model takes.
+
+- without the callback (one process, evaluation, ``generate()``, padded batches) the model is exact
+  attention per document, equal to SDPA;
+- ``bf16=True`` (autocast over float32 weights) trains like SDPA under the same autocast;
+- Trainer + ``DataCollatorWithFlattening`` with no recipe, and TRL's ``SFTTrainer`` with packing and
+  padding_free, give on 2 processes the losses, gradient norms and ``compute_metrics`` logits of one;
+- checkpointing follows ``TrainingArguments``; the callback takes the backend from the model;
+- a bad setting stops the training script before any model or data exists, in one short message.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+import hf_longctx
+from hf_longctx.hf import ConfigError, LongContextConfig, backend_from_name, check_run, implementation_name
+from hf_longctx.kernels import reset_stats, stats
+
+from distributed import run_distributed
+from trainer_runs import flattening_run, trl_run
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 61
+FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+            "mistral": (MistralConfig, MistralForCausalLM)}
+
+
+def family_model(family: str, seed: int = 0):
+    config_class, model_class = FAMILIES[family]
+    torch.manual_seed(seed)
+    cfg = config_class(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
+                       attn_implementation="sdpa", pad_token_id=0, eos_token_id=2, bos_token_id=1)
+    if hasattr(cfg, "sliding_window"):
+        cfg.sliding_window = None  # windows are another feature; these families run here without one
+    return model_class(cfg).double().eval()
+
+
+def _per_document_reference(model, ids, lens):
+    """SDPA, one forward per document: logits and the gradients of the summed next-token loss."""
+    model.set_attn_implementation("sdpa")
+    model.zero_grad()
+    logits, start = [], 0
+    for n in lens:
+        out = model(input_ids=ids[:, start : start + n]).logits
+        torch.nn.functional.cross_entropy(out[0, :-1], ids[0, start + 1 : start + n], reduction="sum").backward()
+        logits.append(out.detach())
+        start += n
+    return torch.cat(logits, dim=1), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_packed_batch_without_callback_equals_sdpa_per_document(family):
+    """No callback, no process group: documents found from position_ids (or TRL's cu_seq_lens) stay apart."""
+    model = family_model(family)
+    lens = [7, 1, 12, 4]
+    ids = torch.randint(3, VOCAB, (1, sum(lens)), generator=torch.Generator().manual_seed(1))
+    ref_logits, ref_grads = _per_document_reference(model, ids, lens)
+    model.set_attn_implementation("longctx_zigzag")
+    model.zero_grad()
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    logits = model(input_ids=ids, position_ids=pos).logits
+    torch.testing.assert_close(logits.detach(), ref_logits, rtol=1e-10, atol=1e-10)
+    start = 0
+    for n in lens:  # the same loss, from the packed logits
+        torch.nn.functional.cross_entropy(logits[0, start : start + n - 1], ids[0, start + 1 : start + n],
+                                          reduction="sum").backward(retain_graph=True)
+        start += n
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-9, atol=1e-10, msg=name)
+    cu = torch.tensor([0, 7, 8, 20, 24], dtype=torch.int32)  # what TRL's padding-free collator passes
+    with torch.no_grad():
+        flat = model(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=12,
+                     max_length_k=12).logits
+    torch.testing.assert_close(flat, ref_logits, rtol=1e-10, atol=1e-10)
+
+
+def test_padded_batch_and_generate_equal_sdpa():
+    """A padded batch and KV-cache decoding (q shorter than k: bottom-right causal) equal SDPA."""
+    model = family_model("llama")
+    ids = torch.randint(3, VOCAB, (3, 10), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(3, 10, dtype=torch.long)
+    mask[0, :3] = 0  # left padding (generation)
+    mask[1, 8:] = 0  # right padding (a padded training batch)
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        ref = model(input_ids=ids, attention_mask=mask).logits
+        model.set_attn_implementation("longctx_distfa")
+        out = model(input_ids=ids, attention_mask=mask).logits
+    keep = mask.bool()
+    torch.testing.assert_close(out[keep], ref[keep], rtol=1e-10, atol=1e-10)
+
+    left = mask.clone()
+    left[1] = 1
+    for inputs in ({"input_ids": ids, "attention_mask": left}, {"input_ids": ids[2:]}):
+        runs = {}
+        for impl in ("sdpa", "longctx_zigzag"):
+            model.set_attn_implementation(impl)
+            runs[impl] = model.generate(**inputs, max_new_tokens=5, do_sample=False, output_logits=True,
+                                        return_dict_in_generate=True, pad_token_id=0)
+        assert torch.equal(runs["sdpa"].sequences, runs["longctx_zigzag"].sequences)
+        torch.testing.assert_close(torch.stack(runs["longctx_zigzag"].logits), torch.stack(runs["sdpa"].logits),
+                                   rtol=1e-9, atol=1e-9)
+
+
+def test_mixed_dtypes_follow_autocast_and_are_refused_outside_it():
+    """Under autocast q/k (float32 out of RoPE) and v (bf16) meet in the autocast dtype; outside, a clear error."""
+    from transformers import AttentionInterface
+
+    attention = AttentionInterface()["longctx_ring"]
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, 9, 8, generator=g) for h in (4, 2, 2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = attention(torch.nn.Module(), q, k, v.bfloat16(), None)
+    assert out.dtype == torch.bfloat16
+    expected, _ = attention(torch.nn.Module(), q.bfloat16(), k.bfloat16(), v.bfloat16(), None)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="outside autocast: cast the whole model to one dtype"):
+        attention(torch.nn.Module(), q, k, v.bfloat16(), None)
+
+
+def test_trainer_bf16_autocast_trains_like_sdpa_and_generates_after(tmp_path):
+    """Trainer(bf16=True) on CPU autocasts over float32 weights; after train() the hooks are gone."""
+    ours = flattening_run(str(tmp_path / "ours"), steps=2, bf16=True)
+    ref = flattening_run(str(tmp_path / "sdpa"), steps=2, bf16=True, impl="sdpa", callback=False)
+    assert ours["losses"] == pytest.approx(ref["losses"], rel=1e-3)
+    assert ours["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-3)
+    model = ours["model"].eval()
+    assert not model._forward_pre_hooks and not model._forward_hooks  # the callback removed what it installed
+    prompt = torch.tensor([[0, 0, 5, 6, 7], [9, 8, 7, 6, 5]])
+    mask = (prompt != 0).long()
+    sequences = {}
+    for impl in ("longctx_zigzag", "sdpa"):
+        model.set_attn_implementation(impl)
+        sequences[impl] = model.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                         pad_token_id=0)
+    assert torch.equal(sequences["longctx_zigzag"], sequences["sdpa"])
+
+
+def test_checkpointing_follows_training_arguments_and_backend_follows_the_model(tmp_path, caplog):
+    """gradient_checkpointing off: none; on: recompute-aware (attention runs once per layer and step), logged."""
+    recipe_says_ring = LongContextConfig(backend="ring")
+    for on in (False, True):
+        reset_stats()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="hf_longctx"):
+            run = flattening_run(str(tmp_path / str(on)), steps=1, evaluate=False, gradient_checkpointing=on,
+                                 config=recipe_says_ring)
+        said = "gradient_checkpointing is on: recompute-aware" if on else "gradient_checkpointing is off"
+        assert said in caplog.text
+        assert run["summary"]["checkpointing"] == ("recompute_aware" if on else "none")
+        assert run["summary"]["backend"] == "zigzag"  # the model's, not the recipe's
+        model = run["model"]
+        assert getattr(model, "is_activation_checkpointing", None) in (on, None)
+        assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules()) == on
+        layers = run["model"].config.num_hidden_layers
+        assert stats()["core_attention.forward"] == layers  # plain layer checkpointing would give 2 x layers
+
+
+def _two_process_runs(rank, world, out_dir):
+    flat = flattening_run(os.path.join(out_dir, f"flat{rank}"))
+    flat.pop("model")
+    flat.pop("summary")
+    sft = trl_run(os.path.join(out_dir, f"trl{rank}"))
+    if rank == 0:
+        Path(out_dir, "two.json").write_text(json.dumps({"flat": flat, "trl": sft}))
+
+
+def test_trainer_and_trl_on_two_processes_equal_one_process(tmp_path):
+    """Sequence parallelism over 2 gloo ranks is invisible: losses, grad norms, eval loss, metric logits."""
+    one = {"flat": flattening_run(str(tmp_path / "flat")), "trl": trl_run(str(tmp_path / "trl"))}
+    run_distributed(2, _two_process_runs, str(tmp_path), timeout_s=300)
+    two = json.loads((tmp_path / "two.json").read_text())
+    for name in ("flat", "trl"):
+        assert len(two[name]["losses"]) == 3, name
+        assert two[name]["losses"] == pytest.approx(one[name]["losses"], rel=1e-5), name
+        assert two[name]["grad_norms"] == pytest.approx(one[name]["grad_norms"], rel=1e-4), name
+    assert two["flat"]["eval_loss"] == pytest.approx(one["flat"]["eval_loss"], rel=1e-5)
+    # compute_metrics saw, at every labelled position, the logits one process computes (in document order)
+    one_logits = torch.tensor([row for rows in one["flat"]["predictions"] for row in rows])
+    two_logits = torch.tensor([row for rows in two["flat"]["predictions"] for row in rows])
+    assert one_logits.shape == two_logits.shape and one_logits.shape[0] > 0
+    torch.testing.assert_close(two_logits, one_logits, rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- names and settings
+
+
+def test_one_backend_name_everywhere():
+    """Recipes use the attn_implementation names; either spelling works in either place."""
+    for name in ("distfa", "longctx_distfa", "distflash"):
+        assert LongContextConfig(backend=name).attn_implementation == "longctx_distfa"
+    for impl in hf_longctx.ATTENTION_IMPLEMENTATIONS:
+        assert implementation_name(backend_from_name(impl)) == impl
+        assert implementation_name(backend_from_name(impl[len("longctx_"):])) == impl
+    for sidecar in (ROOT / "recipes").glob("*.longctx.yaml"):
+        backend = yaml.safe_load(sidecar.read_text())["backend"]
+        assert "longctx_" + backend in hf_longctx.ATTENTION_IMPLEMENTATIONS, sidecar.name
+    documented = [ROOT / "README.md", ROOT / "recipes" / "README.md", *(ROOT / "hf_longctx").rglob("*.py")]
+    assert not [p.name for p in documented if "longctx_distflash" in p.read_text()]
+
+
+def _load_train_script():
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BAD_SETTINGS = [
+    ("backend: distflsh\n", [], 2, ["bad.longctx.yaml", "'distflsh'", "did you mean 'distfa'?"]),
+    ("backend: longctx_zigzg\n", [], 2, ["bad.longctx.yaml", "did you mean 'zigzag'?"]),
+    ("kernel: cudn\n", [], 2, ["bad.longctx.yaml", "'cudn'", "did you mean 'cudnn'?"]),
+    ("chekpointing: layer\n", [], 2, ["bad.longctx.yaml", "did you mean 'checkpointing'?"]),
+    ("sp_size: 3\n", [], 2, ["bad.longctx.yaml", "sp_size 3 does not divide the 2 processes", "pick one of [1, 2]"]),
+    ("sp_size: 2\n", [], 1, ["ONE process", "--config_file recipes/cpu-2proc-distfa.yaml"]),
+    ("backend: zigzag\n", ["--dataset", str(ROOT / "data" / "sample_corpus.jsnl")], 1,
+     ["--dataset", "no such file", "did you mean", "sample_corpus.jsonl"]),
+]
+
+
+@pytest.mark.parametrize("sidecar,extra,world,expected", BAD_SETTINGS, ids=[c[3][-1] for c in BAD_SETTINGS])
+def test_bad_settings_stop_before_any_model_or_data_in_one_short_message(sidecar, extra, world, expected,
+                                                                        tmp_path, monkeypatch, capsys):
+    train = _load_train_script()
+
+    def built(*args, **kwargs):
+        raise AssertionError("a model or dataset was built before the settings were checked")
+
+    for name in ("LlamaForCausalLM", "AutoModelForCausalLM", "load_text_dataset", "pack_documents",
+                 "load_sample_tokenizer"):
+        monkeypatch.setattr(train, name, built)
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("compute_environment: LOCAL_MACHINE\n")
+    (tmp_path / "bad.longctx.yaml").write_text(sidecar)
+    monkeypatch.delenv("HF_LONGCTX_RECIPE", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as stop:
+        train.main(["--recipe", str(recipe), *extra])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) <= 3 and "Traceback" not in err, err
+    for text in expected:
+        assert text in err, (text, err)
+    monkeypatch.setenv("RANK", "1")  # the other ranks stop too, silently
+    with pytest.raises(SystemExit):
+        train.main(["--recipe", str(recipe), *extra])
+    assert capsys.readouterr().err == ""
+
+
+def test_one_process_where_the_launcher_asked_for_more_is_refused(monkeypatch):
+    """`accelerate launch --num_processes 2` without --multi_gpu starts one process on CPU: say so."""
+    import hf_longctx.hf.preflight as preflight
+
+    monkeypatch.delenv("HF_LONGCTX_RECIPE", raising=False)
+    monkeypatch.setattr(preflight, "launcher_num_processes", lambda: 2)
+    with pytest.raises(ConfigError, match="--num_processes 2 but started 1 process.*--multi_gpu"):
+        check_run(world_size=1)
+    monkeypatch.setattr(preflight, "launcher_num_processes", lambda: None)
+    assert check_run(world_size=1).resolved_sp_size(1) == 1
+
+
+def test_readme_first_code_block_runs(tmp_path):
+    """The first Python block of the README runs as written, in a fresh interpreter."""
+    block = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("HF_LONGCTX_RECIPE", None)
+    proc = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("example,argv", [
+    ("trainer_flattening.py", ["--max-steps", "1", "--docs-per-step", "2", "--max-tokens", "64"]),
+    ("sft_trl.py", ["--max-steps", "1", "--max-length", "128"]),
+])
+def test_examples_run_on_cpu(example, argv, tmp_path, monkeypatch, capsys):
+    """The examples run as shipped (one process here; the 2-process paths are the tests above)."""
+    monkeypatch.delenv("HF_LONGCTX_RECIPE", raising=False)
+    monkeypatch.setenv("HF_LONGCTX_BACKEND", "zigzag")
+    spec = importlib.util.spec_from_file_location(example[:-3], ROOT / "examples" / example)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main([*argv, "--output-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert ("generated:" in out) if example.startswith("trainer") else ('"losses": [' in out), out[-2000:]
