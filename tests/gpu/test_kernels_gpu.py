@@ -180,3 +180,57 @@ def test_every_backend_at_world_size_one_on_the_gpu(backend):
     assert rel_err(out, ref_out[idx]) < TOL
     for got, want in zip((ql.grad, kl.grad, vl.grad), ref_grads):
         assert rel_err(got, want[idx]) < TOL
+
+
+WINDOW_CASES = {  # name: (q lens, k lens, causal, window)
+    "mixed docs, window 256": (_mixed(3, 9000), None, True, 256),
+    "kv longer than q, window 100": ([300, 50, 1000], [900, 50, 1000], True, 100),
+    "full block, band of 700": ([1500, 40], [2500, 90], False, 700),
+    "window 1: each query sees itself": ([777, 5], None, True, 1),
+}
+
+
+@pytest.mark.parametrize("case", list(WINDOW_CASES))
+@pytest.mark.parametrize("kernel", ["fa4", "cudnn_varlen", "torch_flash"])
+def test_kernel_sliding_window_matches_fp64_reference(kernel, case):
+    """Sliding windows run inside the fast kernels, exactly as the reference masks them."""
+    _installed_or_skip(kernel)
+    lq, lk, causal, window = WINDOW_CASES[case]
+    lk = lk or lq
+    g = torch.Generator(device="cpu").manual_seed(len(case) + window)
+    q = torch.randn(sum(lq), 16, 128, generator=g).to(DEVICE, torch.bfloat16)
+    k, v = (torch.randn(sum(lk), 4, 128, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    dout = torch.randn_like(q)
+    cu_q, cu_k = cumulative(lq), cumulative(lk)
+    mq, mk = max(lq), max(lk)
+    try:
+        select_kernel(kernel, q, k, cu_q, cu_k, causal, window)
+    except ValueError as exc:
+        assert kernel != "fa4", f"fa4 must serve windows: {exc}"
+        pytest.skip(f"{kernel} declines {case!r}: {exc}")
+    out, lse = attention_forward(q, k, v, cu_q, cu_k, mq, mk, causal=causal, kernel=kernel, window=window)
+    grads = attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, mq, mk, causal=causal, kernel=kernel,
+                               window=window)
+    ref_out, ref_lse, ref_grads = _reference(q, k, v, dout, cu_q, cu_k, causal, window=window)
+    errors = {"out": rel_err(out, ref_out), "lse": rel_err(lse, ref_lse)}
+    errors.update({n: rel_err(g, r) for n, g, r in zip(("dq", "dk", "dv"), grads, ref_grads)})
+    assert max(errors.values()) < TOL, f"{kernel} {case}: {errors}"
+
+
+@pytest.mark.parametrize("backend", sorted(set(backend_names()) - {"auto"}))
+def test_every_backend_with_a_sliding_window_on_the_gpu(backend):
+    lens = _mixed(8, 8000)
+    batch = PackedBatch.from_doc_lens(lens)
+    g = torch.Generator(device="cpu").manual_seed(8)
+    q, dout = (torch.randn(batch.num_tokens, 8, 128, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(batch.num_tokens, 2, 128, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    plan = shard_plan(batch, 1, default_strategy(backend))
+    idx = plan.local_indices(0).to(DEVICE)
+    ql, kl, vl = (t[idx].clone().requires_grad_() for t in (q, k, v))
+    out = sequence_parallel_attention(ql, kl, vl, plan=plan, backend=backend, window=300)
+    out.backward(dout[idx])
+    cu = cumulative(lens)
+    ref_out, _, ref_grads = _reference(q, k, v, dout, cu, cu, True, window=300)
+    assert rel_err(out, ref_out[idx]) < TOL
+    for got, want in zip((ql.grad, kl.grad, vl.grad), ref_grads):
+        assert rel_err(got, want[idx]) < TOL
