@@ -42,12 +42,18 @@ def _make_attention(backend: str):
             )
         if dropout:
             raise ValueError("attention dropout is not supported by hf_longctx backends; set attention_dropout=0")
+        for feature, what in (("softcap", "attention logit soft-capping"), ("s_aux", "attention sinks (s_aux)")):
+            if kwargs.get(feature) is not None:
+                raise ValueError(f"this model uses {what} (attention argument {feature!r}), which hf_longctx "
+                                 "backends do not compute; use attn_implementation='sdpa' or 'eager' for it")
         if query.shape[0] != 1:
             raise ValueError(f"hf_longctx attention takes one packed sequence (batch 1), got batch {query.shape[0]}")
         # (1, H, S, D) -> packed token-major (S, H, D)
         q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
+        # sliding_window: transformers' attention classes pass it per layer (None on full-attention layers)
         out = sequence_parallel_attention(q, k, v, plan=ctx.plan, backend=backend, group=ctx.group,
-                                          softmax_scale=scaling, kernel=ctx.kernel)
+                                          softmax_scale=scaling, kernel=ctx.kernel,
+                                          window=kwargs.get("sliding_window"))
         return out.unsqueeze(0), None
 
     attention.__name__ = f"{PREFIX}{backend}_attention"
