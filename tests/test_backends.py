@@ -244,6 +244,9 @@ def count_windowed_work(rank, world):
     # keys 13..15 (rows 5..7 of rank 1) and nothing of rank 0, whose keys are all out of reach
     plan = shard_plan(PackedBatch.from_doc_lens([24]), world, "contiguous")
     x = torch.randn(24, 2, 8, dtype=torch.float64)[plan.local_indices(rank)]
+    # ranks that disagree on the window all stop with the same error before any transfer
+    with pytest.raises(ValueError, match="sliding window"):
+        sequence_parallel_attention(x, x, x, plan=plan, backend="ring", window=4 if rank else 5)
     for backend in ("ring", "distflash", "tasp"):
         reset_comm_stats()
         reset_stats()
