@@ -88,15 +88,16 @@ def _trim(lq: int, lk: int, causal: bool, window: int | None) -> tuple[int, int,
         return lq, 0, None
     if causal and window < 1:
         return None
+    head = max(0, lk - lq - window + 1)  # keys before the band of the first query
     tail = 0 if causal else max(0, min(lq, 1 - window))  # trailing queries whose band starts past the last key
-    kept, window = lq - tail, window + tail  # dropping trailing queries shifts the bottom-right frame
-    head = max(0, lk - lq - window + tail + 1)  # keys before the first query's band
+    kept, window = lq - tail, window + tail  # dropping trailing queries moves the bottom-right frame
     if kept == 0 or head >= lk:
         return None
     return kept, head, None if window >= lk - head else window
 
 
 Segment = tuple[int, int, int | None]  # (query rows, key rows, kernel window; None: no window)
+_APART = object()  # marks rows of a segment that attend to nothing in the call
 
 
 def pairs_from_segments(q_start: int, k_start: int, segments: list[Segment], causal: bool) -> tuple[Pair, ...]:
@@ -106,29 +107,29 @@ def pairs_from_segments(q_start: int, k_start: int, segments: list[Segment], cau
     they still need, and each group becomes one :class:`Pair` over the tightest row ranges that hold
     its segments; the other segments inside those ranges become one-sided (no attention).
     """
-    atoms = []  # (q0, q1, k0, k1, window group or None when the rows attend to nothing here)
+    atoms = []  # (q0, q1, k0, k1, kernel window, or _APART for rows that attend to nothing here)
     q, k = q_start, k_start
     for lq, lk, window in segments:
         cut = _trim(lq, lk, causal, window) if lq and lk else None
         if cut is None:
-            atoms += [(q, q + lq, k, k, None), (q + lq, q + lq, k, k + lk, None)]
+            atoms += [(q, q + lq, k, k, _APART), (q + lq, q + lq, k, k + lk, _APART)]
         else:
             kept, head, need = cut
-            atoms += [(q, q, k, k + head, None), (q, q + kept, k + head, k + lk, ("w", need)),
-                      (q + kept, q + lq, k + lk, k + lk, None)]
+            atoms += [(q, q, k, k + head, _APART), (q, q + kept, k + head, k + lk, need),
+                      (q + kept, q + lq, k + lk, k + lk, _APART)]
         q, k = q + lq, k + lk
-    groups = sorted({a[4] for a in atoms if a[4] is not None}, key=lambda g: -1 if g[1] is None else g[1])
+    groups = sorted({a[4] for a in atoms if a[4] is not _APART}, key=lambda w: (w is not None, w or 0))
     pairs = []
     for group in groups:
         mine = [a for a in atoms if a[4] == group]
         q_lo, q_hi = mine[0][0], mine[-1][1]
         k_lo, k_hi = mine[0][2], mine[-1][3]
         cu_q, cu_k, work = [0], [0], 0
-        for q0, q1, k0, k1, g in atoms:
-            if g == group:
+        for q0, q1, k0, k1, w in atoms:
+            if w == group:
                 cu_q.append(cu_q[-1] + q1 - q0)
                 cu_k.append(cu_k[-1] + k1 - k0)
-                work += band_work(q1 - q0, k1 - k0, causal, group[1])
+                work += band_work(q1 - q0, k1 - k0, causal, group)
                 continue
             nq = max(0, min(q1, q_hi) - max(q0, q_lo))
             nk = max(0, min(k1, k_hi) - max(k0, k_lo))
@@ -139,7 +140,7 @@ def pairs_from_segments(q_start: int, k_start: int, segments: list[Segment], cau
                 cu_q.append(cu_q[-1])
                 cu_k.append(cu_k[-1] + nk)
         assert cu_q[-1] == q_hi - q_lo and cu_k[-1] == k_hi - k_lo
-        pairs.append(Pair(q_lo, q_hi, k_lo, k_hi, tuple(cu_q), tuple(cu_k), causal, work, group[1]))
+        pairs.append(Pair(q_lo, q_hi, k_lo, k_hi, tuple(cu_q), tuple(cu_k), causal, work, group))
     return tuple(pairs)
 
 
@@ -295,14 +296,17 @@ def _build_exchange(plan: ShardPlan, q_rank: int, kv_rank: int) -> Exchange:
     ]
     # Only key rows that some segment attends to travel; key-only segments inside a pair's rows (keys of
     # other documents, keys a window hides) shrink to the rows other pairs need, usually none.
-    ranges = _merge_ranges([(p.k_start + p.cu_k[i], p.k_start + p.cu_k[i + 1]) for p in raw
-                            for i in range(len(p.cu_q) - 1) if p.cu_q[i + 1] > p.cu_q[i] and p.cu_k[i + 1] > p.cu_k[i]])
+    ranges = _merge_ranges([
+        (p.k_start + p.cu_k[i], p.k_start + p.cu_k[i + 1])
+        for p in raw
+        for i in range(len(p.cu_q) - 1)
+        if p.cu_q[i + 1] > p.cu_q[i] and p.cu_k[i + 1] > p.cu_k[i]
+    ])
     return Exchange(q_rank, kv_rank, tuple(_onto_buffer(p, ranges) for p in raw), tuple(ranges))
 
 
 def _onto_buffer(p: Pair, ranges: list[tuple[int, int]]) -> Pair:
     """``p`` with key rows numbered in the buffer of ``ranges`` (rows outside them dropped)."""
-
     starts = [a for a, _ in ranges]
     offsets = [off for _, _, off in _packed_offsets(ranges)]
 

@@ -100,13 +100,12 @@ class ShardPlan:
     position p sees positions p - window + 1 .. p), or None for plain causal attention.
     """
 
-    def __init__(self, batch: PackedBatch, world_size: int, strategy: str, slots: tuple[tuple[Slot, ...], ...],
-                 window: int | None = None):
+    def __init__(self, batch: PackedBatch, world_size: int, strategy: str, slots: tuple[tuple[Slot, ...], ...]):
         self.batch = batch
         self.world_size = world_size
         self.strategy = strategy
         self.slots = slots
-        self.window = window
+        self.window: int | None = None  # set on the views of :meth:`with_window`
         self._cache: dict = {}
         self._unwindowed = self
 
@@ -126,8 +125,8 @@ class ShardPlan:
             return base
 
         def build() -> ShardPlan:
-            view = ShardPlan(base.batch, base.world_size, base.strategy, base.slots, window)
-            view._unwindowed = base
+            view = ShardPlan(base.batch, base.world_size, base.strategy, base.slots)
+            view.window, view._unwindowed = window, base
             return view
 
         return base.cached(("window", window), build)
