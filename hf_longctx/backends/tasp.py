@@ -8,9 +8,10 @@ data at once. After n - 1 hops each sub-block has visited every rank.
 
 Packed documents: a sub-block is forwarded only as far as some rank on its cycle still needs it, each
 hop carries only the span of its rows that this and later ranks read, and (query, key) pieces whose
-documents do not meet, or that a sliding window keeps apart, cost nothing. Backward re-sends the keys along the
-same routes and returns each rank's dK/dV of a visiting sub-block straight to its owner (one extra
-all_to_all per step, in float32 so gradients add up exactly, overlapped with the next hop's kernels).
+documents do not meet, or that a sliding window keeps apart, cost nothing. Backward re-sends the
+keys along the same routes and returns each rank's dK/dV of a visiting sub-block straight to its
+owner (one extra all_to_all per step, in float32 so gradients add up exactly, overlapped with the
+next hop's kernels).
 """
 
 from __future__ import annotations
