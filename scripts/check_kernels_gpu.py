@@ -2,7 +2,7 @@
 
 Run on the GPU machine: ``python scripts/check_kernels_gpu.py`` (``--quick`` for a CPU smoke run).
 Correctness: bf16 kernels vs the fp64 reference kernel on random packed documents (varlen, GQA,
-rows with no visible key), relative error ||x - ref|| / ||ref|| of out, lse, dq, dk, dv below 1e-2.
+rows with no visible key, sliding windows), relative error ||x - ref|| / ||ref|| of out, lse, dq, dk, dv below 1e-2.
 Timing: causal H=32, D=128 packed batches of 16K..128K tokens (one document and equal-length
 documents), forward and forward+backward TFLOP/s of each kernel and of torch SDPA (flash, cuDNN)
 on the same tokens as a dense batch. Prints a markdown table last.
@@ -33,16 +33,19 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def correctness(device: str, kernels: list[str]) -> list[str]:
-    cases = [  # (name, q lens, k lens, causal, hq, hkv, d)
-        ("one doc causal", [4096], [4096], True, 16, 4, 128),
-        ("4 equal docs causal", [1024] * 4, [1024] * 4, True, 8, 8, 64),
-        ("varlen docs causal", [1, 700, 33, 2000, 129], [1, 700, 33, 2000, 129], True, 8, 2, 128),
-        ("kv longer than q (bottom-right)", [300, 50], [900, 50], True, 8, 2, 64),
-        ("q longer than kv: empty rows", [600], [200], True, 8, 8, 128),
-        ("full block, one doc", [1500], [2500], False, 32, 8, 128),
+    cases = [  # (name, q lens, k lens, causal, hq, hkv, d, window)
+        ("one doc causal", [4096], [4096], True, 16, 4, 128, None),
+        ("4 equal docs causal", [1024] * 4, [1024] * 4, True, 8, 8, 64, None),
+        ("varlen docs causal", [1, 700, 33, 2000, 129], [1, 700, 33, 2000, 129], True, 8, 2, 128, None),
+        ("kv longer than q (bottom-right)", [300, 50], [900, 50], True, 8, 2, 64, None),
+        ("q longer than kv: empty rows", [600], [200], True, 8, 8, 128, None),
+        ("full block, one doc", [1500], [2500], False, 32, 8, 128, None),
+        ("sliding window 256, varlen causal", [1, 700, 33, 2000], [1, 900, 33, 2000], True, 8, 2, 128, 256),
+        ("sliding window 1, q longer than kv", [600], [200], True, 8, 8, 64, 1),
+        ("window band open to the right", [1500], [2500], False, 8, 2, 128, 300),
     ]
     lines, failures = [], 0
-    for name, lq, lk, causal, hq, hkv, d in cases:
+    for name, lq, lk, causal, hq, hkv, d, window in cases:
         g = torch.Generator(device="cpu").manual_seed(len(name))
         q = torch.randn(sum(lq), hq, d, generator=g).to(device)
         k = torch.randn(sum(lk), hkv, d, generator=g).to(device)
@@ -54,17 +57,18 @@ def correctness(device: str, kernels: list[str]) -> list[str]:
             cu_q.append(cu_q[-1] + a)
             cu_k.append(cu_k[-1] + b)
         ref = attention_forward(q.double(), k.double(), v.double(), cu_q, cu_k, max(lq), max(lk), causal=causal,
-                                kernel="reference")
+                                kernel="reference", window=window)
         ref_g = attention_backward(dout.double(), q.double(), k.double(), v.double(), *ref, cu_q, cu_k, max(lq),
-                                   max(lk), causal=causal, kernel="reference")
+                                   max(lk), causal=causal, kernel="reference", window=window)
         for kernel in kernels:
             if kernel == "reference":
                 continue
             try:
                 qb, kb, vb, db = (t.bfloat16() for t in (q, k, v, dout))
-                out, lse = attention_forward(qb, kb, vb, cu_q, cu_k, max(lq), max(lk), causal=causal, kernel=kernel)
+                out, lse = attention_forward(qb, kb, vb, cu_q, cu_k, max(lq), max(lk), causal=causal, kernel=kernel,
+                                             window=window)
                 grads = attention_backward(db, qb, kb, vb, out, lse, cu_q, cu_k, max(lq), max(lk), causal=causal,
-                                           kernel=kernel)
+                                           kernel=kernel, window=window)
                 errs = [rel_err(out, ref[0]), rel_err(lse, ref[1])] + [rel_err(a, b) for a, b in zip(grads, ref_g)]
                 ok = all(e < 1e-2 for e in errs)
                 failures += not ok

@@ -19,8 +19,12 @@ def random_doc_lens(rng: random.Random, total: int, max_len: int | None = None) 
     return lens
 
 
-def naive_attention(q, k, v, cu_q, cu_k, causal=True, scale=None):
-    """Dense fp64 attention per segment with explicit masks: out (Tq, Hq, D), lse (Hq, Tq)."""
+def naive_attention(q, k, v, cu_q, cu_k, causal=True, scale=None, window=None):
+    """Dense fp64 attention per segment with explicit masks: out (Tq, Hq, D), lse (Hq, Tq).
+
+    Query i of a segment (Sq queries, Sk keys, o = Sk - Sq) sees key j iff j <= i + o (causal) and
+    j > i + o - window (window).
+    """
     q, k, v = q.double(), k.double(), v.double()
     tq, hq, d = q.shape
     g = hq // k.shape[1]
@@ -34,10 +38,15 @@ def naive_attention(q, k, v, cu_q, cu_k, causal=True, scale=None):
         if q1 == q0 or k1 == k0:
             continue
         s = torch.einsum("qhd,khd->hqk", q[q0:q1], k[k0:k1]) * scale
+        sq, sk = q1 - q0, k1 - k0
+        diag = torch.arange(sq)[:, None] + (sk - sq)  # the key on each query's diagonal
+        keys = torch.arange(sk)[None, :]
+        mask = torch.ones(sq, sk, dtype=torch.bool)
         if causal:
-            sq, sk = q1 - q0, k1 - k0
-            mask = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)
-            s = s.masked_fill(~mask, float("-inf"))
+            mask &= keys <= diag
+        if window is not None:
+            mask &= keys > diag - window
+        s = s.masked_fill(~mask, float("-inf"))
         row_lse = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - torch.where(torch.isfinite(row_lse), row_lse, torch.zeros_like(row_lse))[..., None])
         p = torch.where(torch.isfinite(row_lse)[..., None], p, torch.zeros_like(p))

@@ -62,6 +62,10 @@ def check_slowest_rank_decides(rank, world):
     calls.clear()
     assert auto.choose_backend(q[idx], k[idx], v[idx], plan, None, forward, timer=timer) == "zigzag"
     assert calls == []
+    # a sliding window changes the problem: its layers get a verdict of their own, the others keep theirs
+    imposed["tasp"] = 1.0
+    assert auto.choose_backend(q[idx], k[idx], v[idx], plan.with_window(3), None, forward, timer=timer) == "tasp"
+    assert calls and auto.choose_backend(q[idx], k[idx], v[idx], plan, None, forward, timer=timer) == "zigzag"
 
 
 def test_the_slowest_rank_decides():

@@ -38,10 +38,11 @@ def make_problem(seed: int, world: int, dtype: torch.dtype, hkv=2, d=16):
     return PackedBatch.from_doc_lens(lens), q, k, v, dout
 
 
-def reference(batch, q, k, v, dout):
+def reference(batch, q, k, v, dout, window=None):
     cu = batch.cu_seqlens.tolist()
-    out, lse = attention_forward(q, k, v, cu, cu, batch.max_seqlen, batch.max_seqlen, kernel="reference")
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, cu, cu, 0, 0, kernel="reference")
+    out, lse = attention_forward(q, k, v, cu, cu, batch.max_seqlen, batch.max_seqlen, kernel="reference",
+                                 window=window)
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, cu, cu, 0, 0, kernel="reference", window=window)
     return out, dq, dk, dv
 
 
@@ -64,9 +65,16 @@ def check_backends(rank, world, backends, dtypes, seeds, strategies=None):
                         torch.testing.assert_close(got, want[idx], **tol, msg=lambda m, n=name, w=where: f"{n} {w} {m}")
 
 
+def check_backends_with_and_without_window(rank, world):
+    check_backends(rank, world, BACKENDS, [torch.float64, torch.float32], range(3))
+    seeds, windows = WINDOW_CASES[world]
+    check_windowed_backends(rank, world, BACKENDS + {1: ["local"], 2: ["auto"]}.get(world, []), seeds, windows)
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
 def test_backends_match_single_device_fp64_and_fp32(world):
-    run_distributed(world, check_backends, BACKENDS, [torch.float64, torch.float32], range(3))
+    """Plain causal attention, then sliding windows (:func:`check_windowed_backends`) on the same ranks."""
+    run_distributed(world, check_backends_with_and_without_window)
 
 
 def test_tasp_on_six_ranks_where_no_hamiltonian_decomposition_exists():
@@ -197,3 +205,76 @@ def test_ulysses_rejects_heads_that_do_not_split():
         kv_repeat(4, 2, 3)
     q = torch.randn(8, 4, 8)
     assert sequence_parallel_attention(q, q, q, plan=plan, backend="ulysses").shape == q.shape
+
+
+# ----------------------------------------------------------------------------- sliding window
+
+
+def check_windowed_backends(rank, world, backends, seeds, windows):
+    """Every backend with a sliding window equals single-device windowed attention (fp64, outputs and
+    gradients). ``windows`` are in shards: 0 is a window of one position (only the diagonal)."""
+    for seed in seeds:
+        batch, q, k, v, dout = make_problem(seed * 31 + world, world, torch.float64)
+        shard = batch.num_tokens // world
+        for window in (max(1, int(w * shard)) for w in windows):
+            ref_out, ref_dq, ref_dk, ref_dv = reference(batch, q, k, v, dout, window)
+            for backend in backends:
+                strategies = [default_strategy(backend)] + (["doc_zigzag"] if backend in ("zigzag", "tasp") else [])
+                for strategy in strategies:
+                    plan = shard_plan(batch, world, strategy)
+                    idx = plan.local_indices(rank)
+                    ql, kl, vl = (t[idx].clone().requires_grad_() for t in (q, k, v))
+                    out = sequence_parallel_attention(ql, kl, vl, plan=plan, backend=backend, window=window)
+                    out.backward(dout[idx])
+                    where = (f"{backend}/{strategy} window={window} world={world} rank={rank} seed={seed} "
+                             f"docs={batch.doc_lens}")
+                    for name, got, want in (("out", out, ref_out), ("dq", ql.grad, ref_dq), ("dk", kl.grad, ref_dk),
+                                            ("dv", vl.grad, ref_dv)):
+                        torch.testing.assert_close(got, want[idx], rtol=1e-9, atol=1e-9,
+                                                   msg=lambda m, n=name, w=where: f"{n} {w} {m}")
+
+
+def count_windowed_work(rank, world):
+    import torch.distributed as dist
+
+    from hf_longctx.comm import comm_stats, reset_comm_stats
+    from hf_longctx.kernels import reset_stats, stats
+
+    # one document of 24 tokens, 8 per rank, sliding window 4: rank 1 reads keys 5..7 of rank 0, rank 2
+    # keys 13..15 (rows 5..7 of rank 1) and nothing of rank 0, whose keys are all out of reach
+    plan = shard_plan(PackedBatch.from_doc_lens([24]), world, "contiguous")
+    x = torch.randn(24, 2, 8, dtype=torch.float64)[plan.local_indices(rank)]
+    # ranks that disagree on the window all stop with the same error before any transfer
+    with pytest.raises(ValueError, match="sliding window"):
+        sequence_parallel_attention(x, x, x, plan=plan, backend="ring", window=4 if rank else 5)
+    for backend in ("ring", "distflash", "tasp"):
+        reset_comm_stats()
+        reset_stats()
+        with torch.no_grad():
+            sequence_parallel_attention(x, x, x, plan=plan, backend=backend, window=4)
+        # the diagonal block, plus the block of the previous rank: never the one before it
+        assert stats()["forward"] == (1 if rank == 0 else 2), (backend, rank, stats())
+        if backend != "tasp":  # (TASP forwards sub-blocks along its cycles)
+            assert comm_stats().get("sent_bytes", 0) == (0 if rank == 2 else 3 * 2 * x[0].numel() * 8), backend
+        reset_stats()
+        with torch.no_grad():
+            sequence_parallel_attention(x, x, x, plan=plan, backend=backend)
+        calls = torch.tensor([stats()["forward"]])
+        dist.all_reduce(calls)
+        # without the window all 3 + 2 + 1 blocks are computed (TASP: blocks of other ranks in 2 sub-blocks)
+        assert calls.item() == (9 if backend == "tasp" else 6), backend
+
+
+def test_blocks_beyond_the_window_run_no_kernel_and_move_no_rows():
+    run_distributed(3, count_windowed_work)
+
+
+# world -> (seeds, windows in shards): seeds picked so that every world size also sees one document longer
+# than a whole shard; windows of one position, and ending inside the previous shard or the one before it.
+WINDOW_CASES = {
+    1: ([2], [0, 0.5]),
+    2: ([0, 1], [0, 0.5, 1.2]),
+    3: ([0], [0, 0.3, 0.6, 1.2]),
+    4: ([2], [0, 0.6]),
+    5: ([1], [0.6, 1.2]),
+}

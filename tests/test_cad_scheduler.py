@@ -294,3 +294,36 @@ def test_prolong_has_more_long_document_tokens():
     assert long_share("pretrain") < 0.25 < 0.4 < long_share("prolong")
     with pytest.raises(ValueError, match="unknown length mix"):
         synthetic_doc_lengths("web", 10)
+
+
+def brute_window_pairs(q_len: int, kv_len: int, window: int) -> int:
+    """Visible pairs of a bottom-right causal mask with a sliding window of ``window`` keys, by building it."""
+    rows = np.arange(q_len)[:, None] + kv_len - q_len
+    cols = np.arange(kv_len)[None, :]
+    return int(((cols <= rows) & (cols > rows - window)).sum())
+
+
+@pytest.mark.parametrize("window", [1, 4, 33])
+def test_windowed_cost_counts_only_pairs_inside_the_window(window):
+    from hf_longctx.backends.cad.cost_model import WindowedCostModel
+
+    model = WindowedCostModel(PAIRS, window)
+    shapes = [(q, kv) for q in range(0, 40, 3) for kv in range(0, 90, 7)]
+    for q, kv in shapes:
+        assert model.cost(q, kv) == pytest.approx(brute_window_pairs(q, kv, window)), (q, kv)
+    qs, kvs = np.array(shapes).T
+    np.testing.assert_allclose(model.cost_array(qs, kvs), [model.cost(q, kv) for q, kv in shapes])
+
+
+def test_scheduler_balances_windowed_cost_and_covers_every_row():
+    """With a sliding window a long document costs ~window per row, not its prefix: the scheduler balances
+    what the kernels will actually compute."""
+    from hf_longctx.backends.cad.cost_model import WindowedCostModel
+
+    docs = contiguous_layout([9000, 300, 200, 4000, 2500, 100] * 2, ranks=4, tokens_per_rank=8050)
+    model = WindowedCostModel(FlopsCostModel(), 512)
+    sched = schedule(docs, 4, eps=0.05, cost_model=model)
+    verify_schedule(docs, sched, cost_model=model)
+    assert sched.converged and sched.imbalance <= 1.05 + 1e-9
+    assert sched.loads.sum() == pytest.approx(model.cost_array(*np.array(
+        [(n, o + n) for n, o in zip(*parse_docs(docs)[:2])]).T).sum())

@@ -185,3 +185,64 @@ def test_model_and_batch_errors_name_the_fix():
         model(input_ids=torch.randint(0, VOCAB, (1, 8)))
     with pytest.raises(ValueError, match="batch size 1"):
         model(input_ids=torch.randint(0, VOCAB, (2, 8)), position_ids=torch.arange(8).repeat(2, 1))
+
+
+# ----------------------------------------------------------------------------- sliding window
+
+
+def tiny_windowed(family: str, window: int | None, seed=0, impl="sdpa"):
+    """Mistral (every layer sliding) or Qwen2 (layer 0 full, layer 1 sliding, like alternating models)."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    shape = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
+                 num_key_value_heads=2, max_position_embeddings=512, attn_implementation=impl)
+    if family == "mistral":
+        return MistralForCausalLM(MistralConfig(sliding_window=window, **shape)).double()
+    cfg = Qwen2Config(use_sliding_window=window is not None, sliding_window=window, max_window_layers=1, **shape)
+    assert cfg.layer_types == ["full_attention", "sliding_attention"] or window is None
+    return Qwen2ForCausalLM(cfg).double()
+
+
+def check_sliding_window_models(rank, world, backends, seed, window):
+    packed, ids = packed_example(seed, total=24 * world + seed % world)
+    assert packed.max_seqlen > window + 2, "the window must bind somewhere"
+    for family in ("mistral", "qwen2"):
+        model = tiny_windowed(family, window, seed)
+        ref_loss, ref_grads = reference_loss_and_grads(model, packed, ids)
+        full_loss, _ = reference_loss_and_grads(tiny_windowed(family, None, seed), packed, ids)
+        assert abs(full_loss - ref_loss) > 1e-6, "SDPA ignored the sliding window: the reference proves nothing"
+        for backend in backends:
+            model.zero_grad()
+            model.set_attn_implementation(implementation_name(backend))
+            local = shard_batch({"input_ids": ids, "position_ids": packed.position_ids[None]},
+                                plan_for(packed, backend, None), rank)
+            loss = loss_sum_fp64(model(**local).logits, local["shift_labels"]) / local["num_items_in_batch"]
+            loss.backward()
+            where = f"{family} window={window} {backend} world={world} rank={rank} seed={seed} docs={packed.doc_lens}"
+            assert_group_sum_equal(loss, model, ref_loss, ref_grads, where)
+
+
+@pytest.mark.parametrize("world,window,backends", [
+    (1, 5, ["local", "zigzag"]),
+    (2, 7, BACKENDS + ["auto"]),
+    (3, 11, ["distflash", "tasp", "cad"]),
+])
+def test_sliding_window_models_equal_sdpa_per_document(world, window, backends):
+    """Mistral and Qwen2 with sliding_window train exactly like SDPA with the same window, document by
+    document: loss and every parameter gradient, on 1, 2 and 3 processes."""
+    run_distributed(world, check_sliding_window_models, backends, world, window)
+
+
+def test_unsupported_attention_features_are_refused_by_name():
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
+                       num_experts_per_tok=1, attn_implementation="longctx_local")
+    model = GptOssForCausalLM(cfg)
+    packed = PackedBatch.from_doc_lens([5, 3])
+    local = shard_batch({"input_ids": torch.randint(0, VOCAB, (1, 8)), "position_ids": packed.position_ids[None]},
+                        plan_for(packed, "local", None), 0)
+    with pytest.raises(ValueError, match=r"attention sinks \(s_aux\)"):
+        model(**local)

@@ -179,3 +179,108 @@ def test_bad_input_raises_clear_value_error(kwargs, match):
     k = args["k"]
     with pytest.raises(ValueError, match=match):
         attention_forward(args["q"], k, k.clone(), args["cu_q"], args["cu_k"], 4, 4, kernel=args["kernel"])
+
+
+# ----------------------------------------------------------------------------- sliding window
+
+
+def _window_problem(seed, causal):
+    """Varlen segments with q shorter and longer than k, empty key segments, and one long segment."""
+    rng = random.Random(seed)
+    lens_q = random_doc_lens(rng, rng.randint(20, 150), max_len=60) + [rng.randint(100, 200)]
+    lens_k = [max(0, n + rng.choice([0, 0, rng.randint(-20, 40)])) for n in lens_q[:-1]] + [lens_q[-1] + 40]
+    if not causal:
+        lens_k[0] = 0
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(lens_q), 8, 16, generator=g, dtype=torch.float64)
+    k = torch.randn(sum(lens_k), 2, 16, generator=g, dtype=torch.float64)
+    v = torch.randn(sum(lens_k), 2, 16, generator=g, dtype=torch.float64)
+    return q, k, v, cumulative(lens_q), cumulative(lens_k)
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window", [1, 3, 16, 100, 10_000])
+def test_sliding_window_matches_naive_masked_softmax_fp64(seed, causal, window, monkeypatch):
+    """window=w: query i sees keys i + o - w < j (<= i + o when causal), o = Sk - Sq, per segment.
+
+    Small reference tiles, so long segments span many tiles and those wholly outside the band are skipped.
+    """
+    from hf_longctx.kernels import reference
+
+    monkeypatch.setattr(reference, "BLOCK", 32)
+    q, k, v, cu_q, cu_k = _window_problem(seed * 5 + window, causal)
+    out, lse = attention_forward(q, k, v, cu_q, cu_k, 0, 0, causal=causal, window=window, kernel="reference")
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = naive_attention(qr, kr, vr, cu_q, cu_k, causal=causal, window=window)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)
+    dout = torch.randn_like(out)
+    ref_out.backward(dout)
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, 0, 0, causal=causal, window=window,
+                                    kernel="reference")
+    torch.testing.assert_close(dq, qr.grad, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(dk, kr.grad, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(dv, vr.grad, rtol=1e-9, atol=1e-9)
+    if window < 100:  # the window binds: the result is not plain attention
+        plain, _ = attention_forward(q, k, v, cu_q, cu_k, 0, 0, causal=causal, kernel="reference")
+        assert not torch.allclose(out, plain)
+
+
+def test_window_of_one_sees_only_the_diagonal_key_and_empty_rows_stay_zero():
+    # 5 queries, 2 keys, causal, window 1: query i sees only key i - 3, so rows 0..2 see nothing.
+    q = torch.randn(5, 2, 8, dtype=torch.float64)
+    k = torch.randn(2, 2, 8, dtype=torch.float64)
+    v = torch.randn(2, 2, 8, dtype=torch.float64)
+    out, lse = attention_forward(q, k, v, [0, 5], [0, 2], 5, 2, causal=True, window=1, kernel="reference")
+    assert torch.isneginf(lse[:, :3]).all() and (out[:3] == 0).all()
+    torch.testing.assert_close(out[3:], v)  # one visible key: its value, exactly
+    dq, dk, dv = attention_backward(torch.randn_like(out), q, k, v, out, lse, [0, 5], [0, 2], 5, 2, causal=True,
+                                    window=1, kernel="reference")
+    assert all(torch.isfinite(t).all() for t in (dq, dk, dv)) and (dq[:3] == 0).all()
+    # softmax over a single key has no gradient with respect to the query
+    torch.testing.assert_close(dq[3:], torch.zeros_like(dq[3:]), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_gradcheck_windowed_reference_in_fp64(causal):
+    g = torch.Generator().manual_seed(5)
+    cu_q, cu_k = [0, 3, 8, 10], [0, 1, 6, 10]  # q longer than k, q equal to k, q shorter than k
+    q = torch.randn(10, 2, 4, generator=g, dtype=torch.float64)
+    k = torch.randn(10, 1, 4, generator=g, dtype=torch.float64)
+    v = torch.randn(10, 1, 4, generator=g, dtype=torch.float64)
+
+    class Attn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out, lse = attention_forward(q, k, v, cu_q, cu_k, 0, 0, causal=causal, window=2, kernel="reference")
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, out, lse = ctx.saved_tensors
+            return attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, 0, 0, causal=causal, window=2,
+                                      kernel="reference")
+
+    inputs = tuple(t.clone().requires_grad_() for t in (q, k, v))
+    assert torch.autograd.gradcheck(Attn.apply, inputs, eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [0, -3, 2.5, True, "16"])
+def test_window_must_be_a_positive_int(window):
+    q = torch.randn(4, 2, 8)
+    with pytest.raises(ValueError, match="window"):
+        attention_forward(q, q, q, [0, 4], [0, 4], 4, 4, window=window)
+
+
+def test_cudnn_declines_a_window_and_torch_flash_takes_it():
+    from hf_longctx.kernels import cudnn, torch_flash
+
+    q = torch.randn(8, 2, 8)
+    assert "sliding window" in cudnn.unsupported_reason(q, q, [0, 8], [0, 8], True, window=4)
+    # torch's FlashAttention ops take flash-attn's (left, right) window sizes in this torch build
+    schema = str(torch.ops.aten._flash_attention_forward.default._schema)
+    assert "window_size_left" in schema and "window_size_right" in schema
+    assert torch_flash._window_kwargs(True, 5) == {"window_size_left": 4, "window_size_right": 0}
+    assert torch_flash._window_kwargs(False, 5) == {"window_size_left": 4, "window_size_right": -1}

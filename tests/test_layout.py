@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_longctx.layout import STRATEGIES, PackedBatch, exchange_plan, shard_plan
+from hf_longctx.layout import STRATEGIES, PackedBatch, clip_pair, exchange_plan, shard_plan
 
 doc_lens_st = st.lists(st.integers(1, 300), min_size=1, max_size=30)
 
@@ -120,3 +121,83 @@ def test_exchange_sends_only_needed_rows():
 def test_unknown_strategy_is_named(strategy):
     with pytest.raises(ValueError, match="unknown shard strategy"):
         shard_plan(PackedBatch.from_doc_lens([4]), 2, strategy)
+
+
+# ----------------------------------------------------------------------------- sliding window
+
+
+def _visible_global_pairs(plan, q_rank, kv_rank, ex):
+    """The (query token, key token) pairs an exchange's kernel calls compute, in global token indices."""
+    q_idx = plan.local_indices(q_rank).tolist()
+    k_local = [r for a, b in ex.kv_ranges for r in range(a, b)]  # transfer buffer row -> key rank local row
+    k_idx = plan.local_indices(kv_rank).tolist()
+    seen = []
+    for p in ex.pairs:
+        for i in range(len(p.cu_q) - 1):
+            sq, sk = p.cu_q[i + 1] - p.cu_q[i], p.cu_k[i + 1] - p.cu_k[i]
+            for a in range(sq):
+                for b in range(sk):
+                    diag = a + sk - sq
+                    if (p.causal and b > diag) or (p.window is not None and b <= diag - p.window):
+                        continue
+                    seen.append((q_idx[p.q_start + p.cu_q[i] + a], k_idx[k_local[p.k_start + p.cu_k[i] + b]]))
+    return seen
+
+
+def _window_pairs(batch, window):
+    """Brute force: (p, s) visible under per-document causal masking with a sliding window."""
+    out = set()
+    for start, n in zip(batch.doc_starts, batch.doc_lens):
+        for p in range(start, start + n):
+            out |= {(p, s) for s in range(max(start, p - window + 1), p + 1)}
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(doc_lens=st.lists(st.integers(1, 40), min_size=1, max_size=8), world=st.integers(1, 5),
+       strategy=st.sampled_from(STRATEGIES), window=st.integers(1, 45))
+def test_windowed_pairs_compute_each_visible_pair_once_and_send_only_keys_in_reach(doc_lens, world, strategy,
+                                                                                   window):
+    """Under sliding_window = W every (query, key) pair with 0 <= q - k < W inside a document is
+    computed exactly once, nothing else is, and an exchange sends exactly the key rows some query reads
+    (so a block whose keys are all out of reach moves nothing and runs no kernel)."""
+    batch = PackedBatch.from_doc_lens(doc_lens)
+    plan = shard_plan(batch, world, strategy).with_window(window)
+    seen, work = [], 0
+    for r in range(world):
+        for s in range(world):
+            ex = exchange_plan(plan, r, s)
+            pairs = _visible_global_pairs(plan, r, s, ex)
+            seen += pairs
+            work += ex.work
+            assert ex.work == len(pairs)
+            k_idx = plan.local_indices(s).tolist()
+            sent = {k_idx[row] for a, b in ex.kv_ranges for row in range(a, b)}
+            assert sent == {k for _, k in pairs}, "rows sent that no query reads, or rows missing"
+            if r != s and not ex.pairs:
+                assert ex.num_kv_rows == 0
+            if r != s and ex.pairs and not any(p.causal for p in ex.pairs):
+                # distflash shares such a block by query rows, TASP by key rows: the parts add up
+                halves = [exchange_plan(plan, r, s, part, 2) for part in range(2)]
+                assert sorted(pairs) == sorted(x for h in halves for x in _visible_global_pairs(plan, r, s, h))
+                cut = ex.num_kv_rows // 2
+                parts = [replace(ex, pairs=tuple(c for p in ex.pairs for c in clip_pair(p, k_lo=lo, k_hi=hi)))
+                         for lo, hi in ((0, cut), (cut, ex.num_kv_rows))]
+                assert sorted(pairs) == sorted(x for h in parts for x in _visible_global_pairs(plan, r, s, h))
+    assert sorted(seen) == sorted(_window_pairs(batch, window))
+    assert work == batch.causal_pairs(window)
+
+
+def test_windowed_block_out_of_reach_has_no_pairs_and_window_views_are_cached():
+    # one document of 24 tokens on 3 ranks (8 each): with W = 4 rank 2 reads only rows 5..7 of rank 1
+    base = shard_plan(PackedBatch.from_doc_lens([24]), 3, "contiguous")
+    plan = base.with_window(4)
+    assert exchange_plan(plan, 2, 0).pairs == () and exchange_plan(plan, 2, 0).num_kv_rows == 0
+    assert exchange_plan(plan, 2, 1).kv_ranges == ((5, 8),)
+    assert exchange_plan(base, 2, 0).num_kv_rows == 8  # without the window rank 2 reads all of rank 0
+    # one view per window, cached on the unwindowed plan; a window as long as any document is no window
+    assert base.with_window(4) is plan and plan.with_window(4) is plan and plan.with_window(None) is base
+    assert base.with_window(24) is base and base.with_window(7) is not plan and plan.window == 4
+    for bad in (0, -2, 2.0, True):
+        with pytest.raises(ValueError, match="sliding window"):
+            base.with_window(bad)

@@ -2,8 +2,13 @@
 
 Inputs are this rank's rows of the global packed q/k/v, in ``plan.local_indices(rank)`` order.
 Before the first collective of a plan, every rank checks its inputs and all ranks exchange a short
-signature (plan, shapes, dtype, backend, status) in one all_gather: a rank with bad input makes
-every rank raise the same clear error at once instead of leaving its peers waiting in a receive.
+signature (plan and sliding window, shapes, dtype, backend, status) in one all_gather: a rank with
+bad input makes every rank raise the same clear error at once instead of leaving its peers waiting
+in a receive.
+
+A sliding window (``window``, transformers' ``sliding_window``) runs on the plan's window view
+(:meth:`~hf_longctx.layout.ShardPlan.with_window`), so every backend's pairs, transfers, schedules
+and caches follow from it.
 """
 
 from __future__ import annotations
@@ -23,8 +28,21 @@ from .registry import get_backend
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 
 
-def _local_problem(q, k, v, plan: ShardPlan, backend: str, rank: int, world: int, causal: bool) -> str | None:
+def windowed_plan(plan: ShardPlan, window: int | None) -> ShardPlan:
+    """``plan`` under a sliding window of ``window`` positions; ``window=None`` keeps the plan's own."""
+    if window is None or plan.window == window:
+        return plan
+    if plan.window is not None:
+        raise ValueError(f"the shard plan already has sliding window {plan.window}, the call asks for {window}; "
+                         "pass the unwindowed plan (or the same window)")
+    return plan.with_window(window)
+
+
+def _local_problem(q, k, v, plan: ShardPlan, backend: str, rank: int, world: int, causal: bool,
+                   window_problem: str | None = None) -> str | None:
     spec = get_backend(backend)
+    if window_problem:
+        return window_problem
     if not causal:
         return "only causal attention is supported by the sequence-parallel backends (causal=True)"
     if spec.name == "local" and world != 1:
@@ -58,18 +76,23 @@ def _local_problem(q, k, v, plan: ShardPlan, backend: str, rank: int, world: int
 
 
 def _plan_fingerprint(plan: ShardPlan) -> int:
-    digest = hashlib.blake2b(repr((plan.batch.doc_lens, plan.world_size, plan.strategy)).encode(), digest_size=7)
+    digest = hashlib.blake2b(repr((plan.batch.doc_lens, plan.world_size, plan.strategy, plan.window)).encode(),
+                             digest_size=7)
     return int.from_bytes(digest.digest(), "little")
 
 
-def check_group_agrees(q, k, v, plan, backend, group, rank, world, causal) -> None:
-    """Validate locally, then make sure every rank of ``group`` runs the same problem (one all_gather)."""
-    problem = _local_problem(q, k, v, plan, backend, rank, world, causal)
+def check_group_agrees(q, k, v, plan, backend, group, rank, world, causal, window_problem: str | None = None) -> None:
+    """Validate locally, then make sure every rank of ``group`` runs the same problem (one all_gather).
+
+    ``plan`` is the plan the backend will run (its window view under a sliding window), so ranks that
+    disagree on the window stop here too.
+    """
+    problem = _local_problem(q, k, v, plan, backend, rank, world, causal, window_problem)
     if world == 1 or not dist.is_initialized():
         if problem:
             raise ValueError(f"hf_longctx {backend}: {problem}")
         return
-    key = ("validated", backend, id(group), q.shape[1:], k.shape[1:], q.dtype)
+    key = ("validated", backend, id(group), q.shape[1:], k.shape[1:], q.dtype, plan.window)
     if problem is None and key in plan._cache:
         return
     backend_code = int.from_bytes(hashlib.blake2b(backend.encode(), digest_size=4).digest(), "little")
@@ -89,9 +112,9 @@ def check_group_agrees(q, k, v, plan, backend, group, rank, world, causal) -> No
                          "input (their error says why); this rank stops too instead of waiting for them")
     mismatch = [r for r, row in enumerate(rows) if row[1:] != rows[rank][1:]]
     if mismatch:
-        raise ValueError(f"hf_longctx {backend}: rank(s) {mismatch} run a different plan, head layout, dtype or "
-                         f"backend than rank {rank}; every rank of a sequence-parallel group must build the same "
-                         "shard plan from the same document lengths")
+        raise ValueError(f"hf_longctx {backend}: rank(s) {mismatch} run a different plan, sliding window, head "
+                         f"layout, dtype or backend than rank {rank}; every rank of a sequence-parallel group must "
+                         "build the same shard plan from the same document lengths and use the same window")
     plan._cache[key] = True
 
 
@@ -120,6 +143,7 @@ def sequence_parallel_attention(
     softmax_scale: float | None = None,
     kernel: str = "auto",
     options: dict | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Exact causal attention of this rank's queries over the whole packed sequence.
 
@@ -127,10 +151,14 @@ def sequence_parallel_attention(
     k/v. Returns this rank's output rows in the same order; autograd gives exact gradients to the
     three local inputs. ``backend`` is one of :func:`~hf_longctx.backends.registry.backend_names`
     (``"auto"`` times the candidates once per problem shape and keeps the fastest, see :mod:`.auto`);
-    ``options`` tune a backend (CAD: ``eps``, ``pingpong``).
+    ``options`` tune a backend (CAD: ``eps``, ``pingpong``). ``window``: sliding window in positions,
+    transformers' ``sliding_window`` (a query at document position p sees keys p - window + 1 .. p);
+    None for plain causal attention (or the window of a plan from ``plan.with_window``). Every backend
+    honours it exactly and skips blocks and key rows beyond it.
     """
     rank, world = group_rank_and_size(group)
-    check_group_agrees(q_local, k_local, v_local, plan, backend, group, rank, world, causal)
+    plan, window_problem = _resolve_window(plan, window)
+    check_group_agrees(q_local, k_local, v_local, plan, backend, group, rank, world, causal, window_problem)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_local.shape[-1])
     backend = resolve_backend(q_local, k_local, v_local, plan, backend, group, rank, world, scale, kernel, options)
     run = make_run_context(plan, backend, group, rank, world, scale, kernel, options)
@@ -152,11 +180,20 @@ def resolve_backend(q, k, v, plan, backend, group, rank, world, scale, kernel, o
     return choose_backend(q, k, v, plan, group, forward)
 
 
+def _resolve_window(plan: ShardPlan, window) -> tuple[ShardPlan, str | None]:
+    """The plan to run and, for a bad window, the problem every rank must hear about before raising."""
+    try:
+        return windowed_plan(plan, window), None
+    except ValueError as exc:
+        return plan, str(exc)
+
+
 def sequence_parallel_attention_with_lse(q_local, k_local, v_local, *, plan, backend="distflash", group=None,
-                                         softmax_scale=None, kernel="auto"):
+                                         softmax_scale=None, kernel="auto", window=None):
     """Forward only, returning (out, lse): for callers that save attention outputs themselves."""
     rank, world = group_rank_and_size(group)
-    check_group_agrees(q_local, k_local, v_local, plan, backend, group, rank, world, True)
+    plan, window_problem = _resolve_window(plan, window)
+    check_group_agrees(q_local, k_local, v_local, plan, backend, group, rank, world, True, window_problem)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_local.shape[-1])
     backend = resolve_backend(q_local, k_local, v_local, plan, backend, group, rank, world, scale, kernel)
     run = make_run_context(plan, backend, group, rank, world, scale, kernel)

@@ -6,7 +6,9 @@ bandwidth does not), on the message size, and on how much compute there is to hi
 behind (TASP's paper: it helps when compute/communication is below ~1.5). No formula captures the
 fabric, so the first call for a problem shape times one forward of every candidate on the actual
 q/k/v, takes each candidate's slowest rank (an all_reduce MAX, so every rank sees the same numbers
-and picks the same backend), and caches the verdict per group and shape. Later calls cost nothing.
+and picks the same backend), and caches the verdict per group, shape and sliding window (a window
+changes what travels and what is computed, so layers with different windows get verdicts of their
+own). Later calls cost nothing.
 
 Candidates are the backends exact for the plan's placement: ``zigzag`` and ``tasp`` on zig-zag
 placements, plus ``ring`` and ``distflash`` on contiguous ones. The verdict and its timings are
@@ -61,8 +63,8 @@ def _size_bucket(tokens: int) -> int:
 
 
 def _decision_key(q, k, plan: ShardPlan, group) -> tuple:
-    return (id(group), plan.world_size, plan.strategy, _size_bucket(plan.batch.num_tokens), tuple(q.shape[1:]),
-            tuple(k.shape[1:]), q.dtype, q.device.type)
+    return (id(group), plan.world_size, plan.strategy, _size_bucket(plan.batch.num_tokens), plan.window,
+            tuple(q.shape[1:]), tuple(k.shape[1:]), q.dtype, q.device.type)
 
 
 def _sync(device: torch.device) -> None:

@@ -6,6 +6,9 @@ merge partial results into a float32 (out, lse) accumulator, and return helper r
 owners. Backward mirrors it with the FINAL out/lse: the same rows travel again, dq stays with (or
 returns to) the query owner and dk/dv return to the key owner, accumulated in float32.
 
+A sliding window lives in the plan (:meth:`~hf_longctx.layout.ShardPlan.with_window`): its pairs
+carry their kernel window, and blocks the window leaves empty drop out of every step.
+
 Every rank walks the same global schedule and posts its messages in schedule order, which is what
 keeps NCCL (issue-order matching) and gloo (tag matching) from ever pairing the wrong messages.
 """
@@ -109,7 +112,7 @@ def _run_pairs_forward(ctx: RunContext, pairs, qs, ks, vs, acc: PartialAccumulat
     for p in pairs:
         out, lse = attention_forward(
             qs[p.q_start : p.q_end], ks[p.k_start : p.k_end], vs[p.k_start : p.k_end], p.cu_q, p.cu_k,
-            p.max_q, p.max_k, causal=p.causal, softmax_scale=ctx.scale, kernel=ctx.kernel,
+            p.max_q, p.max_k, causal=p.causal, softmax_scale=ctx.scale, kernel=ctx.kernel, window=p.window,
         )
         acc.add(p.q_start, out, lse)
 
@@ -210,7 +213,7 @@ def _run_pairs_backward(ctx: RunContext, pairs, qs, outs, douts, lses, ks, vs, d
         sq, sk = slice(p.q_start, p.q_end), slice(p.k_start, p.k_end)
         gq, gk, gv = attention_backward(
             douts[sq], qs[sq], ks[sk], vs[sk], outs[sq], lses[:, sq], p.cu_q, p.cu_k, p.max_q, p.max_k,
-            causal=p.causal, softmax_scale=ctx.scale, kernel=ctx.kernel,
+            causal=p.causal, softmax_scale=ctx.scale, kernel=ctx.kernel, window=p.window,
         )
         dq[sq] += gq
         dk[sk] += gk

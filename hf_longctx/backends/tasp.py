@@ -8,9 +8,10 @@ data at once. After n - 1 hops each sub-block has visited every rank.
 
 Packed documents: a sub-block is forwarded only as far as some rank on its cycle still needs it, each
 hop carries only the span of its rows that this and later ranks read, and (query, key) pieces whose
-documents do not meet cost nothing. Backward re-sends the keys along the
-same routes and returns each rank's dK/dV of a visiting sub-block straight to its owner (one extra
-all_to_all per step, in float32 so gradients add up exactly, overlapped with the next hop's kernels).
+documents do not meet, or that a sliding window keeps apart, cost nothing. Backward re-sends the
+keys along the same routes and returns each rank's dK/dV of a visiting sub-block straight to its
+owner (one extra all_to_all per step, in float32 so gradients add up exactly, overlapped with the
+next hop's kernels).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 from ..comm.p2p import count_all_to_all
 from ..kernels import PartialAccumulator, accumulation_dtype, attention_backward, attention_forward
-from ..layout import Pair, ShardPlan, exchange_plan, pair_between_slots
+from ..layout import Pair, ShardPlan, clip_pair, exchange_plan, pairs_between_slots
 from .engine import gather_rows, scatter_add_rows
 
 log = logging.getLogger(__name__)
@@ -70,25 +71,14 @@ class Route:
         return hi - lo
 
 
-def _clip_keys(p: Pair, lo: int, hi: int) -> Pair | None:
-    """Part of a full (non-causal) pair whose key rows fall in [lo, hi), keys re-based to lo."""
-    start, end = max(lo, p.k_start), min(hi, p.k_end)
-    if start >= end:
-        return None
-    cu_k, work = [0], 0
-    for i in range(len(p.cu_k) - 1):
-        a, b = p.k_start + p.cu_k[i], p.k_start + p.cu_k[i + 1]
-        kept = max(0, min(b, end) - max(a, start))
-        cu_k.append(cu_k[-1] + kept)
-        work += kept * (p.cu_q[i + 1] - p.cu_q[i])
-    if not work:
-        return None
-    return replace(p, k_start=start - lo, k_end=end - lo, cu_k=tuple(cu_k), work=work)
+def _clip_keys(p: Pair, lo: int, hi: int) -> tuple[Pair, ...]:
+    """Kernel calls of a full (non-causal) pair over its key rows in [lo, hi), keys re-based to lo."""
+    return tuple(replace(c, k_start=c.k_start - lo, k_end=c.k_end - lo) for c in clip_pair(p, k_lo=lo, k_hi=hi))
 
 
 def _raw_pairs(plan: ShardPlan, q_rank: int, kv_rank: int) -> list[Pair]:
     pairs = [p for qs in plan.rank_slots(q_rank) for ks in plan.rank_slots(kv_rank)
-             if (p := pair_between_slots(qs, ks)) is not None]
+             for p in pairs_between_slots(qs, ks, plan.window)]
     if any(p.causal for p in pairs):
         raise ValueError("TASP needs a placement where blocks of different ranks never share a diagonal")
     return pairs
@@ -125,7 +115,7 @@ def routes(plan: ShardPlan) -> tuple[Route, ...]:
                 pos = cyc.index(s)
                 visits = tuple(cyc[(pos + h) % n] for h in range(1, n))
                 pairs = tuple(
-                    tuple(q for p in raw[v] if (q := _clip_keys(p, block.start, block.end)))
+                    tuple(c for p in raw[v] for c in _clip_keys(p, block.start, block.end))
                     for v in visits
                 )
                 hops = max((h + 1 for h, ps in enumerate(pairs) if ps), default=0)
@@ -226,7 +216,7 @@ def run_forward(ctx, q, k, v):
             for p in rts[i].pairs[hop - 1]:
                 out, lse = attention_forward(q[p.q_start : p.q_end], kb[p.k_start : p.k_end], vb[p.k_start : p.k_end],
                                              p.cu_q, p.cu_k, p.max_q, p.max_k, causal=False,
-                                             softmax_scale=ctx.scale, kernel=ctx.kernel)
+                                             softmax_scale=ctx.scale, kernel=ctx.kernel, window=p.window)
                 acc.add(p.q_start, out, lse)
     return acc.result()
 
@@ -237,7 +227,7 @@ def _local_forward(ctx, q, k, v, acc):
     for p in ex.pairs:
         out, lse = attention_forward(q[p.q_start : p.q_end], ks[p.k_start : p.k_end], vs[p.k_start : p.k_end],
                                      p.cu_q, p.cu_k, p.max_q, p.max_k, causal=p.causal, softmax_scale=ctx.scale,
-                                     kernel=ctx.kernel)
+                                     kernel=ctx.kernel, window=p.window)
         acc.add(p.q_start, out, lse)
 
 
@@ -323,7 +313,7 @@ def _pairs_backward(ctx, pairs, dout, q, out, lse, ks, vs, dq, gk, gv, causal):
         sq, sk = slice(p.q_start, p.q_end), slice(p.k_start, p.k_end)
         a, b, c = attention_backward(dout[sq], q[sq], ks[sk], vs[sk], out[sq], lse[:, sq], p.cu_q, p.cu_k, p.max_q,
                                      p.max_k, causal=p.causal if causal is None else causal,
-                                     softmax_scale=ctx.scale, kernel=ctx.kernel)
+                                     softmax_scale=ctx.scale, kernel=ctx.kernel, window=p.window)
         dq[sq] += a
         gk[sk] += b
         gv[sk] += c

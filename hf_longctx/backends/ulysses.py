@@ -23,7 +23,7 @@ from ..kernels import attention_backward, attention_forward
 
 def attention_load(plan) -> list[int]:
     """Every rank computes the whole sequence for 1/P of the heads: the pairs split evenly."""
-    total, world = plan.batch.causal_pairs(), plan.world_size
+    total, world = plan.batch.causal_pairs(plan.window), plan.world_size
     return [total // world + (r < total % world) for r in range(world)]
 
 
@@ -94,7 +94,8 @@ def run_forward(ctx, q, k, v):
     order, _, (qh, kh, vh) = _heads(ctx, q, k, v)
     cu = ctx.plan.batch.cu_seqlens.tolist()
     m = ctx.plan.batch.max_seqlen
-    out, lse = attention_forward(qh, kh, vh, cu, cu, m, m, causal=True, softmax_scale=ctx.scale, kernel=ctx.kernel)
+    out, lse = attention_forward(qh, kh, vh, cu, cu, m, m, causal=True, softmax_scale=ctx.scale, kernel=ctx.kernel,
+                                 window=ctx.plan.window)
     out_local = _to_tokens(out, ctx, order, ctx.rank)
     lse_local = _to_tokens(lse.t().unsqueeze(-1).contiguous(), ctx, order, ctx.rank).squeeze(-1).t()
     return out_local, lse_local.contiguous()
@@ -107,7 +108,7 @@ def run_backward(ctx, dout, q, k, v, out, lse):
     cu = ctx.plan.batch.cu_seqlens.tolist()
     m = ctx.plan.batch.max_seqlen
     dq, dk, dv = attention_backward(douth, qh, kh, vh, outh, lseh, cu, cu, m, m, causal=True,
-                                    softmax_scale=ctx.scale, kernel=ctx.kernel)
+                                    softmax_scale=ctx.scale, kernel=ctx.kernel, window=ctx.plan.window)
     dq, dk, dv = (_to_tokens(g, ctx, order, ctx.rank) for g in (dq, dk, dv))
     if rep > 1:  # repeated KV heads: their gradients add up on the original head
         dk = dk.view(dk.shape[0], -1, rep, dk.shape[2]).sum(2)

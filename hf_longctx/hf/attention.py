@@ -42,6 +42,12 @@ def _make_attention(backend: str):
                   scaling: float | None = None, **kwargs):
         if dropout:
             raise ValueError("attention dropout is not supported by hf_longctx backends; set attention_dropout=0")
+        for feature, what in (("softcap", "attention logit soft-capping"), ("s_aux", "attention sinks (s_aux)")):
+            if kwargs.get(feature) is not None:
+                raise ValueError(f"this model uses {what} (attention argument {feature!r}), which hf_longctx "
+                                 "backends do not compute; use attn_implementation='sdpa' or 'eager' for it")
+        # sliding_window: transformers' attention classes pass it per layer (None on full-attention layers)
+        window = kwargs.get("sliding_window")
         query, key, value = match_dtypes(query, key, value)
         with without_autocast(query):  # the kernels accumulate in float32 themselves
             ctx = kwargs.get("longctx")
@@ -49,7 +55,7 @@ def _make_attention(backend: str):
                 out = local_attention(query, key, value, attention_mask, scaling=scaling,
                                       position_ids=kwargs.get("position_ids"),
                                       cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
-                                      cu_seq_lens_k=kwargs.get("cu_seq_lens_k"))
+                                      cu_seq_lens_k=kwargs.get("cu_seq_lens_k"), window=window)
                 return out, None
             if query.shape[0] != 1:
                 raise ValueError(f"hf_longctx attention takes one packed sequence (batch 1), got batch "
@@ -57,7 +63,7 @@ def _make_attention(backend: str):
             # (1, H, S, D) -> packed token-major (S, H, D)
             q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
             out = sequence_parallel_attention(q, k, v, plan=ctx.plan, backend=backend, group=ctx.group,
-                                              softmax_scale=scaling, kernel=ctx.kernel)
+                                              softmax_scale=scaling, kernel=ctx.kernel, window=window)
             return out.unsqueeze(0), None
 
     attention.__name__ = f"{PREFIX}{backend}_attention"

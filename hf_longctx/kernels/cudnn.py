@@ -29,7 +29,10 @@ def segment_groups(cu_q: list[int], cu_k: list[int]) -> dict[tuple[int, int], li
     return groups
 
 
-def unsupported_reason(q: torch.Tensor, k: torch.Tensor, cu_q: list[int], cu_k: list[int], causal: bool) -> str | None:
+def unsupported_reason(q: torch.Tensor, k: torch.Tensor, cu_q: list[int], cu_k: list[int], causal: bool,
+                       window: int | None = None) -> str | None:
+    if window is not None:
+        return "cudnn's dense SDPA path takes no sliding window; torch_flash or the reference kernel serve it"
     if q.device.type != "cuda":
         return "cudnn needs CUDA tensors"
     if q.dtype not in SUPPORTED_DTYPES:

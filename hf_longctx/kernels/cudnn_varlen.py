@@ -86,14 +86,18 @@ def unsupported_reason(q: torch.Tensor, cu_q: list[int], cu_k: list[int], causal
     return None
 
 
-def _mask_args(cu_q: list[int], cu_k: list[int], causal: bool, window_left: int | None) -> dict:
-    """cuDNN mask flags. Bottom-right alignment is asked for only where some segment needs it
-    (q_len != k_len): for square segments it equals the default top-left one."""
-    bottom_right = causal and any(b - a != d - c for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]))
-    if window_left is None:
-        return {"is_causal": causal, "causal_bottom_right": bottom_right}
-    return {"is_causal": causal, "causal_bottom_right": bottom_right, "window_left": window_left,
-            "window_right": 0 if causal else -1}
+def _mask_args(cu_q: list[int], cu_k: list[int], causal: bool, window: int | None) -> dict:
+    """cuDNN mask flags for the contract's masks (a window of w keys is a left bound of w - 1).
+
+    Bottom-right alignment is asked for only where some segment needs it (q_len != k_len, or a
+    window, which must be anchored at the bottom-right diagonal): for square causal segments it
+    equals the default top-left one.
+    """
+    uneven = any(b - a != d - c for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]))
+    if window is None:
+        return {"is_causal": causal, "causal_bottom_right": causal and uneven}
+    return {"is_causal": causal, "causal_bottom_right": causal and uneven or not causal,
+            "window_left": window - 1, "window_right": 0 if causal else -1}
 
 
 def _device_cu(cu: list[int], device: torch.device) -> torch.Tensor:
@@ -109,7 +113,7 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return padded
 
 
-def forward(q, k, v, cu_q: list[int], cu_k: list[int], causal: bool, scale: float, window_left: int | None = None):
+def forward(q, k, v, cu_q: list[int], cu_k: list[int], causal: bool, scale: float, window: int | None = None):
     tq, hq, _ = q.shape
     segments = bucket(len(cu_q) - 1, SHAPE_STEPS)
     cq, ck = padded_segments(cu_q, segments), padded_segments(cu_k, segments)
@@ -118,7 +122,7 @@ def forward(q, k, v, cu_q: list[int], cu_k: list[int], causal: bool, scale: floa
     out, stats = _ops().sdpa_fwd(
         q, k, v, scale, cu_seqlens_q=_device_cu(cq, q.device), cu_seqlens_kv=_device_cu(ck, q.device),
         max_seqlen_q=max(max_q, 1), max_seqlen_kv=max(max_k, 1), return_lse=True,
-        **_mask_args(cu_q, cu_k, causal, window_left),
+        **_mask_args(cu_q, cu_k, causal, window),
     )
     return out, stats.view(tq, hq).t().contiguous()
 
@@ -138,7 +142,7 @@ def padded_lse(lse: torch.Tensor, cu_q: list[int], segments: int, max_len: int) 
     return out.view(segments, max_len, heads).permute(0, 2, 1).contiguous().unsqueeze(-1)
 
 
-def _backward_run(dout, q, k, v, out, lse, cu_q: list[int], cu_k: list[int], causal, scale, window_left):
+def _backward_run(dout, q, k, v, out, lse, cu_q: list[int], cu_k: list[int], causal, scale, window):
     """One sdpa_bwd call on a run of whole segments, with every graph-keying number bucketed."""
     tq, tk = q.shape[0], k.shape[0]
     segments = bucket(len(cu_q) - 1, SHAPE_STEPS)
@@ -152,16 +156,16 @@ def _backward_run(dout, q, k, v, out, lse, cu_q: list[int], cu_k: list[int], cau
         _pad_rows(dout, rows_q), _pad_rows(q, rows_q), _pad_rows(k, rows_k), _pad_rows(v, rows_k),
         _pad_rows(out, rows_q), padded_lse(lse, cu_q, segments, max_q), scale, cu_seqlens_q=cu_q_dev,
         cu_seqlens_kv=_device_cu(ck, q.device), max_seqlen_q=max_q, max_seqlen_kv=max_k,
-        **_mask_args(cu_q, cu_k, causal, window_left),
+        **_mask_args(cu_q, cu_k, causal, window),
     )
     return dq[:tq], dk[:tk], dv[:tk]
 
 
 def backward(dout, q, k, v, out, lse, cu_q: list[int], cu_k: list[int], causal: bool, scale: float,
-             window_left: int | None = None):
+             window: int | None = None):
     runs = lse_runs(cu_q, q.shape[1], LSE_BUDGET_BYTES, SHAPE_STEPS)
     if len(runs) == 1:
-        return _backward_run(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, window_left)
+        return _backward_run(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, window)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for a, b in runs:
         q0, q1, k0, k1 = cu_q[a], cu_q[b], cu_k[a], cu_k[b]
@@ -170,6 +174,6 @@ def backward(dout, q, k, v, out, lse, cu_q: list[int], cu_k: list[int], causal: 
         local_q = [x - q0 for x in cu_q[a : b + 1]]
         local_k = [x - k0 for x in cu_k[a : b + 1]]
         gq, gk, gv = _backward_run(dout[q0:q1], q[q0:q1], k[k0:k1], v[k0:k1], out[q0:q1], lse[:, q0:q1],
-                                   local_q, local_k, causal, scale, window_left)
+                                   local_q, local_k, causal, scale, window)
         dq[q0:q1], dk[k0:k1], dv[k0:k1] = gq, gk, gv
     return dq, dk, dv

@@ -2,9 +2,14 @@
 
 Every backend calls :func:`attention_forward` / :func:`attention_backward` and never a kernel
 directly, so kernels can be added or preferred without touching the distributed code. ``"auto"``
-takes the fastest kernel that serves the input (cuDNN, then torch's FlashAttention-2, then the
-reference) and logs its choice at debug level; an explicit kernel that cannot serve the input
-raises a ValueError that says why.
+takes the fastest kernel that serves the input and logs its choice at debug level; an explicit
+kernel that cannot serve the input raises a ValueError that says why.
+
+``"auto"`` order: FlashAttention-4 (extra ``fa4``), cuDNN through its frontend on packed documents
+(extra ``cudnn``), cuDNN's dense op for a few equal-shape document groups (no extra), torch's
+FlashAttention-2, the reference. A missing extra is logged once with the command that installs
+it; a kernel that fails at run time (a compile or graph build) is skipped for that configuration
+from then on, with a warning.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 
 from . import cudnn, cudnn_varlen, fa4, reference, torch_flash
 from .buckets import bucket
-from .validate import check_attention_inputs
+from .validate import check_attention_inputs, check_window
 
 logger = logging.getLogger("hf_longctx.kernels")
 
@@ -75,13 +80,13 @@ def _device_int32(cu: torch.Tensor | list[int], device: torch.device) -> torch.T
     return cu.to(device=device, dtype=torch.int32, non_blocking=True)
 
 
-def _reason(name: str, q, k, cu_q: list[int], cu_k: list[int], causal: bool) -> str | None:
+def _reason(name: str, q, k, cu_q: list[int], cu_k: list[int], causal: bool, window: int | None = None) -> str | None:
     if name == "fa4":
         return fa4.unsupported_reason(q, k)
     if name == "cudnn_varlen":
         return cudnn_varlen.unsupported_reason(q, cu_q, cu_k, causal)
     if name == "cudnn":
-        return cudnn.unsupported_reason(q, k, cu_q, cu_k, causal)
+        return cudnn.unsupported_reason(q, k, cu_q, cu_k, causal, window)
     if name == "torch_flash":
         return torch_flash.unsupported_reason(q)
     if name == "reference":
@@ -89,19 +94,20 @@ def _reason(name: str, q, k, cu_q: list[int], cu_k: list[int], causal: bool) -> 
     raise ValueError(f"unknown kernel {name!r}; choose one of {', '.join(('auto',) + KERNELS)}")
 
 
-def select_kernel(kernel: str, q, k, cu_q: list[int], cu_k: list[int], causal: bool) -> str:
+def select_kernel(kernel: str, q, k, cu_q: list[int], cu_k: list[int], causal: bool,
+                  window: int | None = None) -> str:
     """Resolve ``kernel`` ('auto' or a name) to a kernel that serves these inputs, or raise ValueError."""
     if kernel != "auto":
-        reason = _reason(kernel, q, k, cu_q, cu_k, causal)
+        reason = _reason(kernel, q, k, cu_q, cu_k, causal, window)
         if reason:
             raise ValueError(f"kernel {kernel!r} cannot run this input: {reason}")
         return kernel
     for name in _AUTO_ORDER:
-        if _config_key(name, q, k, cu_q, cu_k, causal) in _broken:
+        if _config_key(name, q, k, cu_q, cu_k, causal, window) in _broken:
             continue
-        reason = _reason(name, q, k, cu_q, cu_k, causal)
-        if reason is None:
-            logger.debug("auto kernel: %s for q %s %s causal=%s", name, tuple(q.shape), q.dtype, causal)
+        if _reason(name, q, k, cu_q, cu_k, causal, window) is None:
+            logger.debug("auto kernel: %s for q %s %s causal=%s window=%s", name, tuple(q.shape), q.dtype, causal,
+                         window)
             return name
         _hint_missing_extra(name, q)
     raise AssertionError("the reference kernel serves every input")
@@ -116,21 +122,26 @@ def _hint_missing_extra(name: str, q: torch.Tensor) -> None:
     logger.warning("kernel %s is not installed, 'auto' uses a slower one; %s", name, module.INSTALL_HINT)
 
 
-def _config_key(name: str, q, k, cu_q: list[int], cu_k: list[int], causal: bool) -> tuple:
-    """What a kernel compiles or plans for: dtype, heads, head dim, causal, bucketed segment shape."""
+def _config_key(name: str, q, k, cu_q: list[int], cu_k: list[int], causal: bool, window: int | None) -> tuple:
+    """What a kernel compiles or plans for: dtype, heads, head dim, masks, bucketed segment shape."""
     lengths = [b - a for a, b in zip(cu_q, cu_q[1:])] or [0]
-    return (name, q.dtype, q.shape[1], k.shape[1], q.shape[2], causal, bucket(len(cu_q) - 1),
+    return (name, q.dtype, q.shape[1], k.shape[1], q.shape[2], causal, window is not None, bucket(len(cu_q) - 1),
             bucket(max(lengths)))
 
 
-def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale):
+def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window):
     cu_q = _host_list(cu_seqlens_q)
     cu_k = _host_list(cu_seqlens_k)
     check_attention_inputs(
         q, k, v, torch.tensor(cu_q, dtype=torch.int64), torch.tensor(cu_k, dtype=torch.int64)
     )
+    check_window(window)
+    # A window at least as long as every key segment hides nothing: drop it, so kernels without
+    # sliding-window support still serve the call.
+    if window is not None and window >= max((b - a for a, b in zip(cu_k, cu_k[1:])), default=0):
+        window = None
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return cu_q, cu_k, scale
+    return cu_q, cu_k, scale, window
 
 
 def attention_forward(
@@ -144,22 +155,37 @@ def attention_forward(
     causal: bool = True,
     softmax_scale: float | None = None,
     kernel: str = "auto",
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Core attention over packed segments: (out (Tq, Hq, D), lse (Hq, Tq)).
 
     Segment i pairs queries cu_seqlens_q[i]:cu_seqlens_q[i+1] with keys cu_seqlens_k[i]:cu_seqlens_k[i+1].
-    Causal masking is bottom-right aligned. Rows without a visible key give out 0, lse -inf.
-    lse is float32 (float64 for float64 inputs).
+    Masks are bottom-right aligned: with Sq queries and Sk keys in a segment and o = Sk - Sq, query i
+    lies on the diagonal of key i + o. Query i sees key j iff
+
+    - ``causal=True``: ``j <= i + o``, and with ``window=w`` also ``j > i + o - w``: the w keys ending
+      at the diagonal (flash-attn's ``window_size=(w - 1, 0)``). On a square segment of one document
+      this is exactly transformers' ``sliding_window=w``: position p sees positions p - w + 1 .. p.
+    - ``causal=False``: every key, and with ``window=w`` only ``j > i + o - w``: the band is bounded on
+      the left and open to the right (flash-attn's ``window_size=(w - 1, -1)``). This is what an
+      off-diagonal block needs, where every key precedes every query: a backend that holds keys
+      ending ``g`` positions before the last query of a segment passes ``w = W - g`` for a sliding
+      window of W (see :mod:`hf_longctx.layout.pairs`).
+
+    ``window`` is an int >= 1 or None (no window); one window applies to every segment of the call.
+    Rows without a visible key give out 0, lse -inf (never NaN). lse is float32 (float64 for
+    float64 inputs).
     """
-    cu_q, cu_k, scale = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)
-    name = select_kernel(kernel, q, k, cu_q, cu_k, causal)
+    cu_q, cu_k, scale, window = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window)
+    name = select_kernel(kernel, q, k, cu_q, cu_k, causal, window)
     try:
-        return _forward(name, q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale)
+        return _forward(name, q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale, window)
     except Exception as exc:  # noqa: BLE001 - a compile, graph build or launch that failed: fall back
         if kernel != "auto" or name == "reference":
             raise
-        _mark_broken(_config_key(name, q, k, cu_q, cu_k, causal), exc)
-        return attention_forward(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, kernel)
+        _mark_broken(_config_key(name, q, k, cu_q, cu_k, causal, window), exc)
+        return attention_forward(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, kernel,
+                                 window)
 
 
 def _mark_broken(key: tuple, exc: Exception) -> None:
@@ -168,21 +194,21 @@ def _mark_broken(key: tuple, exc: Exception) -> None:
                    key[0], exc)
 
 
-def _forward(name, q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale):
+def _forward(name, q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale, window=None):
     _calls["forward"] += 1
     _calls[f"forward.{name}"] += 1
     if name == "reference":
-        return reference.reference_forward(q, k, v, cu_q, cu_k, causal, scale)
+        return reference.reference_forward(q, k, v, cu_q, cu_k, causal, scale, window)
     if name == "cudnn":
         return cudnn.forward(q, k, v, cu_q, cu_k, causal, scale)
     if name == "cudnn_varlen":
-        return cudnn_varlen.forward(q, k, v, cu_q, cu_k, causal, scale)
+        return cudnn_varlen.forward(q, k, v, cu_q, cu_k, causal, scale, window)
     if name == "fa4":
         return fa4.forward(q, k, v, _device_int32(cu_q, q.device), _device_int32(cu_k, q.device), max_seqlen_q,
-                           max_seqlen_k, causal, scale)
+                           max_seqlen_k, causal, scale, window)
     return torch_flash.forward(
         q, k, v, _device_int32(cu_q, q.device), _device_int32(cu_k, q.device), max_seqlen_q, max_seqlen_k,
-        causal, scale,
+        causal, scale, window,
     )
 
 
@@ -200,41 +226,44 @@ def attention_backward(
     causal: bool = True,
     softmax_scale: float | None = None,
     kernel: str = "auto",
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) given the FINAL out and lse of the query rows.
 
     Passing the final (merged) out/lse rather than this call's partial ones is what lets the
-    gradients of attention split over several key blocks add up exactly.
+    gradients of attention split over several key blocks add up exactly. ``causal`` and ``window``
+    mean what they mean in :func:`attention_forward` and must be the forward call's.
     """
-    cu_q, cu_k, scale = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)
+    cu_q, cu_k, scale, window = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window)
     if dout.shape != q.shape or out.shape != q.shape:
         raise ValueError(f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must match q {tuple(q.shape)}")
     if lse.shape != (q.shape[1], q.shape[0]):
         raise ValueError(f"lse must have shape (heads, tokens) = {(q.shape[1], q.shape[0])}, got {tuple(lse.shape)}")
-    name = select_kernel(kernel, q, k, cu_q, cu_k, causal)
+    name = select_kernel(kernel, q, k, cu_q, cu_k, causal, window)
     try:
-        return _backward(name, dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale)
+        return _backward(name, dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                         window)
     except Exception as exc:  # noqa: BLE001 - a compile, graph build or launch that failed: fall back
         if kernel != "auto" or name == "reference":
             raise
-        _mark_broken(_config_key(name, q, k, cu_q, cu_k, causal), exc)
+        _mark_broken(_config_key(name, q, k, cu_q, cu_k, causal, window), exc)
         return attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal,
-                                  softmax_scale, kernel)
+                                  softmax_scale, kernel, window)
 
 
-def _backward(name, dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale):
+def _backward(name, dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale, window=None):
     _calls["backward"] += 1
     _calls[f"backward.{name}"] += 1
     if name == "reference":
-        return reference.reference_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+        return reference.reference_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, window)
     if name == "cudnn":
         return cudnn.backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
     if name == "cudnn_varlen":
-        return cudnn_varlen.backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+        return cudnn_varlen.backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, window)
     if name == "fa4":
         return fa4.backward(dout, q, k, v, out, lse, _device_int32(cu_q, q.device), _device_int32(cu_k, q.device),
-                            max_seqlen_q, max_seqlen_k, causal, scale)
+                            max_seqlen_q, max_seqlen_k, causal, scale, window)
     return torch_flash.backward(
         dout, q, k, v, out, lse, _device_int32(cu_q, q.device), _device_int32(cu_k, q.device),
-        max_seqlen_q, max_seqlen_k, causal, scale,
+        max_seqlen_q, max_seqlen_k, causal, scale, window,
     )

@@ -90,34 +90,35 @@ def _timed_compiles(key: tuple, call):
     return result
 
 
-def _configuration(direction: str, q, k, causal: bool, window_left: int | None) -> tuple:
+def _configuration(direction: str, q, k, causal: bool, window: int | None) -> tuple:
     """What FlashAttention-4 compiles a kernel for: not the lengths, only the kind of problem."""
-    return (direction, q.dtype, q.shape[1], k.shape[1], q.shape[2], causal, window_left is not None, q.device)
+    return (direction, q.dtype, q.shape[1], k.shape[1], q.shape[2], causal, window is not None, q.device)
 
 
-def _window_args(causal: bool, window_left: int | None) -> dict:
-    if window_left is None:
+def _window_args(causal: bool, window: int | None) -> dict:
+    """The contract's window of w keys is flash-attn's left bound w - 1; right: the diagonal, or open."""
+    if window is None:
         return {}
-    return {"window_size_left": window_left, "window_size_right": 0 if causal else None}
+    return {"window_size_left": window - 1, "window_size_right": 0 if causal else None}
 
 
 def forward(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, causal: bool, scale: float,
-            window_left: int | None = None):
+            window: int | None = None):
     iface = _interface()
-    out, lse = _timed_compiles(_configuration("fwd", q, k, causal, window_left), lambda: iface._flash_attn_fwd(
+    out, lse = _timed_compiles(_configuration("fwd", q, k, causal, window), lambda: iface._flash_attn_fwd(
         q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-        softmax_scale=scale, causal=causal, return_lse=True, **_window_args(causal, window_left),
+        softmax_scale=scale, causal=causal, return_lse=True, **_window_args(causal, window),
     )[:2])
     return out, lse
 
 
 def backward(dout, q, k, v, out, lse, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
-             causal: bool, scale: float, window_left: int | None = None):
+             causal: bool, scale: float, window: int | None = None):
     iface = _interface()
     lse = lse.float().contiguous()
-    dq, dk, dv = _timed_compiles(_configuration("bwd", q, k, causal, window_left), lambda: iface._flash_attn_bwd(
+    dq, dk, dv = _timed_compiles(_configuration("bwd", q, k, causal, window), lambda: iface._flash_attn_bwd(
         q, k, v, out.contiguous(), dout.contiguous(), lse, softmax_scale=scale, causal=causal,
         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-        **_window_args(causal, window_left),
+        **_window_args(causal, window),
     )[:3])
     return dq, dk, dv

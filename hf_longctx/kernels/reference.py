@@ -4,7 +4,8 @@ This is the kernel CI runs and the yardstick the fast kernels are checked agains
 segments of a packed batch one by one and, inside a segment, tiles queries and keys into blocks so
 memory stays linear in the sequence length. GQA is computed by viewing the query heads as
 (kv_heads, group) instead of repeating keys and values. Arithmetic runs in float32 (float64 for
-float64 inputs).
+float64 inputs). A sliding window (see :func:`hf_longctx.kernels.attention_forward`) masks the
+edge tiles of the band and never reads key tiles wholly outside it.
 """
 
 from __future__ import annotations
@@ -16,19 +17,35 @@ from .merge import accumulation_dtype
 BLOCK = 256
 
 
-def _visible_mask(q0: int, q1: int, k0: int, k1: int, offset: int, device: torch.device) -> torch.Tensor | None:
-    """Causal mask of a (query block, key block) tile, or None when every key in it is visible.
+def _key_span(q0: int, q1: int, sk: int, offset: int, causal: bool, window: int | None) -> tuple[int, int]:
+    """Key rows [begin, end) that any query of the block [q0, q1) can see: tiles outside are never read."""
+    end = min(sk, q1 + offset) if causal else sk
+    begin = max(0, q0 + offset - window + 1) if window is not None else 0
+    return begin, max(begin, end)
 
-    Bottom-right alignment: query i sees key j iff j <= i + offset with offset = Sk - Sq.
+
+def _visible_mask(q0: int, q1: int, k0: int, k1: int, offset: int, causal: bool, window: int | None,
+                  device: torch.device) -> torch.Tensor | None:
+    """Mask of a (query block, key block) tile, or None when every key in it is visible to every query.
+
+    Bottom-right alignment, offset = Sk - Sq: query i sees key j iff j <= i + offset (causal) and
+    j > i + offset - window (window).
     """
-    if k1 - 1 <= q0 + offset:
+    below = not causal or k1 - 1 <= q0 + offset
+    inside = window is None or k0 > q1 - 1 + offset - window
+    if below and inside:
         return None
     qi = torch.arange(q0, q1, device=device).unsqueeze(1)
     kj = torch.arange(k0, k1, device=device).unsqueeze(0)
-    return kj <= qi + offset
+    mask = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=device)
+    if causal:
+        mask &= kj <= qi + offset
+    if window is not None:
+        mask &= kj > qi + offset - window
+    return mask
 
 
-def _segment_forward(q, k, v, causal: bool, scale: float, acc: torch.dtype):
+def _segment_forward(q, k, v, causal: bool, window: int | None, scale: float, acc: torch.dtype):
     """q (Sq, Hkv, G, D), k/v (Sk, Hkv, D) -> out (Sq, Hkv, G, D) in acc, lse (Hkv, G, Sq) in acc."""
     sq, hkv, g, d = q.shape
     sk = k.shape[0]
@@ -38,19 +55,18 @@ def _segment_forward(q, k, v, causal: bool, scale: float, acc: torch.dtype):
     for q0 in range(0, sq, BLOCK):
         q1 = min(q0 + BLOCK, sq)
         qb = q[q0:q1].to(acc)
-        k_end = min(sk, q1 + offset) if causal else sk
+        k_begin, k_end = _key_span(q0, q1, sk, offset, causal, window)
         m = torch.full((hkv, g, q1 - q0), float("-inf"), dtype=acc, device=q.device)
         l_sum = torch.zeros((hkv, g, q1 - q0), dtype=acc, device=q.device)
         o = torch.zeros((hkv, g, q1 - q0, d), dtype=acc, device=q.device)
-        for k0 in range(0, max(k_end, 0), BLOCK):
+        for k0 in range(k_begin, k_end, BLOCK):
             k1 = min(k0 + BLOCK, k_end)
             kb = k[k0:k1].to(acc)
             vb = v[k0:k1].to(acc)
             s = torch.einsum("qhgd,khd->hgqk", qb, kb) * scale
-            if causal:
-                mask = _visible_mask(q0, q1, k0, k1, offset, q.device)
-                if mask is not None:
-                    s = s.masked_fill(~mask, float("-inf"))
+            mask = _visible_mask(q0, q1, k0, k1, offset, causal, window, q.device)
+            if mask is not None:
+                s = s.masked_fill(~mask, float("-inf"))
             m_new = torch.maximum(m, s.amax(dim=-1))
             m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
             p = torch.exp(s - m_safe.unsqueeze(-1))
@@ -65,7 +81,7 @@ def _segment_forward(q, k, v, causal: bool, scale: float, acc: torch.dtype):
     return out, lse
 
 
-def _segment_backward(dout, q, k, v, out, lse, causal: bool, scale: float, acc: torch.dtype):
+def _segment_backward(dout, q, k, v, out, lse, causal: bool, window: int | None, scale: float, acc: torch.dtype):
     """Gradients of one segment given the FINAL out/lse of its rows (flash-attn convention)."""
     sq, hkv, g, d = q.shape
     sk = k.shape[0]
@@ -81,17 +97,16 @@ def _segment_backward(dout, q, k, v, out, lse, causal: bool, scale: float, acc: 
         q1 = min(q0 + BLOCK, sq)
         qb = q[q0:q1].to(acc)
         dob = dout[q0:q1].to(acc)
-        k_end = min(sk, q1 + offset) if causal else sk
-        for k0 in range(0, max(k_end, 0), BLOCK):
+        k_begin, k_end = _key_span(q0, q1, sk, offset, causal, window)
+        for k0 in range(k_begin, k_end, BLOCK):
             k1 = min(k0 + BLOCK, k_end)
             kb = k[k0:k1].to(acc)
             vb = v[k0:k1].to(acc)
             s = torch.einsum("qhgd,khd->hgqk", qb, kb) * scale
             p = torch.exp(s - lse_safe[:, :, q0:q1].unsqueeze(-1))
-            if causal:
-                mask = _visible_mask(q0, q1, k0, k1, offset, q.device)
-                if mask is not None:
-                    p = p.masked_fill(~mask, 0.0)
+            mask = _visible_mask(q0, q1, k0, k1, offset, causal, window, q.device)
+            if mask is not None:
+                p = p.masked_fill(~mask, 0.0)
             dv[k0:k1] += torch.einsum("hgqk,qhgd->khd", p, dob)
             dp = torch.einsum("qhgd,khd->hgqk", dob, vb)
             ds = p * (dp - delta[:, :, q0:q1].unsqueeze(-1)) * scale
@@ -105,7 +120,8 @@ def _segments(cu_q: list[int], cu_k: list[int]):
         yield cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
 
 
-def reference_forward(q, k, v, cu_q: list[int], cu_k: list[int], causal: bool, scale: float):
+def reference_forward(q, k, v, cu_q: list[int], cu_k: list[int], causal: bool, scale: float,
+                      window: int | None = None):
     """Packed varlen forward. Returns out (Tq, Hq, D) in q's dtype and lse (Hq, Tq) in acc dtype."""
     acc = accumulation_dtype(q.dtype)
     tq, hq, d = q.shape
@@ -117,13 +133,14 @@ def reference_forward(q, k, v, cu_q: list[int], cu_k: list[int], causal: bool, s
     for q0, q1, k0, k1 in _segments(cu_q, cu_k):
         if q1 == q0 or k1 == k0:
             continue
-        o, s_lse = _segment_forward(qg[q0:q1], k[k0:k1], v[k0:k1], causal, scale, acc)
+        o, s_lse = _segment_forward(qg[q0:q1], k[k0:k1], v[k0:k1], causal, window, scale, acc)
         out[q0:q1] = o.reshape(q1 - q0, hq, d).to(q.dtype)
         lse[:, q0:q1] = s_lse.reshape(hq, q1 - q0)
     return out, lse
 
 
-def reference_backward(dout, q, k, v, out, lse, cu_q: list[int], cu_k: list[int], causal: bool, scale: float):
+def reference_backward(dout, q, k, v, out, lse, cu_q: list[int], cu_k: list[int], causal: bool, scale: float,
+                       window: int | None = None):
     """Packed varlen backward; dk/dv are summed over each KV head's query group (no repeat)."""
     acc = accumulation_dtype(q.dtype)
     tq, hq, d = q.shape
@@ -140,7 +157,7 @@ def reference_backward(dout, q, k, v, out, lse, cu_q: list[int], cu_k: list[int]
         if q1 == q0 or k1 == k0:
             continue
         sdq, sdk, sdv = _segment_backward(
-            dog[q0:q1], qg[q0:q1], k[k0:k1], v[k0:k1], og[q0:q1], lse_g[:, :, q0:q1], causal, scale, acc
+            dog[q0:q1], qg[q0:q1], k[k0:k1], v[k0:k1], og[q0:q1], lse_g[:, :, q0:q1], causal, window, scale, acc
         )
         dq[q0:q1] += sdq
         dk[k0:k1] += sdk

@@ -4,6 +4,10 @@ Public-enough ops that ship with every CUDA build of torch: packed (T, H, D) inp
 native GQA, bottom-right causal alignment and a log-sum-exp output. FlashAttention marks rows that
 see no key with lse = +inf (so its backward yields zero); our contract uses -inf, so the sign is
 flipped on the way out and back in.
+
+Sliding windows use the ops' ``window_size_left``/``window_size_right`` keywords (torch >= 2.5),
+which follow the same bottom-right convention: our ``window=w`` is ``(w - 1, 0)`` when causal and
+``(w - 1, -1)`` (open to the right) when not.
 """
 
 from __future__ import annotations
@@ -28,9 +32,16 @@ def unsupported_reason(q: torch.Tensor) -> str | None:
     return None
 
 
-def forward(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, causal: bool, scale: float):
+def _window_kwargs(causal: bool, window: int | None) -> dict:
+    if window is None:
+        return {}
+    return {"window_size_left": window - 1, "window_size_right": 0 if causal else -1}
+
+
+def forward(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, causal: bool, scale: float,
+            window: int | None = None):
     out, lse, _rng, _unused, _ = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, **_window_kwargs(causal, window)
     )
     lse = lse[:, : q.shape[0]]
     lse = lse.masked_fill(lse == float("inf"), float("-inf"))
@@ -38,12 +49,12 @@ def forward(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: 
 
 
 def backward(dout, q, k, v, out, lse, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
-             causal: bool, scale: float):
+             causal: bool, scale: float, window: int | None = None):
     lse = lse.float().masked_fill(lse == float("-inf"), float("inf")).contiguous()
     empty = torch.empty(0, dtype=torch.uint64 if hasattr(torch, "uint64") else torch.int64, device=q.device)
     rng_state = torch.zeros(2, dtype=torch.uint64 if hasattr(torch, "uint64") else torch.int64, device=q.device)
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
         dout.contiguous(), q, k, v, out.contiguous(), lse, cu_q, cu_k, max_q, max_k, 0.0, causal,
-        rng_state, empty, scale=scale,
+        rng_state, empty, scale=scale, **_window_kwargs(causal, window),
     )
     return dq, dk, dv

@@ -61,3 +61,13 @@ def check_attention_inputs(
             )
         if any(b < a for a, b in zip(host, host[1:])):
             raise ValueError(f"{name} must be non-decreasing")
+
+
+def check_window(window) -> None:
+    """Raise ValueError unless ``window`` is None or a whole number of keys >= 1."""
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise ValueError(f"window must be an int (keys in the band) or None, got {window!r}")
+    if window < 1:
+        raise ValueError(f"window must be >= 1 (a window of w keys ends at the diagonal), got {window}")

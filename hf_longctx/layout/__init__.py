@@ -1,7 +1,7 @@
 """Packed-document layouts and sequence-parallel shard plans: pure tensors and ints."""
 
 from .packed import PackedBatch
-from .pairs import Exchange, Pair, exchange_plan, pair_between_slots
+from .pairs import Exchange, Pair, band_work, clip_pair, exchange_plan, pair_between_slots, pairs_between_slots
 from .plan import STRATEGIES, Piece, ShardPlan, Slot, register_strategy, shard_plan
 
 __all__ = [
@@ -12,8 +12,11 @@ __all__ = [
     "Piece",
     "ShardPlan",
     "Slot",
+    "band_work",
+    "clip_pair",
     "exchange_plan",
     "pair_between_slots",
+    "pairs_between_slots",
     "register_strategy",
     "shard_plan",
 ]

@@ -77,6 +77,11 @@ class PackedBatch:
         """int64 document index of every token, shape (num_tokens,)."""
         return torch.repeat_interleave(torch.arange(self.num_docs), torch.tensor(self.doc_lens))
 
-    def causal_pairs(self) -> int:
-        """Number of visible (query, key) pairs under per-document causal masking."""
-        return sum(n * (n + 1) // 2 for n in self.doc_lens)
+    def causal_pairs(self, window: int | None = None) -> int:
+        """Number of visible (query, key) pairs under per-document causal masking, with a sliding
+        window of ``window`` positions when given (position p sees p - window + 1 .. p)."""
+        if window is None:
+            return sum(n * (n + 1) // 2 for n in self.doc_lens)
+        # position p sees min(window, p + 1) keys
+        return sum(n * (n + 1) // 2 if n <= window else window * (window + 1) // 2 + (n - window) * window
+                   for n in self.doc_lens)

@@ -14,6 +14,9 @@ slots:
 - ``cad``: documents whole on a rank, cut only where equal token counts require it (the contiguous
   cut); the CAD backend then moves core-attention work, not tokens.
 
+A sliding window does not move tokens: :meth:`ShardPlan.with_window` gives the same placement seen
+by attention with a window, with caches of its own (pairs, exchanges, schedules depend on it).
+
 Token counts that do not divide: chunks differ by at most one token (no padding, nothing reaches
 the loss that should not). For ``doc_zigzag`` the spare tokens of each document are dealt to the
 pieces round-robin across documents, so ranks end up within a couple of tokens of each other.
@@ -91,14 +94,42 @@ def _build_slots(slot_pieces: list[list[Piece]]) -> tuple[Slot, ...]:
 
 
 class ShardPlan:
-    """Placement of a packed batch's tokens over ``world_size`` sequence-parallel ranks."""
+    """Placement of a packed batch's tokens over ``world_size`` sequence-parallel ranks.
+
+    ``window``: the sliding window of the attention this plan serves (transformers' ``sliding_window``:
+    position p sees positions p - window + 1 .. p), or None for plain causal attention.
+    """
 
     def __init__(self, batch: PackedBatch, world_size: int, strategy: str, slots: tuple[tuple[Slot, ...], ...]):
         self.batch = batch
         self.world_size = world_size
         self.strategy = strategy
         self.slots = slots
+        self.window: int | None = None  # set on the views of :meth:`with_window`
         self._cache: dict = {}
+        self._unwindowed = self
+
+    def with_window(self, window: int | None) -> ShardPlan:
+        """This placement under a sliding window of ``window`` positions (None: no window).
+
+        Layers with different windows (e.g. alternating full and sliding layers) each get their own
+        view, built once per window and cached on the unwindowed plan, so everything derived and
+        cached per plan (exchanges, routes, CAD tasks) is never shared across windows. A window no
+        shorter than the longest document hides nothing and gives the unwindowed plan itself.
+        """
+        base = self._unwindowed
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"sliding window must be a positive int (positions seen, the query's own included) "
+                             f"or None, got {window!r}")
+        if window is None or window >= base.batch.max_seqlen:
+            return base
+
+        def build() -> ShardPlan:
+            view = ShardPlan(base.batch, base.world_size, base.strategy, base.slots)
+            view.window, view._unwindowed = window, base
+            return view
+
+        return base.cached(("window", window), build)
 
     def rank_slots(self, rank: int) -> tuple[Slot, ...]:
         return self.slots[rank]
@@ -122,8 +153,9 @@ class ShardPlan:
         return self._cache[key]
 
     def __repr__(self) -> str:
+        window = f", window={self.window}" if self.window is not None else ""
         return (f"ShardPlan(strategy={self.strategy!r}, world_size={self.world_size}, "
-                f"tokens={self.batch.num_tokens}, docs={self.batch.num_docs}, per_rank={self.token_counts})")
+                f"tokens={self.batch.num_tokens}, docs={self.batch.num_docs}, per_rank={self.token_counts}{window})")
 
 
 def _contiguous(batch: PackedBatch, p: int):

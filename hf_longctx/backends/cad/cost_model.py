@@ -36,6 +36,7 @@ __all__ = [
     "FlopsCostModel",
     "ProfiledCostModel",
     "TokenBytes",
+    "WindowedCostModel",
     "query_rows_cost",
 ]
 
@@ -73,6 +74,44 @@ class FlopsCostModel:
 
 
 PAIRS = FlopsCostModel(flops_per_pair=1.0)  # cost = visible (query, key) pairs
+
+
+def _window_sum(n: np.ndarray | int, window: int):
+    """sum_{x=1..n} min(window, x): keys seen by the first n positions of a document."""
+    return np.where(n <= window, n * (n + 1) / 2, window * (window + 1) / 2 + (n - window) * window)
+
+
+@dataclass(frozen=True)
+class WindowedCostModel:
+    """``base`` priced on what a sliding window of ``window`` positions leaves visible.
+
+    Row ``i`` of a bottom-right causal segment sees ``min(window, kv_len - q_len + i + 1)`` keys. The
+    kernel reads at most ``q_len + window - 1`` keys of the segment, so the base model prices that
+    shape, scaled by the share of its pairs the window leaves visible (exact for FLOPs). Costs stay
+    additive over rows, which the scheduler's splits rely on.
+    """
+
+    base: CostModel
+    window: int
+
+    def _visible(self, q, kv):
+        q = np.minimum(q, kv)  # rows beyond the keys see nothing
+        return _window_sum(kv, self.window) - _window_sum(kv - q, self.window)
+
+    def cost(self, q_len: int, kv_len: int) -> float:
+        if q_len <= 0:
+            return 0.0
+        kv_read = min(kv_len, q_len + self.window - 1)
+        full = PAIRS.cost(q_len, kv_read)
+        return self.base.cost(q_len, kv_read) * float(self._visible(q_len, kv_len)) / full if full else 0.0
+
+    def cost_array(self, q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
+        q = np.asarray(q_len, dtype=np.float64)
+        kv = np.asarray(kv_len, dtype=np.float64)
+        kv_read = np.minimum(kv, q + self.window - 1)
+        full = PAIRS.cost_array(q, kv_read)
+        share = np.divide(self._visible(np.clip(q, 0, None), kv), full, out=np.zeros_like(full), where=full > 0)
+        return np.where(q > 0, self.base.cost_array(q, kv_read) * share, 0.0)
 
 
 def query_rows_cost(model: CostModel, length: int, offset: int, q_start: int, q_end: int) -> float:

@@ -18,6 +18,11 @@ Ping-pong: each server's tasks are split into two nano-batches of about equal at
 keeping a document's tasks together where that costs little balance (see :func:`pingpong_split`);
 the transfers of both are posted before the first computes, so communication hides behind compute
 (on GPU the collectives run on NCCL's stream).
+
+Sliding window (the plan's ``window``, see :meth:`~hf_longctx.layout.ShardPlan.with_window`): a task
+reads only the keys its rows reach, from ``window - 1`` positions before its first query row to its
+last; every segment stays bottom-right aligned, so one kernel window serves the whole call. The
+scheduler and the nano-batch split price tasks on the pairs the window leaves visible.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 
 from ...kernels import accumulation_dtype, attention_backward, attention_forward
 from ...layout import Piece, ShardPlan
-from .cost_model import PAIRS, query_rows_cost
+from .cost_model import PAIRS, CostModel, FlopsCostModel, WindowedCostModel, query_rows_cost
 from .transfer import GatherPlan, Run
 
 PINGPONG_TOLERANCE = 0.1  # halves of a server's tasks may differ by this share of the larger before docs split
@@ -78,8 +83,20 @@ def _all_pieces(plan: ShardPlan) -> list[list[tuple[Piece, int]]]:
     return plan.cached("cad_pieces", lambda: [pieces_of(plan, r) for r in range(plan.world_size)])
 
 
+def _pairs_model(plan: ShardPlan) -> CostModel:
+    """Visible (query, key) pairs as a cost model, under the plan's sliding window."""
+    return PAIRS if plan.window is None else WindowedCostModel(PAIRS, plan.window)
+
+
+def _key_start(plan: ShardPlan, piece: Piece, q_start: int) -> int:
+    """First global key position that query rows from ``q_start`` of ``piece`` read."""
+    doc_start = plan.batch.doc_starts[piece.doc]
+    return doc_start if plan.window is None else max(doc_start, piece.start + q_start - plan.window + 1)
+
+
 def task_cost(plan: ShardPlan, task: CadTask) -> float:
-    """Visible (query, key) pairs of a task: its query rows over the causal prefix of its document."""
+    """Visible (query, key) pairs of a task: its query rows over the causal prefix of its document
+    (the part of it in the plan's sliding window)."""
     return _rows_cost(plan, task, task.q_start, task.q_end)
 
 
@@ -92,18 +109,19 @@ def _task_key(plan: ShardPlan, task: CadTask) -> tuple[int, int, int]:
 def _rows_cost(plan: ShardPlan, task: CadTask, q_start: int, q_end: int) -> float:
     """Visible (query, key) pairs of query rows ``[q_start, q_end)`` of ``task``'s piece."""
     piece, _ = _all_pieces(plan)[task.owner][task.piece]
-    return query_rows_cost(PAIRS, piece.length, piece.start - plan.batch.doc_starts[piece.doc], q_start, q_end)
+    return query_rows_cost(_pairs_model(plan), piece.length, piece.start - plan.batch.doc_starts[piece.doc], q_start,
+                           q_end)
 
 
 def _server_holds_keys(plan: ShardPlan, task: CadTask) -> bool:
     """Whether ``task``'s server holds every key row the task reads. Such a task can be cut and its parts
     spread over both nano-batches for free: no key row travels for it, and query rows are never shared."""
     piece, _ = _all_pieces(plan)[task.owner][task.piece]
-    last = piece.start + task.q_end
+    first, last = _key_start(plan, piece, task.q_start), piece.start + task.q_end
     for h, hp, _ in plan.cached("cad_holders", lambda: _holders(plan))[piece.doc]:
         if hp.start >= last:
             break
-        if h != task.server:
+        if hp.end > first and h != task.server:
             return False
     return True
 
@@ -272,14 +290,17 @@ def build_nano_batch(plan: ShardPlan, tasks: Sequence[CadTask], rank: int) -> Na
     for t in sorted((t for t in tasks if t.q_end > t.q_start), key=lambda t: (t.server, *_task_key(plan, t))):
         piece, local = pieces[t.owner][t.piece]
         q_runs[t.server].append((t.owner, local + t.q_start, local + t.q_end))
-        last = piece.start + t.q_end  # keys: the document up to the last query row
+        # keys: the document up to the last query row, from where the window of the first one starts
+        first, last = _key_start(plan, piece, t.q_start), piece.start + t.q_end
         n_k = 0
         for h, hp, hoff in holders[piece.doc]:
             if hp.start >= last:
                 break
-            n = min(hp.end, last) - hp.start
-            kv_runs[t.server].append((h, hoff, hoff + n))
-            n_k += n
+            lo, hi = max(hp.start, first), min(hp.end, last)
+            if lo >= hi:
+                continue
+            kv_runs[t.server].append((h, hoff + lo - hp.start, hoff + hi - hp.start))
+            n_k += hi - lo
         if t.server == rank:
             n_q = t.q_end - t.q_start
             mine.append(t)
@@ -308,7 +329,8 @@ def nano_batches(plan: ShardPlan, tasks: Sequence[CadTask], rank: int, pingpong:
 
 
 def prepare(plan: ShardPlan, options: dict) -> dict:
-    """Runner hook: schedule the plan's documents onto servers (cached per plan and eps)."""
+    """Runner hook: schedule the plan's documents onto servers (cached per plan, so per sliding window,
+    and eps)."""
     if "tasks" in options:
         return options
     eps = options.get("eps", 0.1)
@@ -316,7 +338,8 @@ def prepare(plan: ShardPlan, options: dict) -> dict:
     def build():
         from .scheduler import schedule
 
-        sched = schedule(docs_per_rank(plan), plan.world_size, eps=eps)
+        model = FlopsCostModel() if plan.window is None else WindowedCostModel(FlopsCostModel(), plan.window)
+        sched = schedule(docs_per_rank(plan), plan.world_size, eps=eps, cost_model=model)
         return [CadTask(t.rank, t.doc, t.q_start, t.q_end, t.server) for t in sched.tasks]
 
     return {**options, "tasks": plan.cached(("cad_tasks", eps), build)}
@@ -356,7 +379,7 @@ def run_forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple
         kb, vb = nb.kv.gather(pkv, [k, v])
         if nb.tasks:
             ob, lb = attention_forward(qb, kb, vb, nb.cu_q, nb.cu_k, nb.max_q, nb.max_k, causal=True,
-                                       softmax_scale=ctx.scale, kernel=ctx.kernel)
+                                       softmax_scale=ctx.scale, kernel=ctx.kernel, window=ctx.plan.window)
             lb = _lse_rows(lb.to(acc))
         else:
             ob, lb = _no_rows(q), _no_rows(lse_rows)
@@ -387,7 +410,8 @@ def run_backward(ctx, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         kb, vb = nb.kv.gather(pkv, [k, v])
         if nb.tasks:
             gq, gk, gv = attention_backward(db, qb, kb, vb, ob, lb.t().contiguous(), nb.cu_q, nb.cu_k, nb.max_q,
-                                            nb.max_k, causal=True, softmax_scale=ctx.scale, kernel=ctx.kernel)
+                                            nb.max_k, causal=True, softmax_scale=ctx.scale, kernel=ctx.kernel,
+                                            window=ctx.plan.window)
             gq, gk, gv = gq.to(acc), gk.to(acc), gv.to(acc)
         else:
             gq, gk, gv = _no_rows(q, acc), _no_rows(k, acc), _no_rows(v, acc)
