@@ -2,6 +2,7 @@
 
     python scripts/compare_trl_bf16.py                                   # longctx_zigzag vs sdpa, 20 steps
     python scripts/compare_trl_bf16.py --impls longctx_distfa,sdpa --steps 50
+    python scripts/compare_trl_bf16.py --impls longctx_zigzag,sdpa,sdpa   # a second sdpa run: the noise
 
 Each implementation trains the same small random Llama (hidden 512, 4 layers, float32 weights under
 bf16 autocast, as TRL does by default) on the shipped sample corpus with packing and padding_free,
@@ -34,14 +35,15 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.pop("HF_LONGCTX_RECIPE", None)
     with tempfile.TemporaryDirectory() as tmp:
-        for impl in args.impls.split(","):
-            log = Path(tmp, f"{impl}.json")
+        for run, impl in enumerate(args.impls.split(",")):
+            log = Path(tmp, f"{run}-{impl}.json")
             cmd = [sys.executable, str(ROOT / "examples" / "sft_trl.py"), "--attn-implementation", impl, "--bf16",
                    "--max-steps", str(args.steps), "--max-length", str(args.max_length), "--hidden-size",
-                   str(args.hidden_size), "--layers", str(args.layers), "--output-dir", str(Path(tmp, impl)),
+                   str(args.hidden_size), "--layers", str(args.layers), "--output-dir", str(Path(tmp, f"{run}-{impl}")),
                    "--log-json", str(log)]
             subprocess.run(cmd, check=True, env=env, stdout=sys.stderr)
-            losses[impl] = json.loads(log.read_text())["losses"]
+            label = impl if impl not in losses else f"{impl} (run {sum(k.startswith(impl) for k in losses) + 1})"
+            losses[label] = json.loads(log.read_text())["losses"]
     first = next(iter(losses.values()))
     diffs = {impl: max((abs(a - b) for a, b in zip(first, curve)), default=None) for impl, curve in losses.items()}
     print(json.dumps({"steps": args.steps, "losses": losses, "max_abs_diff": diffs}))
