@@ -84,10 +84,10 @@ def test_auto_falls_back_for_the_failing_configuration_only(monkeypatch, caplog)
     """A kernel whose compile fails for one configuration keeps serving the others."""
     calls = []
 
-    def pretend_serves(name, q, k, cu_q, cu_k, causal):
+    def pretend_serves(name, q, k, cu_q, cu_k, causal, window=None):
         return None if name in ("torch_flash", "reference") else "not here"
 
-    def flaky_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    def flaky_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=None):
         calls.append(q.shape[-1])
         if q.shape[-1] == 16:
             raise RuntimeError("compile failed for head_dim 16")

@@ -84,7 +84,7 @@ def _reason(name: str, q, k, cu_q: list[int], cu_k: list[int], causal: bool, win
     if name == "fa4":
         return fa4.unsupported_reason(q, k)
     if name == "cudnn_varlen":
-        return cudnn_varlen.unsupported_reason(q, cu_q, cu_k, causal)
+        return cudnn_varlen.unsupported_reason(q, cu_q, cu_k, causal, window)
     if name == "cudnn":
         return cudnn.unsupported_reason(q, k, cu_q, cu_k, causal, window)
     if name == "torch_flash":

@@ -206,14 +206,18 @@ def test_kernel_sliding_window_matches_fp64_reference(kernel, case):
     try:
         select_kernel(kernel, q, k, cu_q, cu_k, causal, window)
     except ValueError as exc:
-        assert kernel != "fa4", f"fa4 must serve windows: {exc}"
+        assert kernel != "fa4" and kernel != "torch_flash", f"{kernel} must serve windows: {exc}"
         pytest.skip(f"{kernel} declines {case!r}: {exc}")
     out, lse = attention_forward(q, k, v, cu_q, cu_k, mq, mk, causal=causal, kernel=kernel, window=window)
     grads = attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, mq, mk, causal=causal, kernel=kernel,
                                window=window)
     ref_out, ref_lse, ref_grads = _reference(q, k, v, dout, cu_q, cu_k, causal, window=window)
     errors = {"out": rel_err(out, ref_out), "lse": rel_err(lse, ref_lse)}
-    errors.update({n: rel_err(g, r) for n, g, r in zip(("dq", "dk", "dv"), grads, ref_grads)})
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        if want.norm() == 0:  # window 1: softmax over one key, so dq and dk are exactly 0
+            assert got.abs().max() < 1e-2, f"{kernel} {case}: {name} should be 0, max {got.abs().max()}"
+        else:
+            errors[name] = rel_err(got, want)
     assert max(errors.values()) < TOL, f"{kernel} {case}: {errors}"
 
 
