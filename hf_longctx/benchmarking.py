@@ -11,25 +11,46 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
+
+
+def _one_run_ms(fn: Callable[[], object], cuda: bool) -> float:
+    if cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def timed(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
     """Median milliseconds of ``fn()`` over ``reps`` runs after ``warmup`` runs (CUDA events; host clock on CPU)."""
     for _ in range(warmup):
         fn()
+    cuda = torch.cuda.is_available()
+    return statistics.median(_one_run_ms(fn, cuda) for _ in range(reps))
+
+
+def timed_slowest_rank(fn: Callable[[], object], reps: int, device: torch.device, warmup: int = 1,
+                       group: dist.ProcessGroup | None = None) -> float:
+    """Median over ``reps`` of the slowest rank's milliseconds for ``fn()``, every rank starting together.
+
+    A distributed step is as fast as its slowest rank; each run starts after a barrier and its time
+    is the all-reduced maximum, so every rank returns the same number.
+    """
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(reps):
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        dist.barrier(group=group)
+        t = torch.tensor([_one_run_ms(fn, device.type == "cuda")], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        times.append(t.item())
     return statistics.median(times)
 
 

@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import math
 import os
-import statistics
 import sys
 import traceback
 from datetime import timedelta
@@ -29,6 +28,7 @@ import torch.multiprocessing as mp
 
 from hf_longctx.backends import default_strategy, sequence_parallel_attention
 from hf_longctx.backends.auto import auto_decisions
+from hf_longctx.benchmarking import timed, timed_slowest_rank
 from hf_longctx.comm import comm_stats, reset_comm_stats
 from hf_longctx.kernels import attention_backward, attention_forward
 from hf_longctx.layout import PackedBatch, shard_plan
@@ -39,32 +39,6 @@ def long_tailed_doc_lens(total: int, seed: int, mix: str) -> list[int]:
     from hf_longctx.data.synthetic_lengths import synthetic_doc_lengths
 
     return synthetic_doc_lengths(mix, total, seed=seed, max_doc_len=total)
-
-
-def timed(fn, reps: int, device) -> float:
-    """Median over reps of the slowest rank's milliseconds for fn()."""
-    fn()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            import time
-
-            t0 = time.perf_counter()
-            fn()
-            ms = (time.perf_counter() - t0) * 1e3
-        t = torch.tensor([ms], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times.append(t.item())
-    return statistics.median(times)
 
 
 def global_tensors(total, hq, hkv, d, dtype, device, seed):
@@ -142,15 +116,15 @@ def run_ours(backend, batch, tensors, world, rank, reps, device, strategy=None, 
                                dtype=torch.float64)
             dist.all_reduce(err)
             errors[name] = math.sqrt(err[0].item() / max(err[1].item(), 1e-300))
-    t_f = timed(fwd, reps, device)
+    t_f = timed_slowest_rank(fwd, reps, device)
     reset_comm_stats()
-    t_fb = timed(fwd_bwd, reps, device)
+    t_fb = timed_slowest_rank(fwd_bwd, reps, device)
     sent = comm_stats().get("sent_bytes", 0) / (reps + 1)
     parts = {}
     if breakdown:
         for part in ("kernels", "comm"):
             with stubbed(part):
-                parts[part] = timed(fwd_bwd, reps, device)
+                parts[part] = timed_slowest_rank(fwd_bwd, reps, device)
     return t_f, t_fb, sent, parts, errors
 
 
@@ -181,7 +155,7 @@ def run_torch_cp(sdpa_backend, tensors, world, reps, device):
                 out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True)
             torch.autograd.backward(out, dl)
 
-        return timed(fwd, reps, device), timed(fwd_bwd, reps, device), math.nan, {}, {}
+        return timed_slowest_rank(fwd, reps, device), timed_slowest_rank(fwd_bwd, reps, device), math.nan, {}, {}
 
 
 def run_single_gpu(batch, tensors, reps, device, kernel="auto"):
@@ -196,20 +170,7 @@ def run_single_gpu(batch, tensors, reps, device, kernel="auto"):
         out, lse = fwd()
         attention_backward(dout, q, k, v, out, lse, cu, cu, batch.max_seqlen, batch.max_seqlen, kernel=kernel)
 
-    import time
-
-    res = []
-    for fn in (fwd, fwd_bwd):
-        fn()
-        ts = []
-        for _ in range(reps):
-            torch.cuda.synchronize() if device.type == "cuda" else None
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize() if device.type == "cuda" else None
-            ts.append((time.perf_counter() - t0) * 1e3)
-        res.append(statistics.median(ts))
-    return res[0], res[1], 0.0, {}, {}
+    return timed(fwd, reps), timed(fwd_bwd, reps), 0.0, {}, {}
 
 
 def worker(rank, world, args):

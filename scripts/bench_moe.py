@@ -28,15 +28,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hf_longctx.benchmarking import timed_slowest_rank
 from hf_longctx.comm.mesh import parallel_groups
 from hf_longctx.moe import (
     ExpertParallelExperts,
@@ -108,31 +107,6 @@ def inputs(tokens: int, hidden: int, skew: float, seed: int, device, dtype):
     return x.to(device=device, dtype=dtype)
 
 
-def timed(fn, reps: int, warmup: int, device) -> float:
-    """Median over reps of the slowest rank's milliseconds for fn(), after warm-up calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ms = (time.perf_counter() - t0) * 1e3
-        t = torch.tensor([ms], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times.append(t.item())
-    return statistics.median(times)
-
-
 def bare_grouped_gemm_ms(rows_per_expert: torch.Tensor, hidden: int, inter: int, dtype, device, reps, warmup):
     """fwd+bwd of the two expert GEMMs alone (torch._grouped_mm) on rows grouped as the experts saw them.
 
@@ -162,7 +136,7 @@ def bare_grouped_gemm_ms(rows_per_expert: torch.Tensor, hidden: int, inter: int,
             ok = False
     everyone_ok = torch.tensor([1.0 if ok else 0.0], device=device)
     dist.all_reduce(everyone_ok, op=dist.ReduceOp.MIN)
-    return timed(step, reps, warmup, device) if everyone_ok.item() else float("nan")
+    return timed_slowest_rank(step, reps, device, warmup) if everyone_ok.item() else float("nan")
 
 
 def peak_gb(device) -> float:
@@ -204,7 +178,7 @@ def bench_layer(name, shape, routing, mode, ep, args, device, dtype, rank, world
         torch.cuda.reset_peak_memory_stats(device)
     step()  # first call: warm-up, and the rows each expert computes
     reset_moe_comm_stats()
-    ms = timed(step, args.reps, args.warmup, device)
+    ms = timed_slowest_rank(step, args.reps, device, args.warmup)
     steps = args.reps + args.warmup
     sent = moe_comm_stats().get("sent_bytes", 0) / steps
     pairs = tokens * top_k
@@ -244,7 +218,7 @@ def bench_model(name, shape, mode, ep, args, device, dtype, rank, world) -> dict
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     step()
-    ms = timed(step, args.reps, args.warmup, device)
+    ms = timed_slowest_rank(step, args.reps, device, args.warmup)
     return {"shape": f"{name} model x{args.model_layers}", "routing": "real", "mode": mode,
             "ep": ep if mode != "local" else "-", "tokens": tokens, "ms": ms, "tflops": float("nan"),
             "sent_mb": float("nan"), "peak_gb": peak_gb(device), "load": float("nan"), "bare_ms": float("nan"),

@@ -20,16 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from hf_longctx.benchmarking import timed_slowest_rank
 
 
 def build_model(args, impl: str, device):
@@ -89,27 +89,12 @@ def attention_ms(plan, backend, rank, group, cfg, device, dtype, reps=3, kernel=
         out = sequence_parallel_attention(q, k, v, plan=plan, backend=backend, group=group, kernel=kernel)
         out.backward(torch.ones_like(out))
 
-    return _timed(step, reps, device)
+    return timed_slowest_rank(step, reps, device)
 
 
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _timed(fn, reps, device) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        t = torch.tensor([(time.perf_counter() - t0) * 1e3], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times.append(t.item())
-    return statistics.median(times)
 
 
 def worker(rank, world, args):
@@ -201,7 +186,7 @@ def worker(rank, world, args):
         return
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    ms = _timed(step, args.steps, device)
+    ms = timed_slowest_rank(step, args.steps, device)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     peak_t = torch.tensor([peak], device=device)
     dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
