@@ -55,6 +55,11 @@ def is_installed() -> bool:
     return not isinstance(_ops(), str)
 
 
+def worth_installing(device: torch.device) -> bool:
+    """Would installing the extra give this device a faster kernel? Any CUDA GPU with cuDNN."""
+    return device.type == "cuda" and torch.backends.cudnn.is_available()
+
+
 def _has_rows_without_keys(cu_q: list[int], cu_k: list[int], causal: bool) -> bool:
     for i in range(len(cu_q) - 1):
         lq, lk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]

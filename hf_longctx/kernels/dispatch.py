@@ -116,7 +116,7 @@ def select_kernel(kernel: str, q, k, cu_q: list[int], cu_k: list[int], causal: b
 def _hint_missing_extra(name: str, q: torch.Tensor) -> None:
     """Say once per process that a faster kernel exists for this GPU and how to install it."""
     module = _EXTRAS.get(name)
-    if module is None or name in _hinted or q.device.type != "cuda" or module.is_installed():
+    if module is None or name in _hinted or module.is_installed() or not module.worth_installing(q.device):
         return
     _hinted.add(name)
     logger.warning("kernel %s is not installed, 'auto' uses a slower one; %s", name, module.INSTALL_HINT)

@@ -45,6 +45,11 @@ def is_installed() -> bool:
     return not isinstance(_interface(), str)
 
 
+def worth_installing(device: torch.device) -> bool:
+    """Would installing the extra give this GPU a faster kernel? Only Hopper and Blackwell run it."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in SUPPORTED_ARCHS
+
+
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
     """Why FlashAttention-4 cannot take this input, or None when it can."""
     iface = _interface()

@@ -162,9 +162,11 @@ def test_cudnn_varlen_builds_a_bounded_number_of_graphs():
     assert built <= 100, f"{built} graphs for 200 batches"
 
 
+@pytest.mark.parametrize("window", [None, 300])
 @pytest.mark.parametrize("backend", sorted(set(backend_names()) - {"auto"}))
-def test_every_backend_at_world_size_one_on_the_gpu(backend):
-    """Without a process group every backend runs the local pieces on the GPU kernels, exactly."""
+def test_every_backend_at_world_size_one_on_the_gpu(backend, window):
+    """Without a process group every backend runs its pieces on the GPU kernels, exactly, with or
+    without a sliding window."""
     lens = _mixed(7, 8000)
     batch = PackedBatch.from_doc_lens(lens)
     g = torch.Generator(device="cpu").manual_seed(7)
@@ -173,10 +175,10 @@ def test_every_backend_at_world_size_one_on_the_gpu(backend):
     plan = shard_plan(batch, 1, default_strategy(backend))
     idx = plan.local_indices(0).to(DEVICE)
     ql, kl, vl = (t[idx].clone().requires_grad_() for t in (q, k, v))
-    out = sequence_parallel_attention(ql, kl, vl, plan=plan, backend=backend)
+    out = sequence_parallel_attention(ql, kl, vl, plan=plan, backend=backend, window=window)
     out.backward(dout[idx])
     cu = cumulative(lens)
-    ref_out, _, ref_grads = _reference(q, k, v, dout, cu, cu, True)
+    ref_out, _, ref_grads = _reference(q, k, v, dout, cu, cu, True, window=window)
     assert rel_err(out, ref_out[idx]) < TOL
     for got, want in zip((ql.grad, kl.grad, vl.grad), ref_grads):
         assert rel_err(got, want[idx]) < TOL
@@ -219,22 +221,3 @@ def test_kernel_sliding_window_matches_fp64_reference(kernel, case):
         else:
             errors[name] = rel_err(got, want)
     assert max(errors.values()) < TOL, f"{kernel} {case}: {errors}"
-
-
-@pytest.mark.parametrize("backend", sorted(set(backend_names()) - {"auto"}))
-def test_every_backend_with_a_sliding_window_on_the_gpu(backend):
-    lens = _mixed(8, 8000)
-    batch = PackedBatch.from_doc_lens(lens)
-    g = torch.Generator(device="cpu").manual_seed(8)
-    q, dout = (torch.randn(batch.num_tokens, 8, 128, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
-    k, v = (torch.randn(batch.num_tokens, 2, 128, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
-    plan = shard_plan(batch, 1, default_strategy(backend))
-    idx = plan.local_indices(0).to(DEVICE)
-    ql, kl, vl = (t[idx].clone().requires_grad_() for t in (q, k, v))
-    out = sequence_parallel_attention(ql, kl, vl, plan=plan, backend=backend, window=300)
-    out.backward(dout[idx])
-    cu = cumulative(lens)
-    ref_out, _, ref_grads = _reference(q, k, v, dout, cu, cu, True, window=300)
-    assert rel_err(out, ref_out[idx]) < TOL
-    for got, want in zip((ql.grad, kl.grad, vl.grad), ref_grads):
-        assert rel_err(got, want[idx]) < TOL
