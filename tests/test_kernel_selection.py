@@ -131,3 +131,21 @@ def test_padded_lse_places_every_row_at_its_segment_and_offset():
         for j in range(cu[i + 1] - cu[i]):
             torch.testing.assert_close(padded[i, :, j, 0], lse[:, cu[i] + j])
     assert padded[1].abs().sum() == 0 and padded[3].abs().sum() == 0
+
+
+def test_a_missing_extra_is_named_once_where_it_would_help(monkeypatch, caplog):
+    """auto logs the install command of a faster kernel once per process, and only for a device it serves."""
+    from hf_longctx.kernels import cudnn_varlen
+
+    monkeypatch.setattr(dispatch, "_hinted", set())
+    monkeypatch.setattr(fa4, "is_installed", lambda: False)
+    monkeypatch.setattr(cudnn_varlen, "is_installed", lambda: False)
+    monkeypatch.setattr(cudnn_varlen, "worth_installing", lambda device: False)
+    q = torch.randn(4, 2, 8)
+    dispatch.select_kernel("auto", q, q, [0, 4], [0, 4], True)
+    assert "not installed" not in caplog.text, "fa4 is no help on a CPU: no hint"
+    monkeypatch.setattr(fa4, "worth_installing", lambda device: True)
+    for _ in range(3):
+        assert dispatch.select_kernel("auto", q, q, [0, 4], [0, 4], True) == "reference"
+    assert caplog.text.count('pip install "hf-longctx[fa4]"') == 1
+    assert "cudnn_varlen" not in caplog.text
