@@ -3,8 +3,9 @@
 ``pip install "hf-longctx[cudnn]"`` brings ``nvidia-cudnn-frontend`` (one 11 MB wheel that uses the
 libcudnn torch already ships; its packed-document path builds its offset tables with the CUTLASS
 Python DSL, so that comes along). Its ``torch.ops.cudnn.sdpa_fwd/sdpa_bwd`` take cu_seqlens, native
-GQA, bottom-right causal masks and windows, so any mix of document lengths runs in one call, at
-about 1.55x torch's FlashAttention-2 on Hopper (bench/RESULTS.md). Unlike the dense path in
+GQA and bottom-right causal masks, so any mix of document lengths runs in one call, at about 1.5x
+torch's FlashAttention-2 on Hopper (bench/RESULTS.md). Sliding windows are declined: cuDNN's band
+did not match the reference on the GPU. Unlike the dense path in
 :mod:`.cudnn` it is not limited to a few distinct document shapes.
 
 Two costs shape this module:
@@ -12,7 +13,9 @@ Two costs shape this module:
 * cuDNN builds one graph per (segment count, max length) in forward and additionally per total
   tokens (rounded to 64) in backward, 0.1-3 s each. Every one of those numbers is rounded up onto
   a coarse grid (:mod:`.buckets`): the segment count by appending empty segments, max lengths by
-  passing a larger bound, and in backward the token count by padding rows that no segment covers.
+  passing a larger bound, and in backward the token count by padding rows that no segment covers
+  (a copy of q, k, v, out and dout when the count is off the grid: the price of a bounded number
+  of graphs).
 * The backward takes its LSE padded to (segments, heads, max_len). A call whose padded LSE would
   pass :data:`LSE_BUDGET_BYTES` is split into contiguous runs of segments (views, no copies of the
   inputs), each with its own smaller bound.

@@ -103,7 +103,7 @@ def select_kernel(kernel: str, q, k, cu_q: list[int], cu_k: list[int], causal: b
             raise ValueError(f"kernel {kernel!r} cannot run this input: {reason}")
         return kernel
     for name in _AUTO_ORDER:
-        if _config_key(name, q, k, cu_q, cu_k, causal, window) in _broken:
+        if _broken and _config_key(name, q, k, cu_q, cu_k, causal, window) in _broken:  # key only after a failure
             continue
         if _reason(name, q, k, cu_q, cu_k, causal, window) is None:
             logger.debug("auto kernel: %s for q %s %s causal=%s window=%s", name, tuple(q.shape), q.dtype, causal,
