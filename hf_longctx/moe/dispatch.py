@@ -27,8 +27,10 @@ receives them grouped by (source rank, expert), regroups them by expert for the 
 outputs back; the owner applies the routing weights and sums in float32. Split sizes are read back
 to the host every call.
 
-Ordering is deterministic in both: sums follow slot order with distinct rows per ``index_add_``
-(see :mod:`~hf_longctx.moe.routing`), and permutations are stable sorts. The gathered rows of all
+Ordering is deterministic in both: each token's pair rows are summed slot by slot through the pair
+table (see :mod:`~hf_longctx.moe.routing` and :mod:`~hf_longctx.moe.row_ops`: one Triton kernel on
+GPUs, no atomics), and permutations are stable sorts. On one rank holding every expert nothing
+travels and no pair count is read back to the host. The gathered rows of all
 the group's tokens are never saved for backward: only the compacted rows of local pairs survive
 (inside the expert GEMMs' autograd), and the combine keeps the pairs' outputs for the weight
 gradient.
@@ -50,7 +52,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .experts import expert_mlp
-from .routing import PairLayout, pair_layout, scatter_pairs_to_tokens
+from .routing import PairLayout, pair_layout
+from .row_ops import accumulation_dtype, pair_grads, pair_sum
 
 DISPATCHES = ("allgather", "all_to_all")
 
@@ -64,11 +67,6 @@ def moe_comm_stats() -> dict[str, int]:
 
 def reset_moe_comm_stats() -> None:
     _stats.clear()
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """At least float32: token sums and reduce-scatters of bf16 activations run in float32."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _count_symmetric(kind: str, chunk_bytes: int, world: int) -> None:
@@ -122,6 +120,7 @@ class DispatchState:
     expert_start: int
     num_local_experts: int
     max_tokens: int = 0  # allgather: rows per rank in the fixed-size collectives
+    all_local: bool = False  # every routed expert id is in this rank's range: nothing to compact away
     layout: PairLayout | None = None
     # all_to_all: split sizes and the regrouping of received rows by expert
     send_splits: list[int] = field(default_factory=list)
@@ -145,38 +144,40 @@ class _AllGatherDispatch(torch.autograd.Function):
     def forward(ctx, x, weights, expert_ids, state: DispatchState):
         tokens, hidden = x.shape
         top_k = expert_ids.shape[1]
-        routing_dtype = _routing_dtype(x, weights)
-        routing = torch.cat([weights.to(routing_dtype), expert_ids.to(routing_dtype)], dim=1)
-        packed = torch.cat([x, routing.view(x.dtype)], dim=1)
-        if tokens < state.max_tokens:  # padding rows: zero states, weight 0, expert -1 (never selected)
-            pad_routing = torch.cat([torch.zeros(1, top_k, dtype=routing_dtype, device=x.device),
-                                     torch.full((1, top_k), -1, dtype=routing_dtype, device=x.device)], dim=1)
-            pad = torch.cat([x.new_zeros(1, hidden), pad_routing.view(x.dtype)], dim=1)
-            packed = torch.cat([packed, pad.expand(state.max_tokens - tokens, -1)])
-        gathered = _all_gather(packed, state.group, state.world)
-        routing_all = gathered[:, hidden:].contiguous().view(routing_dtype)
-        layout = pair_layout(routing_all[:, top_k:].long(), state.expert_start, state.num_local_experts)
+        if state.world == 1:  # nothing travels: the rows are this rank's own
+            x_all, weights_all, ids_all = x, weights, expert_ids
+        else:
+            routing_dtype = _routing_dtype(x, weights)
+            routing = torch.cat([weights.to(routing_dtype), expert_ids.to(routing_dtype)], dim=1)
+            packed = torch.cat([x, routing.view(x.dtype)], dim=1)
+            if tokens < state.max_tokens:  # padding rows: zero states, weight 0, expert -1 (never selected)
+                pad_routing = torch.cat([torch.zeros(1, top_k, dtype=routing_dtype, device=x.device),
+                                         torch.full((1, top_k), -1, dtype=routing_dtype, device=x.device)], dim=1)
+                pad = torch.cat([x.new_zeros(1, hidden), pad_routing.view(x.dtype)], dim=1)
+                packed = torch.cat([packed, pad.expand(state.max_tokens - tokens, -1)])
+            gathered = _all_gather(packed, state.group, state.world)
+            routing_all = gathered[:, hidden:].contiguous().view(routing_dtype)
+            x_all, weights_all, ids_all = gathered[:, :hidden], routing_all[:, :top_k], routing_all[:, top_k:]
+        layout = pair_layout(ids_all, state.expert_start, state.num_local_experts, all_local=state.all_local)
         state.layout = layout
-        rows = gathered[:, :hidden].index_select(0, layout.token_index[layout.expert_order])
-        pair_weights = routing_all[layout.token_index, layout.slot_index][layout.expert_order].to(weights.dtype)
-        del gathered, routing_all  # the gathered rows of every token are not kept for backward
+        rows = x_all.index_select(0, layout.token_index)
+        pair_weights = weights_all.reshape(-1).index_select(0, layout.flat_index).to(weights.dtype)
+        del x_all, weights_all  # the gathered rows of every token are not kept for backward
         ctx.state, ctx.x_dtype, ctx.w_dtype, ctx.tokens = state, x.dtype, weights.dtype, tokens
         return rows, pair_weights, x.new_empty(0)
 
     @staticmethod
     def backward(ctx, grad_rows, grad_pair_weights, _grad_link):
         state, layout = ctx.state, ctx.state.layout
-        acc = accumulation_dtype(ctx.x_dtype)
         hidden = grad_rows.shape[1]  # autograd materialises an unused output's gradient as zeros
-        full = grad_rows.new_zeros((state.world * state.max_tokens, hidden + layout.top_k), dtype=acc)
-        if layout.num_pairs:
-            slot_major = torch.empty_like(grad_rows)
-            slot_major[layout.expert_order] = grad_rows
-            for start, stop in layout.slot_segments():
-                full[:, :hidden].index_add_(0, layout.token_index[start:stop], slot_major[start:stop].to(acc))
-            if grad_pair_weights is not None:
-                order = layout.expert_order
-                full[layout.token_index[order], hidden + layout.slot_index[order]] = grad_pair_weights.to(acc)
+        if state.world == 1:
+            grad_x = pair_sum(grad_rows, layout.pair_table, out_dtype=ctx.x_dtype)
+            return grad_x, layout.scatter_to_slots(grad_pair_weights.to(ctx.w_dtype)), None, None
+        # one float32 buffer of every group token: input gradients, then the k routing-weight gradients
+        full = grad_rows.new_empty((state.world * state.max_tokens, hidden + layout.top_k),
+                                   dtype=accumulation_dtype(ctx.x_dtype))
+        pair_sum(grad_rows, layout.pair_table, out=full[:, :hidden])
+        full[:, hidden:] = layout.scatter_to_slots(grad_pair_weights.to(full.dtype))
         mine = _reduce_scatter(full, state.group, state.world)[: ctx.tokens]
         return mine[:, :hidden].to(ctx.x_dtype), mine[:, hidden:].to(ctx.w_dtype), None, None
 
@@ -187,13 +188,11 @@ class _AllGatherCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_out, pair_weights, link, state: DispatchState, out_dtype: torch.dtype, tokens: int):
         layout = state.layout
-        acc = accumulation_dtype(out_dtype)
-        slot_major = layout.inverse_expert_order()
-        weights = pair_weights.index_select(0, slot_major).to(acc)
-        weighted = expert_out.index_select(0, slot_major).to(acc) * weights[:, None]
-        partial = scatter_pairs_to_tokens(weighted, layout, acc)
-        del weighted
-        out = _reduce_scatter(partial, state.group, state.world)[:tokens].to(out_dtype)
+        if state.world == 1:
+            out = pair_sum(expert_out, layout.pair_table, pair_weights, out_dtype=out_dtype)
+        else:
+            partial = pair_sum(expert_out, layout.pair_table, pair_weights, out_dtype=accumulation_dtype(out_dtype))
+            out = _reduce_scatter(partial, state.group, state.world)[:tokens].to(out_dtype)
         ctx.save_for_backward(expert_out, pair_weights)
         ctx.state, ctx.tokens = state, tokens
         return out
@@ -202,14 +201,12 @@ class _AllGatherCombine(torch.autograd.Function):
     def backward(ctx, grad_out):
         expert_out, pair_weights = ctx.saved_tensors
         state, layout = ctx.state, ctx.state.layout
-        acc = accumulation_dtype(grad_out.dtype)
-        if ctx.tokens < state.max_tokens:
-            grad_out = torch.cat([grad_out, grad_out.new_zeros(state.max_tokens - ctx.tokens, grad_out.shape[1])])
-        grad_all = _all_gather(grad_out, state.group, state.world)
-        grad_pairs = grad_all.index_select(0, layout.token_index[layout.expert_order]).to(acc)
-        del grad_all
-        grad_expert_out = (grad_pairs * pair_weights.to(acc)[:, None]).to(expert_out.dtype)
-        grad_weights = (grad_pairs * expert_out.to(acc)).sum(dim=1).to(pair_weights.dtype)
+        grad_all = grad_out
+        if state.world > 1:
+            if ctx.tokens < state.max_tokens:
+                grad_out = torch.cat([grad_out, grad_out.new_zeros(state.max_tokens - ctx.tokens, grad_out.shape[1])])
+            grad_all = _all_gather(grad_out, state.group, state.world)
+        grad_expert_out, grad_weights = pair_grads(grad_all, layout.token_index, pair_weights, expert_out)
         return grad_expert_out, grad_weights, grad_out.new_zeros(0), None, None, None
 
 
@@ -218,35 +215,40 @@ class _AllToAllDispatch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, expert_ids, state: DispatchState):
-        layout = pair_layout(expert_ids, 0, state.world * state.num_local_experts)
+        num_experts = state.world * state.num_local_experts
+        layout = pair_layout(expert_ids, 0, num_experts, all_local=state.all_local)
         state.layout = layout
         send_counts = layout.expert_counts.view(state.world, state.num_local_experts)
         recv_counts = send_counts
         if state.world > 1:
             recv_counts = torch.empty_like(send_counts)
             dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=state.group)
-        splits = torch.stack([send_counts.sum(dim=1), recv_counts.sum(dim=1)]).tolist()
-        state.send_splits, state.recv_splits = splits
-        send_rows = x.index_select(0, layout.token_index[layout.expert_order])
+            splits = torch.stack([send_counts.sum(dim=1), recv_counts.sum(dim=1)]).tolist()
+            state.send_splits, state.recv_splits = splits
+        else:
+            state.send_splits = state.recv_splits = [layout.num_pairs]
+        send_rows = x.index_select(0, layout.token_index)
         received = _all_to_all(send_rows, state.send_splits, state.recv_splits, state.group, state.rank, state.world)
-        expert_of_row = torch.arange(state.num_local_experts, device=x.device).repeat(state.world)
-        expert_of_row = torch.repeat_interleave(expert_of_row, recv_counts.reshape(-1), output_size=received.shape[0])
-        state.recv_order = torch.argsort(expert_of_row, stable=True)
         state.recv_counts = recv_counts.sum(dim=0)
+        if state.world > 1:  # received rows are grouped by (source rank, expert): regroup them by expert
+            expert_of_row = torch.arange(state.num_local_experts, device=x.device).repeat(state.world)
+            expert_of_row = torch.repeat_interleave(expert_of_row, recv_counts.reshape(-1),
+                                                    output_size=received.shape[0])
+            state.recv_order = torch.argsort(expert_of_row, stable=True)
+            received = received.index_select(0, state.recv_order)
         ctx.state, ctx.x_dtype = state, x.dtype
-        return received.index_select(0, state.recv_order), x.new_empty(0)
+        return received, x.new_empty(0)
 
     @staticmethod
     def backward(ctx, grad_rows, _grad_link):
         state, layout = ctx.state, ctx.state.layout
-        grad_received = torch.empty_like(grad_rows)
-        grad_received[state.recv_order] = grad_rows
+        grad_received = grad_rows
+        if state.recv_order is not None:
+            grad_received = torch.empty_like(grad_rows)
+            grad_received[state.recv_order] = grad_rows
         grad_sent = _all_to_all(grad_received, state.recv_splits, state.send_splits, state.group, state.rank,
                                 state.world)
-        slot_major = torch.empty_like(grad_sent)
-        slot_major[layout.expert_order] = grad_sent
-        grad_x = scatter_pairs_to_tokens(slot_major, layout, accumulation_dtype(ctx.x_dtype))
-        return grad_x.to(ctx.x_dtype), None, None
+        return pair_sum(grad_sent, layout.pair_table, out_dtype=ctx.x_dtype), None, None
 
 
 class _AllToAllCombine(torch.autograd.Function):
@@ -255,32 +257,27 @@ class _AllToAllCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_out, weights, link, state: DispatchState, out_dtype: torch.dtype):
         layout = state.layout
-        acc = accumulation_dtype(out_dtype)
-        back = torch.empty_like(expert_out)
-        back[state.recv_order] = expert_out
+        back = expert_out
+        if state.recv_order is not None:
+            back = torch.empty_like(expert_out)
+            back[state.recv_order] = expert_out
         returned = _all_to_all(back, state.recv_splits, state.send_splits, state.group, state.rank, state.world)
-        slot_major = returned.index_select(0, layout.inverse_expert_order())
-        pair_weights = weights[layout.token_index, layout.slot_index]
-        out = scatter_pairs_to_tokens(slot_major.to(acc) * pair_weights.to(acc)[:, None], layout, acc)
-        ctx.save_for_backward(slot_major, weights)
-        ctx.state = state
-        return out.to(out_dtype)
+        pair_weights = weights.reshape(-1).index_select(0, layout.flat_index)
+        out = pair_sum(returned, layout.pair_table, pair_weights, out_dtype=out_dtype)
+        ctx.save_for_backward(returned, pair_weights)
+        ctx.state, ctx.w_dtype = state, weights.dtype
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        slot_major, weights = ctx.saved_tensors
+        returned, pair_weights = ctx.saved_tensors
         state, layout = ctx.state, ctx.state.layout
-        acc = accumulation_dtype(grad_out.dtype)
-        grad_pairs = grad_out.index_select(0, layout.token_index).to(acc)
-        pair_weights = weights[layout.token_index, layout.slot_index].to(acc)
-        grad_slot_major = (grad_pairs * pair_weights[:, None]).to(slot_major.dtype)
-        grad_weights = torch.zeros_like(weights, dtype=acc)
-        grad_weights[layout.token_index, layout.slot_index] = (grad_pairs * slot_major.to(acc)).sum(dim=1)
-        grad_sent = grad_slot_major.index_select(0, layout.expert_order)
-        grad_received = _all_to_all(grad_sent, state.send_splits, state.recv_splits, state.group, state.rank,
-                                    state.world)
-        grad_expert_out = grad_received.index_select(0, state.recv_order)
-        return grad_expert_out, grad_weights.to(weights.dtype), grad_out.new_zeros(0), None, None
+        grad_returned, grad_pair_weights = pair_grads(grad_out, layout.token_index, pair_weights, returned)
+        grad_sent = _all_to_all(grad_returned, state.send_splits, state.recv_splits, state.group, state.rank,
+                                state.world)
+        grad_expert_out = grad_sent if state.recv_order is None else grad_sent.index_select(0, state.recv_order)
+        grad_weights = layout.scatter_to_slots(grad_pair_weights.to(ctx.w_dtype))
+        return grad_expert_out, grad_weights, grad_out.new_zeros(0), None, None
 
 
 def _group_token_counts(tokens: int, signature: list[int], group, world: int, device: torch.device) -> list[int]:
@@ -342,7 +339,10 @@ def dispatch_experts(
     pieces = []
     for start, stop in chunk_bounds(max(counts), chunk_tokens):
         mine = slice(min(start, tokens), min(stop, tokens))
-        state = DispatchState(group, rank, world, expert_start, num_local_experts, max_tokens=stop - start)
+        # all-to-all sends every pair somewhere; allgather on one rank holding every expert keeps them all
+        all_local = dispatch == "all_to_all" or (world == 1 and num_local_experts == experts.num_experts)
+        state = DispatchState(group, rank, world, expert_start, num_local_experts, max_tokens=stop - start,
+                              all_local=all_local)
         x, ids, weights = hidden_states[mine], top_k_index[mine], top_k_weights[mine]
         if dispatch == "allgather":
             rows, pair_weights, link = _AllGatherDispatch.apply(x, weights, ids, state)

@@ -11,7 +11,8 @@ Why two paths. ``torch._grouped_mm`` runs every expert's GEMM in one kernel from
 on an H200 it reaches 394-548 TFLOP/s on the Qwen3-30B-A3B and Mixtral shapes where a Python loop over
 experts gets 16-342 (many small GEMMs, one launch each). It takes bf16/fp16/fp32 only and wants
 16-byte aligned strides, so float64 (the exactness tests) and odd shapes go through the loop, which
-computes the same thing with ``F.linear`` per expert.
+computes the same thing with ``F.linear`` per expert. On the grouped path a plain SwiGLU gate runs as
+one fused kernel (:func:`~hf_longctx.moe.row_ops.swiglu`) with the same rounding as eager mode.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .row_ops import swiglu
 
 _GROUPED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -73,7 +76,7 @@ def expert_mlp(rows: torch.Tensor, counts: torch.Tensor, experts: nn.Module, gro
         h = _grouped_linear(rows, gate_up, offsets, transposed)
         if gate_up_bias is not None:
             h = h + gate_up_bias[expert_of_row]
-        h = experts._apply_gate(h)
+        h = swiglu(experts, h)
         out = _grouped_linear(h.to(rows.dtype), down, offsets, transposed)
         if down_bias is not None:
             out = out + down_bias[expert_of_row]

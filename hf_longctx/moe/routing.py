@@ -1,19 +1,18 @@
-"""Which (token, slot) pairs go to a range of experts, in the two orders the expert path needs.
+"""Which (token, slot) pairs go to a range of experts, and where each one's row lives.
 
 A router gives every token ``k`` (expert id, weight) slots. The experts of one rank only compute the
-pairs whose expert falls in the rank's range, so the pairs are compacted first. Two orders matter:
+pairs whose expert falls in the rank's range, so the pairs are compacted into **expert order**: one
+contiguous block of rows per local expert (the layout a grouped GEMM takes, described by
+cumulative counts), and inside an expert by ascending token. The way back is the **pair table**:
+``pair_table[t, j]`` is the row of pair (t, j) in expert order, or -1 where slot j of token t goes
+to another rank's expert. Summing a token's pair rows through the table slot by slot touches each
+token row once, with no index repeated, so the sum is deterministic on GPUs (no atomics) and its
+order is fixed (slot 0 first) on every device (:func:`~hf_longctx.moe.row_ops.pair_sum`).
 
-* **expert order** - pairs grouped by local expert, the row layout a grouped GEMM takes (one
-  contiguous block of rows per expert, described by cumulative offsets);
-* **slot-major order** - all pairs of slot 0 (ascending token), then slot 1, and so on. Inside one
-  slot a token appears at most once, so summing pair rows back into token rows slot by slot is an
-  ``index_add_`` whose indices never repeat: no two additions race for one row, which keeps the sum
-  deterministic on GPUs (where ``index_add_`` with repeated indices uses atomics) and fixes its
-  order (slot 0 first) on every device.
-
-:class:`PairLayout` holds both and the permutation between them. It reads two small things back to
-the host (pair counts per slot, needed to cut the slot segments, and the pair total through
-``nonzero``): one synchronisation per MoE layer, which the dropless compaction cannot avoid.
+Compaction reads one number back to the host, the pair count (through ``nonzero``): the size of the
+rows the GEMMs run, which dropless routing cannot know in advance. When the range holds every expert
+and no id is out of range (one rank with all experts), every pair is local and nothing is read back;
+an out-of-range id then fails a device-side assertion instead of being dropped.
 """
 
 from __future__ import annotations
@@ -25,18 +24,16 @@ import torch
 
 @dataclass(frozen=True)
 class PairLayout:
-    """(token, slot) pairs routed to experts ``[expert_start, expert_start + num_local_experts)``.
+    """(token, slot) pairs routed to experts ``[expert_start, expert_start + num_local_experts)``, in expert order.
 
-    ``token_index`` and ``slot_index`` list the pairs in slot-major order; ``slot_counts[j]`` pairs
-    belong to slot j. ``expert_order[i]`` is the slot-major position of the i-th pair in expert order;
-    ``expert_counts[e]`` pairs go to local expert e.
+    ``token_index[p]`` and ``slot_index[p]`` name the p-th pair; ``expert_counts[e]`` pairs go to local
+    expert e; ``pair_table`` (num_tokens, top_k) maps each (token, slot) back to its pair, or -1.
     """
 
     token_index: torch.Tensor
     slot_index: torch.Tensor
-    slot_counts: tuple[int, ...]
-    expert_order: torch.Tensor
     expert_counts: torch.Tensor
+    pair_table: torch.Tensor
     num_tokens: int
     top_k: int
 
@@ -44,54 +41,53 @@ class PairLayout:
     def num_pairs(self) -> int:
         return int(self.token_index.numel())
 
-    def slot_segments(self):
-        """(start, stop) of each slot's pairs in slot-major order (tokens unique inside each)."""
-        start = 0
-        for count in self.slot_counts:
-            if count:
-                yield start, start + count
-            start += count
+    @property
+    def flat_index(self) -> torch.Tensor:
+        """``token * top_k + slot`` of each pair: its position in a flattened (tokens, k) routing tensor."""
+        return self.token_index * self.top_k + self.slot_index
 
-    def inverse_expert_order(self) -> torch.Tensor:
-        """``inverse[slot_major_position]`` = position of that pair in expert order."""
-        inverse = torch.empty_like(self.expert_order)
-        inverse[self.expert_order] = torch.arange(self.num_pairs, device=self.expert_order.device)
-        return inverse
+    def scatter_to_slots(self, pair_values: torch.Tensor) -> torch.Tensor:
+        """(num_tokens, top_k) tensor holding each pair's value at its (token, slot), zeros elsewhere."""
+        out = pair_values.new_zeros(self.num_tokens * self.top_k)
+        out[self.flat_index] = pair_values
+        return out.view(self.num_tokens, self.top_k)
 
 
-def pair_layout(expert_ids: torch.Tensor, expert_start: int, num_local_experts: int) -> PairLayout:
+def pair_layout(expert_ids: torch.Tensor, expert_start: int, num_local_experts: int, *,
+                all_local: bool = False) -> PairLayout:
     """Compact the pairs of ``expert_ids`` (tokens, k) whose expert is in ``[start, start + num_local)``.
 
-    Ids outside the range (other ranks' experts, or -1 for padding rows) are left out.
+    Ids outside the range (other ranks' experts, or -1 for padding rows) are left out. ``all_local``
+    promises every id is in range (one rank holding all experts): then no count is read back to the
+    host, and a broken promise fails a device-side assertion.
     """
     if expert_ids.dim() != 2:
         raise ValueError(f"expert ids must be (tokens, top_k), got shape {tuple(expert_ids.shape)}")
     num_tokens, top_k = expert_ids.shape
-    by_slot = expert_ids.t()  # (k, T): flattening it gives slot-major order
-    selected = (by_slot >= expert_start) & (by_slot < expert_start + num_local_experts)
-    flat = selected.reshape(-1).nonzero().squeeze(1)
-    slot_counts = tuple(int(c) for c in selected.sum(dim=1).tolist())
-    local_expert = by_slot.reshape(-1)[flat] - expert_start
-    # stable: inside one expert, pairs keep slot-major order, so the layout is a pure function of the ids
-    expert_order = torch.argsort(local_expert, stable=True)
-    expert_counts = torch.bincount(local_expert, minlength=num_local_experts)
+    local = expert_ids.reshape(-1).long() - expert_start
+    in_range = (local >= 0) & (local < num_local_experts)
+    if all_local:
+        if local.numel():
+            torch._assert_async(in_range.all(), "an expert id is outside [0, num_experts)")
+        positions = torch.arange(local.numel(), device=local.device)
+    else:
+        positions = in_range.nonzero().squeeze(1)
+        local = local[positions]
+    # stable: inside one expert, pairs keep ascending (token, slot) order, so the layout is a pure function of the ids
+    order = torch.argsort(local, stable=True)
+    positions = positions[order]
+    expert_counts = torch.zeros(num_local_experts, dtype=torch.int64, device=local.device)
+    expert_counts.scatter_add_(0, local, torch.ones_like(local))
+    table = torch.full((num_tokens * top_k,), -1, dtype=torch.int64, device=local.device)
+    table[positions] = torch.arange(positions.numel(), device=local.device)
     return PairLayout(
-        token_index=flat % max(num_tokens, 1),
-        slot_index=flat // max(num_tokens, 1),
-        slot_counts=slot_counts,
-        expert_order=expert_order,
+        token_index=positions // top_k,
+        slot_index=positions % top_k,
         expert_counts=expert_counts,
+        pair_table=table.view(num_tokens, top_k),
         num_tokens=num_tokens,
         top_k=top_k,
     )
-
-
-def scatter_pairs_to_tokens(rows_slot_major: torch.Tensor, layout: PairLayout, dtype: torch.dtype) -> torch.Tensor:
-    """(num_tokens, H) sums of pair rows per token in ``dtype``, slot by slot (deterministic; no autograd)."""
-    out = rows_slot_major.new_zeros((layout.num_tokens, rows_slot_major.shape[-1]), dtype=dtype)
-    for start, stop in layout.slot_segments():
-        out.index_add_(0, layout.token_index[start:stop], rows_slot_major[start:stop].to(dtype))
-    return out
 
 
 def expert_load(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
