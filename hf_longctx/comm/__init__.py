@@ -1,4 +1,4 @@
-"""Process groups, overlapped P2P exchange and (TASP) topology for sequence parallelism."""
+"""Process groups, overlapped P2P exchange, row gathers and traffic counters for sequence parallelism."""
 
 from .groups import (
     current_device,
