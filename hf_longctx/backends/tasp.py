@@ -4,7 +4,8 @@ A ring uses one of the n (n - 1) directed links of a fully connected fabric per 
 (Topology-Aware Sequence Parallelism) splits every rank's keys/values into one sub-block per
 Hamiltonian cycle of a decomposition of K_n* (n - 1 cycles; n - 2 for n = 4 and 6) and moves every
 sub-block one hop along its own cycle per step, all of them in ONE all_to_all, so every link carries
-data at once. After n - 1 hops each sub-block has visited every rank.
+data at once. After n - 1 hops each sub-block has visited every rank. The cycles come from
+:mod:`.tasp_topology`; :func:`routes` says where each sub-block is at every hop.
 
 Packed documents: a sub-block is forwarded only as far as some rank on its cycle still needs it, each
 hop carries only the span of its rows that this and later ranks read, and (query, key) pieces whose
@@ -47,6 +48,8 @@ def cycles_for(n: int) -> tuple[tuple[int, ...], ...]:
 
 @dataclass(frozen=True)
 class SubBlock:
+    """The part of ``owner``'s key rows that travels on cycle ``cycle``: one per cycle, cut in order."""
+
     owner: int
     cycle: int
     start: int  # key rows [start, end) of the owner's local tensor

@@ -7,10 +7,11 @@ kernel segments, and the row gathers that feed them) and runs them forward and b
 nano-batch, each server runs all its tasks in ONE varlen kernel call (one bottom-right causal segment
 per task), and every query row belongs to exactly one task, so no merge is needed.
 
-What travels (see :mod:`hf_longctx.comm.gather`): only rows a server does not hold, each at most once per
-nano-batch. Tasks of one document on one server read overlapping key prefixes; their union travels
-once (not one prefix per task), rows the server holds itself are read in place (never copied through
-the collective), and queries, outputs and log-sum-exps of tasks served by their owner never move.
+What travels (see :mod:`hf_longctx.comm.gather`): only rows a server does not hold, each at most
+once per nano-batch. Tasks of one document on one server read overlapping key prefixes; their union
+travels once (not one prefix per task), rows the server holds itself are read in place (never copied
+through the collective), and queries, outputs and log-sum-exps of tasks served by their owner never
+move.
 (Sending every task its whole prefix instead moves a long document's shared prefix once per task.)
 Backward trades the same rows plus output gradients and returns dQ to owners and dK/dV, summed over
 the tasks that read each row, to every holder.
