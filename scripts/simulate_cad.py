@@ -165,7 +165,7 @@ def priced_loads(docs, sched, model) -> np.ndarray:
     """Per-server cost of a schedule's tasks under ``model`` (e.g. a FLOPs schedule priced by a profile)."""
     _, off, _, _ = parse_docs(docs)
     first = np.cumsum([0] + [len(d) for d in docs])[:-1]
-    item = first[sched.task_rank] + sched.task_doc
+    item = first[sched.task_owner] + sched.task_piece
     cost = model.cost_array(sched.task_q_end - sched.task_q_start, off[item] + sched.task_q_end)
     return np.bincount(sched.task_server, weights=cost, minlength=sched.num_servers)
 

@@ -14,6 +14,8 @@ import torch
 from test_backends import make_problem, reference
 
 from hf_longctx.backends.cad import runtime
+from hf_longctx.backends.cad.pingpong import PINGPONG_TOLERANCE, pingpong_split
+from hf_longctx.backends.cad.tasks import CadTask, docs_per_rank, pieces_of, server_holds_keys, task_cost
 from hf_longctx.backends.engine import RunContext
 from hf_longctx.backends.op import core_attention, register_context
 from hf_longctx.comm import group_rank_and_size
@@ -22,15 +24,15 @@ from hf_longctx.layout import PackedBatch, shard_plan
 from distributed import run_distributed
 
 
-def random_tasks(plan, seed: int) -> list[runtime.CadTask]:
+def random_tasks(plan, seed: int) -> list[CadTask]:
     rng = random.Random(seed)
     tasks = []
     for r in range(plan.world_size):
-        for i, (p, _) in enumerate(runtime.pieces_of(plan, r)):
+        for i, (p, _) in enumerate(pieces_of(plan, r)):
             cuts = sorted({0, p.length, *(rng.randint(1, p.length) for _ in range(rng.randint(0, 2)))})
             for a, b in zip(cuts, cuts[1:]):
                 if b > a:
-                    tasks.append(runtime.CadTask(r, i, a, b, rng.randrange(plan.world_size)))
+                    tasks.append(CadTask(r, i, a, b, rng.randrange(plan.world_size)))
     rng.shuffle(tasks)
     return tasks
 
@@ -67,7 +69,7 @@ def test_cad_runtime_exact_without_pingpong():
 
 def test_docs_per_rank_gives_pieces_with_their_prefix_offset():
     plan = shard_plan(PackedBatch.from_doc_lens([5, 10, 1]), 2, "contiguous")  # shards [0, 8), [8, 16)
-    assert runtime.docs_per_rank(plan) == [[(5, 0), (3, 0)], [(7, 3), (1, 0)]]
+    assert docs_per_rank(plan) == [[(5, 0), (3, 0)], [(7, 3), (1, 0)]]
 
 
 # ----------------------------------------------------------------------------- traffic: only rows a server lacks
@@ -110,9 +112,9 @@ def expected_traffic(plan, tasks, pingpong, rank, hq, hkv, d, itemsize=8):
     (k, v forward and backward; dk, dv back)."""
     q_row, lse_row, kv_row = hq * d * itemsize, hq * itemsize, 2 * hkv * d * itemsize
     owner_of = {int(g): r for r in range(plan.world_size) for g in plan.local_indices(r)}
-    pieces = [runtime.pieces_of(plan, r) for r in range(plan.world_size)]
+    pieces = [pieces_of(plan, r) for r in range(plan.world_size)]
     sent = recv = 0
-    for nb in (runtime.pingpong_split(plan, tasks) if pingpong else [tasks]):
+    for nb in (pingpong_split(plan, tasks) if pingpong else [tasks]):
         prefix = {}  # (server, doc) -> end of the union of key prefixes
         for t in nb:
             piece, _ = pieces[t.owner][t.piece]
@@ -157,7 +159,7 @@ def check_traffic(rank, world, doc_lens, schedules, pingpong, expect_no_collecti
 
 def local_tasks(plan, seed):
     """Random cuts of every piece, each task served by its owner."""
-    return [runtime.CadTask(t.owner, t.piece, t.q_start, t.q_end, t.owner) for t in random_tasks(plan, seed)]
+    return [CadTask(t.owner, t.piece, t.q_start, t.q_end, t.owner) for t in random_tasks(plan, seed)]
 
 
 @pytest.mark.parametrize("pingpong", [True, False])
@@ -172,8 +174,8 @@ def test_servers_holding_their_rows_send_nothing(pingpong):
 def check_union_not_sum(rank, world):
     # rank 0 holds document 0 ([0, 16)), rank 1 document 1; everything is computed on server 1
     doc_lens = [16, 16]
-    whole = [runtime.CadTask(0, 0, 0, 16, 1), runtime.CadTask(1, 0, 0, 16, 1)]
-    split = [runtime.CadTask(0, 0, a, a + 4, 1) for a in (12, 0, 8, 4)] + whole[1:]
+    whole = [CadTask(0, 0, 0, 16, 1), CadTask(1, 0, 0, 16, 1)]
+    split = [CadTask(0, 0, a, a + 4, 1) for a in (12, 0, 8, 4)] + whole[1:]
     for pingpong in (False, True):
         t_whole, t_split = check_traffic(rank, world, doc_lens, [whole, split], pingpong, False)
         # four tasks reading prefixes of 4, 8, 12 and 16 rows move the 16 rows once, not 40: the same as one task
@@ -199,7 +201,7 @@ def test_traffic_is_the_unique_rows_each_server_lacks(world, pingpong):
 
 
 def doc_of(plan, t):
-    return runtime.pieces_of(plan, t.owner)[t.piece][0].doc
+    return pieces_of(plan, t.owner)[t.piece][0].doc
 
 
 def check_split(plan, tasks, halves):
@@ -209,12 +211,12 @@ def check_split(plan, tasks, halves):
         return sorted((t.owner, t.piece, r, t.server) for t in ts for r in range(t.q_start, t.q_end))
 
     assert rows(t for h in halves for t in h) == rows(tasks)
-    cost = {s: [sum(runtime.task_cost(plan, t) for t in h if t.server == s) for h in halves]
+    cost = {s: [sum(task_cost(plan, t) for t in h if t.server == s) for h in halves]
             for s in {t.server for t in tasks}}
-    docs = [{doc_of(plan, t) for t in h if not runtime._server_holds_keys(plan, t)} for h in halves]
+    docs = [{doc_of(plan, t) for t in h if not server_holds_keys(plan, t)} for h in halves]
     shuffled = list(tasks)
     random.Random(0).shuffle(shuffled)
-    assert runtime.pingpong_split(plan, shuffled) == halves  # a function of the task set, whatever its order
+    assert pingpong_split(plan, shuffled) == halves  # a function of the task set, whatever its order
     return cost, docs
 
 
@@ -222,8 +224,8 @@ def test_pingpong_keeps_documents_whole_when_that_balances():
     # rank 0 holds four documents of 32 rows, cut into uneven tasks, all computed on server 1: two whole
     # documents per half (splitting one would send its shared prefix twice)
     plan = shard_plan(PackedBatch.from_doc_lens([32, 32, 32, 32, 128]), 2, "contiguous")
-    tasks = [runtime.CadTask(0, d, a, b, 1) for d in range(4) for a, b in ((0, 5), (5, 20), (20, 32))]
-    halves = runtime.pingpong_split(plan, tasks)
+    tasks = [CadTask(0, d, a, b, 1) for d in range(4) for a, b in ((0, 5), (5, 20), (20, 32))]
+    halves = pingpong_split(plan, tasks)
     cost, docs = check_split(plan, tasks, halves)
     assert cost[1][0] == cost[1][1] and len(docs[0]) == len(docs[1]) == 2 and not docs[0] & docs[1]
 
@@ -232,24 +234,24 @@ def test_pingpong_breaks_a_document_only_when_that_reaches_the_tolerance():
     # a document of 64 rows in 8 tasks and one of 8 rows, all remote on server 1: whole documents give
     # 2080 vs 36 pairs; breaking the long one balances within 10%
     plan = shard_plan(PackedBatch.from_doc_lens([64, 8, 72]), 2, "contiguous")
-    tasks = [runtime.CadTask(0, 0, a, a + 8, 1) for a in range(0, 64, 8)] + [runtime.CadTask(0, 1, 0, 8, 1)]
-    cost, docs = check_split(plan, tasks, runtime.pingpong_split(plan, tasks))
-    assert abs(cost[1][0] - cost[1][1]) <= runtime.PINGPONG_TOLERANCE * max(cost[1]), cost
+    tasks = [CadTask(0, 0, a, a + 8, 1) for a in range(0, 64, 8)] + [CadTask(0, 1, 0, 8, 1)]
+    cost, docs = check_split(plan, tasks, pingpong_split(plan, tasks))
+    assert abs(cost[1][0] - cost[1][1]) <= PINGPONG_TOLERANCE * max(cost[1]), cost
     assert 0 in docs[0] & docs[1]
     # head and tail of one document, remote: no split of the two reaches 10%, so they stay together
-    tasks = [runtime.CadTask(0, 0, 0, 8, 1), runtime.CadTask(0, 0, 48, 64, 1)]
-    halves = runtime.pingpong_split(plan, tasks)
+    tasks = [CadTask(0, 0, 0, 8, 1), CadTask(0, 0, 48, 64, 1)]
+    halves = pingpong_split(plan, tasks)
     assert len(halves) == 1 and sorted(halves[0]) == sorted(tasks)
 
 
 def test_pingpong_cuts_a_task_whose_keys_the_server_holds():
     # one local document, one task: cut in two parts of (nearly) equal cost, at no byte of cost
     plan = shard_plan(PackedBatch.from_doc_lens([64, 64]), 2, "contiguous")
-    tasks = [runtime.CadTask(0, 0, 0, 64, 0), runtime.CadTask(1, 0, 0, 64, 1)]
-    halves = runtime.pingpong_split(plan, tasks)
+    tasks = [CadTask(0, 0, 0, 64, 0), CadTask(1, 0, 0, 64, 1)]
+    halves = pingpong_split(plan, tasks)
     cost, _ = check_split(plan, tasks, halves)
     for s in (0, 1):
-        assert abs(cost[s][0] - cost[s][1]) <= runtime.PINGPONG_TOLERANCE * max(cost[s]), cost
+        assert abs(cost[s][0] - cost[s][1]) <= PINGPONG_TOLERANCE * max(cost[s]), cost
 
 
 def test_pingpong_on_random_schedules_covers_every_row():
@@ -257,5 +259,5 @@ def test_pingpong_on_random_schedules_covers_every_row():
         rng = random.Random(seed)
         world = rng.randint(1, 4)
         plan = shard_plan(PackedBatch.from_doc_lens([rng.randint(1, 40) for _ in range(6)]), world, "contiguous")
-        tasks = random_tasks(plan, seed) + [runtime.CadTask(0, 0, 0, 0, 0)]  # an empty task is dropped
-        check_split(plan, tasks, runtime.pingpong_split(plan, tasks))
+        tasks = random_tasks(plan, seed) + [CadTask(0, 0, 0, 0, 0)]  # an empty task is dropped
+        check_split(plan, tasks, pingpong_split(plan, tasks))

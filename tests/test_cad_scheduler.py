@@ -41,7 +41,7 @@ def brute_pairs(q_len: int, kv_len: int) -> int:
 def task_rows(sched, docs_per_rank):
     length, off, rank, _ = parse_docs(docs_per_rank)
     first = np.cumsum([0] + [len(d) for d in docs_per_rank])[:-1]
-    item = first[sched.task_rank] + sched.task_doc
+    item = first[sched.task_owner] + sched.task_piece
     return item, length, off
 
 
@@ -157,7 +157,7 @@ def test_deterministic_and_input_untouched():
     snapshot = [list(d) for d in docs]
     a, b = schedule(docs, 64), schedule(docs, 64)
     assert docs == snapshot
-    for name in ("task_rank", "task_doc", "task_q_start", "task_q_end", "task_server", "loads", "bytes_per_rank"):
+    for name in ("task_owner", "task_piece", "task_q_start", "task_q_end", "task_server", "loads", "bytes_per_rank"):
         assert np.array_equal(getattr(a, name), getattr(b, name)), name
 
 
@@ -167,7 +167,7 @@ def test_explicit_split_and_bytes():
     docs = [[4096], []]
     sched = schedule(docs, 2, eps=0.0, cost_model=PAIRS, min_shard=128, token_bytes=tb)
     verify_schedule(docs, sched, PAIRS)
-    tasks = sorted((t.rank, t.doc, t.q_start, t.q_end, t.server) for t in sched.tasks)
+    tasks = sorted((t.owner, t.piece, t.q_start, t.q_end, t.server) for t in sched.tasks)
     # every pair of mirrored rows (i, 4095 - i) costs 4097 keys; half the total is k = 1024 pairs
     assert tasks == [(0, 0, 0, 1024, 1), (0, 0, 1024, 3072, 0), (0, 0, 3072, 4096, 1)]
     assert sched.loads.tolist() == [1024 * 4097, 1024 * 4097]
@@ -196,7 +196,7 @@ def test_bytes_accounting_matches_the_tasks(docs, eps):
     for it in np.unique(item):
         for s in np.unique(sched.task_server[item == it]):
             sel = (item == it) & (sched.task_server == s)
-            r = int(sched.task_rank[sel][0])
+            r = int(sched.task_owner[sel][0])
             if r == s:
                 expect[r] += off[it] * tb.kv
             else:

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_longctx.layout import STRATEGIES, PackedBatch, clip_pair, exchange_plan, shard_plan
+from hf_longctx.layout import SHARD_STRATEGIES, PackedBatch, clip_pair, exchange_plan, shard_plan
 
 doc_lens_st = st.lists(st.integers(1, 300), min_size=1, max_size=30)
 
@@ -38,7 +38,7 @@ def test_position_ids_must_restart_per_document():
 
 
 @settings(max_examples=60, deadline=None)
-@given(doc_lens=doc_lens_st, world=st.integers(1, 7), strategy=st.sampled_from(STRATEGIES))
+@given(doc_lens=doc_lens_st, world=st.integers(1, 7), strategy=st.sampled_from(SHARD_STRATEGIES))
 def test_every_token_on_exactly_one_rank(doc_lens, world, strategy):
     batch = PackedBatch.from_doc_lens(doc_lens)
     plan = shard_plan(batch, world, strategy)
@@ -57,7 +57,7 @@ def test_every_token_on_exactly_one_rank(doc_lens, world, strategy):
 
 
 @settings(max_examples=40, deadline=None)
-@given(doc_lens=doc_lens_st, world=st.integers(1, 7), strategy=st.sampled_from(STRATEGIES))
+@given(doc_lens=doc_lens_st, world=st.integers(1, 7), strategy=st.sampled_from(SHARD_STRATEGIES))
 def test_token_counts_nearly_equal(doc_lens, world, strategy):
     plan = shard_plan(PackedBatch.from_doc_lens(doc_lens), world, strategy)
     counts = plan.token_counts
@@ -69,7 +69,7 @@ def _rank_work(plan, rank):
 
 
 @settings(max_examples=40, deadline=None)
-@given(doc_lens=doc_lens_st, world=st.integers(1, 6), strategy=st.sampled_from(STRATEGIES))
+@given(doc_lens=doc_lens_st, world=st.integers(1, 6), strategy=st.sampled_from(SHARD_STRATEGIES))
 def test_exchange_work_adds_up_to_causal_pairs(doc_lens, world, strategy):
     """Pairs cover every visible (query, key) pair exactly once: their work sums to the causal total."""
     batch = PackedBatch.from_doc_lens(doc_lens)
@@ -155,7 +155,7 @@ def _window_pairs(batch, window):
 
 @settings(max_examples=60, deadline=None)
 @given(doc_lens=st.lists(st.integers(1, 40), min_size=1, max_size=8), world=st.integers(1, 5),
-       strategy=st.sampled_from(STRATEGIES), window=st.integers(1, 45))
+       strategy=st.sampled_from(SHARD_STRATEGIES), window=st.integers(1, 45))
 def test_windowed_pairs_compute_each_visible_pair_once_and_send_only_keys_in_reach(doc_lens, world, strategy,
                                                                                    window):
     """Under sliding_window = W every (query, key) pair with 0 <= q - k < W inside a document is

@@ -3,11 +3,11 @@
 from .api import sequence_parallel_attention
 from .local import varlen_attention
 from .registry import BackendSpec, backend_names, default_strategy, get_backend, register_backend
-from .schedule import Task, distflash_schedule, rotation_schedule
+from .schedule import BlockTask, distflash_schedule, rotation_schedule
 
 __all__ = [
     "BackendSpec",
-    "Task",
+    "BlockTask",
     "backend_names",
     "default_strategy",
     "distflash_schedule",

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ..comm.p2p import PendingExchange, post_exchange
 from ..kernels import PartialAccumulator, accumulation_dtype, attention_backward, attention_forward
 from ..layout import Exchange, ShardPlan, exchange_plan
-from .schedule import Schedule, Task
+from .schedule import BlockTask, Schedule
 
 # Message kinds, part of the tag so gloo matches messages exactly.
 _KV, _Q, _RESULT, _GRAD = range(4)
@@ -61,7 +61,7 @@ class RunContext:
     backward_fn: object = None
     options: dict = field(default_factory=dict)  # runner-specific state (e.g. CAD tasks)
 
-    def exchange(self, task: Task) -> Exchange:
+    def exchange(self, task: BlockTask) -> Exchange:
         return exchange_plan(self.plan, task.q_rank, task.kv_rank, task.part, task.parts)
 
     def active(self, step: int):
@@ -82,7 +82,7 @@ def _empty_lse(rows: int, heads: int, dtype: torch.dtype, device) -> torch.Tenso
 # ----------------------------------------------------------------------------- forward
 
 
-def _kv_messages(ctx: RunContext, step: int, task: Task, ex: Exchange, k, v, sends: list, recvs: list) -> None:
+def _kv_messages(ctx: RunContext, step: int, task: BlockTask, ex: Exchange, k, v, sends: list, recvs: list) -> None:
     """Keys and values of a ring-style task travel from their owner to the query rank."""
     tag = _tag(step, _KV)
     if task.kv_rank == ctx.rank:

@@ -1,7 +1,7 @@
 """Schedules: which (query rank, key rank) attention blocks are computed at which step, and where.
 
-A schedule is a list of steps; a step is a list of :class:`Task`. A task names one (query rank,
-key rank) block of the shard plan's exchange table and who computes it:
+A schedule is a list of steps; a step is a list of :class:`BlockTask`. A block task names one (query
+rank, key rank) block of the shard plan's exchange table and who computes it:
 
 - ``at_kv_owner=False``: the query rank computes; the key/value rows travel to it (ring style).
 - ``at_kv_owner=True``: the key owner computes for the query rank; the query rows travel to it and
@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class Task:
+class BlockTask:
+    """One (query rank, key rank) block of a step, and which of the two ranks computes it."""
+
     q_rank: int
     kv_rank: int
     at_kv_owner: bool = False
@@ -31,7 +33,7 @@ class Task:
         return self.kv_rank if self.at_kv_owner else self.q_rank
 
 
-Schedule = tuple[tuple[Task, ...], ...]
+Schedule = tuple[tuple[BlockTask, ...], ...]
 
 
 def rotation_schedule(world_size: int) -> Schedule:
@@ -41,7 +43,7 @@ def rotation_schedule(world_size: int) -> Schedule:
     classic ring on a switched fabric and lets every block be skipped on its own.
     """
     return tuple(
-        tuple(Task(r, (r - s) % world_size) for r in range(world_size)) for s in range(world_size)
+        tuple(BlockTask(r, (r - s) % world_size) for r in range(world_size)) for s in range(world_size)
     )
 
 
@@ -56,14 +58,14 @@ def distflash_schedule(world_size: int) -> Schedule:
     query rows and its idle key owner computes the second half, so even P is balanced as well.
     """
     p = world_size
-    steps = [tuple(Task(r, r) for r in range(p))]
+    steps = [tuple(BlockTask(r, r) for r in range(p))]
     for t in range(1, p // 2 + 1):
         if p - t != t:
-            own = [Task(i, i - t) for i in range(t, p)]
-            helper = [Task(i + p - t, i, at_kv_owner=True) for i in range(t)]
+            own = [BlockTask(i, i - t) for i in range(t, p)]
+            helper = [BlockTask(i + p - t, i, at_kv_owner=True) for i in range(t)]
         else:  # distance P/2 only: share every block between its query owner and its key owner
-            own = [Task(i, i - t, part=0, parts=2) for i in range(t, p)]
-            helper = [Task(i, i - t, at_kv_owner=True, part=1, parts=2) for i in range(t, p)]
+            own = [BlockTask(i, i - t, part=0, parts=2) for i in range(t, p)]
+            helper = [BlockTask(i, i - t, at_kv_owner=True, part=1, parts=2) for i in range(t, p)]
         steps.append(tuple(own + helper))
     return tuple(steps)
 

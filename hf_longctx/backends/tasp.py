@@ -4,7 +4,8 @@ A ring uses one of the n (n - 1) directed links of a fully connected fabric per 
 (Topology-Aware Sequence Parallelism) splits every rank's keys/values into one sub-block per
 Hamiltonian cycle of a decomposition of K_n* (n - 1 cycles; n - 2 for n = 4 and 6) and moves every
 sub-block one hop along its own cycle per step, all of them in ONE all_to_all, so every link carries
-data at once. After n - 1 hops each sub-block has visited every rank.
+data at once. After n - 1 hops each sub-block has visited every rank. The cycles come from
+:mod:`.tasp_topology`; :func:`routes` says where each sub-block is at every hop.
 
 Packed documents: a sub-block is forwarded only as far as some rank on its cycle still needs it, each
 hop carries only the span of its rows that this and later ranks read, and (query, key) pieces whose
@@ -17,6 +18,7 @@ next hop's kernels).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cache
 
@@ -27,6 +29,7 @@ from ..comm.p2p import count_all_to_all
 from ..kernels import PartialAccumulator, accumulation_dtype, attention_backward, attention_forward
 from ..layout import Pair, ShardPlan, clip_pair, exchange_plan, pairs_between_slots
 from .engine import gather_rows, scatter_add_rows
+from .tasp_topology import hamiltonian_decomposition, idle_arcs
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +39,6 @@ def cycles_for(n: int) -> tuple[tuple[int, ...], ...]:
     """Arc-disjoint directed Hamiltonian cycles used for ``n`` ranks (empty for one rank)."""
     if n == 1:
         return ()
-    from ..comm.topology import hamiltonian_decomposition, idle_arcs
-
     idle = idle_arcs(n)
     if idle:  # K_4* and K_6* have no Hamiltonian decomposition (Tillson 1980)
         log.info("hf_longctx tasp: %d ranks use %d Hamiltonian cycles; %d directed links stay idle: %s", n, n - 2,
@@ -47,6 +48,8 @@ def cycles_for(n: int) -> tuple[tuple[int, ...], ...]:
 
 @dataclass(frozen=True)
 class SubBlock:
+    """The part of ``owner``'s key rows that travels on cycle ``cycle``: one per cycle, cut in order."""
+
     owner: int
     cycle: int
     start: int  # key rows [start, end) of the owner's local tensor
@@ -101,34 +104,46 @@ def _travelling_spans(pairs: tuple[tuple[Pair, ...], ...], hops: int) -> tuple[t
 
 
 def routes(plan: ShardPlan) -> tuple[Route, ...]:
-    """Every sub-block's route (cached on the plan)."""
+    """Every sub-block's route on the cycles of :func:`cycles_for` (cached on the plan)."""
+    return plan.cached("tasp_routes", lambda: build_routes(plan, cycles_for(plan.world_size)))
 
-    def build():
-        n = plan.world_size
-        cycles = cycles_for(n)
-        out = []
-        for s in range(n):
-            rows = plan.num_local_tokens(s)
-            raw = {v: _raw_pairs(plan, v, s) for v in range(n) if v != s}  # shared by every cycle
-            for c, cyc in enumerate(cycles):
-                block = SubBlock(s, c, rows * c // len(cycles), rows * (c + 1) // len(cycles))
-                pos = cyc.index(s)
-                visits = tuple(cyc[(pos + h) % n] for h in range(1, n))
-                pairs = tuple(
-                    tuple(c for p in raw[v] for c in _clip_keys(p, block.start, block.end))
-                    for v in visits
-                )
-                hops = max((h + 1 for h, ps in enumerate(pairs) if ps), default=0)
-                spans = _travelling_spans(pairs, hops)
-                pairs = tuple(  # keys relative to the span that arrives on that hop
-                    tuple(replace(p, k_start=p.k_start - spans[h][0], k_end=p.k_end - spans[h][0]) for p in ps)
-                    if h < hops else ps
-                    for h, ps in enumerate(pairs)
-                )
-                out.append(Route(block, visits, hops, pairs, spans))
-        return tuple(out)
 
-    return plan.cached("tasp_routes", build)
+def build_routes(plan: ShardPlan, cycles: Sequence[Sequence[int]]) -> tuple[Route, ...]:
+    """Routes of every rank's sub-blocks, one sub-block per cycle, each moving one arc of its cycle per hop.
+
+    Rank s cuts its key rows into ``len(cycles)`` consecutive sub-blocks; sub-block c visits the ranks
+    after s on cycle c in cycle order. The cycles must be Hamiltonian on the plan's ranks (so every
+    sub-block can reach every rank); they may share arcs (then one hop sends several sub-blocks over
+    one link), which :func:`routes` never does. Routes are ordered by owner, then cycle: every rank
+    derives the same order, which is the order of the items in every all_to_all message.
+    """
+    n = plan.world_size
+    cycles = tuple(tuple(int(x) for x in c) for c in cycles)
+    for index, cyc in enumerate(cycles):
+        if sorted(cyc) != list(range(n)):
+            raise ValueError(f"cycle {index} is not a Hamiltonian cycle on {n} ranks: {list(cyc)}; "
+                             "every rank must appear exactly once")
+    out = []
+    for s in range(n):
+        rows = plan.num_local_tokens(s)
+        raw = {v: _raw_pairs(plan, v, s) for v in range(n) if v != s}  # shared by every cycle
+        for c, cyc in enumerate(cycles):
+            block = SubBlock(s, c, rows * c // len(cycles), rows * (c + 1) // len(cycles))
+            pos = cyc.index(s)
+            visits = tuple(cyc[(pos + h) % n] for h in range(1, n))
+            pairs = tuple(
+                tuple(c for p in raw[v] for c in _clip_keys(p, block.start, block.end))
+                for v in visits
+            )
+            hops = max((h + 1 for h, ps in enumerate(pairs) if ps), default=0)
+            spans = _travelling_spans(pairs, hops)
+            pairs = tuple(  # keys relative to the span that arrives on that hop
+                tuple(replace(p, k_start=p.k_start - spans[h][0], k_end=p.k_end - spans[h][0]) for p in ps)
+                if h < hops else ps
+                for h, ps in enumerate(pairs)
+            )
+            out.append(Route(block, visits, hops, pairs, spans))
+    return tuple(out)
 
 
 def _exchange(sends: dict[int, list[torch.Tensor]], recv_rows: dict[int, int], like: torch.Tensor, ctx):
@@ -157,11 +172,11 @@ def _split_recv(recv: torch.Tensor, in_split: list[int], layout: dict[int, list[
     return items
 
 
-def _kv_step_layout(ctx, hop: int):
-    """Sends (dst -> [(route, rows)]) and receives (src -> [(route, rows)]) of keys for ``hop``."""
-    rank = ctx.rank
+def kv_hop_layout(rts: Sequence[Route], rank: int, hop: int):
+    """Sends (dst -> [(route index, rows)]) and receives (src -> [(route index, rows)]) of keys and
+    values for ``hop`` at ``rank``, both in route order, so what one rank sends another expects."""
     sends, recvs = {}, {}
-    for i, r in enumerate(routes(ctx.plan)):
+    for i, r in enumerate(rts):
         if hop > r.hops:
             continue
         holder = r.block.owner if hop == 1 else r.visits[hop - 2]
@@ -175,7 +190,7 @@ def _kv_step_layout(ctx, hop: int):
 
 
 def _post_kv(ctx, hop: int, held: dict[int, tuple[torch.Tensor, torch.Tensor]], k, v):
-    sends, recvs = _kv_step_layout(ctx, hop)
+    sends, recvs = kv_hop_layout(routes(ctx.plan), ctx.rank, hop)
     payload = {}
     rts = routes(ctx.plan)
     for dst, items in sends.items():
@@ -240,11 +255,12 @@ def _grad_sends(ctx, grads: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> dic
     return sends
 
 
-def _grad_receives(ctx, hop: int) -> dict[int, list[tuple[int, int]]]:
-    """Which ranks return dK/dV of this rank's sub-blocks after ``hop``, in route order."""
+def grad_hop_receives(rts: Sequence[Route], rank: int, hop: int) -> dict[int, list[tuple[int, int]]]:
+    """Which ranks return dK/dV (route index, rows) of ``rank``'s sub-blocks after ``hop``, in route order:
+    every rank that computed with a sub-block on that hop, and only those."""
     expect: dict[int, list] = {}
-    for i, r in enumerate(routes(ctx.plan)):
-        if r.block.owner == ctx.rank and hop <= r.hops and r.pairs[hop - 1]:
+    for i, r in enumerate(rts):
+        if r.block.owner == rank and hop <= r.hops and r.pairs[hop - 1]:
             expect.setdefault(r.visits[hop - 1], []).append((i, 2 * r.rows(hop)))
     return expect
 
@@ -287,7 +303,7 @@ def run_backward(ctx, dout, q, k, v, out, lse):
         returning = None
         if any(r.pairs[hop - 1] for r in rts if hop <= r.hops):  # every rank knows whether anyone computed
             # dK/dV of this hop go straight home; the owner knows which of its blocks visited whom
-            expect = _grad_receives(ctx, hop)
+            expect = grad_hop_receives(rts, ctx.rank, hop)
             work, recv, split = _exchange(_grad_sends(ctx, grads), {s: sum(m for _, m in it) for s, it in
                                                                      expect.items()}, like, ctx)
             returning = (hop, work, recv, split, expect)

@@ -1,5 +1,6 @@
-"""Process groups, overlapped P2P exchange and (TASP) topology for sequence parallelism."""
+"""Process groups, overlapped P2P exchange, row gathers and traffic counters for sequence parallelism."""
 
+from .gather import GatherPlan
 from .groups import (
     current_device,
     data_parallel_group,
@@ -19,6 +20,7 @@ from .p2p import (
 
 __all__ = [
     "CommunicationError",
+    "GatherPlan",
     "PendingExchange",
     "comm_stats",
     "count_all_to_all",

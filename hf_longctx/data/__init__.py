@@ -15,7 +15,7 @@ _WHERE = {
     "IGNORE_INDEX": "collator",
     "PackedCollator": "collator",
     "PackingSummary": "stats",
-    "STRATEGIES": "packing",
+    "PACKING_STRATEGIES": "packing",
     "best_fit_layout": "packing",
     "bucket_of": "mixing",
     "concat_layout": "packing",
@@ -39,7 +39,7 @@ _WHERE = {
 
 __all__ = [
     "IGNORE_INDEX",
-    "STRATEGIES",
+    "PACKING_STRATEGIES",
     "PackedCollator",
     "PackingSummary",
     "best_fit_layout",

@@ -32,7 +32,7 @@ import pyarrow as pa
 from .tokenization import INPUT_IDS, column_names, list_array, tokenize_documents
 
 DOC_LENS = "doc_lens"
-STRATEGIES = ("concat", "best_fit")
+PACKING_STRATEGIES = ("concat", "best_fit")
 
 
 def _offsets(lengths: np.ndarray) -> np.ndarray:
@@ -234,8 +234,8 @@ def pack_documents(
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; use one of {STRATEGIES}")
+    if strategy not in PACKING_STRATEGIES:
+        raise ValueError(f"unknown packing strategy {strategy!r}; use one of {PACKING_STRATEGIES}")
     streaming = isinstance(dataset, datasets.IterableDataset)
     names = column_names(dataset)
     if INPUT_IDS in names:

@@ -2,10 +2,10 @@
 
 from .packed import PackedBatch
 from .pairs import Exchange, Pair, band_work, clip_pair, exchange_plan, pair_between_slots, pairs_between_slots
-from .plan import STRATEGIES, Piece, ShardPlan, Slot, register_strategy, shard_plan
+from .plan import SHARD_STRATEGIES, Piece, ShardPlan, Slot, register_strategy, shard_plan
 
 __all__ = [
-    "STRATEGIES",
+    "SHARD_STRATEGIES",
     "Exchange",
     "PackedBatch",
     "Pair",

@@ -31,7 +31,7 @@ import torch
 
 from .packed import PackedBatch
 
-STRATEGIES = ("contiguous", "zigzag", "doc_zigzag", "cad")
+SHARD_STRATEGIES = ("contiguous", "zigzag", "doc_zigzag", "cad")  # built in; see register_strategy
 
 
 @dataclass(frozen=True)

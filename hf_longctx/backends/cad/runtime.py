@@ -1,21 +1,23 @@
 """CAD runtime: every rank is an in-place attention server for core-attention tasks of any rank.
 
-A task is "query rows [q_start, q_end) of one document piece held by ``owner``, computed on
-``server``"; its keys are the causal prefix of those rows in the document, which may span the pieces
-of several ranks. Per nano-batch, each server runs all its tasks in ONE varlen kernel call (one
-bottom-right causal segment per task), and every query row belongs to exactly one task, so no merge
-is needed.
+A task (:class:`~.tasks.CadTask`) is "query rows [q_start, q_end) of one document piece held by
+``owner``, computed on ``server``"; its keys are the causal prefix of those rows in the document,
+which may span the pieces of several ranks. This module builds each rank's nano-batches (its tasks as
+kernel segments, and the row gathers that feed them) and runs them forward and backward. Per
+nano-batch, each server runs all its tasks in ONE varlen kernel call (one bottom-right causal segment
+per task), and every query row belongs to exactly one task, so no merge is needed.
 
-What travels (see :mod:`.transfer`): only rows a server does not hold, each at most once per
-nano-batch. Tasks of one document on one server read overlapping key prefixes; their union travels
-once (not one prefix per task), rows the server holds itself are read in place (never copied through
-the collective), and queries, outputs and log-sum-exps of tasks served by their owner never move.
+What travels (see :mod:`hf_longctx.comm.gather`): only rows a server does not hold, each at most
+once per nano-batch. Tasks of one document on one server read overlapping key prefixes; their union
+travels once (not one prefix per task), rows the server holds itself are read in place (never copied
+through the collective), and queries, outputs and log-sum-exps of tasks served by their owner never
+move.
 (Sending every task its whole prefix instead moves a long document's shared prefix once per task.)
 Backward trades the same rows plus output gradients and returns dQ to owners and dK/dV, summed over
 the tasks that read each row, to every holder.
 
 Ping-pong: each server's tasks are split into two nano-batches of about equal attention cost,
-keeping a document's tasks together where that costs little balance (see :func:`pingpong_split`);
+keeping a document's tasks together where that costs little balance (see :mod:`.pingpong`);
 the transfers of both are posted before the first computes, so communication hides behind compute
 (on GPU the collectives run on NCCL's stream).
 
@@ -32,232 +34,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ...comm.gather import GatherPlan, Run
 from ...kernels import accumulation_dtype, attention_backward, attention_forward
-from ...layout import Piece, ShardPlan
-from .cost_model import PAIRS, CostModel, FlopsCostModel, WindowedCostModel, query_rows_cost
-from .transfer import GatherPlan, Run
-
-PINGPONG_TOLERANCE = 0.1  # halves of a server's tasks may differ by this share of the larger before docs split
-
-
-@dataclass(frozen=True, order=True)
-class CadTask:
-    """Query rows ``[q_start, q_end)`` of piece ``piece`` of rank ``owner`` (piece-local rows), computed on
-    ``server``. Its keys are the document's causal prefix up to its last query row."""
-
-    owner: int
-    piece: int  # index into the owner's pieces
-    q_start: int  # piece-local query rows
-    q_end: int
-    server: int
-
-
-def pieces_of(plan: ShardPlan, rank: int) -> list[tuple[Piece, int]]:
-    """(piece, local row offset) of a rank, in local order."""
-    out, pos = [], 0
-    for slot in plan.rank_slots(rank):
-        for p in slot.pieces:
-            out.append((p, pos))
-            pos += p.length
-    return out
-
-
-def docs_per_rank(plan: ShardPlan) -> list[list[tuple[int, int]]]:
-    """What the scheduler takes: per rank, (piece length, tokens of its document before the piece)."""
-    starts = plan.batch.doc_starts
-    return [[(p.length, p.start - starts[p.doc]) for p, _ in pieces_of(plan, r)] for r in range(plan.world_size)]
-
-
-def _holders(plan: ShardPlan) -> dict[int, list[tuple[int, Piece, int]]]:
-    """doc -> [(rank, piece, local offset)] in global order."""
-    out: dict[int, list] = {}
-    for r in range(plan.world_size):
-        for p, off in pieces_of(plan, r):
-            out.setdefault(p.doc, []).append((r, p, off))
-    for v in out.values():
-        v.sort(key=lambda x: x[1].start)
-    return out
-
-
-def _all_pieces(plan: ShardPlan) -> list[list[tuple[Piece, int]]]:
-    return plan.cached("cad_pieces", lambda: [pieces_of(plan, r) for r in range(plan.world_size)])
-
-
-def _pairs_model(plan: ShardPlan) -> CostModel:
-    """Visible (query, key) pairs as a cost model, under the plan's sliding window."""
-    return PAIRS if plan.window is None else WindowedCostModel(PAIRS, plan.window)
-
-
-def _key_start(plan: ShardPlan, piece: Piece, q_start: int) -> int:
-    """First global key position that query rows from ``q_start`` of ``piece`` read."""
-    doc_start = plan.batch.doc_starts[piece.doc]
-    return doc_start if plan.window is None else max(doc_start, piece.start + q_start - plan.window + 1)
-
-
-def task_cost(plan: ShardPlan, task: CadTask) -> float:
-    """Visible (query, key) pairs of a task: its query rows over the causal prefix of its document
-    (the part of it in the plan's sliding window)."""
-    return _rows_cost(plan, task, task.q_start, task.q_end)
-
-
-def _task_key(plan: ShardPlan, task: CadTask) -> tuple[int, int, int]:
-    """Canonical order of a server's tasks: by document, then global query row (ties: owner)."""
-    piece, _ = _all_pieces(plan)[task.owner][task.piece]
-    return piece.doc, piece.start + task.q_start, task.owner
-
-
-def _rows_cost(plan: ShardPlan, task: CadTask, q_start: int, q_end: int) -> float:
-    """Visible (query, key) pairs of query rows ``[q_start, q_end)`` of ``task``'s piece."""
-    piece, _ = _all_pieces(plan)[task.owner][task.piece]
-    return query_rows_cost(_pairs_model(plan), piece.length, piece.start - plan.batch.doc_starts[piece.doc], q_start,
-                           q_end)
-
-
-def _server_holds_keys(plan: ShardPlan, task: CadTask) -> bool:
-    """Whether ``task``'s server holds every key row the task reads. Such a task can be cut and its parts
-    spread over both nano-batches for free: no key row travels for it, and query rows are never shared."""
-    piece, _ = _all_pieces(plan)[task.owner][task.piece]
-    first, last = _key_start(plan, piece, task.q_start), piece.start + task.q_end
-    for h, hp, _ in plan.cached("cad_holders", lambda: _holders(plan))[piece.doc]:
-        if hp.start >= last:
-            break
-        if hp.end > first and h != task.server:
-            return False
-    return True
-
-
-@dataclass
-class _Unit:
-    """Tasks of one server that go to the same nano-batch; ``free``: one task that may be cut for free."""
-
-    cost: float
-    key: tuple
-    tasks: list[CadTask]
-    free: bool = False
-
-
-def _lpt(units: list[_Unit]) -> tuple[list[list[_Unit]], list[float]]:
-    """Greedy two-way partition (largest first onto the lighter half; ties go to half 0): deterministic."""
-    halves: list[list[_Unit]] = [[], []]
-    loads = [0.0, 0.0]
-    for u in sorted(units, key=lambda u: (-u.cost, u.key)):
-        h = 0 if loads[0] <= loads[1] else 1
-        halves[h].append(u)
-        loads[h] += u.cost
-    return halves, loads
-
-
-def _gap(loads: list[float]) -> float:
-    top = max(loads)
-    return abs(loads[0] - loads[1]) / top if top > 0 else 0.0
-
-
-def _cut_free(plan: ShardPlan, halves: list[list[_Unit]], loads: list[float], tolerance: float
-              ) -> tuple[list[list[_Unit]], list[float]]:
-    """Balance the halves by moving the last query rows of free tasks from the heavier half to the lighter.
-
-    The rows moved are chosen to carry half the difference (to the nearest row), so one cut usually
-    balances a server whose work is dominated by one task it holds the keys of.
-    """
-    halves, loads = [list(h) for h in halves], list(loads)
-    for _ in range(2 * sum(len(h) for h in halves) + 2):  # every pass cuts one unit; bounded for safety
-        if _gap(loads) <= tolerance:
-            break
-        heavy = 0 if loads[0] > loads[1] else 1
-        free = [u for u in halves[heavy] if u.free]
-        if not free:
-            break
-        u = max(free, key=lambda u: (u.cost, u.key))
-        t = u.tasks[0]
-        need = (loads[heavy] - loads[1 - heavy]) / 2
-        lo, hi = t.q_start, t.q_end  # smallest x whose rows [x, q_end) cost at most ``need``
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if _rows_cost(plan, t, mid, t.q_end) <= need:
-                hi = mid
-            else:
-                lo = mid + 1
-        x = lo
-        if x > t.q_start and (abs(_rows_cost(plan, t, x - 1, t.q_end) - need)
-                              < abs(_rows_cost(plan, t, x, t.q_end) - need)):
-            x -= 1
-        if x >= t.q_end:
-            break  # not even one row fits: as balanced as rows allow
-        moved = CadTask(t.owner, t.piece, x, t.q_end, t.server)
-        moved_cost = _rows_cost(plan, t, x, t.q_end)
-        halves[heavy].remove(u)
-        if x > t.q_start:
-            kept = CadTask(t.owner, t.piece, t.q_start, x, t.server)
-            halves[heavy].append(_Unit(_rows_cost(plan, t, t.q_start, x), _task_key(plan, kept), [kept]))
-        halves[1 - heavy].append(_Unit(moved_cost, _task_key(plan, moved), [moved]))
-        loads[heavy] -= moved_cost
-        loads[1 - heavy] += moved_cost
-    return halves, loads
-
-
-def _split_server(plan: ShardPlan, tasks: list[CadTask], tolerance: float) -> list[list[CadTask]]:
-    """Two halves of one server's tasks of about equal cost, sharing as few key rows as possible.
-
-    Tasks of one document read overlapping key prefixes: in one nano-batch the union travels once,
-    across two nano-batches the shared remote rows travel twice. So:
-
-    1. units are whole documents (their tasks whose keys the server lacks), plus every task whose keys
-       the server holds on its own (separating it from its document costs no bytes);
-    2. largest-first greedy partition, then tasks of the second kind are cut to even the halves
-       (:func:`_cut_free`);
-    3. only if the halves still differ by more than ``tolerance`` (relative to the larger) are documents
-       broken into their tasks, costliest first, and the first split within the tolerance is taken; if
-       none reaches it, documents stay whole: bytes are not paid for a balance that misses anyway.
-    """
-    docs: dict[int, list[CadTask]] = {}
-    units = []
-    for t in tasks:
-        if _server_holds_keys(plan, t):
-            units.append(_Unit(task_cost(plan, t), _task_key(plan, t), [t], free=True))
-        else:
-            docs.setdefault(_task_key(plan, t)[0], []).append(t)
-    units += [_Unit(sum(task_cost(plan, t) for t in ts), (d, -1, -1), ts) for d, ts in sorted(docs.items())]
-
-    def attempt(units):
-        return _cut_free(plan, *_lpt(units), tolerance)
-
-    halves, loads = attempt(units)
-    broken = list(units)
-    while _gap(loads) > tolerance:
-        whole = [u for u in broken if len(u.tasks) > 1]
-        if not whole:
-            break
-        big = max(whole, key=lambda u: (u.cost, u.key))
-        broken.remove(big)
-        broken += [_Unit(task_cost(plan, t), _task_key(plan, t), [t]) for t in big.tasks]
-        h, lo = attempt(broken)
-        if _gap(lo) <= tolerance:
-            halves, loads = h, lo
-    return [sorted((t for u in half for t in u.tasks), key=lambda t: _task_key(plan, t)) for half in halves]
-
-
-def pingpong_split(plan: ShardPlan, tasks: Sequence[CadTask], tolerance: float = PINGPONG_TOLERANCE
-                   ) -> list[list[CadTask]]:
-    """The two nano-batches of ping-pong: every server's tasks split into halves of about equal cost.
-
-    Balanced per server, because a server computes its two halves back to back while the other
-    half's transfers run: an empty or tiny half leaves nothing to hide them behind. Cost is visible
-    (query, key) pairs (:func:`task_cost`). A pure function of the plan and the task list (sorted
-    units, deterministic tie-breaks, no hashing of floats across processes), so every rank derives
-    the same nano-batches and agrees on who sends what to whom. See :func:`_split_server` for how
-    documents are kept together. A task whose server holds all its keys may come back cut in two (one
-    part per nano-batch): the rows covered are the same. Nano-batches with no task on any server and
-    tasks without query rows are dropped.
-    """
-    by_server: dict[int, list[CadTask]] = {}
-    for t in tasks:
-        if t.q_end > t.q_start:
-            by_server.setdefault(t.server, []).append(t)
-    halves: list[list[CadTask]] = [[], []]
-    for s in sorted(by_server):
-        for h, part in enumerate(_split_server(plan, by_server[s], tolerance)):
-            halves[h] += part
-    return [h for h in halves if h]
+from ...layout import ShardPlan
+from .cost_model import FlopsCostModel, WindowedCostModel
+from .pingpong import pingpong_split
+from .scheduler import schedule
+from .tasks import CadTask, all_pieces, doc_holders, docs_per_rank, key_start, task_cost, task_key
 
 
 @dataclass
@@ -281,17 +64,17 @@ def build_nano_batch(plan: ShardPlan, tasks: Sequence[CadTask], rank: int) -> Na
     unique-row transfers; the varlen kernel sees one segment per task (bottom-right causal).
     """
     world = plan.world_size
-    pieces = _all_pieces(plan)
-    holders = plan.cached("cad_holders", lambda: _holders(plan))
+    pieces = all_pieces(plan)
+    holders = doc_holders(plan)
     q_runs: list[list[Run]] = [[] for _ in range(world)]
     kv_runs: list[list[Run]] = [[] for _ in range(world)]
     mine = []
     cu_q, cu_k, max_q, max_k = [0], [0], 1, 1
-    for t in sorted((t for t in tasks if t.q_end > t.q_start), key=lambda t: (t.server, *_task_key(plan, t))):
+    for t in sorted((t for t in tasks if t.q_end > t.q_start), key=lambda t: (t.server, *task_key(plan, t))):
         piece, local = pieces[t.owner][t.piece]
         q_runs[t.server].append((t.owner, local + t.q_start, local + t.q_end))
         # keys: the document up to the last query row, from where the window of the first one starts
-        first, last = _key_start(plan, piece, t.q_start), piece.start + t.q_end
+        first, last = key_start(plan, piece, t.q_start), piece.start + t.q_end
         n_k = 0
         for h, hp, hoff in holders[piece.doc]:
             if hp.start >= last:
@@ -336,11 +119,9 @@ def prepare(plan: ShardPlan, options: dict) -> dict:
     eps = options.get("eps", 0.1)
 
     def build():
-        from .scheduler import schedule
-
         model = FlopsCostModel() if plan.window is None else WindowedCostModel(FlopsCostModel(), plan.window)
         sched = schedule(docs_per_rank(plan), plan.world_size, eps=eps, cost_model=model)
-        return [CadTask(t.rank, t.doc, t.q_start, t.q_end, t.server) for t in sched.tasks]
+        return list(sched.tasks)
 
     return {**options, "tasks": plan.cached(("cad_tasks", eps), build)}
 

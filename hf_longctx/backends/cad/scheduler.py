@@ -47,36 +47,26 @@ from functools import cached_property
 import numpy as np
 
 from .cost_model import CostModel, FlopsCostModel, TokenBytes
+from .tasks import CadTask
 
-__all__ = ["Schedule", "Task", "parse_docs", "schedule", "verify_schedule"]
+__all__ = ["CadSchedule", "CadTask", "parse_docs", "schedule", "verify_schedule"]
 
 DocItem = int | tuple[int, int]
 
 
-@dataclass(frozen=True)
-class Task:
-    """Query rows ``[q_start, q_end)`` of document ``doc`` of rank ``rank`` (piece-local rows),
-    computed on ``server``; keys are the piece's offset tokens plus its rows ``[0, q_end)``."""
-
-    rank: int
-    doc: int
-    q_start: int
-    q_end: int
-    server: int
-
-
 @dataclass
-class Schedule:
+class CadSchedule:
     """Result of :func:`schedule`. Task fields are stored as parallel int64 arrays (``task_*``);
-    :attr:`tasks` builds :class:`Task` objects on first access.
+    :attr:`tasks` builds :class:`~.tasks.CadTask` objects on first access (``task_owner``: the rank
+    holding the piece, ``task_piece``: its index in ``docs_per_rank[owner]``).
 
     Tasks are ordered: first one per piece for the rows computed at the piece's home server (in
     (rank, doc) order), then the moved shards in the order they were moved, adjacent rows on the
     same server merged into one task.
     """
 
-    task_rank: np.ndarray
-    task_doc: np.ndarray
+    task_owner: np.ndarray
+    task_piece: np.ndarray
     task_q_start: np.ndarray
     task_q_end: np.ndarray
     task_server: np.ndarray
@@ -106,9 +96,9 @@ class Schedule:
         return float(self.initial_loads.max()) / mean if mean > 0 else 1.0
 
     @cached_property
-    def tasks(self) -> list[Task]:
-        cols = (self.task_rank, self.task_doc, self.task_q_start, self.task_q_end, self.task_server)
-        return [Task(*row) for row in zip(*(c.tolist() for c in cols))]
+    def tasks(self) -> list[CadTask]:
+        cols = (self.task_owner, self.task_piece, self.task_q_start, self.task_q_end, self.task_server)
+        return [CadTask(*row) for row in zip(*(c.tolist() for c in cols))]
 
     def tasks_of_server(self, server: int) -> np.ndarray:
         """Indices of the tasks computed on ``server``."""
@@ -443,7 +433,7 @@ def schedule(
     min_move_frac: float = 1e-4,
     min_gain_per_byte: float = 0.0,
     max_moves: int | None = None,
-) -> Schedule:
+) -> CadSchedule:
     """Assign every query row of every document to an attention server, balancing attention cost.
 
     Pure function of its arguments (deterministic, no global state).
@@ -487,8 +477,8 @@ def schedule(
     moved = _merge_moved(bal.moved)
     mv = np.array(moved, dtype=np.int64).reshape(-1, 4)
     mi = mv[:, 0]
-    task_rank = np.concatenate([rank[keep], rank[mi]])
-    task_doc = np.concatenate([doc[keep], doc[mi]])
+    task_owner = np.concatenate([rank[keep], rank[mi]])
+    task_piece = np.concatenate([doc[keep], doc[mi]])
     task_q_start = np.concatenate([lo[keep], mv[:, 2]])
     task_q_end = np.concatenate([hi[keep], mv[:, 3]])
     task_server = np.concatenate([bal.home[keep], mv[:, 1]])
@@ -497,8 +487,8 @@ def schedule(
         costs = cm.cost_array(task_q_end - task_q_start, off[np.concatenate([keep, mi])] + task_q_end)
         loads = np.bincount(task_server, weights=costs, minlength=n)
     per_rank, per_server = _bytes(off, rank, n_ranks, n, tb, keep, lo[keep], hi[keep], moved)
-    return Schedule(
-        task_rank=task_rank, task_doc=task_doc, task_q_start=task_q_start, task_q_end=task_q_end,
+    return CadSchedule(
+        task_owner=task_owner, task_piece=task_piece, task_q_start=task_q_start, task_q_end=task_q_end,
         task_server=task_server, loads=loads, initial_loads=bal.initial_loads,
         target=bal.target, bytes_per_rank=per_rank, bytes_per_server=per_server, num_moves=bal.num_moves,
         converged=converged, eps=eps,
@@ -507,13 +497,13 @@ def schedule(
     )
 
 
-def verify_schedule(docs_per_rank: Sequence[Sequence[DocItem]], sched: Schedule,
+def verify_schedule(docs_per_rank: Sequence[Sequence[DocItem]], sched: CadSchedule,
                     cost_model: CostModel | None = None, rtol: float = 1e-6) -> None:
     """Raise ``AssertionError`` unless every query row of every piece is in exactly one task and the
     per-server loads equal the summed task costs (under ``cost_model``, FLOPs by default)."""
     length, off, rank, doc = parse_docs(docs_per_rank)
     first = np.concatenate([[0], np.cumsum([len(d) for d in docs_per_rank])])[:-1].astype(np.int64)
-    item = first[sched.task_rank] + sched.task_doc if len(sched.task_rank) else np.zeros(0, dtype=np.int64)
+    item = first[sched.task_owner] + sched.task_piece if len(sched.task_owner) else np.zeros(0, dtype=np.int64)
     order = np.lexsort((sched.task_q_start, item))
     it, a, b = item[order], sched.task_q_start[order], sched.task_q_end[order]
     assert np.all(b > a), "empty or reversed task"

@@ -1,14 +1,14 @@
 """Row gathers between ranks: each remote row travels at most once, local rows never travel.
 
-A CAD server needs, for one nano-batch, a *segment sequence*: rows of q (or k and v) laid out task
-after task, as the varlen kernel wants them. Several tasks of one document read the same key rows
-(their causal prefixes overlap), and many rows are already on the server. Sending every task's rows
-(what a per-task transfer does) moves the shared prefix once per task and copies local rows through
-the collective. A :class:`GatherPlan` instead:
+Every rank assembles a *segment sequence*: rows of one or more tensors (e.g. q, or k and v) gathered
+from any ranks, in an order of its choosing (for a varlen kernel: segment after segment). Segments
+often read the same rows (overlapping causal prefixes of one document), and many rows are already on
+the rank. Sending every segment its rows moves shared rows once per segment and copies local rows
+through the collective. A :class:`GatherPlan` instead:
 
-1. takes, per server, the segment sequence as *runs* ``(holder rank, local row start, local row end)``,
+1. takes, per rank, its segment sequence as *runs* ``(holder rank, local row start, local row end)``,
    in segment order, repeats allowed;
-2. reduces the remote runs of every (server, holder) pair to the set of UNIQUE rows (sorted by holder
+2. reduces the remote runs of every (reader, holder) pair to the set of UNIQUE rows (sorted by holder
    rank, then local row: a canonical order that sender and receiver derive independently, so no
    layout has to be agreed on the wire);
 3. trades only those rows with one ``all_to_all_single`` per dtype (tensors of one dtype, e.g. k and
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ...comm.p2p import count_all_to_all
+from .p2p import count_all_to_all
 
 Run = tuple[int, int, int]  # (holder rank, local row start, local row end)
 
@@ -81,7 +81,7 @@ def _a2a(recv: torch.Tensor, send: torch.Tensor, recv_counts: list[int], send_co
 
 
 class GatherPlan:
-    """What ``rank`` sends, receives and assembles for one segment sequence per server.
+    """What ``rank`` sends, receives and assembles, given every rank's segment sequence as runs.
 
     Attributes (index tensors are int64):
 
@@ -95,32 +95,33 @@ class GatherPlan:
     - ``moves``: whether ANY rank sends a row to another rank (else no collective is issued).
     """
 
-    def __init__(self, runs_by_server: Sequence[Sequence[Run]], rank: int, rows_per_rank: Sequence[int]):
+    def __init__(self, runs_by_rank: Sequence[Sequence[Run]], rank: int, rows_per_rank: Sequence[int]):
         world = len(rows_per_rank)
-        if len(runs_by_server) != world:
-            raise ValueError(f"runs for {len(runs_by_server)} servers, but {world} ranks")
+        if len(runs_by_rank) != world:
+            raise ValueError(f"runs for {len(runs_by_rank)} ranks, but rows_per_rank names {world}: give every "
+                             "rank its runs (an empty list for a rank that gathers nothing)")
         self.rank = rank
         self.world = world
         self.local_rows = rows_per_rank[rank]
-        self.moves = any(h != s and b > a for s, runs in enumerate(runs_by_server) for h, a, b in runs)
+        self.moves = any(h != s and b > a for s, runs in enumerate(runs_by_rank) for h, a, b in runs)
 
-        # as a holder: the unique rows every other server needs from this rank
+        # as a holder: the unique rows every other rank needs from this rank
         send, self.send_counts = [], [0] * world
-        for s, runs in enumerate(runs_by_server):
+        for s, runs in enumerate(runs_by_rank):
             if s == rank:
                 continue
             rows = np.flatnonzero(_mask(runs, rank, self.local_rows))
             send.append(rows)
             self.send_counts[s] = len(rows)
 
-        # as a server: unique rows from every other holder, then the segment index
+        # as a reader: unique rows from every other holder, then the segment index
         self.recv_counts = [0] * world
         positions: dict[int, np.ndarray] = {}  # holder -> slot in the received block of each of its rows
         base = 0
         for h in range(world):
             if h == rank:
                 continue
-            mask = _mask(runs_by_server[rank], h, rows_per_rank[h])
+            mask = _mask(runs_by_rank[rank], h, rows_per_rank[h])
             n = int(mask.sum())
             if n:
                 positions[h] = base + np.cumsum(mask) - 1
@@ -128,7 +129,7 @@ class GatherPlan:
             base += n
         self.recv_rows = base
         pieces = [np.arange(a, b) if h == rank else self.local_rows + positions[h][a:b]
-                  for h, a, b in runs_by_server[rank] if b > a]
+                  for h, a, b in runs_by_rank[rank] if b > a]
         index = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
         local = index < self.local_rows
         self.local_pos = _long(np.flatnonzero(local))
@@ -147,7 +148,7 @@ class GatherPlan:
             setattr(self, name, getattr(self, name).to(device))
         return self
 
-    # ------------------------------------------------------------------ forward: rows to servers
+    # ------------------------------------------------------------------ forward: rows to the readers
 
     def start(self, tensors: Sequence[torch.Tensor], group) -> _Pending:
         """Post sending the unique rows of ``tensors`` (local tensors, same rows) this rank serves to others."""

@@ -1,0 +1,110 @@
+"""CAD's task model: which query rows a task covers, which key rows it reads, and what it costs.
+
+A task is "query rows [q_start, q_end) of one document piece held by ``owner``, computed on
+``server``"; its keys are the causal prefix of those rows in the document, which may span the pieces
+of several ranks. The scheduler (:mod:`.scheduler`) produces tasks from piece lengths and offsets
+(:func:`docs_per_rank`); the ping-pong split (:mod:`.pingpong`) groups them into nano-batches and the
+runtime (:mod:`.runtime`) runs them, both reading a task's rows, keys and cost from here so they
+agree on them. Everything is a pure function of the shard plan (cached on it) and the task,
+identical on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...layout import Piece, ShardPlan
+from .cost_model import PAIRS, CostModel, WindowedCostModel, query_rows_cost
+
+
+@dataclass(frozen=True, order=True)
+class CadTask:
+    """Query rows ``[q_start, q_end)`` of piece ``piece`` of rank ``owner`` (piece-local rows), computed on
+    ``server``. Its keys are the document's causal prefix up to its last query row (within the plan's
+    sliding window). The scheduler's output and the runtime's unit of work; ``piece`` indexes
+    :func:`pieces_of` (owner), which is also the scheduler's ``docs_per_rank[owner]``."""
+
+    owner: int
+    piece: int  # index into the owner's pieces
+    q_start: int  # piece-local query rows
+    q_end: int
+    server: int
+
+
+def pieces_of(plan: ShardPlan, rank: int) -> list[tuple[Piece, int]]:
+    """(piece, local row offset) of a rank, in local order."""
+    out, pos = [], 0
+    for slot in plan.rank_slots(rank):
+        for p in slot.pieces:
+            out.append((p, pos))
+            pos += p.length
+    return out
+
+
+def docs_per_rank(plan: ShardPlan) -> list[list[tuple[int, int]]]:
+    """What the scheduler takes: per rank, (piece length, tokens of its document before the piece)."""
+    starts = plan.batch.doc_starts
+    return [[(p.length, p.start - starts[p.doc]) for p, _ in pieces_of(plan, r)] for r in range(plan.world_size)]
+
+
+def _doc_holders(plan: ShardPlan) -> dict[int, list[tuple[int, Piece, int]]]:
+    out: dict[int, list] = {}
+    for r in range(plan.world_size):
+        for p, off in pieces_of(plan, r):
+            out.setdefault(p.doc, []).append((r, p, off))
+    for v in out.values():
+        v.sort(key=lambda x: x[1].start)
+    return out
+
+
+def all_pieces(plan: ShardPlan) -> list[list[tuple[Piece, int]]]:
+    """:func:`pieces_of` every rank, cached on the plan (a task names its piece by index)."""
+    return plan.cached("cad_pieces", lambda: [pieces_of(plan, r) for r in range(plan.world_size)])
+
+
+def doc_holders(plan: ShardPlan) -> dict[int, list[tuple[int, Piece, int]]]:
+    """doc -> [(rank, piece, local offset)] in global order, cached on the plan."""
+    return plan.cached("cad_holders", lambda: _doc_holders(plan))
+
+
+def _pairs_model(plan: ShardPlan) -> CostModel:
+    """Visible (query, key) pairs as a cost model, under the plan's sliding window."""
+    return PAIRS if plan.window is None else WindowedCostModel(PAIRS, plan.window)
+
+
+def key_start(plan: ShardPlan, piece: Piece, q_start: int) -> int:
+    """First global key position that query rows from ``q_start`` of ``piece`` read."""
+    doc_start = plan.batch.doc_starts[piece.doc]
+    return doc_start if plan.window is None else max(doc_start, piece.start + q_start - plan.window + 1)
+
+
+def task_cost(plan: ShardPlan, task: CadTask) -> float:
+    """Visible (query, key) pairs of a task: its query rows over the causal prefix of its document
+    (the part of it in the plan's sliding window)."""
+    return rows_cost(plan, task, task.q_start, task.q_end)
+
+
+def task_key(plan: ShardPlan, task: CadTask) -> tuple[int, int, int]:
+    """Canonical order of a server's tasks: by document, then global query row (ties: owner)."""
+    piece, _ = all_pieces(plan)[task.owner][task.piece]
+    return piece.doc, piece.start + task.q_start, task.owner
+
+
+def rows_cost(plan: ShardPlan, task: CadTask, q_start: int, q_end: int) -> float:
+    """Visible (query, key) pairs of query rows ``[q_start, q_end)`` of ``task``'s piece."""
+    piece, _ = all_pieces(plan)[task.owner][task.piece]
+    return query_rows_cost(_pairs_model(plan), piece.length, piece.start - plan.batch.doc_starts[piece.doc], q_start,
+                           q_end)
+
+
+def server_holds_keys(plan: ShardPlan, task: CadTask) -> bool:
+    """Whether ``task``'s server holds every key row the task reads. Such a task can be cut and its parts
+    spread over both nano-batches for free: no key row travels for it, and query rows are never shared."""
+    piece, _ = all_pieces(plan)[task.owner][task.piece]
+    first, last = key_start(plan, piece, task.q_start), piece.start + task.q_end
+    for h, hp, _ in doc_holders(plan)[piece.doc]:
+        if hp.start >= last:
+            break
+        if hp.end > first and h != task.server:
+            return False
+    return True
