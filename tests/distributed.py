@@ -22,7 +22,7 @@ def _outside_backends() -> list:
     return [b for b in registered_backends() if not type(b).__module__.startswith("hf_longctx.")]
 
 
-def _worker(rank, world, init_file, timeout_s, fn, args, outside_backends):
+def _worker(rank, world, init_file, timeout_s, fn, args, outside_backends=()):
     from hf_longctx.backends import backend_names, register_backend
 
     for backend in outside_backends:  # unpickling imported the defining module, which may register it itself

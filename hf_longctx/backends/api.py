@@ -21,7 +21,6 @@ import torch.distributed as dist
 
 from ..comm.groups import group_rank_and_size, group_size
 from ..layout import ShardPlan
-from .contract import Backend
 from .engine import RunContext
 from .op import run_core_attention
 from .registry import get_backend
@@ -171,7 +170,7 @@ def _checked_run(q, k, v, plan, backend, group, rank, causal, softmax_scale, ker
 def resolve_backend(q, k, v, plan, backend, group, rank, world, scale, kernel, options=None) -> str:
     """The name of the backend that runs: ``backend`` itself, or the one it chooses (``auto``: the candidate
     measured fastest on these inputs, cached)."""
-    spec: Backend = get_backend(backend)
+    spec = get_backend(backend)
 
     def probe(name: str):
         run = make_run_context(plan, name, group, rank, world, scale, kernel, options)

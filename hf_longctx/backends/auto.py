@@ -78,7 +78,8 @@ class AutoBackend(Backend):
     def forward(self, run, q, k, v):
         raise RuntimeError("backend 'auto' runs the candidate it resolves to, never itself")
 
-    backward = forward
+    def backward(self, run, dout, q, k, v, out, lse):
+        raise RuntimeError("backend 'auto' runs the candidate it resolves to, never itself")
 
 
 AUTO = AutoBackend()
