@@ -1,4 +1,8 @@
-"""Spawn a gloo process group on this machine and run a function on every rank."""
+"""Spawn a gloo process group on this machine and run a function on every rank.
+
+Backends registered in this process from outside the package (tests that define one) are registered
+in every spawned rank too: a spawned process imports only the module of the function it runs.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank, world, init_file, timeout_s, fn, args):
+def _outside_backends() -> list:
+    from hf_longctx.backends import registered_backends
+
+    return [b for b in registered_backends() if not type(b).__module__.startswith("hf_longctx.")]
+
+
+def _worker(rank, world, init_file, timeout_s, fn, args, outside_backends=()):
+    from hf_longctx.backends import backend_names, register_backend
+
+    for backend in outside_backends:  # unpickling imported the defining module, which may register it itself
+        if backend.name not in backend_names():
+            register_backend(backend)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -27,7 +42,8 @@ def run_distributed(world: int, fn, *args, timeout_s: float = 120.0) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; any rank's exception fails the caller."""
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        mp.spawn(_worker, args=(world, init_file, timeout_s, fn, args), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, init_file, timeout_s, fn, args, _outside_backends()), nprocs=world,
+                 join=True)
 
 
 def free_port() -> int:

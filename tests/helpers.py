@@ -7,6 +7,8 @@ import random
 
 import torch
 
+from hf_longctx.backends import ScheduleBackend, registered_backends
+
 
 def random_doc_lens(rng: random.Random, total: int, max_len: int | None = None) -> list[int]:
     """Random document lengths summing to ``total``; includes length-1 documents often."""
@@ -60,3 +62,17 @@ def cumulative(lens: list[int]) -> list[int]:
     for n in lens:
         out.append(out[-1] + n)
     return out
+
+
+def matrix_backends() -> list[str]:
+    """Registered backends that run a sequence-parallel group themselves (not ``local``, not ``auto``).
+
+    Read from the registry when called, so a backend another package registers is tested like ours.
+    """
+    return [b.name for b in registered_backends() if b.sequence_parallel and not b.chooses_backend]
+
+
+def schedule_backends() -> list[str]:
+    """Backends of :func:`matrix_backends` that the engine runs from a schedule."""
+    return [b.name for b in registered_backends()
+            if b.name in matrix_backends() and isinstance(b, ScheduleBackend)]

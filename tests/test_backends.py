@@ -12,15 +12,14 @@ import random
 import pytest
 import torch
 
-from hf_longctx.backends import default_strategy, sequence_parallel_attention
+from hf_longctx.backends import default_strategy, get_backend, sequence_parallel_attention
 from hf_longctx.kernels import attention_backward, attention_forward
 from hf_longctx.layout import PackedBatch, shard_plan
 
 from distributed import run_distributed
-from helpers import random_doc_lens
+from helpers import matrix_backends, random_doc_lens, schedule_backends
 
-BACKENDS = ["ring", "zigzag", "distflash", "ulysses", "tasp", "cad"]
-RING_BACKENDS = ["ring", "zigzag", "distflash"]
+PLACEMENTS = ("contiguous", "zigzag", "doc_zigzag")
 
 
 def make_problem(seed: int, world: int, dtype: torch.dtype, hkv=2, d=16):
@@ -65,16 +64,17 @@ def check_backends(rank, world, backends, dtypes, seeds, strategies=None):
                         torch.testing.assert_close(got, want[idx], **tol, msg=lambda m, n=name, w=where: f"{n} {w} {m}")
 
 
-def check_backends_with_and_without_window(rank, world):
-    check_backends(rank, world, BACKENDS, [torch.float64, torch.float32], range(3))
+def check_backends_with_and_without_window(rank, world, backends):
+    check_backends(rank, world, backends, [torch.float64, torch.float32], range(3))
     seeds, windows = WINDOW_CASES[world]
-    check_windowed_backends(rank, world, BACKENDS + {1: ["local"], 2: ["auto"]}.get(world, []), seeds, windows)
+    check_windowed_backends(rank, world, backends + {1: ["local"], 2: ["auto"]}.get(world, []), seeds, windows)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
 def test_backends_match_single_device_fp64_and_fp32(world):
-    """Plain causal attention, then sliding windows (:func:`check_windowed_backends`) on the same ranks."""
-    run_distributed(world, check_backends_with_and_without_window)
+    """Every registered backend (:func:`~helpers.matrix_backends`): plain causal attention, then sliding
+    windows (:func:`check_windowed_backends`) on the same ranks."""
+    run_distributed(world, check_backends_with_and_without_window, matrix_backends())
 
 
 def test_tasp_on_six_ranks_where_no_hamiltonian_decomposition_exists():
@@ -82,19 +82,23 @@ def test_tasp_on_six_ranks_where_no_hamiltonian_decomposition_exists():
     run_distributed(6, check_backends, ["tasp"], [torch.float64], range(2), ["zigzag", "contiguous"])
 
 
+def every_placement_backends() -> list[str]:
+    """Backends of the matrix that are exact on every placement (not distflash, not cad)."""
+    return [b for b in matrix_backends() if set(PLACEMENTS) <= set(get_backend(b).strategies)]
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_backends_on_every_placement(world):
-    run_distributed(world, check_backends, ["ring", "zigzag", "ulysses", "tasp"], [torch.float64], range(2),
-                    ["contiguous", "zigzag", "doc_zigzag"])
+    run_distributed(world, check_backends, every_placement_backends(), [torch.float64], range(2), list(PLACEMENTS))
 
 
-def count_traffic(rank, world, doc_lens, expect_cross):
+def count_traffic(rank, world, doc_lens, expect_cross, backends):
     from hf_longctx.comm import comm_stats, reset_comm_stats
     from hf_longctx.kernels import reset_stats, stats
 
     batch = PackedBatch.from_doc_lens(doc_lens)
     q = torch.randn(batch.num_tokens, 2, 8, dtype=torch.float64)
-    for backend in RING_BACKENDS:  # Ulysses always trades heads: skipping applies to ring-style schedules
+    for backend in backends:  # Ulysses always trades heads: skipping applies to ring-style schedules
         plan = shard_plan(batch, world, "contiguous")
         idx = plan.local_indices(rank)
         ql, kl, vl = (q[idx].clone().requires_grad_() for _ in range(3))
@@ -112,8 +116,9 @@ def count_traffic(rank, world, doc_lens, expect_cross):
 
 @pytest.mark.parametrize("world", [3, 4])
 def test_documents_inside_shards_cost_no_communication(world):
-    run_distributed(world, count_traffic, [5, 9, 2] * world, False)  # every shard holds exactly [5, 9, 2]
-    run_distributed(world, count_traffic, [16 * world], True)
+    backends = schedule_backends()
+    run_distributed(world, count_traffic, [5, 9, 2] * world, False, backends)  # every shard holds [5, 9, 2]
+    run_distributed(world, count_traffic, [16 * world], True, backends)
 
 
 def count_tasp_rows(rank, world):
@@ -219,7 +224,10 @@ def check_windowed_backends(rank, world, backends, seeds, windows):
         for window in (max(1, int(w * shard)) for w in windows):
             ref_out, ref_dq, ref_dk, ref_dv = reference(batch, q, k, v, dout, window)
             for backend in backends:
-                strategies = [default_strategy(backend)] + (["doc_zigzag"] if backend in ("zigzag", "tasp") else [])
+                spec = get_backend(backend)
+                # backends that default to zig-zag placement also run its per-document variant
+                per_document = spec.default_strategy == "zigzag" and not spec.chooses_backend
+                strategies = [spec.default_strategy] + (["doc_zigzag"] if per_document else [])
                 for strategy in strategies:
                     plan = shard_plan(batch, world, strategy)
                     idx = plan.local_indices(rank)

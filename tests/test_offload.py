@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_hf import assert_group_sum_equal, loss_sum_fp64, packed_example, reference_loss_and_grads, tiny_llama
 
-from hf_longctx.backends.op import observe_attention_outputs
+from hf_longctx.backends.op import ATTENTION_OUTPUTS
 from hf_longctx.hf import implementation_name, plan_for, shard_batch
 from hf_longctx.hf.checkpointing import enable_layer_checkpointing, enable_recompute_aware_checkpointing
 from hf_longctx.kernels import reset_stats, stats
@@ -72,7 +72,7 @@ def test_kept_attention_outputs_leave_the_device_and_backward_reads_them_back():
     offloader.min_bytes = 0
     outputs = []
     model.zero_grad()
-    with observe_attention_outputs(outputs.append):  # sees the same tensors the offloader keeps
+    with ATTENTION_OUTPUTS.watch(outputs.append):  # sees the same tensors the offloader keeps
         loss = model(**local).loss
     assert outputs and all(t.untyped_storage().nbytes() == 0 for t in outputs)
     loss.backward()
@@ -81,7 +81,7 @@ def test_kept_attention_outputs_leave_the_device_and_backward_reads_them_back():
 
     # corrupt the host copies between the passes: the q/k/v-projection gradients must change
     model.zero_grad()
-    with observe_attention_outputs(outputs.append):
+    with ATTENTION_OUTPUTS.watch(outputs.append):
         loss = model(**local).loss
     slot = offloader._last()
     while slot is not None:

@@ -1,18 +1,36 @@
-"""Distributed core attention backends over the kernels, layouts and comm layers."""
+"""Distributed core attention backends over the kernels, layouts and comm layers.
 
+A backend is a :class:`Backend` object in the registry; ``import hf_longctx.backends`` registers the
+package's own (:mod:`.builtin`), and :func:`register_backend` adds another from any package.
+"""
+
+from . import builtin  # noqa: F401 - registers the package's backends
 from .api import sequence_parallel_attention
+from .contract import Backend, ScheduleBackend
+from .engine import RunContext
 from .local import varlen_attention
-from .registry import BackendSpec, backend_names, default_strategy, get_backend, register_backend
+from .registry import (
+    backend_names,
+    default_strategy,
+    get_backend,
+    on_backend_registered,
+    register_backend,
+    registered_backends,
+)
 from .schedule import BlockTask, distflash_schedule, rotation_schedule
 
 __all__ = [
-    "BackendSpec",
+    "Backend",
     "BlockTask",
+    "RunContext",
+    "ScheduleBackend",
     "backend_names",
     "default_strategy",
     "distflash_schedule",
     "get_backend",
+    "on_backend_registered",
     "register_backend",
+    "registered_backends",
     "rotation_schedule",
     "sequence_parallel_attention",
     "varlen_attention",

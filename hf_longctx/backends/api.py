@@ -19,10 +19,10 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..comm.groups import group_rank_and_size
+from ..comm.groups import group_rank_and_size, group_size
 from ..layout import ShardPlan
-from .engine import RunContext, run_forward
-from .op import core_attention, register_context, report_outputs
+from .engine import RunContext
+from .op import run_core_attention
 from .registry import get_backend
 
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
@@ -40,13 +40,14 @@ def windowed_plan(plan: ShardPlan, window: int | None) -> ShardPlan:
 
 def _local_problem(q, k, v, plan: ShardPlan, backend: str, rank: int, world: int, causal: bool,
                    window_problem: str | None = None) -> str | None:
+    """The checks every backend shares, then the backend's own :meth:`~.contract.Backend.validate`."""
     spec = get_backend(backend)
     if window_problem:
         return window_problem
     if not causal:
         return "only causal attention is supported by the sequence-parallel backends (causal=True)"
-    if spec.name == "local" and world != 1:
-        return (f"backend 'local' runs without sequence parallelism but the group has {world} ranks; "
+    if not spec.sequence_parallel and world != 1:
+        return (f"backend {backend!r} runs without sequence parallelism but the group has {world} ranks; "
                 "use a distributed backend (ring, zigzag, distflash, ...) or a sequence-parallel size of 1")
     if plan.world_size != world:
         return (f"the shard plan is for {plan.world_size} ranks but the sequence-parallel group has {world}; "
@@ -63,16 +64,9 @@ def _local_problem(q, k, v, plan: ShardPlan, backend: str, rank: int, world: int
                     "index the global tensors with plan.local_indices(rank)")
     if q.shape[1] % k.shape[1]:
         return f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
-    if spec.name == "ulysses":
-        from .ulysses import kv_repeat
-
-        try:
-            kv_repeat(q.shape[1], k.shape[1], world)
-        except ValueError as exc:
-            return str(exc)
     if q.dtype not in _DTYPE_CODES or not (q.dtype == k.dtype == v.dtype):
         return f"q, k, v must share one float dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
-    return None
+    return spec.validate(q, k, v, plan, world)
 
 
 def _plan_fingerprint(plan: ShardPlan) -> int:
@@ -119,16 +113,15 @@ def check_group_agrees(q, k, v, plan, backend, group, rank, world, causal, windo
 
 
 def make_run_context(plan, backend, group, rank, world, scale, kernel, options=None) -> RunContext:
-    spec = get_backend(backend)
-    options = dict(options or {})
-    if spec.runner is not None:
-        import importlib
+    """The run of ``backend`` (a name) for this rank: its schedule, prepared options, forward and backward."""
+    return get_backend(backend).run_context(plan, group, rank, world, scale, kernel, options)
 
-        runner = importlib.import_module(f"{__package__}.{spec.runner}")
-        if hasattr(runner, "prepare"):
-            options = runner.prepare(plan, options)
-        return RunContext(plan, (), group, rank, scale, kernel, runner.run_forward, runner.run_backward, options)
-    return RunContext(plan, spec.schedule(world), group, rank, scale, kernel, options=options)
+
+def _rank_and_world(group: dist.ProcessGroup | None, rank: int | None) -> tuple[int, int]:
+    """(rank in ``group``, group size): the caller's rank when it already knows it, else the group's."""
+    if rank is None:
+        return group_rank_and_size(group)
+    return rank, group_size(group)
 
 
 def sequence_parallel_attention(
@@ -144,6 +137,7 @@ def sequence_parallel_attention(
     kernel: str = "auto",
     options: dict | None = None,
     window: int | None = None,
+    rank: int | None = None,
 ) -> torch.Tensor:
     """Exact causal attention of this rank's queries over the whole packed sequence.
 
@@ -154,30 +148,35 @@ def sequence_parallel_attention(
     ``options`` tune a backend (CAD: ``eps``, ``pingpong``). ``window``: sliding window in positions,
     transformers' ``sliding_window`` (a query at document position p sees keys p - window + 1 .. p);
     None for plain causal attention (or the window of a plan from ``plan.with_window``). Every backend
-    honours it exactly and skips blocks and key rows beyond it.
+    honours it exactly and skips blocks and key rows beyond it. ``rank``: this rank's index in
+    ``group`` when the caller already has it (the transformers layer's context carries it); None asks
+    the group.
     """
-    rank, world = group_rank_and_size(group)
+    run = _checked_run(q_local, k_local, v_local, plan, backend, group, rank, causal, softmax_scale, kernel,
+                       options, window)
+    return run_core_attention(q_local, k_local, v_local, run)
+
+
+def _checked_run(q, k, v, plan, backend, group, rank, causal, softmax_scale, kernel, options, window) -> RunContext:
+    """Validate on every rank of the group, resolve ``auto``, and build the run of the backend that runs."""
+    rank, world = _rank_and_world(group, rank)
     plan, window_problem = _resolve_window(plan, window)
-    check_group_agrees(q_local, k_local, v_local, plan, backend, group, rank, world, causal, window_problem)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_local.shape[-1])
-    backend = resolve_backend(q_local, k_local, v_local, plan, backend, group, rank, world, scale, kernel, options)
-    run = make_run_context(plan, backend, group, rank, world, scale, kernel, options)
-    out, lse = core_attention(q_local, k_local, v_local, register_context(run))
-    report_outputs(out, lse)
-    return out
+    check_group_agrees(q, k, v, plan, backend, group, rank, world, causal, window_problem)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    backend = resolve_backend(q, k, v, plan, backend, group, rank, world, scale, kernel, options)
+    return make_run_context(plan, backend, group, rank, world, scale, kernel, options)
 
 
 def resolve_backend(q, k, v, plan, backend, group, rank, world, scale, kernel, options=None) -> str:
-    """``backend`` itself, or for ``"auto"`` the candidate measured fastest on these inputs (cached)."""
-    if backend != "auto":
-        return backend
-    from .auto import choose_backend
+    """The name of the backend that runs: ``backend`` itself, or the one it chooses (``auto``: the candidate
+    measured fastest on these inputs, cached)."""
+    spec = get_backend(backend)
 
-    def forward(name: str):
+    def probe(name: str):
         run = make_run_context(plan, name, group, rank, world, scale, kernel, options)
-        return (run.forward_fn or run_forward)(run, q, k, v)
+        return run.forward_fn(run, q, k, v)
 
-    return choose_backend(q, k, v, plan, group, forward)
+    return spec.resolve(q, k, v, plan, group, probe)
 
 
 def _resolve_window(plan: ShardPlan, window) -> tuple[ShardPlan, str | None]:
@@ -191,10 +190,6 @@ def _resolve_window(plan: ShardPlan, window) -> tuple[ShardPlan, str | None]:
 def sequence_parallel_attention_with_lse(q_local, k_local, v_local, *, plan, backend="distflash", group=None,
                                          softmax_scale=None, kernel="auto", window=None):
     """Forward only, returning (out, lse): for callers that save attention outputs themselves."""
-    rank, world = group_rank_and_size(group)
-    plan, window_problem = _resolve_window(plan, window)
-    check_group_agrees(q_local, k_local, v_local, plan, backend, group, rank, world, True, window_problem)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_local.shape[-1])
-    backend = resolve_backend(q_local, k_local, v_local, plan, backend, group, rank, world, scale, kernel)
-    run = make_run_context(plan, backend, group, rank, world, scale, kernel)
-    return (run.forward_fn or run_forward)(run, q_local, k_local, v_local)
+    run = _checked_run(q_local, k_local, v_local, plan, backend, group, None, True, softmax_scale, kernel, None,
+                       window)
+    return run.forward_fn(run, q_local, k_local, v_local)

@@ -10,9 +10,12 @@ and picks the same backend), and caches the verdict per group, shape and sliding
 changes what travels and what is computed, so layers with different windows get verdicts of their
 own). Later calls cost nothing.
 
-Candidates are the backends exact for the plan's placement: ``zigzag`` and ``tasp`` on zig-zag
-placements, plus ``ring`` and ``distflash`` on contiguous ones. The verdict and its timings are
-logged at INFO level and kept in :func:`auto_decisions`.
+Candidates are the registered backends that name the plan's placement in their
+``auto_candidate_for`` and are exact for it, in registration order: ``zigzag`` and ``tasp`` on
+zig-zag placements, ``ring``, ``distflash`` and ``tasp`` on contiguous ones (ring and zigzag run the
+same rotation schedule, so each placement lists only one of them). The verdict and its timings are
+logged at INFO level and kept in the :class:`Verdicts` of the registered ``auto`` backend
+(:func:`auto_decisions`).
 """
 
 from __future__ import annotations
@@ -26,34 +29,79 @@ import torch
 import torch.distributed as dist
 
 from ..layout import ShardPlan
-from .registry import get_backend
+from .contract import Backend, ForwardProbe
+from .registry import registered_backends
 
 log = logging.getLogger(__name__)
 
-# ring and zigzag run the same rotation schedule: on a zig-zag placement they are one candidate.
-CANDIDATES = {
-    "contiguous": ("ring", "distflash", "tasp"),
-    "zigzag": ("zigzag", "tasp"),
-    "doc_zigzag": ("zigzag", "tasp"),
-}
-_decisions: dict[tuple, dict] = {}
+
+class Verdicts:
+    """The backends ``auto`` chose in this process, by problem key, with the timings that decided."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple, dict] = {}
+
+    def get(self, key: tuple) -> str | None:
+        verdict = self._by_key.get(key)
+        return None if verdict is None else verdict["backend"]
+
+    def record(self, key: tuple, backend: str, seconds: dict[str, float]) -> None:
+        self._by_key[key] = {"backend": backend, "seconds": seconds}
+
+    def rows(self) -> list[dict]:
+        """Every verdict: backend chosen, candidates' forward seconds (slowest rank), key."""
+        return [dict(v, key=k) for k, v in self._by_key.items()]
+
+    def clear(self) -> None:
+        self._by_key.clear()
+
+
+class AutoBackend(Backend):
+    """Backend ``auto``: never runs itself; :meth:`resolve` names the candidate measured fastest.
+
+    Its load is each rank's own queries against every key: its candidates share the placement's
+    per-rank query work.
+    """
+
+    name = "auto"
+    summary = ("measures tasp against zigzag (and ring/distflash on contiguous placement) once per shape, keeps "
+               "the fastest")
+    default_strategy = "zigzag"
+    chooses_backend = True
+
+    def __init__(self) -> None:
+        self.verdicts = Verdicts()
+
+    def resolve(self, q, k, v, plan, group, probe: ForwardProbe) -> str:
+        return choose_backend(q, k, v, plan, group, probe, verdicts=self.verdicts)
+
+    def forward(self, run, q, k, v):
+        raise RuntimeError("backend 'auto' runs the candidate it resolves to, never itself")
+
+    def backward(self, run, dout, q, k, v, out, lse):
+        raise RuntimeError("backend 'auto' runs the candidate it resolves to, never itself")
+
+
+AUTO = AutoBackend()
 
 
 def auto_decisions() -> list[dict]:
     """Every verdict of this process: backend chosen, candidates' forward seconds (slowest rank), key."""
-    return [dict(v, key=k) for k, v in _decisions.items()]
+    return AUTO.verdicts.rows()
 
 
 def reset_auto_decisions() -> None:
-    _decisions.clear()
+    AUTO.verdicts.clear()
 
 
 def candidates_for(plan: ShardPlan) -> list[str]:
-    """Backends of :data:`CANDIDATES` that are exact for ``plan``'s placement."""
-    names = [b for b in CANDIDATES.get(plan.strategy, ()) if plan.strategy in get_backend(b).strategies]
+    """Registered backends that are ``auto`` candidates for ``plan``'s placement and exact for it."""
+    names = [b.name for b in registered_backends()
+             if plan.strategy in b.auto_candidate_for and plan.strategy in b.strategies]
     if not names:
+        placements = sorted({s for b in registered_backends() for s in b.auto_candidate_for})
         raise ValueError(f"backend 'auto' has no candidate for plan strategy {plan.strategy!r}; use one of "
-                         f"{sorted(CANDIDATES)} or name a backend")
+                         f"{placements} or name a backend")
     return names
 
 
@@ -102,18 +150,21 @@ def _pick(names: list[str], seconds: list[float], margin: float) -> str:
     return names[best] if seconds[best] < (1.0 - margin) * seconds[0] else names[0]
 
 
-def choose_backend(q, k, v, plan: ShardPlan, group, forward: Callable[[str], object],
+def choose_backend(q, k, v, plan: ShardPlan, group, forward: ForwardProbe,
                    timer: Callable[[Callable[[], object], torch.device], float] | None = None,
-                   margin: float = 0.03) -> str:
+                   margin: float = 0.03, verdicts: Verdicts | None = None) -> str:
     """The fastest candidate for this problem; ``forward(backend)`` runs one forward of it.
 
     Every rank of ``group`` must call this at the same point (it issues collectives); all get the
     same answer. ``timer`` replaces :func:`time_forward` (tests use it to impose timings); another
-    candidate replaces the first only when it is faster by more than ``margin``.
+    candidate replaces the first only when it is faster by more than ``margin``. ``verdicts`` caches
+    the result (default: those of the registered ``auto`` backend).
     """
+    verdicts = AUTO.verdicts if verdicts is None else verdicts
     key = _decision_key(q, k, plan, group)
-    if key in _decisions:
-        return _decisions[key]["backend"]
+    cached = verdicts.get(key)
+    if cached is not None:
+        return cached
     names = candidates_for(plan)
     if plan.world_size == 1 or len(names) == 1:
         chosen, seconds = names[0], [0.0] * len(names)
@@ -123,7 +174,7 @@ def choose_backend(q, k, v, plan: ShardPlan, group, forward: Callable[[str], obj
             local = [timer(lambda b=b: forward(b), q.device) for b in names]
         seconds = _slowest_rank(local, q.device, group)
         chosen = _pick(names, seconds, margin)
-    _decisions[key] = {"backend": chosen, "seconds": dict(zip(names, seconds))}
+    verdicts.record(key, chosen, dict(zip(names, seconds)))
     log.info("hf_longctx auto backend: %s for %d tokens on %d ranks (forward seconds, slowest rank: %s)", chosen,
              plan.batch.num_tokens, plan.world_size,
              ", ".join(f"{n}={s * 1e3:.2f} ms" for n, s in zip(names, seconds)))

@@ -15,6 +15,7 @@ keeps NCCL (issue-order matching) and gloo (tag matching) from ever pairing the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -49,17 +50,35 @@ def scatter_add_rows(dst: torch.Tensor, ranges, src: torch.Tensor) -> None:
         pos += b - a
 
 
+ForwardFn = Callable[["RunContext", torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+BackwardFn = Callable[["RunContext", torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                       torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
 @dataclass
 class RunContext:
+    """One rank's attention call: the plan, the schedule, the group, and the backend's forward/backward.
+
+    ``forward_fn(run, q, k, v) -> (out, lse)`` and ``backward_fn(run, dout, q, k, v, out, lse) -> (dq, dk,
+    dv)`` are what the core-attention op runs (a backend's :meth:`~.contract.Backend.forward` and
+    :meth:`~.contract.Backend.backward`); left out, they are this module's schedule runner.
+    """
+
     plan: ShardPlan
     schedule: Schedule
     group: dist.ProcessGroup | None
     rank: int
     scale: float
     kernel: str
-    forward_fn: object = None  # a backend with its own runner (not a schedule) sets these
-    backward_fn: object = None
-    options: dict = field(default_factory=dict)  # runner-specific state (e.g. CAD tasks)
+    forward_fn: ForwardFn | None = None
+    backward_fn: BackwardFn | None = None
+    options: dict = field(default_factory=dict)  # backend-specific state (e.g. CAD tasks)
+
+    def __post_init__(self) -> None:
+        if self.forward_fn is None:
+            self.forward_fn = run_forward
+        if self.backward_fn is None:
+            self.backward_fn = run_backward
 
     def exchange(self, task: BlockTask) -> Exchange:
         return exchange_plan(self.plan, task.q_rank, task.kv_rank, task.part, task.parts)

@@ -16,8 +16,20 @@ import math
 import torch
 
 from ..kernels import attention_backward, attention_forward
+from .contract import ScheduleBackend
 from .engine import RunContext
-from .op import core_attention, register_context, report_outputs
+from .op import run_core_attention
+from .schedule import rotation_schedule
+
+
+class LocalBackend(ScheduleBackend):
+    """Backend ``local``: the rotation schedule on one rank (refused on a group of several)."""
+
+    sequence_parallel = False
+
+    def __init__(self) -> None:
+        super().__init__("local", rotation_schedule,
+                         "single-device attention over the whole sequence (sequence-parallel size 1)")
 
 
 def _kernel_kwargs(run: RunContext) -> dict:
@@ -63,6 +75,4 @@ def varlen_attention(
     run = RunContext(None, (), None, 0, scale, kernel, _forward, _backward, options)
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
         return _forward(run, q, k, v)[0]
-    out, lse = core_attention(q, k, v, register_context(run))
-    report_outputs(out, lse)
-    return out
+    return run_core_attention(q, k, v, run)

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 
 from ..kernels import count
-from .engine import RunContext, run_backward, run_forward
+from .engine import RunContext
 
 _CONTEXTS: OrderedDict[int, RunContext] = OrderedDict()
 _MAX_CONTEXTS = 64
@@ -33,27 +33,40 @@ def register_context(run: RunContext) -> int:
     return _next_key
 
 
-_OBSERVERS: list[Callable[[torch.Tensor], None]] = []
+class OutputObservers:
+    """Callbacks that see the output tensors of every core-attention call while they are watching.
 
-
-@contextmanager
-def observe_attention_outputs(observer: Callable[[torch.Tensor], None]) -> Iterator[None]:
-    """Call ``observer`` on each output tensor of every core-attention call made inside the block.
-
-    Checkpoint offload uses it to find the outputs that selective checkpointing keeps.
+    Checkpoint offload uses it to find the outputs that selective checkpointing keeps: the op's
+    outputs are the tensors the checkpoint cache holds, and nothing else names them.
     """
-    _OBSERVERS.append(observer)
-    try:
-        yield
-    finally:
-        _OBSERVERS.remove(observer)
+
+    def __init__(self) -> None:
+        self._observers: list[Callable[[torch.Tensor], None]] = []
+
+    @contextmanager
+    def watch(self, observer: Callable[[torch.Tensor], None]) -> Iterator[None]:
+        """Call ``observer`` on each output tensor of every core-attention call made inside the block."""
+        self._observers.append(observer)
+        try:
+            yield
+        finally:
+            self._observers.remove(observer)
+
+    def report(self, *outputs: torch.Tensor) -> None:
+        """Hand a core-attention call's outputs to the watching observers (no-op when none watches)."""
+        for observer in self._observers:
+            for t in outputs:
+                observer(t)
 
 
-def report_outputs(*outputs: torch.Tensor) -> None:
-    """Hand a core-attention call's outputs to the active observers (no-op when none is active)."""
-    for observer in _OBSERVERS:
-        for t in outputs:
-            observer(t)
+ATTENTION_OUTPUTS = OutputObservers()
+
+
+def run_core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: RunContext) -> torch.Tensor:
+    """This rank's attention output under ``run``, through the op (so autograd and checkpointing see it)."""
+    out, lse = core_attention(q, k, v, register_context(run))
+    ATTENTION_OUTPUTS.report(out, lse)
+    return out
 
 
 def _context(key: int) -> RunContext:
@@ -71,7 +84,7 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: int) 
     """(out, lse) of this rank's queries under the schedule registered as ``key``."""
     count("core_attention.forward")
     run = _context(key)
-    return (run.forward_fn or run_forward)(run, q, k, v)
+    return run.forward_fn(run, q, k, v)
 
 
 @core_attention.register_fake
@@ -93,7 +106,7 @@ def _backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     count("core_attention.backward")
     run = _context(ctx.key)
-    dq, dk, dv = (run.backward_fn or run_backward)(run, dout, q, k, v, out, lse)
+    dq, dk, dv = run.backward_fn(run, dout, q, k, v, out, lse)
     return dq, dk, dv, None
 
 

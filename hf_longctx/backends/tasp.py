@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ..comm.p2p import count_all_to_all
 from ..kernels import PartialAccumulator, accumulation_dtype, attention_backward, attention_forward
 from ..layout import Pair, ShardPlan, clip_pair, exchange_plan, pairs_between_slots
+from .contract import Backend
 from .engine import gather_rows, scatter_add_rows
 from .tasp_topology import hamiltonian_decomposition, idle_arcs
 
@@ -333,3 +334,19 @@ def _pairs_backward(ctx, pairs, dout, q, out, lse, ks, vs, dq, gk, gv, causal):
         dq[sq] += a
         gk[sk] += b
         gv[sk] += c
+
+
+class TaspBackend(Backend):
+    """Backend ``tasp``: the runner above behind the backend contract (load: each rank's own queries)."""
+
+    name = "tasp"
+    summary = ("TASP: key/value sub-blocks travel on the arc-disjoint Hamiltonian cycles of K_n, one all_to_all "
+               "per hop")
+    default_strategy = "zigzag"
+    auto_candidate_for = ("contiguous", "zigzag", "doc_zigzag")
+
+    def forward(self, run, q, k, v):
+        return run_forward(run, q, k, v)
+
+    def backward(self, run, dout, q, k, v, out, lse):
+        return run_backward(run, dout, q, k, v, out, lse)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..comm.p2p import count_all_to_all
 from ..kernels import attention_backward, attention_forward
+from .contract import Backend
 
 
 def attention_load(plan) -> list[int]:
@@ -114,3 +115,26 @@ def run_backward(ctx, dout, q, k, v, out, lse):
         dk = dk.view(dk.shape[0], -1, rep, dk.shape[2]).sum(2)
         dv = dv.view(dv.shape[0], -1, rep, dv.shape[2]).sum(2)
     return dq, dk, dv
+
+
+class UlyssesBackend(Backend):
+    """Backend ``ulysses``: the runner above behind the backend contract."""
+
+    name = "ulysses"
+    summary = "Ulysses: all_to_all from token shards to head shards, whole-sequence attention per head group"
+
+    def validate(self, q, k, v, plan, world):
+        try:
+            kv_repeat(q.shape[1], k.shape[1], world)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    def forward(self, run, q, k, v):
+        return run_forward(run, q, k, v)
+
+    def backward(self, run, dout, q, k, v, out, lse):
+        return run_backward(run, dout, q, k, v, out, lse)
+
+    def attention_load(self, plan):
+        return attention_load(plan)

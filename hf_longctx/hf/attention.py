@@ -1,9 +1,13 @@
 """transformers integration: one AttentionInterface entry per backend, and a mask that is never built.
 
-``import hf_longctx`` registers ``longctx_<backend>`` for every backend, so users write
+``import hf_longctx`` registers ``longctx_<backend>`` for every backend of the registry, so users write
 ``AutoModelForCausalLM.from_pretrained(path, attn_implementation="longctx_zigzag")`` (DistFlashAttn:
-``longctx_distfa``). The functions replace only core attention (softmax(QK^T)V); projections, RoPE and
-everything else stay transformers' own. Document masking comes from the shard plan (or, without one,
+``longctx_distfa``). A backend another package registers later gets its name at that moment: this
+module listens to the registry (:func:`~hf_longctx.backends.registry.on_backend_registered`), because
+the backends layer knows nothing of transformers.
+
+The functions replace only core attention (softmax(QK^T)V); projections, RoPE and everything else
+stay transformers' own. Document masking comes from the shard plan (or, without one,
 from the packed positions, see :mod:`.local`), so no (T x T) mask is ever materialised: the matching
 mask function passes on at most the 2-D padding mask.
 
@@ -16,25 +20,28 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import backend_names, sequence_parallel_attention
+from ..backends import Backend, registered_backends, sequence_parallel_attention
+from ..backends.registry import on_backend_registered
 from .local import local_attention, match_dtypes, padding_mask, without_autocast
 
 PREFIX = "longctx_"
-# transformers treats every attention name containing "flash" as a FlashAttention kernel to import,
-# so DistFlashAttn registers under a name without that word.
-_RENAMED = {"distflash": "distfa"}
 
 
 def implementation_name(backend: str) -> str:
-    """transformers attention name of a backend: ``longctx_<backend>`` (``longctx_distfa`` for distflash)."""
-    return PREFIX + _RENAMED.get(backend, backend)
+    """transformers attention name of a backend: ``longctx_<backend>`` (``longctx_distfa`` for distflash).
+
+    transformers treats every attention name containing "flash" as a FlashAttention kernel to import,
+    so "flash" in a backend name becomes "fa".
+    """
+    return PREFIX + backend.replace("flash", "fa")
 
 
 def backend_of(implementation: str) -> str:
+    """Registry name of the backend behind a ``longctx_*`` attention name."""
     if not implementation.startswith(PREFIX):
         raise ValueError(f"{implementation!r} is not an hf_longctx attention implementation")
-    short = implementation[len(PREFIX):]
-    return next((b for b, name in _RENAMED.items() if name == short), short)
+    return next((b.name for b in registered_backends() if implementation_name(b.name) == implementation),
+                implementation[len(PREFIX):])
 
 
 def _make_attention(backend: str):
@@ -63,7 +70,8 @@ def _make_attention(backend: str):
             # (1, H, S, D) -> packed token-major (S, H, D)
             q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
             out = sequence_parallel_attention(q, k, v, plan=ctx.plan, backend=backend, group=ctx.group,
-                                              softmax_scale=scaling, kernel=ctx.kernel, window=window)
+                                              rank=ctx.rank, softmax_scale=scaling, kernel=ctx.kernel,
+                                              window=window)
             return out.unsqueeze(0), None
 
     attention.__name__ = f"{PREFIX}{backend}_attention"
@@ -71,15 +79,27 @@ def _make_attention(backend: str):
     return attention
 
 
-def register_attention_implementations() -> list[str]:
-    """Register ``longctx_<backend>`` attention (and mask) functions with transformers; returns the names."""
+_REGISTERED: list[str] = []  # attention names registered so far, in backend registration order
+
+
+def _register_with_transformers(backend: Backend) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    names = []
-    for backend in backend_names():
-        name = implementation_name(backend)
-        AttentionInterface.register(name, _make_attention(backend))
-        AttentionMaskInterface.register(name, padding_mask)
-        names.append(name)
-    return names
+    name = implementation_name(backend.name)
+    AttentionInterface.register(name, _make_attention(backend.name))
+    AttentionMaskInterface.register(name, padding_mask)
+    if name not in _REGISTERED:
+        _REGISTERED.append(name)
+
+
+def register_attention_implementations() -> list[str]:
+    """Register ``longctx_<backend>`` attention (and mask) functions with transformers for every backend
+    registered now or later; returns the names, a list that grows with later registrations.
+
+    Calling it again registers nothing twice. Raises ImportError without transformers.
+    """
+    import transformers  # noqa: F401 - fail here, before the registry holds a listener that cannot work
+
+    on_backend_registered(_register_with_transformers)
+    return _REGISTERED

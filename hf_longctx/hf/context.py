@@ -1,7 +1,9 @@
 """What the attention layers of a sharded forward need: the shard plan, the group and the kernel.
 
 It travels as the ``longctx`` keyword of ``model(**inputs)``; transformers hands model keywords down
-to every attention function, so no global state is involved.
+to every attention function, so no global state is involved. ``rank`` is this process's index in
+``group``, found once when the batch is sharded and handed to every attention call (which then does
+not ask the group again).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from functools import partial
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..backends.op import observe_attention_outputs
+from ..backends.op import ATTENTION_OUTPUTS
 
 MIN_OFFLOAD_BYTES = 1 << 20  # small tensors (masks, scalars) are not worth a transfer
 
@@ -208,7 +208,7 @@ class CheckpointOffloader:
             calls[0] += 1
             if calls[0] > 1 or not self.keep_attention_outputs:  # recompute, or nothing cached to move
                 return function(*inner_args)
-            with observe_attention_outputs(slot.keep):
+            with ATTENTION_OUTPUTS.watch(slot.keep):
                 return function(*inner_args)
 
         def unpack(handle):

@@ -37,6 +37,7 @@ import torch
 from ...comm.gather import GatherPlan, Run
 from ...kernels import accumulation_dtype, attention_backward, attention_forward
 from ...layout import ShardPlan
+from ..contract import Backend
 from .cost_model import FlopsCostModel, WindowedCostModel
 from .pingpong import pingpong_split
 from .scheduler import schedule
@@ -203,3 +204,24 @@ def run_backward(ctx, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         nb.q.finish_return(pq, [dq], add=True)
         nb.kv.finish_return(pkv, [dk, dv], add=True)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class CadBackend(Backend):
+    """Backend ``cad``: the runtime above behind the backend contract (options: ``eps``, ``pingpong``)."""
+
+    name = "cad"
+    summary = "CAD: documents stay whole; a scheduler balances core-attention tasks over all ranks as servers"
+    default_strategy = "cad"
+    strategies = ("cad", "contiguous")
+
+    def prepare(self, plan, options):
+        return prepare(plan, options)
+
+    def forward(self, run, q, k, v):
+        return run_forward(run, q, k, v)
+
+    def backward(self, run, dout, q, k, v, out, lse):
+        return run_backward(run, dout, q, k, v, out, lse)
+
+    def attention_load(self, plan):
+        return attention_load(plan)

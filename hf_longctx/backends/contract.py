@@ -1,0 +1,134 @@
+"""What a sequence-parallel backend is: the five things every backend answers.
+
+A backend is an object of a :class:`Backend` subclass, registered by name (:mod:`.registry`). The entry
+point (:func:`~hf_longctx.backends.sequence_parallel_attention`) asks it, in order:
+
+1. :meth:`Backend.validate`: problems with this rank's inputs that only this backend has (checked on
+   every rank before the first collective, so a bad input stops the whole group with one error);
+2. :meth:`Backend.resolve`: which backend actually runs (itself; ``auto`` measures and names another);
+3. :meth:`Backend.prepare`: per-plan state kept in the run's ``options`` (CAD: its scheduled tasks);
+4. :meth:`Backend.forward` and :meth:`Backend.backward`: this rank's (out, lse), then (dq, dk, dv),
+   run inside the one ``hf_longctx::core_attention`` op;
+
+and the training logs ask it for :meth:`Backend.attention_load`, the (query, key) pairs each rank
+computes under a plan.
+
+Two kinds implement it. A :class:`ScheduleBackend` is data: a function from the number of ranks to a
+:class:`~hf_longctx.backends.schedule.Schedule`, which the one engine (:mod:`.engine`) runs forward and
+backward (local, ring, zigzag, distflash). A runner backend brings its own ``forward``/``backward``
+(ulysses, tasp, cad). Outside packages subclass either and call
+:func:`~hf_longctx.backends.register_backend`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..layout import ShardPlan, exchange_plan
+from .engine import RunContext, run_backward, run_forward
+from .schedule import Schedule
+
+ForwardProbe = Callable[[str], object]  # runs one forward of the named backend on the problem being resolved
+
+
+def own_query_load(plan: ShardPlan) -> list[int]:
+    """Pairs of each rank's own queries against every key: the load when nobody computes for others."""
+    world = plan.world_size
+    return [sum(exchange_plan(plan, r, s).work for s in range(world)) for r in range(world)]
+
+
+class Backend:
+    """Base class of every backend; subclasses set the class attributes and implement forward/backward.
+
+    ``strategies`` are the shard-plan placements the backend is exact for, ``default_strategy`` the one
+    it expects when the user names none. ``auto_candidate_for`` lists the placements on which ``auto``
+    measures this backend (registration order is the order ``auto`` tries them; the first is the plain
+    ring it keeps on a tie). ``sequence_parallel`` is False for a backend that runs on one rank only
+    (``local``); ``chooses_backend`` is True for one that never runs itself but names another per
+    problem in :meth:`resolve` (``auto``).
+    """
+
+    name: str = ""
+    summary: str = ""
+    default_strategy: str = "contiguous"
+    strategies: tuple[str, ...] = ("contiguous", "zigzag", "doc_zigzag")
+    auto_candidate_for: tuple[str, ...] = ()
+    sequence_parallel: bool = True
+    chooses_backend: bool = False
+
+    def validate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ShardPlan, world: int) -> str | None:
+        """A problem (one sentence naming the fix) with these inputs for this backend, or None.
+
+        Runs after the checks every backend shares (causal, group size, plan size, placement, shapes, GQA,
+        dtype).
+        """
+        return None
+
+    def resolve(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ShardPlan,
+                group: dist.ProcessGroup | None, probe: ForwardProbe) -> str:
+        """The name of the backend that runs this problem: this one, unless it chooses among others."""
+        return self.name
+
+    def schedule(self, world: int) -> Schedule:
+        """The steps the engine walks; a runner backend walks none."""
+        return ()
+
+    def prepare(self, plan: ShardPlan, options: dict) -> dict:
+        """The run's options with the per-plan state this backend needs (cache it on the plan)."""
+        return options
+
+    def forward(self, run: RunContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, lse) of this rank's queries: out like ``q``, lse (heads, tokens) in float32/float64."""
+        raise NotImplementedError(f"backend {self.name!r} does not implement forward")
+
+    def backward(self, run: RunContext, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(dq, dk, dv) of this rank's q/k/v rows, from the FINAL out and lse of the forward."""
+        raise NotImplementedError(f"backend {self.name!r} does not implement backward")
+
+    def attention_load(self, plan: ShardPlan) -> list[int]:
+        """Visible (query, key) pairs each rank computes under ``plan`` (from the plan alone, no collective)."""
+        return own_query_load(plan)
+
+    def run_context(self, plan: ShardPlan, group: dist.ProcessGroup | None, rank: int, world: int, scale: float,
+                    kernel: str, options: dict | None = None) -> RunContext:
+        """Everything :meth:`forward` and :meth:`backward` read, for this rank and plan."""
+        options = self.prepare(plan, dict(options or {}))
+        return RunContext(plan, self.schedule(world), group, rank, scale, kernel, self.forward, self.backward, options)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
+
+
+class ScheduleBackend(Backend):
+    """A backend that is a schedule builder: the engine runs the schedule forward and backward."""
+
+    def __init__(self, name: str, schedule: Callable[[int], Schedule], summary: str, *,
+                 default_strategy: str = "contiguous", strategies: tuple[str, ...] | None = None,
+                 auto_candidate_for: tuple[str, ...] = ()):
+        self.name, self.summary, self._schedule = name, summary, schedule
+        self.default_strategy = default_strategy
+        self.strategies = strategies if strategies is not None else Backend.strategies
+        self.auto_candidate_for = auto_candidate_for
+
+    def schedule(self, world: int) -> Schedule:
+        return self._schedule(world)
+
+    def forward(self, run, q, k, v):
+        return run_forward(run, q, k, v)
+
+    def backward(self, run, dout, q, k, v, out, lse):
+        return run_backward(run, dout, q, k, v, out, lse)
+
+    def attention_load(self, plan: ShardPlan) -> list[int]:
+        """Pairs of every task of the schedule, charged to the rank that computes it."""
+        work = [0] * plan.world_size
+        for step in self.schedule(plan.world_size):
+            for task in step:
+                work[task.computed_by()] += exchange_plan(plan, task.q_rank, task.kv_rank, task.part,
+                                                          task.parts).work
+        return work
