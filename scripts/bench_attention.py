@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 from hf_longctx.backends import default_strategy, sequence_parallel_attention
 from hf_longctx.backends.auto import auto_decisions
-from hf_longctx.benchmarking import attention_tflops, timed, timed_slowest_rank
+from hf_longctx.benchmarking import attention_tflops, table_header, timed, timed_slowest_rank
 from hf_longctx.comm import comm_stats, reset_comm_stats
 from hf_longctx.kernels import SKIP_KERNEL, attention_backward, attention_forward
 from hf_longctx.layout import PackedBatch, shard_plan
@@ -243,9 +243,9 @@ def worker(rank, world, args):
     if rank == 0:
         gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
         print(f"\n{world} x {gpu}, torch {torch.__version__}")
-        print("| workload | tokens | kv heads | backend | fwd TFLOP/s/GPU | fwd+bwd TFLOP/s/GPU | vs 1 GPU (fwd+bwd) |"
-              " MiB sent/rank/iter | fwd+bwd ms | comm-only ms | compute-only ms | compute/comm |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print(table_header(["workload", "tokens", "kv heads", "backend", "fwd TFLOP/s/GPU", "fwd+bwd TFLOP/s/GPU",
+                            "vs 1 GPU (fwd+bwd)", "MiB sent/rank/iter", "fwd+bwd ms", "comm-only ms",
+                            "compute-only ms", "compute/comm"]))
         print("\n".join(rows))
         if checks:
             print("\n" + "\n".join(checks))

@@ -20,6 +20,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_longctx  # noqa: F401 - registers the attention implementations
+from hf_longctx.benchmarking import table_header
 from hf_longctx.hf import plan_for, shard_batch
 from hf_longctx.hf.memory import enable_memory_options
 from hf_longctx.kernels import reset_stats, stats
@@ -101,9 +102,8 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     print(f"\n{gpu}, Llama-3-8B shape with {args.layers} layers, bf16, torch {torch.__version__}, "
           f"tiled loss {args.tiled_loss or 'off'}")
-    print(f"| tokens | checkpointing | fwd+bwd ms | peak GiB | attention forward calls | speed vs {modes[0]} | "
-          "grad rel. diff vs no offload |")
-    print("|---|---|---|---|---|---|---|")
+    print(table_header(["tokens", "checkpointing", "fwd+bwd ms", "peak GiB", "attention forward calls",
+                        f"speed vs {modes[0]}", "grad rel. diff vs no offload"]))
     print("\n".join(rows))
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from hf_longctx.benchmarking import attention_tflops, timed
+from hf_longctx.benchmarking import attention_tflops, table_header, timed
 from hf_longctx.kernels import attention_backward, attention_forward, available_kernels
 
 
@@ -169,8 +169,7 @@ def timing(device: str, kernels: list[str], sizes: list[int], reps: int, hq=32, 
                                    for n in COLUMNS)
                 rows.append(f"| {total // 1024}K | {ndocs} | {hkv} | {cells} | {auto / best:.2f} |")
                 print(rows[-1], flush=True)
-    print("\n| tokens | docs | kv heads | " + " | ".join(COLUMNS) + " | auto / best sdpa (fwd+bwd) |")
-    print("|---" * (len(COLUMNS) + 4) + "|")
+    print("\n" + table_header(["tokens", "docs", "kv heads", *COLUMNS, "auto / best sdpa (fwd+bwd)"]))
     print("\n".join(rows))
     print("cells: forward / forward+backward TFLOP/s (causal FLOPs 2*L^2*H*D per document forward, x3.5 fwd+bwd)")
     return problems
