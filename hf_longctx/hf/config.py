@@ -255,7 +255,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                                       "sidecar (recipes/README.md); checked like the sidecar's values")
     for f in fields(LongContextConfig):
         group.add_argument(option_name(f.name), dest=f"longctx_{f.name}", default=None, metavar="VALUE",
-                           help=f"sidecar key {f.name} (default: the sidecar's, else {f.default!r})")
+                           help=f"sidecar key {f.name} (default: the sidecar's value)")
 
 
 def config_overrides(args: argparse.Namespace, unknown: Sequence[str] = (),
