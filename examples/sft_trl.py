@@ -1,6 +1,6 @@
 """Supervised fine-tuning with TRL's SFTTrainer (packing + padding_free) and sequence parallelism.
 
-    accelerate launch --config_file recipes/cpu-2proc-distfa.yaml examples/sft_trl.py     # 2 CPU processes
+    accelerate launch --config_file recipes/cpu-2proc.yaml examples/sft_trl.py     # 2 CPU processes
     python examples/sft_trl.py                                                            # one process
 
 A small random Llama built from a config, the tokenizer and corpus shipped in ``data/`` (no

@@ -1,6 +1,6 @@
 """transformers Trainer + DataCollatorWithFlattening with sequence parallelism, then generate().
 
-    accelerate launch --config_file recipes/cpu-2proc-distfa.yaml examples/trainer_flattening.py
+    accelerate launch --config_file recipes/cpu-2proc.yaml examples/trainer_flattening.py
     python examples/trainer_flattening.py                                  # one process
 
 Every example is one tokenized document; the collator flattens a batch into one sequence with

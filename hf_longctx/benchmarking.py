@@ -1,14 +1,21 @@
-"""Timing for benchmarks: device events around the region, warm-up first, median of repeats.
+"""What benchmarks and training logs measure with: timing, FLOPs and MFU, result tables.
 
-Device work is asynchronous, so host clocks around a launch measure the launch; CUDA events
-measure the work. Warm-up keeps compilation, graph builds and handle creation out of the numbers.
+Timing: device events around the region, warm-up first, median of repeats. Device work is
+asynchronous, so host clocks around a launch measure the launch; CUDA events measure the work.
+Warm-up keeps compilation, graph builds and handle creation out of the numbers.
+
+FLOPs and MFU: one formula for the training callback's logs and every benchmark, so the numbers
+of a training run and of a benchmark compare: 6 x the matmul parameters per token plus the causal
+attention of the visible (query, key) pairs, over the devices' dense bf16 peak.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -65,6 +72,91 @@ def first_call_seconds(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+# Attention's backward does 2.5 times the matmul work of its forward (dQ, dK, dV, and P again).
+FORWARD_BACKWARD_FACTOR = 3.5
+
+
+def attention_tflops(forward_flops: float, forward_ms: float, forward_backward_ms: float) -> tuple[float, float]:
+    """TFLOP/s of a forward and of a forward+backward, from the forward's FLOPs and the two times in ms."""
+    return forward_flops / forward_ms / 1e9, FORWARD_BACKWARD_FACTOR * forward_flops / forward_backward_ms / 1e9
+
+
 def causal_attention_flops(doc_lens: list[int], heads: int, head_dim: int) -> float:
     """Forward FLOPs of causal attention per document, 2 * L^2 * H * D (QK^T and PV, half the square)."""
     return 2.0 * sum(n * n for n in doc_lens) * heads * head_dim
+
+
+def model_flops_per_token(model) -> float:
+    """6 x the parameters that do matmul work per token (forward + backward).
+
+    The input embedding is a table lookup, not a matmul: it is left out unless it is tied to the
+    output projection (then the projection's matmul counts it once). Counting it would overstate MFU
+    by a quarter for a 4-layer model with a 128K vocabulary. Count before ZeRO-3 or FSDP partition
+    the parameters away.
+    """
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    skip = set()
+    if embedding is not None and (output is None or output.weight is not embedding.weight):
+        skip = {id(p) for p in embedding.parameters()}
+    return 6.0 * sum(p.numel() for p in model.parameters() if id(p) not in skip)
+
+
+def attention_flops(model_config, causal_pairs: int) -> float:
+    """Forward + backward core-attention FLOPs of a model: 4 D H per visible pair per layer forward, x3.5."""
+    cfg = model_config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return FORWARD_BACKWARD_FACTOR * 4 * head_dim * cfg.num_attention_heads * cfg.num_hidden_layers * causal_pairs
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak of the accelerator, for MFU; None where unknown (CPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in (("H200", 989e12), ("H100", 989e12), ("A100", 312e12)):
+        if key in name:
+            return value
+    return None
+
+
+def training_mfu(model_config, flops_per_token: float, tokens: int, causal_pairs: int, seconds: float,
+                 devices: int, peak: float | None) -> float | None:
+    """Model FLOPs utilization of ``tokens`` trained in ``seconds`` on ``devices`` (None without a known peak).
+
+    FLOPs: ``tokens x flops_per_token`` (:func:`model_flops_per_token`) plus the attention of
+    ``causal_pairs`` visible (query, key) pairs (:func:`attention_flops`).
+    """
+    if not peak:
+        return None
+    flops = tokens * flops_per_token + attention_flops(model_config, causal_pairs)
+    return flops / max(seconds, 1e-9) / (devices * peak)
+
+
+def table_header(columns: Sequence[str]) -> str:
+    """A markdown table's header and rule line."""
+    return "| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|"
+
+
+def table_row(cells: Sequence[object]) -> str:
+    """A markdown table row; None prints as ``-``."""
+    return "| " + " | ".join("-" if c is None else str(c) for c in cells) + " |"
+
+
+def portable_command(script: str, argv: Sequence[str], root: str | os.PathLike = ".") -> str:
+    """``python <script> <argv>`` as a reader elsewhere can re-run it, for a result file to record.
+
+    Absolute paths inside ``root`` (the repository) become relative to it; other absolute paths (a
+    temporary folder of the machine that ran it) become their file names, which the result file
+    then says how to produce.
+    """
+    base = Path(root).resolve()
+
+    def portable(arg: str) -> str:
+        option, eq, value = arg.rpartition("=") if arg.startswith("--") and "=" in arg else ("", "", arg)
+        if os.path.isabs(value):
+            path = Path(value).resolve()
+            value = str(path.relative_to(base)) if path.is_relative_to(base) else path.name
+        return option + eq + value
+
+    return " ".join(["python", script, *(portable(a) for a in argv)])

@@ -28,9 +28,9 @@ import torch.multiprocessing as mp
 
 from hf_longctx.backends import default_strategy, sequence_parallel_attention
 from hf_longctx.backends.auto import auto_decisions
-from hf_longctx.benchmarking import timed, timed_slowest_rank
+from hf_longctx.benchmarking import attention_tflops, table_header, timed, timed_slowest_rank
 from hf_longctx.comm import comm_stats, reset_comm_stats
-from hf_longctx.kernels import attention_backward, attention_forward
+from hf_longctx.kernels import SKIP_KERNEL, attention_backward, attention_forward
 from hf_longctx.layout import PackedBatch, shard_plan
 
 
@@ -55,35 +55,22 @@ class _DoneWork:
 
 
 @contextlib.contextmanager
-def stubbed(part: str):
-    """Time one part alone: ``"kernels"`` (attention kernels return at once, so only transfers and
-    bookkeeping remain) or ``"comm"`` (the backends' all_to_all and P2P calls return at once, so only
-    kernels and bookkeeping remain). Results are garbage under either; only the time is read."""
-    from hf_longctx.kernels import dispatch
+def communication_skipped():
+    """The backends' all_to_all and P2P calls return at once, so only kernels and bookkeeping remain
+    to be timed. Results are garbage; only the time is read. (Kernels are skipped through the public
+    ``kernel=SKIP_KERNEL`` instead.)"""
+    saved = {"all_to_all_single": dist.all_to_all_single, "batch_isend_irecv": dist.batch_isend_irecv}
 
-    saved = {}
-    if part == "kernels":
-        def fwd(name, q, k, v, *args):
-            return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+    def a2a(*args, async_op=False, **kwargs):
+        return _DoneWork() if async_op else None
 
-        def bwd(name, dout, q, k, v, *args):
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-
-        saved = {(dispatch, "_forward"): dispatch._forward, (dispatch, "_backward"): dispatch._backward}
-        dispatch._forward, dispatch._backward = fwd, bwd
-    else:
-        def a2a(*args, async_op=False, **kwargs):
-            return _DoneWork() if async_op else None
-
-        saved = {(dist, "all_to_all_single"): dist.all_to_all_single,
-                 (dist, "batch_isend_irecv"): dist.batch_isend_irecv}
-        dist.all_to_all_single = a2a
-        dist.batch_isend_irecv = lambda ops: [_DoneWork() for _ in ops]
+    dist.all_to_all_single = a2a
+    dist.batch_isend_irecv = lambda ops: [_DoneWork() for _ in ops]
     try:
         yield
     finally:
-        for (mod, name), fn in saved.items():
-            setattr(mod, name, fn)
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
 
 
 def run_ours(backend, batch, tensors, world, rank, reps, device, strategy=None, breakdown=False, reference=None):
@@ -100,8 +87,8 @@ def run_ours(backend, batch, tensors, world, rank, reps, device, strategy=None, 
         with torch.no_grad():
             return sequence_parallel_attention(ql, kl, vl, plan=plan, backend=backend, options=options)
 
-    def fwd_bwd():
-        out = sequence_parallel_attention(ql, kl, vl, plan=plan, backend=backend, options=options)
+    def fwd_bwd(kernel="auto"):
+        out = sequence_parallel_attention(ql, kl, vl, plan=plan, backend=backend, options=options, kernel=kernel)
         torch.autograd.backward(out, dl)
 
     errors = {}
@@ -121,10 +108,10 @@ def run_ours(backend, batch, tensors, world, rank, reps, device, strategy=None, 
     t_fb = timed_slowest_rank(fwd_bwd, reps, device)
     sent = comm_stats().get("sent_bytes", 0) / (reps + 1)
     parts = {}
-    if breakdown:
-        for part in ("kernels", "comm"):
-            with stubbed(part):
-                parts[part] = timed_slowest_rank(fwd_bwd, reps, device)
+    if breakdown:  # each part timed with the other one skipped
+        parts["kernels"] = timed_slowest_rank(lambda: fwd_bwd(SKIP_KERNEL), reps, device)
+        with communication_skipped():
+            parts["comm"] = timed_slowest_rank(fwd_bwd, reps, device)
     return t_f, t_fb, sent, parts, errors
 
 
@@ -225,7 +212,7 @@ def worker(rank, world, args):
                         print(checks[-1], flush=True)
                 if backend == "auto":
                     label = f"auto -> {auto_decisions()[-1]['backend']}"
-                result[label] = (flops / world / t_f / 1e9, 3.5 * flops / world / t_fb / 1e9, sent, t_fb, parts)
+                result[label] = (*attention_tflops(flops / world, t_f, t_fb), sent, t_fb, parts)
             except Exception as exc:  # noqa: BLE001 - one call measures everything; report and go on
                 if rank == 0:
                     print(f"{name} {total} kv{hkv} {label}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
@@ -237,7 +224,7 @@ def worker(rank, world, args):
             if rank == 0:
                 try:
                     t_f, t_fb, _, _, _ = run_single_gpu(batch, tensors, max(2, args.reps // 2), device)
-                    single = (flops / t_f / 1e9, 3.5 * flops / t_fb / 1e9, 0.0, t_fb, {})
+                    single = (*attention_tflops(flops, t_f, t_fb), 0.0, t_fb, {})
                 except Exception as exc:  # noqa: BLE001
                     print(f"single-GPU {total}: {type(exc).__name__}: {exc}", flush=True)
             dist.barrier()
@@ -256,9 +243,9 @@ def worker(rank, world, args):
     if rank == 0:
         gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
         print(f"\n{world} x {gpu}, torch {torch.__version__}")
-        print("| workload | tokens | kv heads | backend | fwd TFLOP/s/GPU | fwd+bwd TFLOP/s/GPU | vs 1 GPU (fwd+bwd) |"
-              " MiB sent/rank/iter | fwd+bwd ms | comm-only ms | compute-only ms | compute/comm |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print(table_header(["workload", "tokens", "kv heads", "backend", "fwd TFLOP/s/GPU", "fwd+bwd TFLOP/s/GPU",
+                            "vs 1 GPU (fwd+bwd)", "MiB sent/rank/iter", "fwd+bwd ms", "comm-only ms",
+                            "compute-only ms", "compute/comm"]))
         print("\n".join(rows))
         if checks:
             print("\n" + "\n".join(checks))

@@ -20,8 +20,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_longctx  # noqa: F401 - registers the attention implementations
+from hf_longctx.benchmarking import table_header
 from hf_longctx.hf import plan_for, shard_batch
-from hf_longctx.hf.checkpointing import enable_layer_checkpointing, enable_recompute_aware_checkpointing
+from hf_longctx.hf.memory import enable_memory_options
 from hf_longctx.kernels import reset_stats, stats
 from hf_longctx.layout import PackedBatch
 
@@ -54,11 +55,11 @@ def relative_difference(a: dict, b: dict) -> float:
     return max(((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-30)).item() for n in b)
 
 
-MODES = {  # name: (enable function, offload)
-    "layer": (enable_layer_checkpointing, False),
-    "layer+offload": (enable_layer_checkpointing, True),
-    "recompute_aware": (enable_recompute_aware_checkpointing, False),
-    "recompute_aware+offload": (enable_recompute_aware_checkpointing, True),
+MODES = {  # name: (checkpointing, offload)
+    "layer": ("layer", False),
+    "layer+offload": ("layer", True),
+    "recompute_aware": ("recompute_aware", False),
+    "recompute_aware+offload": ("recompute_aware", True),
 }
 
 
@@ -80,10 +81,7 @@ def main() -> None:
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.train()
-    if args.tiled_loss:
-        from hf_longctx.hf.tiled_loss import enable_tiled_loss
-
-        enable_tiled_loss(model, chunk_tokens=args.tiled_loss)
+    enable_memory_options(model, tiled_loss=args.tiled_loss)
     rows = []
     for seq in (int(s) for s in args.seqs.split(",")):
         packed = PackedBatch.from_doc_lens([seq])
@@ -92,8 +90,8 @@ def main() -> None:
                             plan_for(packed, "local", None), 0)
         result = {}
         for mode in modes:
-            enable, offload = MODES[mode]
-            enable(model, offload=offload)
+            checkpointing, offload = MODES[mode]
+            enable_memory_options(model, checkpointing, offload)
             result[mode] = step_time(model, local, args.reps)
         base_ms = result[modes[0]][0]
         for mode, (ms, gib, calls, grads) in result.items():
@@ -104,9 +102,8 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     print(f"\n{gpu}, Llama-3-8B shape with {args.layers} layers, bf16, torch {torch.__version__}, "
           f"tiled loss {args.tiled_loss or 'off'}")
-    print(f"| tokens | checkpointing | fwd+bwd ms | peak GiB | attention forward calls | speed vs {modes[0]} | "
-          "grad rel. diff vs no offload |")
-    print("|---|---|---|---|---|---|---|")
+    print(table_header(["tokens", "checkpointing", "fwd+bwd ms", "peak GiB", "attention forward calls",
+                        f"speed vs {modes[0]}", "grad rel. diff vs no offload"]))
     print("\n".join(rows))
 
 

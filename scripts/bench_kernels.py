@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from hf_longctx.benchmarking import causal_attention_flops, first_call_seconds, timed
+from hf_longctx.benchmarking import attention_tflops, causal_attention_flops, first_call_seconds, table_header, timed
 from hf_longctx.data.synthetic_lengths import synthetic_doc_lengths
 from hf_longctx.kernels import attention_backward, attention_forward, available_kernels, fa4, select_kernel
 
@@ -56,9 +56,8 @@ def bench_one(lens, kernel, hq, hkv, d, reps, device):
 
     first = first_call_seconds(fwd_bwd)
     flops = causal_attention_flops(lens, hq, d)
-    t_f, t_fb = timed(fwd, reps), timed(fwd_bwd, reps)
-    return {"kernel": kernel, "ran": chosen, "fwd": flops / t_f / 1e9, "fwd_bwd": 3.5 * flops / t_fb / 1e9,
-            "first_s": first}
+    fwd_tflops, fwd_bwd_tflops = attention_tflops(flops, timed(fwd, reps), timed(fwd_bwd, reps))
+    return {"kernel": kernel, "ran": chosen, "fwd": fwd_tflops, "fwd_bwd": fwd_bwd_tflops, "first_s": first}
 
 
 def main() -> int:
@@ -92,7 +91,7 @@ def main() -> int:
                   f"{r['fwd_bwd']:.0f} TFLOP/s, first call {r['first_s']:.2f} s", flush=True)
         rows.append({"workload": label, "docs": len(lens), "longest": max(lens), "cells": cells})
     header = ["workload", "docs"] + kernels + ["auto / torch_flash"]
-    print("\n| " + " | ".join(header) + " |\n" + "|---" * len(header) + "|")
+    print("\n" + table_header(header))
     for r in rows:
         c = r["cells"]
         ratio = (f"{c['auto']['fwd_bwd'] / c['torch_flash']['fwd_bwd']:.2f}x"

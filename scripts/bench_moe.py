@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hf_longctx.benchmarking import timed_slowest_rank
+from hf_longctx.benchmarking import table_header, timed_slowest_rank
 from hf_longctx.comm.mesh import parallel_groups
 from hf_longctx.moe import (
     ExpertParallelExperts,
@@ -226,9 +226,8 @@ def bench_model(name, shape, mode, ep, args, device, dtype, rank, world) -> dict
 
 
 def print_table(rows):
-    print("| shape | routing | mode | ep | tokens/GPU | ms fwd+bwd | expert TFLOP/s/GPU | MB sent/GPU | "
-          "peak GB | max/mean load | step / bare grouped GEMM |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(table_header(["shape", "routing", "mode", "ep", "tokens/GPU", "ms fwd+bwd", "expert TFLOP/s/GPU",
+                        "MB sent/GPU", "peak GB", "max/mean load", "step / bare grouped GEMM"]))
     for r in rows:
         ratio = r["ms"] / r["bare_ms"] if r["bare_ms"] == r["bare_ms"] and r["bare_ms"] > 0 else float("nan")
         extra = f" ({r['tokens_per_s']:.0f} tokens/s)" if "tokens_per_s" in r else ""

@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from datetime import timedelta
 from pathlib import Path
 
@@ -29,7 +30,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hf_longctx.benchmarking import timed_slowest_rank
+from hf_longctx.benchmarking import (
+    FORWARD_BACKWARD_FACTOR,
+    model_flops_per_token,
+    peak_flops,
+    table_header,
+    table_row,
+    timed_slowest_rank,
+    training_mfu,
+)
 
 
 def build_model(args, impl: str, device):
@@ -99,9 +108,7 @@ def _sync(device):
 
 def worker(rank, world, args):
     from hf_longctx.hf import implementation_name, plan_for, shard_batch
-    from hf_longctx.hf.checkpointing import enable_layer_checkpointing, enable_recompute_aware_checkpointing
-    from hf_longctx.hf.inputs import attention_flops, model_flops_per_token, peak_flops
-    from hf_longctx.hf.tiled_loss import enable_tiled_loss
+    from hf_longctx.hf.memory import enable_memory_options
 
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))  # what DeepSpeed reads
     device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
@@ -113,22 +120,13 @@ def worker(rank, world, args):
         raise SystemExit("one GPU runs the 'local' backend; name --backend local")
     peer = args.backend == "torch_cp"
     if peer:
-        from torch_cp_peer import register_peer_attention
+        from hf_longctx.torch_cp_peer import register_peer_attention
 
         impl = register_peer_attention()
     else:
         impl = implementation_name(args.backend)
     model = build_model(args, impl, device)
-    if args.checkpointing == "recompute_aware":
-        enable_recompute_aware_checkpointing(model, offload=args.offload)
-    elif args.checkpointing == "layer":
-        enable_layer_checkpointing(model, offload=args.offload)
-    if args.tiled_loss:
-        enable_tiled_loss(model, chunk_tokens=args.tiled_loss)
-    if args.tiled_mlp:
-        from hf_longctx.hf.tiled_mlp import enable_tiled_mlp
-
-        enable_tiled_mlp(model, chunk_tokens=args.tiled_mlp)
+    enable_memory_options(model, args.checkpointing, args.offload, args.tiled_loss, args.tiled_mlp)
     model.train()
     flops_per_token = model_flops_per_token(model)  # before ZeRO-3 partitions the parameters away
     params = [p for p in model.parameters() if p.requires_grad]
@@ -140,7 +138,7 @@ def worker(rank, world, args):
     local = shard_batch(batch, plan, rank, None, kernel=args.kernel) if not peer else None
 
     if peer:  # torch's native context parallelism through accelerate (FSDP2 + cp_size)
-        from torch_cp_peer import TorchCPTrainer, one_sequence_batch
+        from hf_longctx.torch_cp_peer import TorchCPTrainer, one_sequence_batch
 
         trainer = TorchCPTrainer(model, opt, world, device)
         whole = one_sequence_batch(batch["input_ids"], device)
@@ -193,16 +191,15 @@ def worker(rank, world, args):
     attn = float("nan") if peer else attention_ms(plan, args.backend, rank, None, model.config, device,
                                                    next(model.parameters()).dtype, kernel=args.kernel)
     # layer checkpointing runs attention forward again in backward: ~1/3.5 of a forward+backward
-    attn_runs = model.config.num_hidden_layers * (1 + (args.checkpointing == "layer") / 3.5)
-    flops = total * flops_per_token + attention_flops(model, packed.causal_pairs())
-    peak_flops_gpu = peak_flops(device)
+    attn_runs = model.config.num_hidden_layers * (1 + (args.checkpointing == "layer") / FORWARD_BACKWARD_FACTOR)
     result = {
         "backend": args.backend, "kernel": args.kernel, "gpus": world, "tokens_per_gpu": args.seq, "context": total,
         "layers": model.config.num_hidden_layers, "checkpointing": args.checkpointing,
         "tiled_loss": args.tiled_loss, "tiled_mlp": args.tiled_mlp, "zero": args.zero, "offload": args.offload,
         "docs": packed.num_docs,
         "longest_doc": max(packed.doc_lens), "step_s": ms / 1e3, "tokens_per_s": total / (ms / 1e3),
-        "mfu": flops / (ms / 1e3) / (world * peak_flops_gpu) if peak_flops_gpu else None,
+        "mfu": training_mfu(model.config, flops_per_token, total, packed.causal_pairs(), ms / 1e3, world,
+                            peak_flops(device)),
         "peak_gib": peak_t.item(),
         "attention_share": None if peer else min(1.0, attn * attn_runs / ms),
     }
@@ -214,28 +211,27 @@ def worker(rank, world, args):
 
 
 def row(r: dict) -> str:
-    mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
-    share = f"{100 * r['attention_share']:.0f}%" if r.get("attention_share") is not None else "-"
-    return (f"| {r['backend']} ({r.get('kernel', 'auto')}) | {r['gpus']} | {r['tokens_per_gpu'] // 1024}K | "
-            f"{r['context'] // 1024}K | "
-            f"{r['layers']} | {r['checkpointing']} | {r['tiled_loss'] or '-'} | {r['tiled_mlp'] or '-'} | "
-            f"{r.get('zero') or '-'} | {'yes' if r.get('offload') else '-'} | "
-            f"{r['step_s']:.2f} | {r['tokens_per_s']:.0f} | {mfu} | {r['peak_gib']:.1f} | "
-            f"{share} |")
+    mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else None
+    share = f"{100 * r['attention_share']:.0f}%" if r.get("attention_share") is not None else None
+    return table_row([f"{r['backend']} ({r.get('kernel', 'auto')})", r["gpus"], f"{r['tokens_per_gpu'] // 1024}K",
+                      f"{r['context'] // 1024}K", r["layers"], r["checkpointing"], r["tiled_loss"] or None,
+                      r["tiled_mlp"] or None, r.get("zero") or None, "yes" if r.get("offload") else None,
+                      f"{r['step_s']:.2f}", f"{r['tokens_per_s']:.0f}", mfu, f"{r['peak_gib']:.1f}", share])
 
 
-HEADER = ("| backend | GPUs | tokens/GPU | context | layers | checkpointing | tiled loss | tiled MLP | ZeRO | "
-          "offload | step s | tokens/s | MFU | peak GiB/GPU | attention share |\n" + "|---" * 15 + "|")
+HEADER = table_header(["backend", "GPUs", "tokens/GPU", "context", "layers", "checkpointing", "tiled loss",
+                       "tiled MLP", "ZeRO", "offload", "step s", "tokens/s", "MFU", "peak GiB/GPU", "attention share"])
 
 
 def try_seq(args, seq: int) -> dict | None:
     """One measurement in a fresh process; None when it ran out of memory."""
-    out = Path(f"/tmp/bench_train_{os.getpid()}_{seq}.json")
-    cmd = [sys.executable, __file__, *[a for a in sys.argv[1:] if a != "--search"], "--seq", str(seq),
-           "--json-out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode == 0 and out.exists():
-        return json.loads(out.read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / f"bench_train_{seq}.json"
+        cmd = [sys.executable, __file__, *[a for a in sys.argv[1:] if a != "--search"], "--seq", str(seq),
+               "--json-out", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode == 0 and out.exists():
+            return json.loads(out.read_text())
     text = proc.stdout + proc.stderr
     if "out of memory" in text.lower() or "OutOfMemoryError" in text:
         print(f"{seq // 1024}K tokens/GPU: out of memory", flush=True)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from hf_longctx.benchmarking import timed
+from hf_longctx.benchmarking import attention_tflops, table_header, timed
 from hf_longctx.kernels import attention_backward, attention_forward, available_kernels
 
 
@@ -139,7 +139,7 @@ def time_case(device, kernels, total, ndocs, hq, hkv, d, reps) -> dict[str, tupl
     for kernel in [name for name in kernels if name != "reference"] + ["auto"]:
         try:
             t_f, t_fb = _time_kernel(kernel, q, k, v, dout, cu, length, reps)
-            results[kernel] = (flops / t_f / 1e9, 3.5 * flops / t_fb / 1e9)
+            results[kernel] = attention_tflops(flops, t_f, t_fb)
         except ValueError:
             continue
         except Exception as exc:  # noqa: BLE001 - one call checks every kernel; report and go on
@@ -148,7 +148,7 @@ def time_case(device, kernels, total, ndocs, hq, hkv, d, reps) -> dict[str, tupl
     for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
         try:
             t_f, t_fb = _time_sdpa(backend, *dense, reps)
-            results[name] = (flops / t_f / 1e9, 3.5 * flops / t_fb / 1e9)
+            results[name] = attention_tflops(flops, t_f, t_fb)
         except Exception as exc:  # noqa: BLE001
             print(f"timing {name} {total} {ndocs} {hkv}: {type(exc).__name__}: {str(exc)[:200]}")
     return results
@@ -169,8 +169,7 @@ def timing(device: str, kernels: list[str], sizes: list[int], reps: int, hq=32, 
                                    for n in COLUMNS)
                 rows.append(f"| {total // 1024}K | {ndocs} | {hkv} | {cells} | {auto / best:.2f} |")
                 print(rows[-1], flush=True)
-    print("\n| tokens | docs | kv heads | " + " | ".join(COLUMNS) + " | auto / best sdpa (fwd+bwd) |")
-    print("|---" * (len(COLUMNS) + 4) + "|")
+    print("\n" + table_header(["tokens", "docs", "kv heads", *COLUMNS, "auto / best sdpa (fwd+bwd)"]))
     print("\n".join(rows))
     print("cells: forward / forward+backward TFLOP/s (causal FLOPs 2*L^2*H*D per document forward, x3.5 fwd+bwd)")
     return problems

@@ -3,7 +3,7 @@
     python scripts/compare_losses.py --steps 50 --out bench/loss_curves.png        # CPU, 2 processes
 
 Each backend runs the README's training command (``accelerate launch --config_file RECIPE
-scripts/train.py``) with ``HF_LONGCTX_BACKEND`` set; the curves must agree to the precision of the
+scripts/train.py --backend NAME``); the curves must agree to the precision of the
 run (float32 on CPU, bf16 on GPU), since every backend computes the same attention exactly. Prints
 the largest difference of each curve from the first backend's, and draws the curves when
 matplotlib is installed.
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -24,11 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def losses(backend: str, args, tmp: Path) -> list[float]:
     log = tmp / f"{backend}.json"
-    env = {**os.environ, "HF_LONGCTX_BACKEND": backend}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.recipe,
-           str(ROOT / "scripts" / "train.py"), "--max-steps", str(args.steps), "--logging-steps", "1",
+           str(ROOT / "scripts" / "train.py"), "--backend", backend, "--max-steps", str(args.steps),
+           "--logging-steps", "1",
            "--output-dir", str(tmp / backend), "--log-json", str(log), *args.train_args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"{backend} failed:\n{proc.stderr[-3000:]}")
     return [e["loss"] for e in json.loads(log.read_text()) if "loss" in e]
@@ -36,7 +35,7 @@ def losses(backend: str, args, tmp: Path) -> list[float]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--recipe", default=str(ROOT / "recipes" / "cpu-2proc-distfa.yaml"))
+    p.add_argument("--recipe", default=str(ROOT / "recipes" / "cpu-2proc.yaml"))
     p.add_argument("--backends", default="ring,zigzag,distfa,ulysses,tasp,cad,auto")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--out", default=None, help="PNG of the curves")

@@ -375,8 +375,11 @@ def main(argv: list[str] | None = None) -> int:
         args.profiled_rows = simulate_profiled(args.mixes, args.tokens, args.ranks, args.seed, args.profile,
                                                args.profile_interpolate)
     elapsed = time.perf_counter() - t0
-    command = "python scripts/simulate_cad.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    text = markdown(rows, args, command.strip(), elapsed)
+    from hf_longctx.benchmarking import portable_command
+
+    command = portable_command("scripts/simulate_cad.py", sys.argv[1:] if argv is None else argv,
+                               Path(__file__).resolve().parents[1])
+    text = markdown(rows, args, command, elapsed)
     if args.out:
         args.out.write_text(text)
         png = args.png or args.out.with_suffix(".png")

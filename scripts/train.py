@@ -1,11 +1,14 @@
 """Train a Llama-family model on packed long documents with a sequence-parallel attention backend.
 
-    accelerate launch --config_file recipes/cpu-2proc-distfa.yaml scripts/train.py
+    accelerate launch --config_file recipes/cpu-2proc.yaml scripts/train.py
+    accelerate launch --config_file recipes/cpu-2proc.yaml scripts/train.py --backend cad --seq-len 2048
 
-The recipe (an accelerate config plus its ``.longctx.yaml`` sidecar) picks the backend, the
-sequence-parallel size and the checkpointing mode. Defaults: a tiny random Llama, the sample corpus
-and tokenizer shipped in ``data/``, CPU when no GPU is present. ``--model`` takes any local Llama-family
-checkpoint (or a hub name where a network exists), ``--dataset`` any local json/parquet/arrow text set.
+The recipe (an accelerate config for the hardware shape plus its ``.longctx.yaml`` sidecar) picks
+the backend, the sequence-parallel size and the checkpointing mode; ``--<key> VALUE`` overrides one
+sidecar key (``--backend``, ``--seq-len``, ``--sp-size``, ...), checked like the sidecar. Defaults: a
+tiny random Llama, the sample corpus and tokenizer shipped in ``data/``, CPU when no GPU is present.
+``--model`` takes any local Llama-family checkpoint (or a hub name where a network exists),
+``--dataset`` any local json/parquet/arrow text set.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from hf_longctx.data import (
 )
 from hf_longctx.hf import check_run, report_config_errors
 from hf_longctx.hf.checkpointing import checkpointing_training_args
+from hf_longctx.hf.config import add_config_arguments, config_overrides
 
 
 def tiny_llama_config(vocab_size: int, attn_implementation: str) -> LlamaConfig:
@@ -49,7 +53,7 @@ def llama3_8b_shape(vocab_size: int, layers: int, attn_implementation: str) -> L
     )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny",
                    help="'tiny' or 'llama3-8b-shape' (random weights, built here), or a path / hub name")
@@ -58,25 +62,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dataset", default=None,
                    help="text dataset (default: the shipped sample corpus), or 'synthetic' for random tokens")
     p.add_argument("--synthetic-mix", default="lognormal", help="document-length mix of --dataset synthetic")
-    p.add_argument("--seq-len", type=int, default=None,
-                   help="tokens per process per step (default: the recipe's seq_len, else 1024)")
     p.add_argument("--max-steps", type=int, default=40)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--logging-steps", type=int, default=5)
     p.add_argument("--output-dir", default="outputs/train")
-    p.add_argument("--recipe", default=None, help="recipe path (default: the one accelerate launch was given)")
+    p.add_argument("--recipe", default=None, help="an accelerate config with its sidecar beside it, or a "
+                   ".longctx.yaml sidecar (default: the --config_file accelerate launch was given)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-json", default=None, help="write the Trainer's log history (losses, grad norms) here")
-    return p.parse_args(argv)
+    add_config_arguments(p)  # --backend, --seq-len (tokens per process, default 1024), --sp-size, ...
+    return p
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    p = parser()
+    args, unknown = p.parse_known_args(argv)
     logging.basicConfig(format="%(message)s")
     logging.getLogger("hf_longctx").setLevel(logging.INFO)  # the callback says what it set up
     with report_config_errors():  # before any model or data: one short message, no per-rank tracebacks
-        cfg = check_run(args.recipe, dataset=args.dataset, model=args.model)
-    args.seq_len = args.seq_len or cfg.seq_len or 1024
+        cfg = check_run(args.recipe, overrides=config_overrides(args, unknown, p), dataset=args.dataset,
+                        model=args.model)
+    seq_len = cfg.seq_len or 1024
     on_gpu = torch.cuda.is_available()
     built = args.model in ("tiny", "llama3-8b-shape")
     if built:
@@ -97,11 +103,11 @@ def main(argv: list[str] | None = None) -> None:
         model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation=cfg.attn_implementation,
                                                      dtype=dtype)
     if args.dataset == "synthetic":
-        packed = packed_synthetic_dataset(4 * args.max_steps * max(1, torch.cuda.device_count()), args.seq_len,
+        packed = packed_synthetic_dataset(4 * args.max_steps * max(1, torch.cuda.device_count()), seq_len,
                                           mix=args.synthetic_mix, vocab_size=model.config.vocab_size, seed=args.seed)
     else:
         texts = load_text_dataset(args.dataset or str(sample_corpus_path()))
-        packed = pack_documents(texts, tokenizer, seq_len=args.seq_len, seed=args.seed)
+        packed = pack_documents(texts, tokenizer, seq_len=seq_len, seed=args.seed)
     training_args = TrainingArguments(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=1,
         learning_rate=args.lr, lr_scheduler_type="cosine", warmup_steps=max(1, args.max_steps // 10),

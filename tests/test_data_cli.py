@@ -18,10 +18,7 @@ from hf_longctx.data import (
     sample_corpus_path,
 )
 
-
-@pytest.fixture(autouse=True)
-def _tmp_datasets_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_datasets_cache")
+pytestmark = pytest.mark.usefixtures("tmp_datasets_cache")  # tests/conftest.py
 
 
 def corpus_tokens():

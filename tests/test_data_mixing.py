@@ -19,9 +19,7 @@ from hf_longctx.data import (
 LONG = 65536
 
 
-@pytest.fixture(autouse=True)
-def _tmp_datasets_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_datasets_cache")
+pytestmark = pytest.mark.usefixtures("tmp_datasets_cache")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

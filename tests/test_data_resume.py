@@ -14,9 +14,7 @@ SEQ_LEN, ROWS, BATCH = 8, 12, 2  # 6 steps per epoch
 STEPS, STOP_AT = 9, 4  # stop mid-epoch 1, resume, and cross into epoch 2
 
 
-@pytest.fixture(autouse=True)
-def _tmp_datasets_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_datasets_cache")
+pytestmark = pytest.mark.usefixtures("tmp_datasets_cache")  # tests/conftest.py
 
 
 @pytest.fixture(autouse=True)

@@ -1,8 +1,10 @@
-"""The TASP and CAD recipes launch as a user would and train exactly like another backend.
+"""Every backend launches as a user would and trains exactly like the recipe's own backend.
 
-``accelerate launch --config_file recipes/<recipe>.yaml scripts/train.py`` on CPU processes (gloo),
-3 steps each. All backends are exact, so the same recipe with another backend (through the
-``HF_LONGCTX_BACKEND`` override) must log the same losses and gradient norms at every step.
+``accelerate launch --config_file recipes/<shape>.yaml scripts/train.py [--backend NAME ...]`` on CPU
+processes (gloo), 3 steps each. All backends are exact, so on one hardware shape every backend must
+log the losses and gradient norms of the recipe's default backend at every step. The recipe's own
+run is ``make demo``'s command on 2 processes. Launches are few (CI has 2 cores): one reference per
+shape, then one launch per backend.
 """
 
 from __future__ import annotations
@@ -17,32 +19,65 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# backend: (hardware shape, command line after scripts/train.py, environment, the run it must equal)
+LAUNCHES = {
+    "ring": ("cpu-2proc", ["--backend", "ring"], {}, "cpu-2proc"),
+    "ulysses": ("cpu-2proc", ["--backend", "ulysses"], {}, "cpu-2proc"),
+    "cad": ("cpu-2proc", ["--backend", "cad"], {}, "cpu-2proc"),
+    "zigzag": ("cpu-3proc", [], {"HF_LONGCTX_BACKEND": "zigzag"}, "cpu-3proc"),  # the environment's override
+    # local is one process's attention: data parallel on the same shape, against distfa at sp_size 1
+    "local": ("cpu-2proc", ["--backend", "local", "--sp-size", "1"], {}, "cpu-2proc --sp-size 1"),
+}
+REFERENCES = {  # a run of the recipe's own backend: (shape, command line, backend it must report)
+    "cpu-2proc": ("cpu-2proc", [], "distfa"),
+    "cpu-3proc": ("cpu-3proc", [], "tasp"),
+    "cpu-2proc --sp-size 1": ("cpu-2proc", ["--sp-size", "1"], "distfa"),
+}
+_runs: dict[str, tuple[list[dict], dict]] = {}
 
-def train(tmp_path: Path, recipe: str, backend: str | None = None) -> tuple[list[dict], str]:
-    name = f"{recipe}-{backend or 'recipe'}"
+
+def train(tmp_path: Path, shape: str, extra: list[str], env_extra: dict) -> tuple[list[dict], dict]:
+    """Losses and gradient norms of each step, and the run's summary (rank 0's last line)."""
+    name = "-".join([shape, *extra, *env_extra.values()]).replace("--", "")
     log = tmp_path / f"{name}.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("HF_LONGCTX_RECIPE", None)
-    if backend:
-        env["HF_LONGCTX_BACKEND"] = backend
-    config = str(ROOT / "recipes" / f"{recipe}.yaml")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
-           str(ROOT / "scripts" / "train.py"), "--max-steps", "3", "--logging-steps", "1",
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_LONGCTX_")}
+    env.update(PYTHONPATH=str(ROOT), **env_extra)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes" / f"{shape}.yaml"),
+           str(ROOT / "scripts" / "train.py"), *extra, "--max-steps", "3", "--logging-steps", "1",
            "--output-dir", str(tmp_path / name), "--log-json", str(log)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return [e for e in json.loads(log.read_text()) if "loss" in e], proc.stdout + proc.stderr
+    summary = [line for line in proc.stdout.splitlines() if line.startswith("hf_longctx training summary: ")]
+    assert len(summary) == 1, proc.stdout[-3000:]
+    return [e for e in json.loads(log.read_text()) if "loss" in e], json.loads(summary[0].split(": ", 1)[1])
+
+
+def reference(tmp_path_factory, key: str) -> list[dict]:
+    if key not in _runs:
+        shape, extra, backend = REFERENCES[key]
+        steps, summary = train(tmp_path_factory.mktemp("reference"), shape, extra, {})
+        assert summary["backend"] == backend, "the recipe's sidecar must pick the backend that trained"
+        _runs[key] = steps, summary
+    return _runs[key][0]
+
+
+def test_every_backend_has_a_launch():
+    from hf_longctx.backends import backend_names
+    from hf_longctx.hf import backend_from_name
+
+    launched = {backend_from_name(b) for b in LAUNCHES} | {backend_from_name(r[2]) for r in REFERENCES.values()}
+    assert launched == set(backend_names()) - {"auto"}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe,backend,other", [("cpu-2proc-cad", "cad", "zigzag"),
-                                                  ("cpu-3proc-tasp", "tasp", "zigzag")])
-def test_recipe_trains_with_its_backend_like_another_backend(tmp_path, recipe, backend, other):
-    ours, output = train(tmp_path, recipe)
-    assert f'"backend": "{backend}"' in output, "the recipe's backend must be the one that trained"
-    theirs, output = train(tmp_path, recipe, other)
-    assert f'"backend": "{other}"' in output, "the override must train another backend, or the comparison is void"
-    assert len(ours) == len(theirs) == 3
-    for step, (a, b) in enumerate(zip(ours, theirs)):
+@pytest.mark.parametrize("backend", list(LAUNCHES))
+def test_every_backend_trains_like_the_recipe_backend(tmp_path, tmp_path_factory, backend):
+    shape, extra, env, against = LAUNCHES[backend]
+    expected = reference(tmp_path_factory, against)
+    steps, summary = train(tmp_path, shape, extra, env)
+    assert summary["backend"] == backend, "the override must train another backend, or the comparison is void"
+    assert summary["sp_size"] == _runs[against][1]["sp_size"] == (1 if backend == "local" else int(shape[4]))
+    assert len(steps) == len(expected) == 3
+    for step, (a, b) in enumerate(zip(steps, expected)):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), step
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), step

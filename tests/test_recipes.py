@@ -1,22 +1,34 @@
-"""Every recipe is a valid accelerate config with a valid long-context sidecar."""
+"""Recipes: one accelerate config per hardware shape, each with a valid long-context sidecar, and the
+settings of a run overridable from the environment and the command line, checked like the sidecar."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
+import yaml
 from accelerate.commands.config.config_args import ClusterConfig
 
-from hf_longctx.hf import LongContextConfig, load_config
-from hf_longctx.hf.config import sidecar_path
+from hf_longctx.hf import ConfigError, LongContextConfig, check_run, load_config
+from hf_longctx.hf.config import add_config_arguments, config_overrides, sidecar_path
 
-RECIPES = sorted(p for p in (Path(__file__).parent.parent / "recipes").glob("*.yaml")
-                 if not p.name.endswith(".longctx.yaml"))
+ROOT = Path(__file__).parent.parent
+RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if not p.name.endswith(".longctx.yaml"))
 
 
-def test_there_are_cpu_and_gpu_recipes():
+def test_one_recipe_per_hardware_shape():
     names = [p.stem for p in RECIPES]
-    assert "cpu-2proc-distfa" in names and any("8gpu" in n for n in names) and any("2node" in n for n in names)
+    assert {"cpu-2proc", "cpu-3proc", "cpu-4proc", "cpu-2proc-zero2", "cpu-2proc-zero3",
+            "1node-2gpu", "1node-4gpu", "1node-8gpu", "2node-16gpu"} == set(names)
+    shapes = {}
+    for recipe in RECIPES:  # the settings are the sidecar's: no two accelerate configs may be the same
+        config = yaml.safe_load(recipe.read_text())
+        shape = tuple(sorted((k, str(v)) for k, v in config.items()))
+        assert shape not in shapes, f"{recipe.name} is the same hardware shape as {shapes.get(shape)}"
+        shapes[shape] = recipe.name
+    sidecars = {p.name for p in (ROOT / "recipes").glob("*.longctx.yaml")}
+    assert sidecars == {sidecar_path(r).name for r in RECIPES}, "every sidecar belongs to one accelerate config"
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
@@ -30,6 +42,10 @@ def test_recipe_is_accelerate_config_with_sidecar(recipe):
 def test_environment_overrides_and_rejects_unknown_keys(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_LONGCTX_BACKEND", "zigzag")
     assert load_config(RECIPES[0]).backend == "zigzag"
+    monkeypatch.setenv("HF_LONGCTX_SEQ_LEN", "lots")
+    with pytest.raises(ValueError, match="HF_LONGCTX_SEQ_LEN='lots': not a whole number"):
+        load_config(RECIPES[0])
+    monkeypatch.delenv("HF_LONGCTX_SEQ_LEN")
     monkeypatch.setenv("HF_LONGCTX_BAKCEND", "ring")
     with pytest.raises(ValueError, match="unknown environment setting"):
         load_config(RECIPES[0])
@@ -41,6 +57,42 @@ def test_environment_overrides_and_rejects_unknown_keys(monkeypatch, tmp_path):
         load_config(bad)
     with pytest.raises(ValueError, match="no long-context settings"):
         load_config(tmp_path / "missing.yaml")
+
+
+def _overrides(*argv: str) -> tuple[str, dict]:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--max-steps", type=int, default=3)
+    add_config_arguments(parser)
+    args, unknown = parser.parse_known_args(list(argv))
+    return str(ROOT / "recipes" / "cpu-2proc.yaml"), config_overrides(args, unknown, parser)
+
+
+def test_command_line_overrides_the_sidecar_and_the_environment(monkeypatch):
+    monkeypatch.setenv("HF_LONGCTX_BACKEND", "zigzag")
+    recipe, overrides = _overrides("--backend", "tasp", "--seq-len=131072", "--offload-checkpoints", "true",
+                                   "--max-steps", "5")
+    assert overrides == {"backend": "tasp", "seq_len": "131072", "offload_checkpoints": "true"}
+    cfg = load_config(recipe, overrides)
+    assert (cfg.backend, cfg.seq_len, cfg.offload_checkpoints, cfg.sp_size) == ("tasp", 131072, True, 2)
+    assert load_config(recipe, {"sp_size": 1}).sp_size == 1  # values, not only text, from a caller
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--backend", "distflsh"], ["cpu-2proc.longctx.yaml with --backend from the command line",
+                                 "did you mean 'distfa'?"]),
+    (["--kernel", "cudn"], ["did you mean 'cudnn'?"]),
+    (["--seq-len", "64k"], ["--seq-len '64k': not a whole number"]),
+    (["--chekpointing", "layer"], ["unknown option --chekpointing; did you mean --checkpointing?"]),
+    (["--checkpointing", "none", "--offload-checkpoints", "1"], ["needs checkpointing 'layer' or 'recompute_aware'"]),
+    (["--sp-size", "3"], ["with --sp-size from the command line", "sp_size 3 does not divide the 2 processes"]),
+    (["--max-stpes", "3"], ["unknown option --max-stpes; did you mean --max-steps?"]),
+], ids=["backend", "kernel", "not-an-int", "misspelled-key", "combination", "sp-size", "script-option"])
+def test_command_line_values_fail_like_sidecar_values(argv, expected):
+    with pytest.raises(ConfigError) as err:
+        recipe, overrides = _overrides(*argv)
+        check_run(recipe, overrides=overrides, world_size=2)
+    for text in expected:
+        assert text in str(err.value), (text, str(err.value))
 
 
 def test_defaults():

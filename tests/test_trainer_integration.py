@@ -226,7 +226,7 @@ BAD_SETTINGS = [
     ("kernel: cudn\n", [], 2, ["bad.longctx.yaml", "'cudn'", "did you mean 'cudnn'?"]),
     ("chekpointing: layer\n", [], 2, ["bad.longctx.yaml", "did you mean 'checkpointing'?"]),
     ("sp_size: 3\n", [], 2, ["bad.longctx.yaml", "sp_size 3 does not divide the 2 processes", "pick one of [1, 2]"]),
-    ("sp_size: 2\n", [], 1, ["ONE process", "--config_file recipes/cpu-2proc-distfa.yaml"]),
+    ("sp_size: 2\n", [], 1, ["ONE process", "--config_file recipes/cpu-2proc.yaml"]),
     ("backend: zigzag\n", ["--dataset", str(ROOT / "data" / "sample_corpus.jsnl")], 1,
      ["--dataset", "no such file", "did you mean", "sample_corpus.jsonl"]),
 ]

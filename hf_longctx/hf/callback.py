@@ -20,14 +20,14 @@ import time
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from ..benchmarking import model_flops_per_token, peak_flops, training_mfu
 from ..comm.groups import sequence_parallel_group
 from ..kernels import available_kernels
 from .attention import PREFIX
-from .checkpointing import enable_layer_checkpointing, enable_recompute_aware_checkpointing
 from .config import LongContextConfig, load_config
-from .inputs import attention_flops, install_input_hook, model_flops_per_token, peak_flops
+from .inputs import install_input_hook
+from .memory import enable_memory_options
 from .preflight import check_process_count
-from .tiled_loss import enable_tiled_loss
 
 logger = logging.getLogger("hf_longctx")
 
@@ -67,8 +67,7 @@ class LongContextCallback(TrainerCallback):
         self.hook = None
         self.summary: dict = {}
         self._last = None
-        self._tiled_loss = None
-        self._tiled_mlp = False
+        self._memory = None
         self._model = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -83,21 +82,14 @@ class LongContextCallback(TrainerCallback):
         if cfg.tp_size > 1 or cfg.ep_size > 1:
             check_moe_layout(model, cfg, world)
         group = sequence_parallel_group(sp) if world > 1 else None
-        if cfg.tiled_loss:  # before the input hook: its output hook must run after the tiled loss's
-            self._tiled_loss = enable_tiled_loss(model, chunk_tokens=cfg.tiled_loss)
-        if cfg.tiled_mlp:
-            from .tiled_mlp import enable_tiled_mlp
-
-            self._tiled_mlp = enable_tiled_mlp(model, chunk_tokens=cfg.tiled_mlp) > 0
-        self.hook = install_input_hook(model, group, cfg.kernel)
         checkpointing = "none"
         if checkpointing_requested(args):
             # layer-boundary checkpointing would re-run attention and its communication in backward
             checkpointing = "layer" if cfg.checkpointing == "layer" else "recompute_aware"
-            if checkpointing == "recompute_aware":
-                enable_recompute_aware_checkpointing(model, offload=cfg.offload_checkpoints)
-            else:
-                enable_layer_checkpointing(model, offload=cfg.offload_checkpoints)
+        # before the input hook: its output hook must run after the tiled loss's
+        self._memory = enable_memory_options(model, checkpointing, cfg.offload_checkpoints and checkpointing != "none",
+                                             cfg.tiled_loss, cfg.tiled_mlp)
+        self.hook = install_input_hook(model, group, cfg.kernel)
         self.summary = {"backend": impl[len(PREFIX):], "attn_implementation": impl, "sp_size": sp,
                         "dp_size": world // sp, "checkpointing": checkpointing, "kernel": cfg.kernel,
                         "tiled_loss": cfg.tiled_loss, "tiled_mlp": cfg.tiled_mlp,
@@ -120,14 +112,8 @@ class LongContextCallback(TrainerCallback):
         """Remove what ``on_train_begin`` installed; checkpointing stays as the Trainer left it."""
         if self.hook is not None:
             self.hook.remove()
-        if self._tiled_loss is not None:
-            self._tiled_loss.remove()
-            self._tiled_loss = None
-        if self._tiled_mlp and self._model is not None:
-            from .tiled_mlp import disable_tiled_mlp
-
-            disable_tiled_mlp(self._model)
-            self._tiled_mlp = False
+        if self._memory is not None:
+            self._memory.remove()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.hook is None or logs is None or "loss" not in logs:
@@ -141,7 +127,8 @@ class LongContextCallback(TrainerCallback):
         tokens_per_s = (tokens - tok0) / seconds * dp
         logs["tokens_per_s"] = round(tokens_per_s, 1)
         logs["attn_imbalance"] = round(self.hook.work_max / max(self.hook.work_mean, 1), 3)
-        if self._peak:
-            flops = (tokens - tok0) * self._flops_per_token + attention_flops(self._model, pairs - pairs0)
-            logs["mfu"] = round(flops * dp / seconds / (dp * sp * self._peak), 4)
+        mfu = training_mfu(self._model.config, self._flops_per_token, (tokens - tok0) * dp, (pairs - pairs0) * dp,
+                           seconds, dp * sp, self._peak)
+        if mfu is not None:
+            logs["mfu"] = round(mfu, 4)
         self.summary.update({k: logs[k] for k in ("tokens_per_s", "attn_imbalance", "mfu") if k in logs})

@@ -1,20 +1,30 @@
 """The long-context settings of a run: backend, sequence-parallel size, checkpointing, kernel.
 
-Recipes under ``recipes/`` are plain accelerate configs, which accelerate validates strictly (an
-unknown top-level key is an error), so our settings live beside them in ``<recipe>.longctx.yaml``.
-:func:`load_config` finds them, in order: an explicit path, ``HF_LONGCTX_RECIPE``, the
-``--config_file`` of the ``accelerate launch`` that started this process; then ``HF_LONGCTX_*``
-environment variables override single keys. Unknown keys are errors that suggest the right name.
+Recipes under ``recipes/`` are plain accelerate configs, one per hardware shape, which accelerate
+validates strictly (an unknown top-level key is an error), so our settings live beside each in
+``<recipe>.longctx.yaml``: the shape's defaults. :func:`load_config` finds that sidecar, in order:
+an explicit path (``--recipe``), ``HF_LONGCTX_RECIPE``, the ``--config_file`` of the
+``accelerate launch`` that started this process. Single keys are then overridden, lowest first:
+``HF_LONGCTX_<KEY>`` environment variables, then command-line options ``--<key>`` (see
+:func:`add_config_arguments`). Every value, wherever it comes from, is validated here, by
+:class:`LongContextConfig`; an unknown key or option is an error that suggests the right name.
 """
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from ..backends import backend_names
+
+
+class ConfigError(ValueError):
+    """A mistake in the run's settings, found before any model or data is built."""
+
 
 CHECKPOINTING_MODES = ("none", "layer", "recompute_aware")
 MOE_DISPATCHES = ("allgather", "all_to_all")
@@ -67,7 +77,7 @@ class LongContextConfig:
             raise ValueError(
                 f"sp_size {size} asks for sequence parallelism but this run has ONE process. On CPU, "
                 "`accelerate launch --num_processes N` without --multi_gpu (or a recipe with distributed_type "
-                "MULTI_GPU) starts one process: use `accelerate launch --config_file recipes/cpu-2proc-distfa.yaml "
+                "MULTI_GPU) starts one process: use `accelerate launch --config_file recipes/cpu-2proc.yaml "
                 "...`, or set sp_size: 1 to train without sequence parallelism"
             )
         if world_size % size:
@@ -90,12 +100,8 @@ class LongContextConfig:
 
     @classmethod
     def from_dict(cls, values: dict, source: str = "config") -> LongContextConfig:
-        known = [f.name for f in fields(cls)]
         for key in values:
-            if key not in known:
-                hint = difflib.get_close_matches(key, known, n=1)
-                raise ValueError(f"{source}: unknown key {key!r}" + (f"; did you mean {hint[0]!r}?" if hint else "")
-                                 + f" (known keys: {', '.join(known)})")
+            _check_key(key, source)
         try:
             return cls(**values)
         except (TypeError, ValueError) as err:
@@ -194,6 +200,16 @@ def launcher_num_processes() -> int | None:
         return None
 
 
+def _check_key(key: str, source: str, spell=repr, noun: str = "key") -> None:
+    """An unknown setting name fails with the closest known one, spelled as where it was written."""
+    known = [f.name for f in fields(LongContextConfig)]
+    if key in known:
+        return
+    hint = difflib.get_close_matches(key, known, n=1)
+    raise ValueError(f"{source}: unknown {noun} {spell(key)}" + (f"; did you mean {spell(hint[0])}?" if hint else "")
+                     + f" (known {noun}s: {', '.join(spell(k) for k in known)})")
+
+
 def _parse_bool(value: str) -> bool:
     lowered = value.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -203,22 +219,93 @@ def _parse_bool(value: str) -> bool:
     raise ValueError("not a boolean; use 1/0 or true/false")
 
 
-_ENV = {"backend": str, "sp_size": int, "checkpointing": str, "kernel": str, "seq_len": int, "tiled_loss": int,
-        "tiled_mlp": int, "offload_checkpoints": _parse_bool, "tp_size": int, "ep_size": int, "moe_dispatch": str}
+def _parse_int(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError("not a whole number") from None
+
+
+# How a setting given as text (environment, command line) becomes the sidecar's value, by the type of
+# its field: a new key is settable from the environment and the command line with no edit here.
+_PARSERS = {"str": str, "int": _parse_int, "bool": _parse_bool}
+_FROM_TEXT = {f.name: _PARSERS[f.type] for f in fields(LongContextConfig)}
+
+
+def _from_text(key: str, text: str, given_as: str):
+    """``text`` as the value of ``key``; ``given_as`` (e.g. ``HF_LONGCTX_SEQ_LEN='x'``) names it in the error."""
+    try:
+        return _FROM_TEXT[key](text)
+    except ValueError as err:
+        raise ValueError(f"{given_as}: {err}") from None
+
+
+def option_name(key: str) -> str:
+    """The command-line spelling of a setting: ``seq_len`` -> ``--seq-len``."""
+    return "--" + key.replace("_", "-")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """One ``--<key>`` option per setting (``--backend``, ``--seq-len``, ...), each overriding the sidecar.
+
+    Values stay text here and are converted and validated by :func:`load_config`, so a wrong value
+    on the command line fails exactly like the same value in the sidecar.
+    """
+    group = parser.add_argument_group("long-context settings", "override single keys of the recipe's "
+                                      "sidecar (recipes/README.md); checked like the sidecar's values")
+    for f in fields(LongContextConfig):
+        group.add_argument(option_name(f.name), dest=f"longctx_{f.name}", default=None, metavar="VALUE",
+                           help=f"sidecar key {f.name} (default: the sidecar's value)")
+
+
+def config_overrides(args: argparse.Namespace, unknown: Sequence[str] = (),
+                     parser: argparse.ArgumentParser | None = None) -> dict[str, str]:
+    """Settings named on the command line, as text: the options of :func:`add_config_arguments` that were
+    given, plus any other ``--name value`` the parser did not know (``parse_known_args``), which
+    :func:`load_config` then rejects with the closest setting name. A name closer to one of the
+    ``parser``'s own options (``--max-step``) fails here, naming that option."""
+    overrides = {f.name: getattr(args, f"longctx_{f.name}") for f in fields(LongContextConfig)
+                 if getattr(args, f"longctx_{f.name}", None) is not None}
+    rest = list(unknown)
+    while rest:
+        token = rest.pop(0)
+        if not token.startswith("--"):
+            raise ConfigError(f"command line: unexpected argument {token!r}")
+        name, has_value, value = token[2:].partition("=")
+        if not has_value:
+            value = rest.pop(0) if rest and not rest[0].startswith("--") else ""
+        _check_script_option(token.partition("=")[0], parser)
+        overrides[name.replace("-", "_")] = value
+    return overrides
+
+
+def _check_script_option(option: str, parser: argparse.ArgumentParser | None) -> None:
+    """``--max-step`` is a misspelled script option, not a misspelled setting: say which one."""
+    settings = {option_name(f.name) for f in fields(LongContextConfig)}
+    options = [o for a in (parser._actions if parser else []) for o in a.option_strings if o.startswith("--")]
+    hint = difflib.get_close_matches(option, options, n=1)
+    if hint and hint[0] not in settings:
+        raise ConfigError(f"command line: unknown option {option}; did you mean {hint[0]}?")
 
 
 def _recipe(recipe: str | os.PathLike | None) -> str | os.PathLike | None:
     return recipe or os.environ.get("HF_LONGCTX_RECIPE") or _launcher_config_file()
 
 
-def recipe_source(recipe: str | os.PathLike | None = None) -> str:
-    """Where :func:`load_config` reads the settings from: the sidecar file, or the environment."""
+def recipe_source(recipe: str | os.PathLike | None = None, overrides: Mapping[str, object] | None = None) -> str:
+    """Where :func:`load_config` reads the settings from: the sidecar file or the environment, and
+    the command-line options that override it."""
     found = _recipe(recipe)
-    return str(sidecar_path(found)) if found else "settings from the environment (no recipe)"
+    source = str(sidecar_path(found)) if found else "settings from the environment (no recipe)"
+    if overrides:
+        source += " with " + ", ".join(option_name(k) for k in overrides) + " from the command line"
+    return source
 
 
-def load_config(recipe: str | os.PathLike | None = None) -> LongContextConfig:
-    """Settings from the recipe's sidecar file (see the module docstring), then HF_LONGCTX_* overrides."""
+def load_config(recipe: str | os.PathLike | None = None,
+                overrides: Mapping[str, object] | None = None) -> LongContextConfig:
+    """Settings from the recipe's sidecar file (see the module docstring), then HF_LONGCTX_* variables,
+    then ``overrides`` (the command line's, as :func:`config_overrides` returns them: text or values)."""
     import yaml
 
     values: dict = {}
@@ -232,19 +319,22 @@ def load_config(recipe: str | os.PathLike | None = None) -> LongContextConfig:
     else:
         source = "environment"
     overridden = []
-    for key, cast in _ENV.items():
+    for key in _FROM_TEXT:
         env = os.environ.get(f"HF_LONGCTX_{key.upper()}")
         if env is not None:
-            try:
-                values[key] = cast(env)
-            except ValueError as err:
-                raise ValueError(f"HF_LONGCTX_{key.upper()}={env!r}: {err}") from None
+            values[key] = _from_text(key, env, f"HF_LONGCTX_{key.upper()}={env!r}")
             overridden.append(f"HF_LONGCTX_{key.upper()}")
     if overridden and source != "environment":
         source += f" with {', '.join(overridden)} from the environment"
-    unknown_env = [k for k in os.environ if k.startswith("HF_LONGCTX_") and k[11:].lower() not in _ENV
+    unknown_env = [k for k in os.environ if k.startswith("HF_LONGCTX_") and k[11:].lower() not in _FROM_TEXT
                    and k != "HF_LONGCTX_RECIPE"]
     if unknown_env:
         raise ValueError(f"unknown environment setting(s) {unknown_env}; known: "
-                         + ", ".join(f"HF_LONGCTX_{k.upper()}" for k in _ENV))
+                         + ", ".join(f"HF_LONGCTX_{k.upper()}" for k in _FROM_TEXT))
+    if overrides:
+        for key, value in overrides.items():
+            _check_key(key, "command line", spell=option_name, noun="option")
+            given_as = f"command line: {option_name(key)} {value!r}"
+            values[key] = _from_text(key, value, given_as) if isinstance(value, str) else value
+        source += " with " + ", ".join(option_name(k) for k in overrides) + " from the command line"
     return LongContextConfig.from_dict(values, source)

@@ -136,36 +136,3 @@ def install_input_hook(model, group: dist.ProcessGroup | None, kernel: str = "au
     hook.handles = [model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True),
                     model.register_forward_hook(hook.restore_outputs, with_kwargs=True)]
     return hook
-
-
-def model_flops_per_token(model) -> float:
-    """6 x the parameters that do matmul work per token (forward + backward).
-
-    The input embedding is a table lookup, not a matmul: it is left out unless it is tied to the
-    output projection (then the projection's matmul counts it once). Counting it would overstate MFU
-    by a quarter for a 4-layer model with a 128K vocabulary.
-    """
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    skip = set()
-    if embedding is not None and (output is None or output.weight is not embedding.weight):
-        skip = {id(p) for p in embedding.parameters()}
-    return 6.0 * sum(p.numel() for p in model.parameters() if id(p) not in skip)
-
-
-def attention_flops(model, causal_pairs: int) -> float:
-    """Forward + backward core-attention FLOPs: 4 D H per visible pair per layer forward, x3.5."""
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 3.5 * 4 * head_dim * cfg.num_attention_heads * cfg.num_hidden_layers * causal_pairs
-
-
-def peak_flops(device: torch.device) -> float | None:
-    """Dense bf16 peak of the accelerator, for MFU; None where unknown (CPU)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, value in (("H200", 989e12), ("H100", 989e12), ("A100", 312e12)):
-        if key in name:
-            return value
-    return None

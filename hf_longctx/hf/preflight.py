@@ -13,17 +13,13 @@ from __future__ import annotations
 import difflib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from .config import LongContextConfig, launcher_num_processes, load_config, recipe_source
+from .config import ConfigError, LongContextConfig, launcher_num_processes, load_config, recipe_source
 
 _DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow", ".csv", ".txt")
-
-
-class ConfigError(ValueError):
-    """A mistake in the run's settings, found before any model or data is built."""
 
 
 def _looks_local(value: str, suffixes: tuple[str, ...] = ()) -> bool:
@@ -70,20 +66,22 @@ def check_process_count(world: int) -> None:
         raise ValueError(
             f"accelerate launch was given --num_processes {asked} but started {world} process(es): on CPU add "
             "--multi_gpu (accelerate's multi-process launcher, it runs on CPU with gloo), or launch with "
-            "--config_file recipes/cpu-2proc-distfa.yaml"
+            "--config_file recipes/cpu-2proc.yaml"
         )
 
 
-def check_run(recipe: str | os.PathLike | None = None, *, world_size: int | None = None,
-              dataset: str | None = None, model: str | None = None) -> LongContextConfig:
+def check_run(recipe: str | os.PathLike | None = None, *, overrides: Mapping[str, object] | None = None,
+              world_size: int | None = None, dataset: str | None = None, model: str | None = None
+              ) -> LongContextConfig:
     """The run's :class:`LongContextConfig`, or a ConfigError naming the file, the value and the fix.
 
     ``world_size`` defaults to the launcher's ``WORLD_SIZE`` (1 without a launcher). ``dataset`` and
     ``model`` are checked only where they name local paths; ``"synthetic"``/``"sample"`` and the
-    built-in model names of the training script pass.
+    built-in model names of the training script pass. ``overrides``: settings from the command line
+    (see :func:`~hf_longctx.hf.config.config_overrides`), checked like the sidecar's.
     """
     try:
-        cfg = load_config(recipe)
+        cfg = load_config(recipe, overrides)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
@@ -91,7 +89,7 @@ def check_run(recipe: str | os.PathLike | None = None, *, world_size: int | None
         check_process_count(world)
         cfg.resolved_sp_size(world)
     except ValueError as err:
-        raise ConfigError(f"{recipe_source(recipe)}: {err}") from None
+        raise ConfigError(f"{recipe_source(recipe, overrides)}: {err}") from None
     check_path("--dataset", dataset, builtin=("synthetic", "sample"), suffixes=_DATA_SUFFIXES)
     check_path("--model", model, builtin=("tiny", "llama3-8b-shape"))
     return cfg

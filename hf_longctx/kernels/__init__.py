@@ -2,6 +2,7 @@
 
 from .dispatch import (
     KERNELS,
+    SKIP_KERNEL,
     attention_backward,
     attention_forward,
     available_kernels,
@@ -14,6 +15,7 @@ from .merge import PartialAccumulator, accumulation_dtype, merge_partials
 
 __all__ = [
     "KERNELS",
+    "SKIP_KERNEL",
     "PartialAccumulator",
     "accumulation_dtype",
     "attention_backward",

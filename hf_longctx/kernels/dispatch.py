@@ -27,6 +27,9 @@ from .validate import check_attention_inputs, check_window
 logger = logging.getLogger("hf_longctx.kernels")
 
 KERNELS = ("fa4", "cudnn_varlen", "cudnn", "torch_flash", "reference")
+# Not a kernel: returns zeros at once, so a benchmark can time what surrounds the kernels (transfers,
+# bookkeeping). Accepted by kernel= here, never by a recipe; results are garbage, only times are read.
+SKIP_KERNEL = "skip"
 _AUTO_ORDER = KERNELS
 # Kernels shipped as optional extras: module, install hint.
 _EXTRAS = {"fa4": fa4, "cudnn_varlen": cudnn_varlen}
@@ -97,6 +100,8 @@ def _reason(name: str, q, k, cu_q: list[int], cu_k: list[int], causal: bool, win
 def select_kernel(kernel: str, q, k, cu_q: list[int], cu_k: list[int], causal: bool,
                   window: int | None = None) -> str:
     """Resolve ``kernel`` ('auto' or a name) to a kernel that serves these inputs, or raise ValueError."""
+    if kernel == SKIP_KERNEL:
+        return kernel
     if kernel != "auto":
         reason = _reason(kernel, q, k, cu_q, cu_k, causal, window)
         if reason:
@@ -195,6 +200,8 @@ def _mark_broken(key: tuple, exc: Exception) -> None:
 
 
 def _forward(name, q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale, window=None):
+    if name == SKIP_KERNEL:
+        return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
     _calls["forward"] += 1
     _calls[f"forward.{name}"] += 1
     if name == "reference":
@@ -252,6 +259,8 @@ def attention_backward(
 
 
 def _backward(name, dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale, window=None):
+    if name == SKIP_KERNEL:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     _calls["backward"] += 1
     _calls[f"backward.{name}"] += 1
     if name == "reference":

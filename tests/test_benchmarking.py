@@ -1,0 +1,66 @@
+"""The measuring helpers shared by the training callback and the benchmarks: FLOPs, MFU, tables, and
+the kernel that is skipped so a benchmark can time what surrounds the kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hf_longctx.benchmarking import (
+    attention_flops,
+    model_flops_per_token,
+    peak_flops,
+    table_header,
+    table_row,
+    training_mfu,
+)
+from hf_longctx.kernels import SKIP_KERNEL, attention_backward, attention_forward
+
+
+def _llama(tied: bool) -> LlamaForCausalLM:
+    return LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_model_flops_count_the_embedding_only_as_the_tied_output_matmul(tied):
+    model = _llama(tied)
+    every = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight.numel()
+    assert model_flops_per_token(model) == 6.0 * (every if tied else every - embedding)
+
+
+def test_mfu_is_model_and_attention_flops_over_the_devices_peak():
+    model = _llama(False)
+    per_token = model_flops_per_token(model)
+    # 4 heads x head_dim 4 x 2 layers: 4 * 16 * 2 * 3.5 = 448 FLOPs per visible pair, forward + backward
+    assert attention_flops(model.config, 10) == pytest.approx(4480.0)
+    flops = 1000 * per_token + 4480.0
+    assert training_mfu(model.config, per_token, 1000, 10, 2.0, 4, 1e6) == pytest.approx(flops / 2.0 / 4e6)
+    assert training_mfu(model.config, per_token, 1000, 10, 2.0, 4, None) is None
+    assert peak_flops(torch.device("cpu")) is None
+
+
+def test_table_rows_line_up_with_the_header():
+    header = table_header(["backend", "MFU"])
+    assert header == "| backend | MFU |\n|---|---|"
+    assert table_row(["zigzag", None]) == "| zigzag | - |"
+
+
+def test_skip_kernel_returns_zeros_without_running_a_kernel():
+    q, k, v = torch.randn(6, 2, 4), torch.randn(6, 1, 4), torch.randn(6, 1, 4)
+    out, lse = attention_forward(q, k, v, [0, 6], [0, 6], 6, 6, kernel=SKIP_KERNEL)
+    assert torch.equal(out, torch.zeros_like(q)) and lse.shape == (2, 6)
+    grads = attention_backward(torch.ones_like(q), q, k, v, out, lse, [0, 6], [0, 6], 6, 6, kernel=SKIP_KERNEL)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape] and all(not g.any() for g in grads)
+
+
+def test_recorded_commands_name_no_path_of_the_machine_that_ran_them(tmp_path):
+    from hf_longctx.benchmarking import portable_command
+
+    repo = tmp_path / "repo"
+    (repo / "bench").mkdir(parents=True)
+    command = portable_command("scripts/simulate_cad.py", ["--profile", "/tmp/cadsched/profile.json",
+                                                           f"--out={repo}/bench/sim.md", "--ranks", "8"], repo)
+    assert command == "python scripts/simulate_cad.py --profile profile.json --out=bench/sim.md --ranks 8"
