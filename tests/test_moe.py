@@ -40,8 +40,10 @@ from hf_longctx.moe import (
     enable_distributed_aux_loss,
     expert_shards,
     gather_full_state_dict,
+    gather_pieces,
     ignore_expert_params_in_ddp,
     merge_expert_shards,
+    merge_shard,
     shard_state_dict,
 )
 from hf_longctx.moe.routing import expert_load
@@ -90,28 +92,40 @@ def router_of(block):
 
 
 def gathered_expert_grads(model) -> dict[str, torch.Tensor]:
-    """Full gradients of the sharded expert parameters, all-gathered over their EP groups."""
+    """Full gradients of the sharded expert parameters, all-gathered over their expert groups and put together.
+
+    A piece kept whole by every expert-TP rank (``down_proj_bias``) is taken from expert-TP rank 0, the
+    one that adds it: the others' gradient must be zero, which is checked.
+    """
     out = {}
+    shards = expert_shards(model)
     for prefix, module in ((n, m) for n, m in model.named_modules() if isinstance(m, ExpertParallelExperts)):
         for name, p in module.named_parameters(recurse=False):
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            parts = [torch.empty_like(grad) for _ in range(module.ep_size)]
-            dist.all_gather(parts, grad.contiguous(), group=module.group)
-            out[f"{prefix}.{name}"] = torch.cat(parts)
+            key = f"{prefix}.{name}"
+            pieces = gather_pieces(grad, module)
+            if module.expert_tp_size > 1 and name in module.expert_tp_replicated():
+                assert all(float(piece.abs().max()) == 0 for i, piece in enumerate(pieces) if i % module.expert_tp_size)
+            out[key] = merge_shard(pieces, shards[key], key)
     return out
 
 
-def check_block_case(group, kind, top_k, dispatch, chunk, counts) -> bool:
+def check_block_case(group, kind, top_k, dispatch, chunk, counts, expert_tp=1) -> bool:
     """One block, one routing: output and every gradient equal the unsharded block; True if an expert got no token.
 
-    ``group`` (None: a single process) is the EP group; its rank r holds tokens of ``counts[r]``.
+    ``group`` (None: a single process) is the expert group (EP x ``expert_tp`` ranks); its rank r holds
+    tokens of ``counts[r]``.
     """
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
-    where = f"{kind} k={top_k} {dispatch} chunk={chunk} counts={counts} rank={rank}/{world}"
+    where = f"{kind} k={top_k} {dispatch} chunk={chunk} counts={counts} rank={rank}/{world} expert_tp={expert_tp}"
     ref = block_of(kind, top_k)
     block = copy.deepcopy(ref)
     if world > 1:
-        assert apply_expert_parallel(block, group, dispatch, chunk_tokens=chunk) == 1, where
+        assert apply_expert_parallel(block, group, dispatch, chunk_tokens=chunk, expert_tp_size=expert_tp) == 1, where
+        if expert_tp > 1:  # the slices really are 1/t of the intermediate dimension
+            experts = block.experts
+            inter = experts.down_proj.shape[1] if experts.is_transposed else experts.down_proj.shape[2]
+            assert inter == 8 // expert_tp and experts.num_local_experts == EXPERTS * expert_tp // world, where
     else:  # apply_expert_parallel leaves one rank's block to transformers; run the dispatch path anyway
         assert apply_expert_parallel(block, None, dispatch) == 0
         block.experts = ExpertParallelExperts(block.experts, None, dispatch, chunk_tokens=chunk)
@@ -145,17 +159,18 @@ def check_block_case(group, kind, top_k, dispatch, chunk, counts) -> bool:
     return bool((expert_load(ids, EXPERTS) == 0).any())
 
 
-def check_blocks(group, top_ks=(1, 3), chunks=(None, 2)):
+def check_blocks(group, top_ks=(1, 3), chunks=(None, 2), expert_tp=1):
     """Block output, input, router and expert gradients equal the unsharded block, for every model class."""
     world = dist.get_world_size(group) if group is not None else 1
     empty_expert_seen = False
     patterns = [[7, 0, 5, 9], [4, 6, 3, 8]]  # per-rank token counts; rank 1 holds none in the first
-    variants = [("allgather", c) for c in chunks] + [("all_to_all", None)]
+    variants = [("allgather", c) for c in chunks] + ([("all_to_all", None)] if expert_tp == 1 else [])
     for kind in BLOCK_KINDS:
         for top_k in top_ks:
             for dispatch, chunk in variants:
                 for counts in patterns:
-                    empty_expert_seen |= check_block_case(group, kind, top_k, dispatch, chunk, counts[:world])
+                    empty_expert_seen |= check_block_case(group, kind, top_k, dispatch, chunk, counts[:world],
+                                                          expert_tp)
     assert empty_expert_seen, "no case routed zero tokens to some expert; the edge case went untested"
 
 
@@ -212,10 +227,11 @@ def assert_dense_and_expert_grads(model, ref, where, dense_group, tol=FP32_LOSS)
         torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name: f"grad {n} {where}: {m}")
 
 
-def check_dp_ep_step_and_state_dict(rank, world):
-    """DP x EP: DDP ignores the expert slices, expert grads are averaged over their replicas only, and one
-    clipped SGD step with the batch-exact aux loss equals one process on the whole batch. Shards merge back."""
-    groups = parallel_groups(sp_size=1, tp_size=1, ep_size=2)
+def check_dp_ep_step_and_state_dict(rank, world, ep=2, expert_tp=1):
+    """DP x EP (x expert-TP): DDP ignores the expert slices, expert grads are averaged over their replicas only,
+    and one clipped SGD step with the batch-exact aux loss equals one process on the whole batch. Shards merge
+    back."""
+    groups = parallel_groups(sp_size=1, tp_size=1, ep_size=ep, expert_tp_size=expert_tp)
     seq = 9
     ids = torch.randint(0, VOCAB, (world, seq), generator=torch.Generator().manual_seed(3))
     ref = tiny_qwen3_moe()
@@ -227,21 +243,21 @@ def check_dp_ep_step_and_state_dict(rank, world):
     torch.optim.SGD(ref.parameters(), lr=1.0).step()
 
     model = tiny_qwen3_moe()
-    assert apply_expert_parallel(model, groups.ep) == 2
+    assert apply_expert_parallel(model, groups.moe, expert_tp_size=expert_tp) == 2
     shards = expert_shards(model)
     # state dict: keys unchanged, shards of the EP group merge to the original, a full dict cuts back
     mine = model.state_dict()
     assert mine.keys() == original.keys()
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
-    group_ranks = dist.get_process_group_ranks(groups.ep)
+    group_ranks = dist.get_process_group_ranks(groups.moe)
     merged = merge_expert_shards([everyone[r] for r in group_ranks], shards)
     gathered = gather_full_state_dict(model)
     for key, value in original.items():
         torch.testing.assert_close(merged[key], value, rtol=0, atol=0, msg=lambda m, k=key: f"merged {k}: {m}")
         torch.testing.assert_close(gathered[key], value, rtol=0, atol=0, msg=lambda m, k=key: f"gathered {k}: {m}")
     fresh = tiny_qwen3_moe()
-    apply_expert_parallel(fresh, groups.ep)
+    apply_expert_parallel(fresh, groups.moe, expert_tp_size=expert_tp)
     with torch.no_grad():
         for p in fresh.parameters():
             p.zero_()
@@ -256,7 +272,7 @@ def check_dp_ep_step_and_state_dict(rank, world):
     local = ids[rank : rank + 1]
     out = ddp(input_ids=local, labels=local, num_items_in_batch=torch.tensor(world * (seq - 1)))
     (out.loss * world).backward()  # DDP averages over the world; each rank's loss is its share (Trainer's scaling)
-    all_reduce_expert_grads(model, groups.expert_dp)
+    all_reduce_expert_grads(model, groups.expert_dp, expert_tp_group=groups.expert_tp)
     norm = clip_grad_norm_(model, max_norm)  # every rank the same factor: expert slices of the EP group counted
     torch.testing.assert_close(norm, ref_norm.to(norm.dtype), **FP32_LOSS)
     total = out.loss.detach().clone()
@@ -342,13 +358,17 @@ def check_tp_sp_ep_zigzag(rank, world, alone):
 def check_world4(rank, world):
     """Everything that needs processes, in one spawned world (starting one costs more than its checks)."""
     alone = one_rank_groups(world)
-    # blocks at EP sizes 2, 3, 4 (ranks outside a smaller group wait); every size covers both dispatches
-    for size, top_ks, chunks in ((2, (1, 3), (None, 2)), (3, (3,), (None, 2)), (4, (1,), (None,))):
+    # blocks at EP sizes 2, 3, 4 (ranks outside a smaller group wait); every size covers both dispatches;
+    # then expert-TP: EP1 x TP2 and EP2 x TP2
+    for size, top_ks, chunks, expert_tp in ((2, (1, 3), (None, 2), 1), (3, (3,), (None, 2), 1), (4, (1,), (None,), 1),
+                                            (2, (2,), (None,), 2), (4, (1, 3), (None, 2), 2)):
         group = dist.new_group(list(range(size)))  # every rank creates every group
         if rank < size:
-            check_blocks(group, top_ks, chunks)
+            check_blocks(group, top_ks, chunks, expert_tp)
         dist.barrier()
     check_dp_ep_step_and_state_dict(rank, world)
+    check_dp_ep_step_and_state_dict(rank, world, ep=2, expert_tp=2)  # the whole world one expert group
+    check_dp_ep_step_and_state_dict(rank, world, ep=1, expert_tp=2)  # expert-TP pairs, replicas over DP
     check_sp_ep_zigzag(rank, world, alone)
     check_tp_sp_ep_zigzag(rank, world, alone)
     dist.barrier()  # every rank done with its collectives before the groups are torn down
