@@ -2,9 +2,9 @@
 
 A tiny Qwen3-MoE with ``longctx_zigzag`` trains three clipped steps at DP2 x SP2 x EP2 (4 gloo
 processes, experts over the two ranks of each sequence, their gradients averaged over the DP
-replicas by the hook, the batch-exact aux loss on) and in one process with transformers' own aux
-loss; logged losses and gradient norms must agree. The data are read in order, so 4 processes with
-1 row each read the rows one process reads 4 at a time.
+replicas by the hook, the batch-exact aux loss on), at DP2 x SP2 without EP, and in one process
+with transformers' own aux loss; logged losses and gradient norms must agree. The data are read in
+order, so 4 processes with 1 row each read the rows one process reads 4 at a time.
 """
 
 from __future__ import annotations
@@ -53,27 +53,33 @@ def moe_run(output_dir: str, config: LongContextConfig) -> dict:
     logs = trainer.state.log_history
     return {"losses": [e["loss"] for e in logs if "loss" in e],
             "grad_norms": [e["grad_norm"] for e in logs if "grad_norm" in e],
-            "syncs": done.grad_sync.syncs if done else 0, "max_grad_norm": args.max_grad_norm,
+            "syncs": done.grad_sync.syncs if done and done.grad_sync else 0, "max_grad_norm": args.max_grad_norm,
             "sharded": sum(isinstance(m, ExpertParallelExperts) for m in model.modules())}
 
 
-def _four_process_run(rank, world, out_dir):
-    result = moe_run(f"{out_dir}/rank{rank}", LongContextConfig(backend="zigzag", sp_size=2, ep_size=2))
+def _four_process_runs(rank, world, out_dir):
+    ep = moe_run(f"{out_dir}/ep{rank}", LongContextConfig(backend="zigzag", sp_size=2, ep_size=2))
+    no_ep = moe_run(f"{out_dir}/dp{rank}", LongContextConfig(backend="zigzag", sp_size=2))
     if rank == 0:
-        Path(out_dir, "four.json").write_text(json.dumps(result))
+        Path(out_dir, "four.json").write_text(json.dumps({"ep": ep, "no_ep": no_ep}))
 
 
 def test_trainer_sp2_ep2_from_the_config_equals_one_process(tmp_path):
     one = moe_run(str(tmp_path / "one"), LongContextConfig(backend="zigzag"))
     assert one["sharded"] == 0 and one["syncs"] == 0
-    run_distributed(4, _four_process_run, str(tmp_path), timeout_s=300)
-    four = json.loads((tmp_path / "four.json").read_text())
+    run_distributed(4, _four_process_runs, str(tmp_path), timeout_s=400)
+    runs = json.loads((tmp_path / "four.json").read_text())
+    four, no_ep = runs["ep"], runs["no_ep"]
     assert four["sharded"] == 2 and four["syncs"] == STEPS  # both MoE blocks sharded; one reduction per step
     assert four["max_grad_norm"] == 0.5  # handed back to the Trainer's arguments at the end
     assert len(four["losses"]) == STEPS
     assert max(one["grad_norms"]) > 0.5  # clipping was active, so its factor matters
     assert four["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert four["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-4)
+    # DP2 x SP2 without expert parallelism: still the batch's aux loss, not the sum of four ranks' own
+    assert no_ep["sharded"] == 0
+    assert no_ep["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert no_ep["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-4)
 
 
 def test_model_parallelism_is_refused_where_it_cannot_run():

@@ -114,6 +114,8 @@ class LongContextCallback(TrainerCallback):
                         "tiled_loss": cfg.tiled_loss, "tiled_mlp": cfg.tiled_mlp,
                         "offload_checkpoints": cfg.offload_checkpoints and checkpointing != "none",
                         "kernels_available": available_kernels(args.device)}
+        if cfg.ep_size * cfg.expert_tp_size > 1:
+            self.summary.update(ep_size=cfg.ep_size, expert_tp_size=cfg.expert_tp_size, moe_dispatch=cfg.moe_dispatch)
         self._flops_per_token = model_flops_per_token(model)
         self._peak = peak_flops(args.device)
         self._model = model

@@ -8,8 +8,9 @@ process groups of :func:`~hf_longctx.comm.mesh.parallel_groups` and:
   :mod:`~hf_longctx.hf.head_parallel`);
 * shards the experts of every MoE block over the expert group (``ep_size`` x ``expert_tp_size``
   ranks, ``moe_dispatch``, :func:`~hf_longctx.moe.apply_expert_parallel`), tells DDP to leave the
-  expert slices alone, makes the model add the batch-exact load-balancing loss
-  (:mod:`~hf_longctx.moe.aux_loss`), and installs :class:`ExpertGradSync`.
+  expert slices alone and installs :class:`ExpertGradSync`;
+* makes a MoE model add the batch-exact load-balancing loss (:mod:`~hf_longctx.moe.aux_loss`)
+  whenever several processes share the batch, with or without expert parallelism.
 
 Why a gradient hook. DDP averages the dense gradients inside backward; the expert gradients must
 be averaged over their own replicas before anything reads them, and transformers' Trainer clips
@@ -115,26 +116,35 @@ class ModelParallelism:
 
 
 def apply_model_parallelism(model: nn.Module, config: LongContextConfig | None = None) -> ModelParallelism | None:
-    """Apply the config's tensor (head) and expert parallelism to ``model``; None when it asks for neither.
+    """Apply the config's tensor (head) and expert parallelism to ``model``; None when there is nothing to do.
+
+    A MoE model on several processes always gets the batch-exact load-balancing loss (each rank's
+    own aux loss on its tokens, summed over ranks, is not the batch's), even without expert parallelism.
 
     ``config`` defaults to the run's (:func:`~hf_longctx.hf.config.load_config`). Call on every rank
     after the weights are loaded and before the Trainer, the optimizer or DDP are created: expert
     slices must exist before DDP broadcasts rank 0's parameters. Sizes are checked against the world
     and the model first (errors name the fix).
     """
+    from ..moe.layer import find_experts_modules
+
     cfg = config or load_config()
-    if cfg.tp_size == 1 and cfg.ep_size == 1 and cfg.expert_tp_size == 1:
+    split = cfg.tp_size * cfg.ep_size * cfg.expert_tp_size > 1
+    if split:
+        _join_launched_world()
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    is_moe = bool(find_experts_modules(model))
+    if not split and not (is_moe and world > 1):
         return None
     if getattr(model, ATTRIBUTE, None) is not None:
         raise ValueError("model parallelism is already applied to this model")
-    _join_launched_world()
-    if not (dist.is_available() and dist.is_initialized()):
+    if world == 1:
         raise RuntimeError(f"tp_size={cfg.tp_size}, ep_size={cfg.ep_size}, expert_tp_size={cfg.expert_tp_size} need "
                            "several processes: launch with accelerate/torchrun, or set them to 1")
     from ..comm.mesh import parallel_groups
     from ..moe import apply_expert_parallel, enable_distributed_aux_loss, ignore_expert_params_in_ddp
 
-    _, sp, tp, ep = cfg.resolved_sizes(dist.get_world_size(), model.config)
+    _, sp, tp, ep = cfg.resolved_sizes(world, model.config)
     groups = parallel_groups(sp, tp, ep, cfg.expert_tp_size)
     attention = 0
     if tp > 1:
@@ -145,9 +155,9 @@ def apply_model_parallelism(model: nn.Module, config: LongContextConfig | None =
     if ep * cfg.expert_tp_size > 1:
         blocks = apply_expert_parallel(model, groups.moe, cfg.moe_dispatch, expert_tp_size=cfg.expert_tp_size)
         ignore_expert_params_in_ddp(model)
-        if getattr(model.config, "router_aux_loss_coef", None) is not None:
-            aux = enable_distributed_aux_loss(model, group=groups.batch)
         sync = ExpertGradSync(model, groups.expert_dp, groups.expert_tp)
+    if is_moe and getattr(model.config, "router_aux_loss_coef", None) is not None:
+        aux = enable_distributed_aux_loss(model, group=groups.batch)
     done = ModelParallelism(groups, attention, blocks, aux, sync)
     object.__setattr__(model, ATTRIBUTE, done)  # a plain attribute, not a submodule or state
     return done
