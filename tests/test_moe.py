@@ -355,6 +355,32 @@ def check_tp_sp_ep_zigzag(rank, world, alone):
     assert_dense_and_expert_grads(model, ref, f"sp2 tp2 ep2 rank={rank}", dense_group=groups.batch)
 
 
+def check_grad_sync_with_accumulation(rank, world):
+    """ExpertGradSync: no reduction on accumulating backwards, one on the synchronising one, equal to reducing by
+    hand after both; the all-reduce runs once per backward even with recompute-aware checkpointing."""
+    from hf_longctx.hf.parallelism import ExpertGradSync
+
+    groups = parallel_groups(ep_size=2)
+    ids = torch.randint(0, VOCAB, (2, world, 7), generator=torch.Generator().manual_seed(5))[:, rank : rank + 1]
+    by_hand, hooked = tiny_qwen3_moe(), tiny_qwen3_moe()
+    for model in (by_hand, hooked):
+        apply_expert_parallel(model, groups.ep)
+        model.train()
+        enable_recompute_aware_checkpointing(model)
+    syncing = [False]
+    sync = ExpertGradSync(hooked, groups.expert_dp, should_sync=lambda: syncing[0])
+    for micro, batch in enumerate(ids):
+        syncing[0] = micro == len(ids) - 1
+        hooked(input_ids=batch, labels=batch).loss.backward()
+        assert sync.syncs == micro  # nothing reduced while accumulating, once at the end
+        by_hand(input_ids=batch, labels=batch).loss.backward()
+    assert sync.syncs == 1
+    all_reduce_expert_grads(by_hand, groups.expert_dp)
+    for (name, p), q in zip(hooked.named_parameters(), by_hand.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=lambda m, n=name: f"grad {n}: {m}")
+    sync.remove()
+
+
 def check_world4(rank, world):
     """Everything that needs processes, in one spawned world (starting one costs more than its checks)."""
     alone = one_rank_groups(world)
@@ -369,6 +395,7 @@ def check_world4(rank, world):
     check_dp_ep_step_and_state_dict(rank, world)
     check_dp_ep_step_and_state_dict(rank, world, ep=2, expert_tp=2)  # the whole world one expert group
     check_dp_ep_step_and_state_dict(rank, world, ep=1, expert_tp=2)  # expert-TP pairs, replicas over DP
+    check_grad_sync_with_accumulation(rank, world)
     check_sp_ep_zigzag(rank, world, alone)
     check_tp_sp_ep_zigzag(rank, world, alone)
     dist.barrier()  # every rank done with its collectives before the groups are torn down

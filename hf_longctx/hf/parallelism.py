@@ -26,6 +26,7 @@ hands ``max_grad_norm`` to the hook, which clips by the norm of the whole model
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,7 +36,9 @@ from torch import nn
 
 from .config import LongContextConfig, load_config
 
-ATTRIBUTE = "_hf_longctx_parallelism"  # where the model keeps its ModelParallelism (read by the callback)
+# what apply_model_parallelism did to each model (read by the callback); kept beside the model, not on it,
+# so deepcopy / pickling of the model never meets process groups
+_APPLIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def accelerate_sync_gradients() -> bool:
@@ -106,7 +109,7 @@ class ExpertGradSync:
 
 @dataclass
 class ModelParallelism:
-    """What :func:`apply_model_parallelism` did to a model (kept on the model for the Trainer callback)."""
+    """What :func:`apply_model_parallelism` did to a model (found again by :func:`model_parallelism`)."""
 
     groups: object  # hf_longctx.comm.mesh.ParallelGroups
     attention_modules: int  # modules whose heads were split
@@ -136,7 +139,7 @@ def apply_model_parallelism(model: nn.Module, config: LongContextConfig | None =
     is_moe = bool(find_experts_modules(model))
     if not split and not (is_moe and world > 1):
         return None
-    if getattr(model, ATTRIBUTE, None) is not None:
+    if model in _APPLIED:
         raise ValueError("model parallelism is already applied to this model")
     if world == 1:
         raise RuntimeError(f"tp_size={cfg.tp_size}, ep_size={cfg.ep_size}, expert_tp_size={cfg.expert_tp_size} need "
@@ -159,7 +162,7 @@ def apply_model_parallelism(model: nn.Module, config: LongContextConfig | None =
     if is_moe and getattr(model.config, "router_aux_loss_coef", None) is not None:
         aux = enable_distributed_aux_loss(model, group=groups.batch)
     done = ModelParallelism(groups, attention, blocks, aux, sync)
-    object.__setattr__(model, ATTRIBUTE, done)  # a plain attribute, not a submodule or state
+    _APPLIED[model] = done
     return done
 
 
@@ -178,4 +181,4 @@ def _join_launched_world() -> None:
 
 def model_parallelism(model: nn.Module) -> ModelParallelism | None:
     """The :class:`ModelParallelism` :func:`apply_model_parallelism` left on ``model`` (None if never applied)."""
-    return getattr(model, ATTRIBUTE, None)
+    return _APPLIED.get(model)

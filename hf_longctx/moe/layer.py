@@ -12,9 +12,8 @@ and gets the same (tokens, hidden) result, computed through
 Expert tensor parallelism (optional, ``expert_tp_size`` t > 1): the group then holds ep x t ranks
 and the t ranks of one EP rank each keep a 1/t slice of their experts' intermediate dimension
 (:mod:`~hf_longctx.moe.expert_tp`); the allgather dispatch over the whole group already sums their
-partial outputs. Every rank of the group then runs the same (token, expert) pairs as the other t - 1
-ranks of its EP rank, on a t times smaller GEMM: the group's experts are balanced across its ranks by
-construction.
+partial outputs. The t ranks of one EP rank run the same (token, expert) pairs, each on a t times
+smaller GEMM, so however the router skews its load they share it evenly.
 
 State-dict keys do not change. The wrapper is an :class:`~hf_longctx.wrapping.InPlaceWrapper`: it
 shares the wrapped module's parameter, buffer and child registries instead of holding it as a child, so
