@@ -110,11 +110,12 @@ def gathered_expert_grads(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def check_block_case(group, kind, top_k, dispatch, chunk, counts, expert_tp=1) -> bool:
+def check_block_case(group, kind, top_k, dispatch, chunk, counts, expert_tp=1, tp_groups=None) -> bool:
     """One block, one routing: output and every gradient equal the unsharded block; True if an expert got no token.
 
     ``group`` (None: a single process) is the expert group (EP x ``expert_tp`` ranks); its rank r holds
-    tokens of ``counts[r]``.
+    tokens of ``counts[r]``. ``tp_groups`` (expert-TP group, a group of this rank alone): the gradient
+    reduction and the clipping norm of the whole block are checked too.
     """
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     where = f"{kind} k={top_k} {dispatch} chunk={chunk} counts={counts} rank={rank}/{world} expert_tp={expert_tp}"
@@ -156,10 +157,22 @@ def check_block_case(group, kind, top_k, dispatch, chunk, counts, expert_tp=1) -
                 dist.all_reduce(got, group=group)
         tol = ROUTER if name.startswith(("gate.", "router.")) else EXACT
         torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name: f"grad {n} {where}: {m}")
+        if name not in expert_grads and tp_groups is not None:
+            p.grad = got  # replicated, as DDP leaves dense gradients
+    if tp_groups is not None:  # the one down_proj bias reaches every expert-TP rank; the norm counts it once
+        expert_tp_group, alone = tp_groups
+        all_reduce_expert_grads(block, alone, divide_by=1, expert_tp_group=expert_tp_group)
+        for name in block.experts.expert_tp_replicated():
+            torch.testing.assert_close(block.experts.get_parameter(name).grad,
+                                       ref.experts.get_parameter(name).grad[block.experts.expert_start:][
+                                           : block.experts.num_local_experts], **EXACT)
+        norm = clip_grad_norm_(block, float("inf"))
+        want = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters() if p.grad is not None]))
+        torch.testing.assert_close(norm, want, **ROUTER, msg=lambda m: f"grad norm {where}: {m}")
     return bool((expert_load(ids, EXPERTS) == 0).any())
 
 
-def check_blocks(group, top_ks=(1, 3), chunks=(None, 2), expert_tp=1):
+def check_blocks(group, top_ks=(1, 3), chunks=(None, 2), expert_tp=1, tp_groups=None):
     """Block output, input, router and expert gradients equal the unsharded block, for every model class."""
     world = dist.get_world_size(group) if group is not None else 1
     empty_expert_seen = False
@@ -170,7 +183,7 @@ def check_blocks(group, top_ks=(1, 3), chunks=(None, 2), expert_tp=1):
             for dispatch, chunk in variants:
                 for counts in patterns:
                     empty_expert_seen |= check_block_case(group, kind, top_k, dispatch, chunk, counts[:world],
-                                                          expert_tp)
+                                                          expert_tp, tp_groups)
     assert empty_expert_seen, "no case routed zero tokens to some expert; the edge case went untested"
 
 
@@ -389,8 +402,10 @@ def check_world4(rank, world):
     for size, top_ks, chunks, expert_tp in ((2, (1, 3), (None, 2), 1), (3, (3,), (None, 2), 1), (4, (1,), (None,), 1),
                                             (2, (2,), (None,), 2), (4, (1, 3), (None, 2), 2)):
         group = dist.new_group(list(range(size)))  # every rank creates every group
+        tp_groups = [dist.new_group(list(range(r, r + expert_tp))) for r in range(0, size, expert_tp)]
         if rank < size:
-            check_blocks(group, top_ks, chunks, expert_tp)
+            mine = tp_groups[rank // expert_tp] if expert_tp > 1 else None
+            check_blocks(group, top_ks, chunks, expert_tp, (mine, alone) if mine is not None else None)
         dist.barrier()
     check_dp_ep_step_and_state_dict(rank, world)
     check_dp_ep_step_and_state_dict(rank, world, ep=2, expert_tp=2)  # the whole world one expert group
