@@ -134,6 +134,10 @@ class LongContextCallback(TrainerCallback):
         sync = model_parallelism(model).grad_sync
         if sync is None:
             return
+        if getattr(args, "deepspeed_plugin", None) is not None:
+            raise ValueError("expert parallelism (ep_size / expert_tp_size > 1) runs under DDP: DeepSpeed's ZeRO would "
+                             "average the expert slices of different ranks as one tensor. Use a DDP recipe, or set "
+                             "ep_size: 1 and expert_tp_size: 1 with DeepSpeed")
         self._grad_sync = sync
         self._max_grad_norm = args.max_grad_norm
         clip = args.max_grad_norm is not None and args.max_grad_norm > 0
