@@ -133,10 +133,10 @@ def apply_model_parallelism(model: nn.Module, config: LongContextConfig | None =
 
     cfg = config or load_config()
     split = cfg.tp_size * cfg.ep_size * cfg.expert_tp_size > 1
-    if split:
+    is_moe = bool(find_experts_modules(model))
+    if split or is_moe:
         _join_launched_world()
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    is_moe = bool(find_experts_modules(model))
     if not split and not (is_moe and world > 1):
         return None
     if model in _APPLIED:
