@@ -446,6 +446,27 @@ def test_parallel_sizes_are_validated_with_the_fix():
         check_moe_layout(tiny_qwen3_moe(), LongContextConfig(ep_size=3), world=3)
 
 
+def test_expert_tp_slices_follow_each_layout():
+    """Concatenated [gate; up] keeps both halves' slices; GPT-OSS's interleaved, transposed layout a contiguous run."""
+    from hf_longctx.moe import expert_tp_slices
+
+    qwen = expert_tp_slices(block_of("qwen3", 2).experts, 2)
+    assert (qwen["gate_up_proj"].dim, qwen["down_proj"].dim) == (1, 2)
+    assert qwen["gate_up_proj"].positions(1).tolist() == [4, 5, 6, 7, 12, 13, 14, 15]  # I = 8: gate 4..7, up 12..15
+    gpt = expert_tp_slices(block_of("gpt_oss", 2).experts, 2)
+    assert (gpt["gate_up_proj"].dim, gpt["gate_up_proj_bias"].dim, gpt["down_proj"].dim) == (2, 1, 1)
+    assert gpt["gate_up_proj"].positions(1).tolist() == list(range(8, 16)) and gpt["down_proj_bias"] is None
+    full = block_of("gpt_oss", 2).experts.gate_up_proj.detach()
+    piece = gpt["gate_up_proj"]
+    assert torch.equal(piece.join([piece.cut(full, r) for r in range(2)]), full)
+    with pytest.raises(ValueError, match="expert_tp_size 3 does not divide the experts' intermediate size 8"):
+        expert_tp_slices(block_of("mixtral", 2).experts, 3)
+    with pytest.raises(ValueError, match="dispatch='allgather' only"):
+        apply_expert_parallel(block_of("qwen3", 2), None, "all_to_all", expert_tp_size=2)
+    with pytest.raises(ValueError, match="expert_tp_size 2 does not divide the 1 ranks"):
+        apply_expert_parallel(block_of("qwen3", 2), None, expert_tp_size=2)
+
+
 def test_bench_moe_quick_runs_end_to_end():
     """The GPU benchmark's command line runs every mode, EP size 1 and 2, and the whole-model rows on CPU."""
     root = Path(__file__).resolve().parents[1]

@@ -142,12 +142,12 @@ def _split_group(group_size: int, expert_tp_size: int, dispatch: str, group_rank
     """(EP rank, EP size, expert-TP rank) of a group rank; raises if the sizes do not fit."""
     if isinstance(expert_tp_size, bool) or not isinstance(expert_tp_size, int) or expert_tp_size < 1:
         raise ValueError(f"expert_tp_size must be a positive int, got {expert_tp_size!r}")
-    if group_size % expert_tp_size:
-        raise ValueError(f"expert_tp_size {expert_tp_size} does not divide the {group_size} ranks of the expert "
-                         f"group; the group must hold ep_size x expert_tp_size ranks")
     if expert_tp_size > 1 and dispatch != "allgather":
         raise ValueError(f"expert tensor parallelism runs with dispatch='allgather' only (every rank of the group "
                          f"needs every token routed to its experts), got {dispatch!r}")
+    if group_size % expert_tp_size:
+        raise ValueError(f"expert_tp_size {expert_tp_size} does not divide the {group_size} ranks of the expert "
+                         f"group; the group must hold ep_size x expert_tp_size ranks")
     return group_rank // expert_tp_size, group_size // expert_tp_size, group_rank % expert_tp_size
 
 
