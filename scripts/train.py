@@ -19,7 +19,15 @@ import logging
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+    Trainer,
+    TrainingArguments,
+)
 
 import hf_longctx
 from hf_longctx.data import (
@@ -30,7 +38,7 @@ from hf_longctx.data import (
     packed_synthetic_dataset,
     sample_corpus_path,
 )
-from hf_longctx.hf import check_run, report_config_errors
+from hf_longctx.hf import apply_model_parallelism, check_run, report_config_errors
 from hf_longctx.hf.checkpointing import checkpointing_training_args
 from hf_longctx.hf.config import add_config_arguments, config_overrides
 
@@ -41,6 +49,16 @@ def tiny_llama_config(vocab_size: int, attn_implementation: str) -> LlamaConfig:
         vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=65536,
         attn_implementation=attn_implementation, tie_word_embeddings=True,
+    )
+
+
+def tiny_moe_config(vocab_size: int, attn_implementation: str) -> Qwen3MoeConfig:
+    """A small Qwen3-MoE (8 experts, top-2, aux loss on): the model for recipes with ep_size."""
+    return Qwen3MoeConfig(
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_experts=8,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        output_router_logits=True, max_position_embeddings=65536, attn_implementation=attn_implementation,
+        tie_word_embeddings=True,
     )
 
 
@@ -56,7 +74,7 @@ def llama3_8b_shape(vocab_size: int, layers: int, attn_implementation: str) -> L
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny",
-                   help="'tiny' or 'llama3-8b-shape' (random weights, built here), or a path / hub name")
+                   help="'tiny', 'tiny-moe' or 'llama3-8b-shape' (random weights, built here), or a path / hub name")
     p.add_argument("--num-layers", type=int, default=32, help="depth of llama3-8b-shape")
     p.add_argument("--vocab-size", type=int, default=32000, help="vocabulary of llama3-8b-shape")
     p.add_argument("--dataset", default=None,
@@ -84,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
                         model=args.model)
     seq_len = cfg.seq_len or 1024
     on_gpu = torch.cuda.is_available()
-    built = args.model in ("tiny", "llama3-8b-shape")
+    built = args.model in ("tiny", "tiny-moe", "llama3-8b-shape")
     if built:
         tokenizer = load_sample_tokenizer()
     else:
@@ -95,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     dtype = torch.bfloat16 if on_gpu else torch.float32
     if args.model == "tiny":
         model = LlamaForCausalLM(tiny_llama_config(len(tokenizer), cfg.attn_implementation))
+    elif args.model == "tiny-moe":
+        model = Qwen3MoeForCausalLM(tiny_moe_config(len(tokenizer), cfg.attn_implementation))
     elif args.model == "llama3-8b-shape":
         with torch.device("cuda" if on_gpu else "cpu"):
             model = LlamaForCausalLM(llama3_8b_shape(args.vocab_size, args.num_layers, cfg.attn_implementation))
@@ -102,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation=cfg.attn_implementation,
                                                      dtype=dtype)
+    apply_model_parallelism(model, cfg)  # the recipe's ep_size / expert_tp_size (nothing when all are 1)
     if args.dataset == "synthetic":
         packed = packed_synthetic_dataset(4 * args.max_steps * max(1, torch.cuda.device_count()), seq_len,
                                           mix=args.synthetic_mix, vocab_size=model.config.vocab_size, seed=args.seed)

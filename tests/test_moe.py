@@ -40,8 +40,10 @@ from hf_longctx.moe import (
     enable_distributed_aux_loss,
     expert_shards,
     gather_full_state_dict,
+    gather_pieces,
     ignore_expert_params_in_ddp,
     merge_expert_shards,
+    merge_shard,
     shard_state_dict,
 )
 from hf_longctx.moe.routing import expert_load
@@ -90,28 +92,41 @@ def router_of(block):
 
 
 def gathered_expert_grads(model) -> dict[str, torch.Tensor]:
-    """Full gradients of the sharded expert parameters, all-gathered over their EP groups."""
+    """Full gradients of the sharded expert parameters, all-gathered over their expert groups and put together.
+
+    A piece kept whole by every expert-TP rank (``down_proj_bias``) is taken from expert-TP rank 0, the
+    one that adds it: the others' gradient must be zero, which is checked.
+    """
     out = {}
+    shards = expert_shards(model)
     for prefix, module in ((n, m) for n, m in model.named_modules() if isinstance(m, ExpertParallelExperts)):
         for name, p in module.named_parameters(recurse=False):
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            parts = [torch.empty_like(grad) for _ in range(module.ep_size)]
-            dist.all_gather(parts, grad.contiguous(), group=module.group)
-            out[f"{prefix}.{name}"] = torch.cat(parts)
+            key = f"{prefix}.{name}"
+            pieces = gather_pieces(grad, module)
+            if module.expert_tp_size > 1 and name in module.expert_tp_replicated():
+                assert all(float(piece.abs().max()) == 0 for i, piece in enumerate(pieces) if i % module.expert_tp_size)
+            out[key] = merge_shard(pieces, shards[key], key)
     return out
 
 
-def check_block_case(group, kind, top_k, dispatch, chunk, counts) -> bool:
+def check_block_case(group, kind, top_k, dispatch, chunk, counts, expert_tp=1, tp_groups=None) -> bool:
     """One block, one routing: output and every gradient equal the unsharded block; True if an expert got no token.
 
-    ``group`` (None: a single process) is the EP group; its rank r holds tokens of ``counts[r]``.
+    ``group`` (None: a single process) is the expert group (EP x ``expert_tp`` ranks); its rank r holds
+    tokens of ``counts[r]``. ``tp_groups`` (expert-TP group, a group of this rank alone): the gradient
+    reduction and the clipping norm of the whole block are checked too.
     """
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
-    where = f"{kind} k={top_k} {dispatch} chunk={chunk} counts={counts} rank={rank}/{world}"
+    where = f"{kind} k={top_k} {dispatch} chunk={chunk} counts={counts} rank={rank}/{world} expert_tp={expert_tp}"
     ref = block_of(kind, top_k)
     block = copy.deepcopy(ref)
     if world > 1:
-        assert apply_expert_parallel(block, group, dispatch, chunk_tokens=chunk) == 1, where
+        assert apply_expert_parallel(block, group, dispatch, chunk_tokens=chunk, expert_tp_size=expert_tp) == 1, where
+        if expert_tp > 1:  # the slices really are 1/t of the intermediate dimension
+            experts = block.experts
+            inter = experts.down_proj.shape[1] if experts.is_transposed else experts.down_proj.shape[2]
+            assert inter == 8 // expert_tp and experts.num_local_experts == EXPERTS * expert_tp // world, where
     else:  # apply_expert_parallel leaves one rank's block to transformers; run the dispatch path anyway
         assert apply_expert_parallel(block, None, dispatch) == 0
         block.experts = ExpertParallelExperts(block.experts, None, dispatch, chunk_tokens=chunk)
@@ -142,20 +157,33 @@ def check_block_case(group, kind, top_k, dispatch, chunk, counts) -> bool:
                 dist.all_reduce(got, group=group)
         tol = ROUTER if name.startswith(("gate.", "router.")) else EXACT
         torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name: f"grad {n} {where}: {m}")
+        if name not in expert_grads and tp_groups is not None:
+            p.grad = got  # replicated, as DDP leaves dense gradients
+    if tp_groups is not None:  # the one down_proj bias reaches every expert-TP rank; the norm counts it once
+        expert_tp_group, alone = tp_groups
+        all_reduce_expert_grads(block, alone, divide_by=1, expert_tp_group=expert_tp_group)
+        for name in block.experts.expert_tp_replicated():
+            torch.testing.assert_close(block.experts.get_parameter(name).grad,
+                                       ref.experts.get_parameter(name).grad[block.experts.expert_start:][
+                                           : block.experts.num_local_experts], **EXACT)
+        norm = clip_grad_norm_(block, float("inf"))
+        want = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters() if p.grad is not None]))
+        torch.testing.assert_close(norm, want, **ROUTER, msg=lambda m: f"grad norm {where}: {m}")
     return bool((expert_load(ids, EXPERTS) == 0).any())
 
 
-def check_blocks(group, top_ks=(1, 3), chunks=(None, 2)):
+def check_blocks(group, top_ks=(1, 3), chunks=(None, 2), expert_tp=1, tp_groups=None):
     """Block output, input, router and expert gradients equal the unsharded block, for every model class."""
     world = dist.get_world_size(group) if group is not None else 1
     empty_expert_seen = False
     patterns = [[7, 0, 5, 9], [4, 6, 3, 8]]  # per-rank token counts; rank 1 holds none in the first
-    variants = [("allgather", c) for c in chunks] + [("all_to_all", None)]
+    variants = [("allgather", c) for c in chunks] + ([("all_to_all", None)] if expert_tp == 1 else [])
     for kind in BLOCK_KINDS:
         for top_k in top_ks:
             for dispatch, chunk in variants:
                 for counts in patterns:
-                    empty_expert_seen |= check_block_case(group, kind, top_k, dispatch, chunk, counts[:world])
+                    empty_expert_seen |= check_block_case(group, kind, top_k, dispatch, chunk, counts[:world],
+                                                          expert_tp, tp_groups)
     assert empty_expert_seen, "no case routed zero tokens to some expert; the edge case went untested"
 
 
@@ -212,10 +240,11 @@ def assert_dense_and_expert_grads(model, ref, where, dense_group, tol=FP32_LOSS)
         torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name: f"grad {n} {where}: {m}")
 
 
-def check_dp_ep_step_and_state_dict(rank, world):
-    """DP x EP: DDP ignores the expert slices, expert grads are averaged over their replicas only, and one
-    clipped SGD step with the batch-exact aux loss equals one process on the whole batch. Shards merge back."""
-    groups = parallel_groups(sp_size=1, tp_size=1, ep_size=2)
+def check_dp_ep_step_and_state_dict(rank, world, ep=2, expert_tp=1):
+    """DP x EP (x expert-TP): DDP ignores the expert slices, expert grads are averaged over their replicas only,
+    and one clipped SGD step with the batch-exact aux loss equals one process on the whole batch. Shards merge
+    back."""
+    groups = parallel_groups(sp_size=1, tp_size=1, ep_size=ep, expert_tp_size=expert_tp)
     seq = 9
     ids = torch.randint(0, VOCAB, (world, seq), generator=torch.Generator().manual_seed(3))
     ref = tiny_qwen3_moe()
@@ -227,21 +256,21 @@ def check_dp_ep_step_and_state_dict(rank, world):
     torch.optim.SGD(ref.parameters(), lr=1.0).step()
 
     model = tiny_qwen3_moe()
-    assert apply_expert_parallel(model, groups.ep) == 2
+    assert apply_expert_parallel(model, groups.moe, expert_tp_size=expert_tp) == 2
     shards = expert_shards(model)
     # state dict: keys unchanged, shards of the EP group merge to the original, a full dict cuts back
     mine = model.state_dict()
     assert mine.keys() == original.keys()
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
-    group_ranks = dist.get_process_group_ranks(groups.ep)
+    group_ranks = dist.get_process_group_ranks(groups.moe)
     merged = merge_expert_shards([everyone[r] for r in group_ranks], shards)
     gathered = gather_full_state_dict(model)
     for key, value in original.items():
         torch.testing.assert_close(merged[key], value, rtol=0, atol=0, msg=lambda m, k=key: f"merged {k}: {m}")
         torch.testing.assert_close(gathered[key], value, rtol=0, atol=0, msg=lambda m, k=key: f"gathered {k}: {m}")
     fresh = tiny_qwen3_moe()
-    apply_expert_parallel(fresh, groups.ep)
+    apply_expert_parallel(fresh, groups.moe, expert_tp_size=expert_tp)
     with torch.no_grad():
         for p in fresh.parameters():
             p.zero_()
@@ -256,7 +285,7 @@ def check_dp_ep_step_and_state_dict(rank, world):
     local = ids[rank : rank + 1]
     out = ddp(input_ids=local, labels=local, num_items_in_batch=torch.tensor(world * (seq - 1)))
     (out.loss * world).backward()  # DDP averages over the world; each rank's loss is its share (Trainer's scaling)
-    all_reduce_expert_grads(model, groups.expert_dp)
+    all_reduce_expert_grads(model, groups.expert_dp, expert_tp_group=groups.expert_tp)
     norm = clip_grad_norm_(model, max_norm)  # every rank the same factor: expert slices of the EP group counted
     torch.testing.assert_close(norm, ref_norm.to(norm.dtype), **FP32_LOSS)
     total = out.loss.detach().clone()
@@ -339,16 +368,49 @@ def check_tp_sp_ep_zigzag(rank, world, alone):
     assert_dense_and_expert_grads(model, ref, f"sp2 tp2 ep2 rank={rank}", dense_group=groups.batch)
 
 
+def check_grad_sync_with_accumulation(rank, world):
+    """ExpertGradSync: no reduction on accumulating backwards, one on the synchronising one, equal to reducing by
+    hand after both; the all-reduce runs once per backward even with recompute-aware checkpointing."""
+    from hf_longctx.hf.parallelism import ExpertGradSync
+
+    groups = parallel_groups(ep_size=2)
+    ids = torch.randint(0, VOCAB, (2, world, 7), generator=torch.Generator().manual_seed(5))[:, rank : rank + 1]
+    by_hand, hooked = tiny_qwen3_moe(), tiny_qwen3_moe()
+    for model in (by_hand, hooked):
+        apply_expert_parallel(model, groups.ep)
+        model.train()
+        enable_recompute_aware_checkpointing(model)
+    syncing = [False]
+    sync = ExpertGradSync(hooked, groups.expert_dp, should_sync=lambda: syncing[0])
+    for micro, batch in enumerate(ids):
+        syncing[0] = micro == len(ids) - 1
+        hooked(input_ids=batch, labels=batch).loss.backward()
+        assert sync.syncs == micro  # nothing reduced while accumulating, once at the end
+        by_hand(input_ids=batch, labels=batch).loss.backward()
+    assert sync.syncs == 1
+    all_reduce_expert_grads(by_hand, groups.expert_dp)
+    for (name, p), q in zip(hooked.named_parameters(), by_hand.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=lambda m, n=name: f"grad {n}: {m}")
+    sync.remove()
+
+
 def check_world4(rank, world):
     """Everything that needs processes, in one spawned world (starting one costs more than its checks)."""
     alone = one_rank_groups(world)
-    # blocks at EP sizes 2, 3, 4 (ranks outside a smaller group wait); every size covers both dispatches
-    for size, top_ks, chunks in ((2, (1, 3), (None, 2)), (3, (3,), (None, 2)), (4, (1,), (None,))):
+    # blocks at EP sizes 2, 3, 4 (ranks outside a smaller group wait); every size covers both dispatches;
+    # then expert-TP: EP1 x TP2 and EP2 x TP2
+    for size, top_ks, chunks, expert_tp in ((2, (1, 3), (None, 2), 1), (3, (3,), (None, 2), 1), (4, (1,), (None,), 1),
+                                            (2, (2,), (None,), 2), (4, (1, 3), (None, 2), 2)):
         group = dist.new_group(list(range(size)))  # every rank creates every group
+        tp_groups = [dist.new_group(list(range(r, r + expert_tp))) for r in range(0, size, expert_tp)]
         if rank < size:
-            check_blocks(group, top_ks, chunks)
+            mine = tp_groups[rank // expert_tp] if expert_tp > 1 else None
+            check_blocks(group, top_ks, chunks, expert_tp, (mine, alone) if mine is not None else None)
         dist.barrier()
     check_dp_ep_step_and_state_dict(rank, world)
+    check_dp_ep_step_and_state_dict(rank, world, ep=2, expert_tp=2)  # the whole world one expert group
+    check_dp_ep_step_and_state_dict(rank, world, ep=1, expert_tp=2)  # expert-TP pairs, replicas over DP
+    check_grad_sync_with_accumulation(rank, world)
     check_sp_ep_zigzag(rank, world, alone)
     check_tp_sp_ep_zigzag(rank, world, alone)
     dist.barrier()  # every rank done with its collectives before the groups are torn down
@@ -382,6 +444,27 @@ def test_parallel_sizes_are_validated_with_the_fix():
         check_moe_layout(tiny_qwen3_moe(), LongContextConfig(ep_size=2), world=2)
     with pytest.raises(ValueError, match="ep_size 3 does not divide the model's 4 experts"):
         check_moe_layout(tiny_qwen3_moe(), LongContextConfig(ep_size=3), world=3)
+
+
+def test_expert_tp_slices_follow_each_layout():
+    """Concatenated [gate; up] keeps both halves' slices; GPT-OSS's interleaved, transposed layout a contiguous run."""
+    from hf_longctx.moe import expert_tp_slices
+
+    qwen = expert_tp_slices(block_of("qwen3", 2).experts, 2)
+    assert (qwen["gate_up_proj"].dim, qwen["down_proj"].dim) == (1, 2)
+    assert qwen["gate_up_proj"].positions(1).tolist() == [4, 5, 6, 7, 12, 13, 14, 15]  # I = 8: gate 4..7, up 12..15
+    gpt = expert_tp_slices(block_of("gpt_oss", 2).experts, 2)
+    assert (gpt["gate_up_proj"].dim, gpt["gate_up_proj_bias"].dim, gpt["down_proj"].dim) == (2, 1, 1)
+    assert gpt["gate_up_proj"].positions(1).tolist() == list(range(8, 16)) and gpt["down_proj_bias"] is None
+    full = block_of("gpt_oss", 2).experts.gate_up_proj.detach()
+    piece = gpt["gate_up_proj"]
+    assert torch.equal(piece.join([piece.cut(full, r) for r in range(2)]), full)
+    with pytest.raises(ValueError, match="expert_tp_size 3 does not divide the experts' intermediate size 8"):
+        expert_tp_slices(block_of("mixtral", 2).experts, 3)
+    with pytest.raises(ValueError, match="dispatch='allgather' only"):
+        apply_expert_parallel(block_of("qwen3", 2), None, "all_to_all", expert_tp_size=2)
+    with pytest.raises(ValueError, match="expert_tp_size 2 does not divide the 1 ranks"):
+        apply_expert_parallel(block_of("qwen3", 2), None, expert_tp_size=2)
 
 
 def test_bench_moe_quick_runs_end_to_end():

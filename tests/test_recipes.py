@@ -4,6 +4,7 @@ settings of a run overridable from the environment and the command line, checked
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import yaml
 from accelerate.commands.config.config_args import ClusterConfig
 
 from hf_longctx.hf import ConfigError, LongContextConfig, check_run, load_config
-from hf_longctx.hf.config import add_config_arguments, config_overrides, sidecar_path
+from hf_longctx.hf.config import PACKAGE_ENVIRONMENT, add_config_arguments, config_overrides, sidecar_path
 
 ROOT = Path(__file__).parent.parent
 RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if not p.name.endswith(".longctx.yaml"))
@@ -50,6 +51,9 @@ def test_environment_overrides_and_rejects_unknown_keys(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="unknown environment setting"):
         load_config(RECIPES[0])
     monkeypatch.delenv("HF_LONGCTX_BAKCEND")
+    for name in PACKAGE_ENVIRONMENT:  # the package's own switches are not misspelled settings
+        monkeypatch.setenv(name, os.environ.get(name, "0") if name != "HF_LONGCTX_RECIPE" else str(RECIPES[0]))
+    assert load_config(RECIPES[0]).backend == "zigzag"
     bad = tmp_path / "x.yaml"
     bad.write_text("compute_environment: LOCAL_MACHINE\n")
     sidecar_path(bad).write_text("backend: ring\ncheckpoint: layer\n")

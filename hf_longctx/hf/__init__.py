@@ -10,6 +10,7 @@ from .checkpointing import (
 from .config import LongContextConfig, backend_from_name, load_config
 from .context import SequenceParallelContext
 from .local import local_attention
+from .parallelism import ModelParallelism, apply_model_parallelism, model_parallelism
 from .preflight import ConfigError, check_run, report_config_errors
 from .sharding import gather_group_batch, packed_batch_of, plan_for, shard_batch, shift_labels_per_document
 from .tiled_loss import enable_tiled_loss
@@ -19,12 +20,15 @@ __all__ = [
     "ConfigError",
     "LongContextCallback",
     "LongContextConfig",
+    "ModelParallelism",
+    "apply_model_parallelism",
     "backend_from_name",
     "check_run",
     "enable_layer_checkpointing",
     "enable_recompute_aware_checkpointing",
     "enable_tiled_loss",
     "local_attention",
+    "model_parallelism",
     "report_config_errors",
     "load_config",
     "recompute_aware_checkpointing_kwargs",

@@ -27,31 +27,39 @@ from .attention import PREFIX
 from .config import LongContextConfig, load_config
 from .inputs import install_input_hook
 from .memory import enable_memory_options
+from .parallelism import model_parallelism
 from .preflight import check_process_count
 
 logger = logging.getLogger("hf_longctx")
 
 
 def check_moe_layout(model, cfg: LongContextConfig, world: int) -> None:
-    """tp_size / ep_size must already be applied: DDP wraps the model before any callback runs.
+    """ep_size / expert_tp_size must already be applied, and tp_size must be 1: DDP wraps the model first.
 
     Expert slices have to exist before DDP is built (it would copy rank 0's experts everywhere), so
-    the training script shards the model before creating the Trainer; this check turns a recipe
-    whose sizes were never applied into an error instead of a silently unsharded run.
+    the training script shards the model before creating the Trainer
+    (:func:`~hf_longctx.hf.parallelism.apply_model_parallelism`); this check turns a recipe whose
+    sizes were never applied into an error instead of a silently unsharded run. Head-parallel
+    attention needs the ranks of a tensor-parallel group to train on the same batch, while the
+    Trainer's sampler gives every process its own: that layout runs in a custom loop, not here.
     """
     from ..moe import ExpertParallelExperts
 
     cfg.resolved_sizes(world, model.config)
-    modules = list(model.modules())
-    if cfg.ep_size > 1 and not any(isinstance(m, ExpertParallelExperts) and m.ep_size == cfg.ep_size
-                                   for m in modules):
-        raise ValueError(f"the recipe sets ep_size={cfg.ep_size} but the model's experts are not sharded; before "
-                         "creating the Trainer call hf_longctx.moe.apply_expert_parallel(model, groups.ep) and "
-                         "ignore_expert_params_in_ddp(model), with groups = hf_longctx.comm.mesh.parallel_groups(...)")
-    if cfg.tp_size > 1 and not any(type(p).__name__ == "DTensor" for p in model.parameters()):
-        raise ValueError(f"the recipe sets tp_size={cfg.tp_size} but the attention heads are not split; before "
-                         "creating the Trainer call hf_longctx.hf.head_parallel.apply_head_parallel_attention("
-                         "model, groups.tp_mesh)")
+    if cfg.tp_size > 1:
+        raise ValueError(f"the recipe sets tp_size={cfg.tp_size}: head-parallel attention needs the tensor-parallel "
+                         "ranks to see the same batch, but the Trainer gives every process its own rows. Set tp_size: "
+                         "1 for Trainer runs (sp_size and ep_size work), or train in a loop of your own after "
+                         "hf_longctx.hf.apply_model_parallelism(model, config)")
+    moe = cfg.ep_size * cfg.expert_tp_size > 1
+    if moe and not any(isinstance(m, ExpertParallelExperts) and m.ep_size == cfg.ep_size
+                       and m.expert_tp_size == cfg.expert_tp_size for m in model.modules()):
+        raise ValueError(f"the recipe sets ep_size={cfg.ep_size}, expert_tp_size={cfg.expert_tp_size} but the "
+                         "model's experts are not sharded that way; before creating the Trainer call "
+                         "hf_longctx.hf.apply_model_parallelism(model, config)")
+    if moe and model_parallelism(model) is None:
+        raise ValueError("the experts were sharded by hand: the Trainer needs their gradients averaged and clipped "
+                         "by hf_longctx.hf.apply_model_parallelism(model, config); shard the model with it instead")
 
 
 def checkpointing_requested(args) -> bool:
@@ -69,6 +77,8 @@ class LongContextCallback(TrainerCallback):
         self._last = None
         self._memory = None
         self._model = None
+        self._grad_sync = None
+        self._max_grad_norm = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         cfg = self.config = self.config or load_config()
@@ -79,8 +89,9 @@ class LongContextCallback(TrainerCallback):
         world = dist.get_world_size() if dist.is_initialized() else 1
         check_process_count(world)
         sp = cfg.resolved_sp_size(world)
-        if cfg.tp_size > 1 or cfg.ep_size > 1:
+        if cfg.tp_size > 1 or cfg.ep_size > 1 or cfg.expert_tp_size > 1:
             check_moe_layout(model, cfg, world)
+            self._take_over_clipping(args, model)
         group = sequence_parallel_group(sp) if world > 1 else None
         checkpointing = "none"
         if checkpointing_requested(args):
@@ -95,6 +106,8 @@ class LongContextCallback(TrainerCallback):
                         "tiled_loss": cfg.tiled_loss, "tiled_mlp": cfg.tiled_mlp,
                         "offload_checkpoints": cfg.offload_checkpoints and checkpointing != "none",
                         "kernels_available": available_kernels(args.device)}
+        if cfg.ep_size * cfg.expert_tp_size > 1:
+            self.summary.update(ep_size=cfg.ep_size, expert_tp_size=cfg.expert_tp_size, moe_dispatch=cfg.moe_dispatch)
         self._flops_per_token = model_flops_per_token(model)
         self._peak = peak_flops(args.device)
         self._model = model
@@ -108,8 +121,26 @@ class LongContextCallback(TrainerCallback):
                 logger.info("hf_longctx: gradient_checkpointing is off: no activation checkpointing (set "
                             "gradient_checkpointing=True for recompute-aware checkpointing)")
 
+    def _take_over_clipping(self, args, model) -> None:
+        """Expert gradients: clipped by the expert-gradient hook with the whole model's norm (see hf.parallelism)."""
+        sync = model_parallelism(model).grad_sync
+        if sync is None:
+            return
+        if getattr(args, "deepspeed_plugin", None) is not None:
+            raise ValueError("expert parallelism (ep_size / expert_tp_size > 1) runs under DDP: DeepSpeed's ZeRO would "
+                             "average the expert slices of different ranks as one tensor. Use a DDP recipe, or set "
+                             "ep_size: 1 and expert_tp_size: 1 with DeepSpeed")
+        self._grad_sync = sync
+        self._max_grad_norm = args.max_grad_norm
+        clip = args.max_grad_norm is not None and args.max_grad_norm > 0
+        sync.max_grad_norm = args.max_grad_norm if clip else float("inf")  # inf: only measure, for the logs
+        args.max_grad_norm = 0.0
+
     def on_train_end(self, args, state, control, model=None, **kwargs):
         """Remove what ``on_train_begin`` installed; checkpointing stays as the Trainer left it."""
+        if self._grad_sync is not None:
+            args.max_grad_norm, self._grad_sync.max_grad_norm = self._max_grad_norm, None
+            self._grad_sync = None
         if self.hook is not None:
             self.hook.remove()
         if self._memory is not None:
@@ -118,6 +149,12 @@ class LongContextCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.hook is None or logs is None or "loss" not in logs:
             return
+        sync = self._grad_sync
+        if sync is not None and sync.last_norm is not None and "grad_norm" in logs:
+            # the Trainer measured this rank's own expert slices; the hook's norm is the whole model's
+            logs["grad_norm"] = float(sync.last_norm)
+            if state.log_history and "grad_norm" in state.log_history[-1]:
+                state.log_history[-1]["grad_norm"] = logs["grad_norm"]
         now, tokens, pairs = time.perf_counter(), self.hook.tokens, self.hook.causal_pairs
         t0, tok0, pairs0 = self._last
         self._last = (now, tokens, pairs)

@@ -43,6 +43,7 @@ class LongContextConfig:
     tp_size: int = 1  # ranks splitting each attention layer's heads (tensor parallel)
     ep_size: int = 1  # ranks splitting each MoE layer's experts (expert parallel)
     moe_dispatch: str = "allgather"  # how tokens reach their experts: allgather or all_to_all
+    expert_tp_size: int = 1  # ranks splitting each expert's intermediate dimension (expert tensor parallel)
 
     def __post_init__(self):
         object.__setattr__(self, "backend", backend_from_name(self.backend))
@@ -58,12 +59,15 @@ class LongContextConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{key} must be a non-negative int (0 = default/off), got {value!r}")
-        for key in ("tp_size", "ep_size"):
+        for key in ("tp_size", "ep_size", "expert_tp_size"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{key} must be a positive int (1 = off), got {value!r}")
         if self.moe_dispatch not in MOE_DISPATCHES:
             raise ValueError(f"unknown moe_dispatch {self.moe_dispatch!r}; choose one of {MOE_DISPATCHES}")
+        if self.expert_tp_size > 1 and self.moe_dispatch != "allgather":
+            raise ValueError(f"expert_tp_size {self.expert_tp_size} needs moe_dispatch 'allgather' (every rank of an "
+                             f"expert group sees every token routed to its experts), not {self.moe_dispatch!r}")
 
     @property
     def attn_implementation(self) -> str:
@@ -95,7 +99,10 @@ class LongContextConfig:
         text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
         experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
         heads = getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None)
-        dp = check_parallel_sizes(world_size, sp, self.tp_size, self.ep_size, experts, *heads)
+        inter = (getattr(text, "moe_intermediate_size", None) or getattr(text, "intermediate_size", None)) if experts \
+            else None
+        dp = check_parallel_sizes(world_size, sp, self.tp_size, self.ep_size, experts, *heads,
+                                  expert_tp_size=self.expert_tp_size, expert_intermediate_size=inter)
         return dp, sp, self.tp_size, self.ep_size
 
     @classmethod
@@ -288,6 +295,13 @@ def _check_script_option(option: str, parser: argparse.ArgumentParser | None) ->
         raise ConfigError(f"command line: unknown option {option}; did you mean {hint[0]}?")
 
 
+# The package's environment variables that are not recipe settings: where the recipe is, where the
+# sample data lives, the cuDNN kernel's memory budget, the MoE row kernels' switch. Any other
+# HF_LONGCTX_* name is a misspelled setting and is refused.
+PACKAGE_ENVIRONMENT = ("HF_LONGCTX_RECIPE", "HF_LONGCTX_DATA_DIR", "HF_LONGCTX_CUDNN_LSE_BUDGET_MB",
+                       "HF_LONGCTX_MOE_TRITON")
+
+
 def _recipe(recipe: str | os.PathLike | None) -> str | os.PathLike | None:
     return recipe or os.environ.get("HF_LONGCTX_RECIPE") or _launcher_config_file()
 
@@ -327,7 +341,7 @@ def load_config(recipe: str | os.PathLike | None = None,
     if overridden and source != "environment":
         source += f" with {', '.join(overridden)} from the environment"
     unknown_env = [k for k in os.environ if k.startswith("HF_LONGCTX_") and k[11:].lower() not in _FROM_TEXT
-                   and k != "HF_LONGCTX_RECIPE"]
+                   and k not in PACKAGE_ENVIRONMENT]
     if unknown_env:
         raise ValueError(f"unknown environment setting(s) {unknown_env}; known: "
                          + ", ".join(f"HF_LONGCTX_{k.upper()}" for k in _FROM_TEXT))

@@ -18,9 +18,10 @@ hooks fire per accumulation and expect one per parameter per step (calling ``.ba
 chunk inside backward would fire them once per chunk). Cost: one more MLP forward per layer step
 (two with layer checkpointing, as DeepSpeed's TiledMLP), ~1/3 of the MLP's forward+backward FLOPs.
 
-State-dict keys do not change. :class:`TiledMLP` does not hold the wrapped MLP as a child
-(that would rename ``layers.0.mlp.gate_proj.weight`` to ``layers.0.mlp.mlp.gate_proj.weight``);
-it shares the wrapped module's parameter, buffer and child-module registries instead. So
+State-dict keys do not change. :class:`TiledMLP` is an :class:`~hf_longctx.wrapping.InPlaceWrapper`:
+it does not hold the wrapped MLP as a child (that would rename ``layers.0.mlp.gate_proj.weight`` to
+``layers.0.mlp.mlp.gate_proj.weight``); it shares the wrapped module's parameter, buffer and
+child-module registries instead. So
 ``named_parameters()``, ``state_dict()``, ``load_state_dict()``, ``get_submodule()`` and attribute
 access (``layer.mlp.gate_proj``) are exactly those of the untiled model: checkpoints saved with or
 without tiling load either way, and everything that names parameters (optimizer groups,
@@ -41,6 +42,8 @@ import math
 
 import torch
 from torch import nn
+
+from ..wrapping import InPlaceWrapper
 
 DEFAULT_CHUNK_TOKENS = 16384
 """Tokens per chunk. Llama-3-8B: 16384 x 14336 x 2 bytes = 448 MiB per intermediate (bf16), and the
@@ -141,7 +144,7 @@ class _TiledMLPFunction(torch.autograd.Function):
         return None, None, dx, *dparams
 
 
-class TiledMLP(nn.Module):
+class TiledMLP(InPlaceWrapper):
     """Runs a per-token MLP over the sequence in chunks; same outputs and gradients, bounded activations.
 
     The wrapped module's parameters, buffers and submodules are this module's own (shared registries,
@@ -152,24 +155,17 @@ class TiledMLP(nn.Module):
     """
 
     def __init__(self, mlp: nn.Module, chunk_tokens: int | None = None, num_chunks: int | None = None):
-        super().__init__()
         if isinstance(mlp, TiledMLP):
             raise TypeError("this MLP is already tiled; change its chunk_tokens / num_chunks instead")
         for name, sub in mlp.named_modules():
             if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0:
                 raise ValueError(f"TiledMLP recomputes the MLP in backward, so dropout ({name or 'the MLP'}, "
                                  f"p={sub.p}) would draw a different mask; set the MLP's dropout to 0")
-            if getattr(sub, "ep_size", 1) > 1 and hasattr(sub, "expert_start"):
+            if getattr(sub, "group_size", 1) > 1 and hasattr(sub, "expert_start"):
                 # ranks with different token counts would run different numbers of chunks, each a collective
                 raise ValueError(f"{name} runs expert-parallel collectives, which TiledMLP's per-rank chunks "
                                  "would leave unmatched; tile it with apply_expert_parallel(..., chunk_tokens=N)")
-        object.__setattr__(self, "_wrapped", mlp)  # not registered: keys stay those of the untiled model
-        # Share the registries: parameters, buffers and children are the wrapped module's, by the same names.
-        object.__setattr__(self, "_parameters", mlp._parameters)
-        object.__setattr__(self, "_buffers", mlp._buffers)
-        object.__setattr__(self, "_non_persistent_buffers_set", mlp._non_persistent_buffers_set)
-        object.__setattr__(self, "_modules", mlp._modules)
-        self.training = mlp.training
+        super().__init__(mlp)  # shares mlp's registries: keys stay those of the untiled model
         self.chunk_tokens: int | None = None
         self.num_chunks: int | None = None
         self.set_chunking(chunk_tokens, num_chunks)
@@ -212,22 +208,6 @@ class TiledMLP(nn.Module):
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
             return _TiledMLPFunction.apply(self._wrapped, spans, x, *params)
         return _run_chunks(self._wrapped, x, spans)  # no graph wanted: chunking still bounds the peak
-
-    def train(self, mode: bool = True) -> TiledMLP:
-        super().train(mode)
-        self._wrapped.training = mode  # children are shared and already set
-        return self
-
-    def __getattr__(self, name: str):
-        # parameters, buffers and children first (nn.Module), then the wrapped MLP's plain attributes
-        # (config, hidden_size, act_fn, ...) so code that reads them off layer.mlp keeps working
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            wrapped = self.__dict__.get("_wrapped")
-            if wrapped is None:
-                raise
-            return getattr(wrapped, name)
 
     def extra_repr(self) -> str:
         if self.num_chunks is not None:

@@ -161,7 +161,8 @@ class _AllGatherDispatch(torch.autograd.Function):
         layout = pair_layout(ids_all, state.expert_start, state.num_local_experts, all_local=state.all_local)
         state.layout = layout
         rows = x_all.index_select(0, layout.token_index)
-        pair_weights = weights_all.reshape(-1).index_select(0, layout.flat_index).to(weights.dtype)
+        # kept in the routing dtype (>= float32): with expert-TP the weight gradients are partial sums over ranks
+        pair_weights = weights_all.reshape(-1).index_select(0, layout.flat_index)
         del x_all, weights_all  # the gathered rows of every token are not kept for backward
         ctx.state, ctx.x_dtype, ctx.w_dtype, ctx.tokens = state, x.dtype, weights.dtype, tokens
         return rows, pair_weights, x.new_empty(0)
@@ -321,6 +322,7 @@ def dispatch_experts(
     grouped_mm: bool | None = None,
     chunk_tokens: int | None = None,
     record: dict | None = None,
+    add_down_bias: bool = True,
 ) -> torch.Tensor:
     """(T, H) weighted expert outputs of this rank's tokens, with the experts spread over ``group``.
 
@@ -328,7 +330,8 @@ def dispatch_experts(
     (``gate_up_proj``/``down_proj`` sliced on dim 0). ``chunk_tokens`` runs the tokens in chunks
     (every rank the same number of chunks), so the gathered rows of a long shard never exist at once.
     ``record``, if given, receives ``rows_per_expert``: the rows each local expert computed (for
-    benchmarks: the same rows timed through a bare grouped GEMM).
+    benchmarks: the same rows timed through a bare grouped GEMM). ``add_down_bias``: see
+    :func:`~hf_longctx.moe.experts.expert_mlp` (False on all but one rank of an expert-TP group).
     """
     if dispatch not in DISPATCHES:
         raise ValueError(f"unknown dispatch {dispatch!r}; choose one of {DISPATCHES}")
@@ -347,12 +350,12 @@ def dispatch_experts(
         if dispatch == "allgather":
             rows, pair_weights, link = _AllGatherDispatch.apply(x, weights, ids, state)
             counts = state.layout.expert_counts
-            out = expert_mlp(rows, counts, experts, grouped_mm)
+            out = expert_mlp(rows, counts, experts, grouped_mm, add_down_bias)
             pieces.append(_AllGatherCombine.apply(out, pair_weights, link, state, x.dtype, x.shape[0]))
         else:
             rows, link = _AllToAllDispatch.apply(x, ids, state)
             counts = state.recv_counts
-            out = expert_mlp(rows, counts, experts, grouped_mm)
+            out = expert_mlp(rows, counts, experts, grouped_mm, add_down_bias)
             pieces.append(_AllToAllCombine.apply(out, weights, link, state, x.dtype))
         if record is not None:
             record["rows_per_expert"] = record.get("rows_per_expert", 0) + counts.detach()

@@ -57,13 +57,17 @@ def _grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
     return torch._grouped_mm(rows, weight if transposed else weight.transpose(-2, -1), offs=offsets)
 
 
-def expert_mlp(rows: torch.Tensor, counts: torch.Tensor, experts: nn.Module, grouped_mm: bool | None = None
-               ) -> torch.Tensor:
+def expert_mlp(rows: torch.Tensor, counts: torch.Tensor, experts: nn.Module, grouped_mm: bool | None = None,
+               add_down_bias: bool = True) -> torch.Tensor:
     """``down(gate(up(rows)))`` per local expert for rows grouped by expert (``counts`` rows each).
 
     Differentiable in rows and in the expert parameters. Rows of experts with no rows cost nothing.
+    ``add_down_bias`` False leaves out ``down_proj_bias``: with expert tensor parallelism the outputs
+    of several intermediate slices are summed, and the bias must enter that sum once.
     """
     gate_up, gate_up_bias, down, down_bias, transposed = _weights(experts)
+    if not add_down_bias:
+        down_bias = None
     if rows.shape[0] == 0:
         hidden = down.shape[-1] if transposed else down.shape[-2]
         return rows.new_zeros((0, hidden))

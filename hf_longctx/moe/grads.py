@@ -15,6 +15,11 @@ sums by the same number keeps both kinds of parameters on one scale (Megatron sc
 gradients the same way). That number is the world size (ranks of a tensor-parallel group compute
 the same tokens, and their copies of an expert's gradient add up to tp times the sum).
 
+Expert tensor parallelism. Each expert-TP rank holds its own intermediate slice of an expert, so
+the replicas are still one per MoE group (same EP rank, same expert-TP rank); only
+``down_proj_bias``, kept whole on every expert-TP rank and added by rank 0 of them, is first summed
+over the expert-TP group (the other ranks contribute zeros).
+
 Clipping. ``torch.nn.utils.clip_grad_norm_`` (and Trainer's ``max_grad_norm``) would measure each
 rank's own expert slices only: ranks would clip by different factors and their replicated
 parameters would drift apart. :func:`clip_grad_norm_` adds the expert norms of the whole EP group.
@@ -56,30 +61,47 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def all_reduce_expert_grads(model: nn.Module, expert_dp_group: dist.ProcessGroup | None,
-                            divide_by: int | None = None) -> None:
+                            divide_by: int | None = None, expert_tp_group: dist.ProcessGroup | None = None) -> None:
     """Sum every sharded expert gradient over ``expert_dp_group``, then divide by ``divide_by``.
 
-    ``expert_dp_group``: the ranks holding the same experts (``ParallelGroups.expert_dp``).
+    ``expert_dp_group``: the ranks holding the same expert slices (``ParallelGroups.expert_dp``).
     ``divide_by`` defaults to the world size, matching DDP's averaging of the dense gradients (see
-    the module docstring); pass 1 for plain sums. Call it after backward and before the optimizer
-    step, on every rank. A parameter without a gradient (its experts got no tokens anywhere in the
-    step) joins with zeros, so ranks never disagree on the collective.
+    the module docstring); pass 1 for plain sums. With expert tensor parallelism, ``expert_tp_group``
+    (``ParallelGroups.expert_tp``) is required: the parameters every expert-TP rank keeps whole
+    (``down_proj_bias``, added by expert-TP rank 0 only) are first summed over it. Call it after
+    backward and before the optimizer step, on every rank. A parameter without a gradient (its
+    experts got no tokens anywhere in the step) joins with zeros, so ranks never disagree on the
+    collective.
     """
     divisor = divide_by if divide_by is not None else (dist.get_world_size() if dist.is_initialized() else 1)
     _, replicas = group_rank_and_size(expert_dp_group)
-    params = [p for p in expert_parameters(model) if p.requires_grad]
+    modules = [m for _, m in expert_parallel_modules(model)]
+    params = [p for m in modules for p in m.parameters(recurse=False) if p.requires_grad]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+    tp_whole = [getattr(m, name) for m in modules if m.expert_tp_size > 1 for name in m.expert_tp_replicated()]
+    tp_whole = [p for p in tp_whole if p.requires_grad]
+    if tp_whole:
+        tp_sizes = {m.expert_tp_size for m in modules}
+        if expert_tp_group is None or group_rank_and_size(expert_tp_group)[1] not in tp_sizes:
+            raise ValueError(f"the experts are split over expert-TP groups of {sorted(tp_sizes)} ranks: pass their "
+                             "group as expert_tp_group (ParallelGroups.expert_tp)")
+        _all_reduce_flat(tp_whole, expert_tp_group, 1)
     if replicas == 1 and divisor == 1:
         return
+    _all_reduce_flat(params, expert_dp_group if replicas > 1 else None, divisor)
+
+
+def _all_reduce_flat(params: list[nn.Parameter], group: dist.ProcessGroup | None, divisor: int) -> None:
+    """Sum the gradients of ``params`` over ``group`` (None: no collective), one collective per dtype; divide."""
     by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
     for p in params:
         by_dtype.setdefault(p.grad.dtype, []).append(p)
     for group_params in by_dtype.values():
-        flat = torch.cat([p.grad.reshape(-1) for p in group_params])  # one collective per dtype
-        if replicas > 1:
-            dist.all_reduce(flat, group=expert_dp_group)
+        flat = torch.cat([p.grad.reshape(-1) for p in group_params])
+        if group is not None:
+            dist.all_reduce(flat, group=group)
         if divisor != 1:
             flat.div_(divisor)
         offset = 0
@@ -98,10 +120,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     total norm, the same on every rank.
     """
     modules = [m for _, m in expert_parallel_modules(model)]
-    groups = {id(m.group): m.group for m in modules if m.ep_size > 1}
+    groups = {id(m.group): m.group for m in modules if m.group_size > 1}
     if len(groups) > 1:
         raise ValueError("the model's expert modules use different EP groups; clip them group by group")
     experts = {id(p) for m in modules for p in m.parameters(recurse=False)}
+    # kept whole on every expert-TP rank: counted on expert-TP rank 0 only
+    skipped = {id(getattr(m, name).grad) for m in modules if m.expert_tp_rank > 0 for name in m.expert_tp_replicated()}
     grads = [(p.grad, id(p) in experts) for p in model.parameters() if p.grad is not None]
     if not grads:
         return torch.zeros(())
@@ -109,6 +133,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     dense_sq = torch.zeros((), dtype=torch.float64, device=device)
     expert_sq = torch.zeros((), dtype=torch.float64, device=device)
     for grad, is_expert in grads:
+        if id(grad) in skipped:
+            continue
         sq = torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2
         if hasattr(sq, "full_tensor"):  # a tensor-parallel DTensor: the norm of the whole tensor
             sq = sq.full_tensor()
