@@ -182,15 +182,23 @@ def attention_forward(
     float64 inputs).
     """
     cu_q, cu_k, scale, window = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window)
-    name = select_kernel(kernel, q, k, cu_q, cu_k, causal, window)
-    try:
-        return _forward(name, q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale, window)
-    except Exception as exc:  # noqa: BLE001 - a compile, graph build or launch that failed: fall back
-        if kernel != "auto" or name == "reference":
-            raise
-        _mark_broken(_config_key(name, q, k, cu_q, cu_k, causal, window), exc)
-        return attention_forward(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, kernel,
-                                 window)
+    return _first_kernel_that_runs(
+        kernel, q, k, cu_q, cu_k, causal, window,
+        lambda name: _forward(name, q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale, window))
+
+
+def _first_kernel_that_runs(kernel: str, q, k, cu_q, cu_k, causal: bool, window: int | None, call):
+    """``call(name)`` with the selected kernel. Under ``auto``, a kernel that fails (a compile, graph build or
+    launch) is marked broken for this configuration and the next one in the order runs; ``reference``
+    is last and its errors, like those of a kernel named explicitly, are raised."""
+    while True:
+        name = select_kernel(kernel, q, k, cu_q, cu_k, causal, window)
+        try:
+            return call(name)
+        except Exception as exc:  # noqa: BLE001 - any failure of a kernel falls back to the next one
+            if kernel != "auto" or name == "reference":
+                raise
+            _mark_broken(_config_key(name, q, k, cu_q, cu_k, causal, window), exc)
 
 
 def _mark_broken(key: tuple, exc: Exception) -> None:
@@ -246,16 +254,10 @@ def attention_backward(
         raise ValueError(f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must match q {tuple(q.shape)}")
     if lse.shape != (q.shape[1], q.shape[0]):
         raise ValueError(f"lse must have shape (heads, tokens) = {(q.shape[1], q.shape[0])}, got {tuple(lse.shape)}")
-    name = select_kernel(kernel, q, k, cu_q, cu_k, causal, window)
-    try:
-        return _backward(name, dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                         window)
-    except Exception as exc:  # noqa: BLE001 - a compile, graph build or launch that failed: fall back
-        if kernel != "auto" or name == "reference":
-            raise
-        _mark_broken(_config_key(name, q, k, cu_q, cu_k, causal, window), exc)
-        return attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal,
-                                  softmax_scale, kernel, window)
+    return _first_kernel_that_runs(
+        kernel, q, k, cu_q, cu_k, causal, window,
+        lambda name: _backward(name, dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                               window))
 
 
 def _backward(name, dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale, window=None):
