@@ -14,6 +14,8 @@ from collections import defaultdict
 
 import torch
 
+from .validate import gpu_input_problem
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 128
 MAX_GROUPS = 4
@@ -33,13 +35,9 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, cu_q: list[int], cu_k: 
                        window: int | None = None) -> str | None:
     if window is not None:
         return "cudnn's dense SDPA path takes no sliding window; torch_flash or the reference kernel serve it"
-    if q.device.type != "cuda":
-        return "cudnn needs CUDA tensors"
-    if q.dtype not in SUPPORTED_DTYPES:
-        return f"cudnn takes float16/bfloat16, not {q.dtype}"
-    d = q.shape[-1]
-    if d % 8 != 0 or d > MAX_HEAD_DIM:
-        return f"cudnn needs head_dim a multiple of 8 and <= {MAX_HEAD_DIM}, got {d}"
+    problem = gpu_input_problem("cudnn", q, SUPPORTED_DTYPES, MAX_HEAD_DIM)
+    if problem:
+        return problem
     if not torch.backends.cudnn.is_available():
         return "cuDNN is not available in this torch build"
     groups = segment_groups(cu_q, cu_k)

@@ -29,6 +29,7 @@ import os
 import torch
 
 from .buckets import bucket, lse_runs, padded_segments
+from .validate import gpu_input_problem
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 128
@@ -81,13 +82,9 @@ def unsupported_reason(q: torch.Tensor, cu_q: list[int], cu_k: list[int], causal
     ops = _ops()
     if isinstance(ops, str):
         return f"the cuDNN frontend is not usable ({ops}); {INSTALL_HINT}"
-    if q.device.type != "cuda":
-        return "cudnn_varlen needs CUDA tensors"
-    if q.dtype not in SUPPORTED_DTYPES:
-        return f"cudnn_varlen takes float16/bfloat16, not {q.dtype}"
-    d = q.shape[-1]
-    if d % 8 != 0 or d > MAX_HEAD_DIM:
-        return f"cudnn_varlen needs head_dim a multiple of 8 and <= {MAX_HEAD_DIM}, got {d}"
+    problem = gpu_input_problem("cudnn_varlen", q, SUPPORTED_DTYPES, MAX_HEAD_DIM)
+    if problem:
+        return problem
     if not torch.backends.cudnn.is_available():
         return "cuDNN is not available in this torch build"
     version = torch.backends.cudnn.version() or 0

@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from .validate import gpu_input_problem
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # Compute capabilities whose forward AND backward FlashAttention-4 implements (Hopper, Blackwell).
 SUPPORTED_ARCHS = (9, 10, 11)
@@ -55,10 +57,9 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
     iface = _interface()
     if isinstance(iface, str):
         return f"flash-attn-4 is not installed ({iface}); {INSTALL_HINT}"
-    if q.device.type != "cuda":
-        return "fa4 needs CUDA tensors"
-    if q.dtype not in SUPPORTED_DTYPES:
-        return f"fa4 takes float16/bfloat16, not {q.dtype}"
+    problem = gpu_input_problem("fa4", q, SUPPORTED_DTYPES)
+    if problem:
+        return problem
     major = torch.cuda.get_device_capability(q.device)[0]
     if major not in SUPPORTED_ARCHS:
         return f"fa4 runs forward and backward on Hopper and Blackwell (sm90/sm100), this GPU is sm{major}x"

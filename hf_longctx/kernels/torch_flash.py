@@ -14,19 +14,18 @@ from __future__ import annotations
 
 import torch
 
+from .validate import gpu_input_problem
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 
 
 def unsupported_reason(q: torch.Tensor) -> str | None:
     """Why this kernel cannot take the input, or None when it can."""
-    if q.device.type != "cuda":
-        return "torch_flash needs CUDA tensors"
-    if q.dtype not in SUPPORTED_DTYPES:
-        return f"torch_flash takes float16/bfloat16, not {q.dtype}; use kernel='reference' for fp32/fp64"
-    d = q.shape[-1]
-    if d % 8 != 0 or d > MAX_HEAD_DIM:
-        return f"torch_flash needs head_dim a multiple of 8 and <= {MAX_HEAD_DIM}, got {d}"
+    problem = gpu_input_problem("torch_flash", q, SUPPORTED_DTYPES, MAX_HEAD_DIM,
+                                "; use kernel='reference' for fp32/fp64")
+    if problem:
+        return problem
     if not hasattr(torch.ops.aten, "_flash_attention_forward"):
         return "this torch build has no aten._flash_attention_forward"
     return None

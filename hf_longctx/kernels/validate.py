@@ -71,3 +71,17 @@ def check_window(window) -> None:
         raise ValueError(f"window must be an int (keys in the band) or None, got {window!r}")
     if window < 1:
         raise ValueError(f"window must be >= 1 (a window of w keys ends at the diagonal), got {window}")
+
+
+def gpu_input_problem(kernel: str, q: torch.Tensor, dtypes: tuple[torch.dtype, ...], max_head_dim: int | None = None,
+                      dtype_hint: str = "") -> str | None:
+    """What every GPU kernel asks of its input (CUDA tensors, a half dtype, a head dim it can tile),
+    worded the same for each kernel: a sentence naming the problem, or None."""
+    if q.device.type != "cuda":
+        return f"{kernel} needs CUDA tensors"
+    if q.dtype not in dtypes:
+        return f"{kernel} takes float16/bfloat16, not {q.dtype}{dtype_hint}"
+    d = q.shape[-1]
+    if max_head_dim is not None and (d % 8 != 0 or d > max_head_dim):
+        return f"{kernel} needs head_dim a multiple of 8 and <= {max_head_dim}, got {d}"
+    return None
