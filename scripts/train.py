@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.log_json:
             with open(args.log_json, "w") as f:
                 json.dump(trainer.state.log_history, f)
+    if torch.distributed.is_initialized():  # leave together: a gloo group torn down at interpreter exit can abort
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
