@@ -51,9 +51,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..kernels import accumulation_dtype
 from .experts import expert_mlp
 from .routing import PairLayout, pair_layout
-from .row_ops import accumulation_dtype, pair_grads, pair_sum
+from .row_ops import pair_grads, pair_sum
 
 DISPATCHES = ("allgather", "all_to_all")
 

@@ -26,12 +26,14 @@ import torch
 class PairLayout:
     """(token, slot) pairs routed to experts ``[expert_start, expert_start + num_local_experts)``, in expert order.
 
-    ``token_index[p]`` and ``slot_index[p]`` name the p-th pair; ``expert_counts[e]`` pairs go to local
+    ``token_index[p]`` and ``slot_index[p]`` name the p-th pair, ``flat_index[p]`` = token * top_k + slot
+    its position in a flattened (tokens, k) routing tensor; ``expert_counts[e]`` pairs go to local
     expert e; ``pair_table`` (num_tokens, top_k) maps each (token, slot) back to its pair, or -1.
     """
 
     token_index: torch.Tensor
     slot_index: torch.Tensor
+    flat_index: torch.Tensor
     expert_counts: torch.Tensor
     pair_table: torch.Tensor
     num_tokens: int
@@ -40,11 +42,6 @@ class PairLayout:
     @property
     def num_pairs(self) -> int:
         return int(self.token_index.numel())
-
-    @property
-    def flat_index(self) -> torch.Tensor:
-        """``token * top_k + slot`` of each pair: its position in a flattened (tokens, k) routing tensor."""
-        return self.token_index * self.top_k + self.slot_index
 
     def scatter_to_slots(self, pair_values: torch.Tensor) -> torch.Tensor:
         """(num_tokens, top_k) tensor holding each pair's value at its (token, slot), zeros elsewhere."""
@@ -83,6 +80,7 @@ def pair_layout(expert_ids: torch.Tensor, expert_start: int, num_local_experts: 
     return PairLayout(
         token_index=positions // top_k,
         slot_index=positions % top_k,
+        flat_index=positions,
         expert_counts=expert_counts,
         pair_table=table.view(num_tokens, top_k),
         num_tokens=num_tokens,

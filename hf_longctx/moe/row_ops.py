@@ -25,6 +25,8 @@ import os
 import torch
 from torch import nn
 
+from ..kernels import accumulation_dtype
+
 _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -43,11 +45,6 @@ def triton_serves(*tensors: torch.Tensor) -> bool:
         return False
     return (all(t.is_cuda and t.dtype in _TRITON_DTYPES for t in tensors)
             and _triton_ops() is not None)
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """At least float32: token sums and reduce-scatters of bf16 activations run in float32."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def pair_sum(rows: torch.Tensor, table: torch.Tensor, weights: torch.Tensor | None = None, *,
