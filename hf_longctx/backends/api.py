@@ -19,7 +19,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..comm.groups import group_rank_and_size, group_size
+from ..comm.groups import group_rank_and_size
 from ..layout import ShardPlan
 from .engine import RunContext
 from .op import run_core_attention
@@ -121,7 +121,7 @@ def _rank_and_world(group: dist.ProcessGroup | None, rank: int | None) -> tuple[
     """(rank in ``group``, group size): the caller's rank when it already knows it, else the group's."""
     if rank is None:
         return group_rank_and_size(group)
-    return rank, group_size(group)
+    return rank, group_rank_and_size(group)[1]
 
 
 def sequence_parallel_attention(
@@ -186,10 +186,3 @@ def _resolve_window(plan: ShardPlan, window) -> tuple[ShardPlan, str | None]:
     except ValueError as exc:
         return plan, str(exc)
 
-
-def sequence_parallel_attention_with_lse(q_local, k_local, v_local, *, plan, backend="distflash", group=None,
-                                         softmax_scale=None, kernel="auto", window=None):
-    """Forward only, returning (out, lse): for callers that save attention outputs themselves."""
-    run = _checked_run(q_local, k_local, v_local, plan, backend, group, None, True, softmax_scale, kernel, None,
-                       window)
-    return run.forward_fn(run, q_local, k_local, v_local)

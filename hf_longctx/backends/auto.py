@@ -64,8 +64,8 @@ class AutoBackend(Backend):
     """
 
     name = "auto"
-    summary = ("measures tasp against zigzag (and ring/distflash on contiguous placement) once per shape, keeps "
-               "the fastest")
+    summary = ("measures tasp against zigzag on zig-zag placements and against ring and distflash on contiguous "
+               "ones, once per shape; keeps the fastest")
     default_strategy = "zigzag"
     chooses_backend = True
 

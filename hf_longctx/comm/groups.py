@@ -20,13 +20,6 @@ def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def group_size(group: dist.ProcessGroup | None) -> int:
-    """Number of ranks in ``group``; 1 without torch.distributed."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
-
-
 def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
     """Translate a rank inside ``group`` into the global rank P2P calls need."""
     if group is None:

@@ -65,8 +65,9 @@ def check_parallel_sizes(world_size: int, sp_size: int = 1, tp_size: int = 1, ep
                          f"{expert_intermediate_size}; pick one of "
                          f"{[d for d in range(1, expert_intermediate_size + 1) if expert_intermediate_size % d == 0]}")
     if num_experts is not None and num_experts % ep_size:
-        raise ValueError(f"ep_size {ep_size} does not divide the model's {num_experts} experts; pick one of "
-                         f"{[d for d in range(1, num_experts + 1) if num_experts % d == 0 and token_ranks % d == 0]}")
+        expert_ranks = token_ranks // expert_tp_size
+        fits = [d for d in range(1, num_experts + 1) if num_experts % d == 0 and expert_ranks % d == 0]
+        raise ValueError(f"ep_size {ep_size} does not divide the model's {num_experts} experts; pick one of {fits}")
     for what, heads in (("attention heads", num_heads), ("key/value heads", num_kv_heads)):
         if heads is not None and heads % tp_size:
             raise ValueError(f"tp_size {tp_size} does not split the model's {heads} {what} evenly; heads must "

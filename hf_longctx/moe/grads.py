@@ -22,10 +22,13 @@ over the expert-TP group (the other ranks contribute zeros).
 
 Clipping. ``torch.nn.utils.clip_grad_norm_`` (and Trainer's ``max_grad_norm``) would measure each
 rank's own expert slices only: ranks would clip by different factors and their replicated
-parameters would drift apart. :func:`clip_grad_norm_` adds the expert norms of the whole EP group.
+parameters would drift apart. :func:`clip_grad_norm_` adds the expert norms of the whole expert group
+(ep x expert_tp ranks).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -112,17 +115,18 @@ def _all_reduce_flat(params: list[nn.Parameter], group: dist.ProcessGroup | None
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip all gradients by their total 2-norm over the whole model, expert shards of the EP group included.
+    """Clip all gradients by their total 2-norm over the whole model, expert shards of the expert group included.
 
     Call it after :func:`all_reduce_expert_grads` (every replica then holds the same expert gradients),
     on every rank. Dense gradients are replicated (tensor-parallel DTensor shards are gathered into the
-    norm); each expert slice is counted once, through a sum of squares over the EP group. Returns the
+    norm); each expert slice is counted once, through a sum of squares over the expert group (ep x expert_tp
+    ranks, ``ParallelGroups.moe``). Returns the
     total norm, the same on every rank.
     """
     modules = [m for _, m in expert_parallel_modules(model)]
     groups = {id(m.group): m.group for m in modules if m.group_size > 1}
     if len(groups) > 1:
-        raise ValueError("the model's expert modules use different EP groups; clip them group by group")
+        raise ValueError("the model's expert modules use different expert groups; clip them group by group")
     experts = {id(p) for m in modules for p in m.parameters(recurse=False)}
     # kept whole on every expert-TP rank: counted on expert-TP rank 0 only
     skipped = {id(getattr(m, name).grad) for m in modules if m.expert_tp_rank > 0 for name in m.expert_tp_replicated()}
@@ -145,6 +149,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     if groups:
         dist.all_reduce(expert_sq, group=next(iter(groups.values())))
     total = (dense_sq + expert_sq).sqrt()
+    if math.isinf(max_norm):  # measuring only: no pass over the gradients
+        return total
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for grad, _ in grads:
         grad.mul_(coef.to(grad.dtype))

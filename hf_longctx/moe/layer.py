@@ -100,9 +100,9 @@ class ExpertParallelExperts(InPlaceWrapper):
                 raise ValueError(f"experts parameter {name} has {param.shape[0]} rows on dim 0, expected one per "
                                  f"expert ({num_experts})")
             local = param.detach()[start : start + per_rank]
-            if slices.get(name) is not None:
-                local = slices[name].cut(local, tp_rank)
-            experts._parameters[name] = nn.Parameter(local.clone(), requires_grad=param.requires_grad)
+            # a cut is already a copy (index_select); a plain slice is cloned so the full tensor can be freed
+            local = slices[name].cut(local, tp_rank) if slices.get(name) is not None else local.clone()
+            experts._parameters[name] = nn.Parameter(local, requires_grad=param.requires_grad)
         super().__init__(experts)  # shares the registries: names stay those of the wrapped module
         self.group, self.group_rank, self.group_size = group, group_rank, group_size
         self.ep_rank, self.ep_size = ep_rank, ep_size
