@@ -171,20 +171,27 @@ def test_config_errors_name_the_fix():
 
 
 def test_model_and_batch_errors_name_the_fix():
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import BloomConfig, BloomForCausalLM
 
     with pytest.raises(ValueError, match="attn_implementation='longctx_<backend>'"):
         install_input_hook(tiny_llama(0), None)
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB))
-    gpt2.config._attn_implementation = "longctx_ring"
-    with pytest.raises(ValueError, match="rotary position embedding"):
-        install_input_hook(gpt2, None)
+    bloom = BloomForCausalLM(BloomConfig(n_layer=1, hidden_size=16, n_head=2, vocab_size=VOCAB))
+    bloom.config._attn_implementation = "longctx_ring"
+    with pytest.raises(ValueError, match="BloomForCausalLM.forward takes no position_ids"):
+        install_input_hook(bloom, None)
+    model = tiny_llama(0, impl="longctx_ring")
+    model._supports_attention_backend = False
+    with pytest.raises(ValueError, match="does not route its attention through transformers' AttentionInterface"):
+        install_input_hook(model, None)
     model = tiny_llama(0, impl="longctx_ring")
     install_input_hook(model, None)
-    with pytest.raises(ValueError, match="not packed"):
-        model(input_ids=torch.randint(0, VOCAB, (1, 8)))
-    with pytest.raises(ValueError, match="batch size 1"):
-        model(input_ids=torch.randint(0, VOCAB, (2, 8)), position_ids=torch.arange(8).repeat(2, 1))
+    ids = torch.randint(0, VOCAB, (1, 8))
+    with pytest.raises(ValueError, match=r"labels has shape \(1, 9\) but input_ids has \(1, 8\).*drop empty examples"):
+        model(input_ids=ids, labels=torch.randint(0, VOCAB, (1, 9)))
+    with pytest.raises(ValueError, match="needs input_ids"):
+        model(inputs_embeds=torch.randn(1, 8, 48))
+    with pytest.raises(ValueError, match="the batch has no tokens"):
+        model(input_ids=ids[:, :0])
 
 
 # ----------------------------------------------------------------------------- sliding window

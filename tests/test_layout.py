@@ -30,11 +30,16 @@ def test_packed_batch_rejects_empty_documents(bad):
         PackedBatch.from_doc_lens(bad)
 
 
-def test_position_ids_must_restart_per_document():
-    with pytest.raises(ValueError, match="restart at 0"):
-        PackedBatch.from_position_ids(torch.tensor([1, 2, 3]))
-    with pytest.raises(ValueError, match="count 0, 1, 2"):
-        PackedBatch.from_position_ids(torch.tensor([0, 1, 3, 0]))
+def test_documents_start_where_positions_do_not_step_by_one():
+    """transformers' rule (find_packed_sequence_indices): any position that is not the previous + 1 starts one."""
+    lens = lambda pos: PackedBatch.from_position_ids(torch.tensor(pos)).doc_lens  # noqa: E731
+    assert lens([1, 2, 3]) == (3,)  # positions need not start at 0
+    assert lens([0, 1, 3, 0]) == (2, 1, 1)
+    assert lens([5, 6, 7, 3, 4]) == (3, 2)
+    assert lens([0, 1, 2, 7, 8]) == (3, 2)
+    assert lens([[4, 4, 4]]) == (1, 1, 1)
+    with pytest.raises(ValueError, match="empty"):
+        PackedBatch.from_position_ids(torch.tensor([], dtype=torch.long))
 
 
 @settings(max_examples=60, deadline=None)

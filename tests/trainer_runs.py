@@ -53,10 +53,44 @@ def _history(trainer) -> dict:
             "eval_loss": [e["eval_loss"] for e in logs if "eval_loss" in e]}
 
 
+def shifted_sum_loss(outputs, labels, num_items_in_batch=None):
+    """A user's ``compute_loss_func``: next-token cross-entropy of each row, summed, over Trainer's count."""
+    logits = outputs.logits[..., :-1, :].float()
+    targets = labels[..., 1:].to(logits.device)
+    total = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                              ignore_index=-100, reduction="sum")
+    return total / (num_items_in_batch if num_items_in_batch is not None else (targets != -100).sum())
+
+
+class PaddingCollator:
+    """Rows padded to the longest of the batch (token 0, attention_mask 0, label -100), on one side."""
+
+    def __init__(self, side: str = "right"):
+        self.side = side
+
+    def __call__(self, rows):
+        longest = max(len(r["input_ids"]) for r in rows)
+        ids, mask, labels = [], [], []
+        for r in rows:
+            row, pad = list(r["input_ids"]), longest - len(r["input_ids"])
+            parts = [(row, 1, row), ([0] * pad, 0, [-100] * pad)]
+            if self.side == "left":
+                parts.reverse()
+            ids.append(parts[0][0] + parts[1][0])
+            mask.append([parts[0][1]] * len(parts[0][0]) + [parts[1][1]] * len(parts[1][0]))
+            labels.append(parts[0][2] + parts[1][2])
+        return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask), "labels": torch.tensor(labels)}
+
+
 def flattening_run(output_dir: str, rows_per_step: int = 4, steps: int = 3, bf16: bool = False,
                    impl: str = "longctx_zigzag", callback: bool = True, evaluate: bool = True,
-                   gradient_checkpointing: bool = False, config=None) -> dict:
-    """transformers Trainer + DataCollatorWithFlattening, no recipe: the model's backend, the whole world SP."""
+                   gradient_checkpointing: bool = False, config=None, collator=None, compute_loss_func=None,
+                   **training_args) -> dict:
+    """transformers Trainer + DataCollatorWithFlattening, no recipe: the model's backend, the whole world SP.
+
+    ``collator`` replaces the flattening collator, ``compute_loss_func`` goes to the Trainer, and any
+    other keyword to ``TrainingArguments``.
+    """
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
     world = join_world()
@@ -76,14 +110,14 @@ def flattening_run(output_dir: str, rows_per_step: int = 4, steps: int = 3, bf16
         per_device_eval_batch_size=per_device, learning_rate=1e-2, logging_steps=1, report_to=[], use_cpu=True,
         bf16=bf16, save_strategy="no", train_sampling_strategy="sequential", disable_tqdm=True, seed=0,
         eval_strategy="steps" if evaluate else "no", eval_steps=steps, dataloader_drop_last=True,
-        **checkpointing_training_args(gradient_checkpointing),
+        **checkpointing_training_args(gradient_checkpointing), **training_args,
     )
     model = tiny_llama(impl)
     cb = hf_longctx.LongContextCallback(config)
     trainer = Trainer(model=model, args=args, train_dataset=token_rows(rows_per_step * steps, seed=1),
                       eval_dataset=token_rows(rows_per_step, seed=2, fixed=16) if evaluate else None,
-                      data_collator=DataCollatorWithFlattening(), compute_metrics=compute_metrics,
-                      callbacks=[cb] if callback else [])
+                      data_collator=collator or DataCollatorWithFlattening(), compute_metrics=compute_metrics,
+                      compute_loss_func=compute_loss_func, callbacks=[cb] if callback else [])
     trainer.train()
     return {**_history(trainer), "predictions": predictions, "model": model, "summary": cb.summary}
 

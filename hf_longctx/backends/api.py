@@ -23,7 +23,7 @@ from ..comm.groups import group_rank_and_size
 from ..layout import ShardPlan
 from .engine import RunContext
 from .op import run_core_attention
-from .registry import get_backend
+from .registry import get_backend, registered_backends
 
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 
@@ -44,8 +44,11 @@ def _local_problem(q, k, v, plan: ShardPlan, backend: str, rank: int, world: int
     spec = get_backend(backend)
     if window_problem:
         return window_problem
-    if not causal:
-        return "only causal attention is supported by the sequence-parallel backends (causal=True)"
+    if not causal and not spec.bidirectional:
+        able = [b.name for b in registered_backends() if b.bidirectional and b.sequence_parallel]
+        return (f"this layer attends bidirectionally (is_causal=False) but backend {backend!r} computes causal "
+                f"attention only; use {', '.join(able) or 'one process'} for sequence parallelism of bidirectional "
+                "layers, or train without sequence parallelism")
     if not spec.sequence_parallel and world != 1:
         return (f"backend {backend!r} runs without sequence parallelism but the group has {world} ranks; "
                 "use a distributed backend (ring, zigzag, distflash, ...) or a sequence-parallel size of 1")
@@ -139,7 +142,7 @@ def sequence_parallel_attention(
     window: int | None = None,
     rank: int | None = None,
 ) -> torch.Tensor:
-    """Exact causal attention of this rank's queries over the whole packed sequence.
+    """Exact attention of this rank's queries over the whole packed sequence (causal unless ``causal=False``).
 
     ``q_local = q_global[plan.local_indices(rank)]`` (token-major (T, H, D), GQA allowed), likewise
     k/v. Returns this rank's output rows in the same order; autograd gives exact gradients to the
@@ -163,6 +166,8 @@ def _checked_run(q, k, v, plan, backend, group, rank, causal, softmax_scale, ker
     plan, window_problem = _resolve_window(plan, window)
     check_group_agrees(q, k, v, plan, backend, group, rank, world, causal, window_problem)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if not causal:
+        options = {**(options or {}), "causal": False}
     backend = resolve_backend(q, k, v, plan, backend, group, rank, world, scale, kernel, options)
     return make_run_context(plan, backend, group, rank, world, scale, kernel, options)
 

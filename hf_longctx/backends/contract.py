@@ -48,7 +48,9 @@ class Backend:
     measures this backend (registration order is the order ``auto`` tries them; the first is the plain
     ring it keeps on a tie). ``sequence_parallel`` is False for a backend that runs on one rank only
     (``local``); ``chooses_backend`` is True for one that never runs itself but names another per
-    problem in :meth:`resolve` (``auto``).
+    problem in :meth:`resolve` (``auto``). ``bidirectional`` is True for a backend that also computes
+    non-causal attention (every query sees every key of its document): it then finds ``"causal": False``
+    in the run's options; the others refuse such a layer before any collective.
     """
 
     name: str = ""
@@ -58,6 +60,7 @@ class Backend:
     auto_candidate_for: tuple[str, ...] = ()
     sequence_parallel: bool = True
     chooses_backend: bool = False
+    bidirectional: bool = False
 
     def validate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ShardPlan, world: int) -> str | None:
         """A problem (one sentence naming the fix) with these inputs for this backend, or None.

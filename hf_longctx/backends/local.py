@@ -39,13 +39,14 @@ def _kernel_kwargs(run: RunContext) -> dict:
 
 def _forward(run: RunContext, q, k, v):
     o = run.options
-    return attention_forward(q, k, v, o["cu_q"], o["cu_k"], o["max_q"], o["max_k"], causal=True,
+    return attention_forward(q, k, v, o["cu_q"], o["cu_k"], o["max_q"], o["max_k"], causal=o.get("causal", True),
                              softmax_scale=run.scale, kernel=run.kernel, **_kernel_kwargs(run))
 
 
 def _backward(run: RunContext, dout, q, k, v, out, lse):
     o = run.options
-    return attention_backward(dout, q, k, v, out, lse, o["cu_q"], o["cu_k"], o["max_q"], o["max_k"], causal=True,
+    return attention_backward(dout, q, k, v, out, lse, o["cu_q"], o["cu_k"], o["max_q"], o["max_k"],
+                              causal=o.get("causal", True),
                               softmax_scale=run.scale, kernel=run.kernel, **_kernel_kwargs(run))
 
 
@@ -59,10 +60,12 @@ def varlen_attention(
     softmax_scale: float | None = None,
     kernel: str = "auto",
     window: int | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """Causal attention of packed (T, H, D) segments in this process; returns (Tq, Hq, D).
+    """Attention of packed (T, H, D) segments in this process; returns (Tq, Hq, D).
 
-    ``window`` (a sliding-window size, None = full causal) is handed to the kernels unchanged.
+    ``window`` (a sliding-window size, None = full causal) is handed to the kernels unchanged;
+    ``causal=False`` lets every query see every key of its segment (bidirectional layers).
     """
     cu_q, cu_k = [int(x) for x in cu_seqlens_q], [int(x) for x in cu_seqlens_k]
     if len(cu_q) != len(cu_k) or cu_q[-1] != q.shape[0] or cu_k[-1] != k.shape[0]:
@@ -71,7 +74,7 @@ def varlen_attention(
     max_q = max((b - a for a, b in zip(cu_q, cu_q[1:])), default=0)
     max_k = max((b - a for a, b in zip(cu_k, cu_k[1:])), default=0)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    options = {"cu_q": cu_q, "cu_k": cu_k, "max_q": max_q, "max_k": max_k, "window": window}
+    options = {"cu_q": cu_q, "cu_k": cu_k, "max_q": max_q, "max_k": max_k, "window": window, "causal": causal}
     run = RunContext(None, (), None, 0, scale, kernel, _forward, _backward, options)
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
         return _forward(run, q, k, v)[0]

@@ -95,8 +95,8 @@ def run_forward(ctx, q, k, v):
     order, _, (qh, kh, vh) = _heads(ctx, q, k, v)
     cu = ctx.plan.batch.cu_seqlens.tolist()
     m = ctx.plan.batch.max_seqlen
-    out, lse = attention_forward(qh, kh, vh, cu, cu, m, m, causal=True, softmax_scale=ctx.scale, kernel=ctx.kernel,
-                                 window=ctx.plan.window)
+    out, lse = attention_forward(qh, kh, vh, cu, cu, m, m, causal=ctx.options.get("causal", True),
+                                 softmax_scale=ctx.scale, kernel=ctx.kernel, window=ctx.plan.window)
     out_local = _to_tokens(out, ctx, order, ctx.rank)
     lse_local = _to_tokens(lse.t().unsqueeze(-1).contiguous(), ctx, order, ctx.rank).squeeze(-1).t()
     return out_local, lse_local.contiguous()
@@ -108,7 +108,7 @@ def run_backward(ctx, dout, q, k, v, out, lse):
     lseh = _to_heads(lse.t().unsqueeze(-1).contiguous(), ctx, order).squeeze(-1).t().contiguous()
     cu = ctx.plan.batch.cu_seqlens.tolist()
     m = ctx.plan.batch.max_seqlen
-    dq, dk, dv = attention_backward(douth, qh, kh, vh, outh, lseh, cu, cu, m, m, causal=True,
+    dq, dk, dv = attention_backward(douth, qh, kh, vh, outh, lseh, cu, cu, m, m, causal=ctx.options.get("causal", True),
                                     softmax_scale=ctx.scale, kernel=ctx.kernel, window=ctx.plan.window)
     dq, dk, dv = (_to_tokens(g, ctx, order, ctx.rank) for g in (dq, dk, dv))
     if rep > 1:  # repeated KV heads: their gradients add up on the original head
@@ -122,6 +122,7 @@ class UlyssesBackend(Backend):
 
     name = "ulysses"
     summary = "Ulysses: all_to_all from token shards to head shards, whole-sequence attention per head group"
+    bidirectional = True  # each rank holds whole documents for its heads: any mask the kernel knows works
 
     def validate(self, q, k, v, plan, world):
         try:

@@ -12,12 +12,15 @@ from .context import SequenceParallelContext
 from .local import local_attention
 from .parallelism import ModelParallelism, apply_model_parallelism, model_parallelism
 from .preflight import ConfigError, check_run, report_config_errors
-from .sharding import gather_group_batch, packed_batch_of, plan_for, shard_batch, shift_labels_per_document
+from .rows import FlatBatch, flatten_batch
+from .sharding import GroupBatch, gather_group_batch, plan_for, shard_batch, shift_labels_per_document
 from .tiled_loss import enable_tiled_loss
 from .tiled_mlp import TiledMLP, disable_tiled_mlp, enable_tiled_mlp
 
 __all__ = [
     "ConfigError",
+    "FlatBatch",
+    "GroupBatch",
     "LongContextCallback",
     "LongContextConfig",
     "ModelParallelism",
@@ -38,9 +41,9 @@ __all__ = [
     "backend_of",
     "disable_tiled_mlp",
     "enable_tiled_mlp",
+    "flatten_batch",
     "gather_group_batch",
     "implementation_name",
-    "packed_batch_of",
     "plan_for",
     "register_attention_implementations",
     "shard_batch",

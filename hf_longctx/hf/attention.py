@@ -13,15 +13,18 @@ mask function passes on at most the 2-D padding mask.
 
 With a ``longctx`` context (a batch sharded by :func:`~hf_longctx.hf.shard_batch` or the callback's
 input hook) attention is sequence parallel; without one the model runs in this process alone, so
-evaluation, ``generate()`` and padded batches work anywhere.
+evaluation, ``generate()`` and padded batches work anywhere. A layer whose module says
+``is_causal = False`` (bidirectional attention) is computed without the causal mask in one process, and
+under sequence parallelism by a backend that computes it (``ulysses``) or refused by the others.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..backends import Backend, registered_backends, sequence_parallel_attention
+from ..backends import Backend, registered_backends, sequence_parallel_attention, varlen_attention
 from ..backends.registry import on_backend_registered
+from .context import context_of, count_attention_call
 from .local import local_attention, match_dtypes, padding_mask, without_autocast
 
 PREFIX = "longctx_"
@@ -44,6 +47,35 @@ def backend_of(implementation: str) -> str:
                 implementation[len(PREFIX):])
 
 
+def _is_causal(module: torch.nn.Module, kwargs: dict) -> bool:
+    """Causal unless the call or the attention module says otherwise, as transformers' sdpa path decides."""
+    causal = kwargs.get("is_causal")
+    return bool(getattr(module, "is_causal", True) if causal is None else causal)
+
+
+def _context(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, kwargs: dict):
+    """The sequence-parallel context of this call: its keyword, else the one of its model's current forward.
+
+    A decoder layer that does not pass its keywords to attention still runs on this rank's shard of a
+    sharded batch; :func:`~.context.context_of` finds the batch's context through the module.
+    """
+    ctx = kwargs.get("longctx")
+    if ctx is None:
+        ctx = context_of(module)
+    if ctx is None:
+        return None
+    local = ctx.plan.num_local_tokens(ctx.rank)
+    if query.shape[0] != 1 or query.shape[2] != local or key.shape[2] != local:
+        raise ValueError(
+            f"{type(module).__name__} ran attention on q of shape {tuple(query.shape)} and k of "
+            f"{tuple(key.shape)} during a sharded forward whose shard has {local} tokens: only self-attention over "
+            "the shard can be sequence parallel (cross-attention and extra attention inputs cannot); train this "
+            "model without sequence parallelism"
+        )
+    count_attention_call(module)
+    return ctx
+
+
 def _make_attention(backend: str):
     def attention(module: torch.nn.Module, query, key, value, attention_mask, dropout: float = 0.0,
                   scaling: float | None = None, **kwargs):
@@ -55,23 +87,35 @@ def _make_attention(backend: str):
                                  "backends do not compute; use attn_implementation='sdpa' or 'eager' for it")
         # sliding_window: transformers' attention classes pass it per layer (None on full-attention layers)
         window = kwargs.get("sliding_window")
+        causal = _is_causal(module, kwargs)
+        if window is not None and not causal:
+            raise ValueError(f"{type(module).__name__} attends bidirectionally inside a sliding window (|i - j| < "
+                             f"{window}), which hf_longctx kernels do not compute; use attn_implementation='sdpa' "
+                             "for this model")
         query, key, value = match_dtypes(query, key, value)
         with without_autocast(query):  # the kernels accumulate in float32 themselves
-            ctx = kwargs.get("longctx")
+            ctx = _context(module, query, key, kwargs)
             if ctx is None:  # no sequence-parallel batch: exact attention in this process (evaluation, generate)
                 out = local_attention(query, key, value, attention_mask, scaling=scaling,
                                       position_ids=kwargs.get("position_ids"),
                                       cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
-                                      cu_seq_lens_k=kwargs.get("cu_seq_lens_k"), window=window)
+                                      cu_seq_lens_k=kwargs.get("cu_seq_lens_k"), window=window, causal=causal)
                 return out, None
-            if query.shape[0] != 1:
-                raise ValueError(f"hf_longctx attention takes one packed sequence (batch 1), got batch "
-                                 f"{query.shape[0]}")
             # (1, H, S, D) -> packed token-major (S, H, D)
             q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
-            out = sequence_parallel_attention(q, k, v, plan=ctx.plan, backend=backend, group=ctx.group,
-                                              rank=ctx.rank, softmax_scale=scaling, kernel=ctx.kernel,
-                                              window=window)
+            if not causal and ctx.plan.world_size == 1:  # one rank holds every document: any mask works locally
+                cu = ctx.plan.batch.cu_seqlens.tolist()
+                order = ctx.plan.local_indices(ctx.rank).to(q.device)
+                inverse = torch.empty_like(order)
+                inverse[order] = torch.arange(order.numel(), device=q.device)
+                out = varlen_attention(q[inverse], k[inverse], v[inverse], cu, cu, softmax_scale=scaling,
+                                       kernel=ctx.kernel, causal=False)[order]
+            else:
+                out = sequence_parallel_attention(q, k, v, plan=ctx.plan, backend=backend, group=ctx.group,
+                                                  rank=ctx.rank, softmax_scale=scaling, kernel=ctx.kernel,
+                                                  window=window, causal=causal)
+            if ctx.padding is not None:  # padding tokens attend to nothing (see hf_longctx.hf.rows)
+                out = out.masked_fill(ctx.padding.to(out.device)[:, None, None], 0)
             return out.unsqueeze(0), None
 
     attention.__name__ = f"{PREFIX}{backend}_attention"

@@ -101,6 +101,9 @@ class LongContextCallback(TrainerCallback):
         self._memory = enable_memory_options(model, checkpointing, cfg.offload_checkpoints and checkpointing != "none",
                                              cfg.tiled_loss, cfg.tiled_mlp)
         self.hook = install_input_hook(model, group, cfg.kernel)
+        # average_tokens_across_devices=False: every sequence-parallel group averages its own tokens, as one
+        # device of plain DDP averages its batch (the group, not the process, holds a sequence)
+        self.hook.average_in_group = sp > 1 and not getattr(args, "average_tokens_across_devices", True)
         self.summary = {"backend": impl[len(PREFIX):], "attn_implementation": impl, "sp_size": sp,
                         "dp_size": world // sp, "checkpointing": checkpointing, "kernel": cfg.kernel,
                         "tiled_loss": cfg.tiled_loss, "tiled_mlp": cfg.tiled_mlp,

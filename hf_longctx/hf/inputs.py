@@ -6,12 +6,17 @@ model was loaded with, and replaces the model's keyword inputs by this rank's sh
 (:func:`~hf_longctx.hf.sharding.shard_batch`). ``num_items_in_batch`` from Trainer (the targets of the
 whole world) is kept, so the loss scaling Trainer applies stays right.
 
-In evaluation (``model.eval()``) a forward hook gives every rank what one process would have computed
-for its own rows: the logits come back from the ranks that computed them, in document order (one
-all_to_all of this rank's rows only, so no rank holds more logits than a single process would). The
-loss stays this rank's share, as in training: Trainer's evaluation passes ``num_items_in_batch`` and
-scales it the same way. Calls with a KV cache (``generate()``) are left alone: they run in this
-process through the local attention path.
+Any batch a collator makes works (:mod:`.rows`): packed rows, several unpacked rows, padded rows
+(left, right or inside), with labels, shift_labels or none.
+
+In evaluation (``model.eval()``), and in training when the model is called without labels (the
+caller computes the loss: Trainer's ``compute_loss_func``, ``label_smoothing_factor``), a forward
+hook gives every rank what one process would have computed for its own rows: the logits come back
+from the ranks that computed them, in the rows' own (B, S) order (one all_to_all of this rank's rows
+only, so no rank holds more logits than a single process would; in training it is differentiable).
+The model's own loss stays this rank's share: Trainer passes ``num_items_in_batch`` and scales it the
+same way. Calls with a KV cache (``generate()``) are left alone: they run in this process through the
+local attention path.
 """
 
 from __future__ import annotations
@@ -24,23 +29,40 @@ import torch.distributed as dist
 from ..backends.load import attention_load
 from ..comm.groups import group_rank_and_size
 from .attention import backend_of
-from .sharding import gather_group_batch, packed_batch_of, plan_for, shard_batch
+from .context import bind_modules, unbind_modules
+from .rows import flatten_batch, unflatten_rows
+from .sharding import gather_group_batch, plan_for
+
+# keywords that describe the unsharded batch of this rank: the shard's documents come from the plan
+_UNSHARDED_ONLY = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
 def check_model(model) -> None:
-    """Raise before any collective if the model cannot take sharded, position-carrying inputs."""
+    """Raise before any collective if the model cannot take sharded, position-carrying inputs.
+
+    Positions travel with the tokens as ``position_ids``; a model whose forward does not take them
+    would number each shard's tokens from 0. (That the model's attention runs through the ``longctx_*``
+    function at all is checked after its first sharded forward: see ``restore_outputs``.)
+    """
+    import inspect
+
     impl = getattr(model.config, "_attn_implementation", None) or ""
     if not impl.startswith("longctx_"):
         raise ValueError(f"the model uses attn_implementation={impl!r}; load it with "
                          "attn_implementation='longctx_<backend>' (e.g. 'longctx_distfa', 'longctx_zigzag')")
-    inner = getattr(model, "model", model)
-    if getattr(inner, "rotary_emb", None) is None:
-        raise ValueError(f"{type(model).__name__} has no rotary position embedding; sequence parallelism "
-                         "needs position_ids to travel with the tokens (Llama-family RoPE models)")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT wrapper
+    name = type(base).__name__
+    if "position_ids" not in inspect.signature(base.forward).parameters:
+        raise ValueError(f"{name}.forward takes no position_ids; sequence parallelism needs positions to travel with "
+                         "the tokens of each shard, so this model cannot be sharded (train it in one process)")
 
 
 class SequenceParallelInputs:
-    """Callable forward pre-hook; also counts tokens and attention load for logging."""
+    """Callable forward pre-hook; also counts tokens and attention load for logging.
+
+    ``current`` is the context of the model's current sharded forward (None between them), read by
+    attention calls whose layer did not pass it on (see :mod:`.context`).
+    """
 
     def __init__(self, group: dist.ProcessGroup | None, kernel: str = "auto"):
         self.group = group
@@ -51,46 +73,92 @@ class SequenceParallelInputs:
         self.work_mean = 0.0
         self.started = time.perf_counter()
         self.handles: list = []
-        self._eval: tuple | None = None
+        self.model = None
+        self.current = None
+        self.average_in_group = False
+        self.attention_calls = 0
+        self._sharded = False
+        self._restore: tuple | None = None
 
     def __call__(self, module, args, kwargs):
-        self._eval = None
+        self._restore = None
+        self._sharded = False
         if "longctx" in kwargs:  # already sharded by the caller
+            self.current = kwargs["longctx"]
             return None
+        self.current = None
         if kwargs.get("past_key_values") is not None:  # decoding with a cache: local attention, not a packed batch
             return None
         if args:
             raise ValueError("call the model with keyword inputs (input_ids=..., position_ids=...)")
+        if kwargs.get("logits_to_keep") not in (None, 0):
+            raise ValueError("logits_to_keep selects the last positions of a row, but under sequence parallelism each "
+                             "rank holds a shard of the group's sequence; call the model without it")
         backend = backend_of(module.config._attn_implementation)
-        batch = {k: kwargs.pop(k, None) for k in ("input_ids", "labels", "position_ids", "doc_lens")}
-        kwargs.pop("attention_mask", None)  # padding-free packed batch: document structure replaces it
-        kwargs.pop("shift_labels", None)
-        packed_batch_of(batch)  # validates locally, before any collective
-        group_batch = gather_group_batch(batch, self.group)
-        packed = packed_batch_of(group_batch)
-        plan = plan_for(packed, backend, self.group)
+        inputs = {k: kwargs.pop(k, None) for k in ("attention_mask", "position_ids", "labels", "shift_labels",
+                                                    "doc_lens")}
+        try:  # checked here, but raised after the first collective so that no peer waits for this rank
+            flat, problem = flatten_batch(kwargs.pop("input_ids", None), **inputs), None
+        except ValueError as exc:
+            flat, problem = None, str(exc)
+        for key in _UNSHARDED_ONLY:
+            kwargs.pop(key, None)
+        group_batch = gather_group_batch(flat, self.group, problem)
+        plan = plan_for(group_batch.packed, backend, self.group)
         rank, world = group_rank_and_size(self.group)
-        local = shard_batch(group_batch, plan, rank, self.group, self.kernel)
+        local = group_batch.shard(plan, rank, self.group, self.kernel)
         if kwargs.get("num_items_in_batch") is not None:
-            local.pop("num_items_in_batch")
+            local.pop("num_items_in_batch", None)  # Trainer's count covers the whole step (accumulation, devices)
+            if self.average_in_group:
+                kwargs["num_items_in_batch"] = self._group_count(kwargs["num_items_in_batch"], world,
+                                                                 kwargs["input_ids"].device)
         kwargs.update(local)
-        self.tokens += packed.num_tokens
-        self.causal_pairs += packed.causal_pairs()
+        kwargs["use_cache"] = False  # a shard's keys and values are no prompt to continue from
+        self.current = local["longctx"]
+        self._sharded, self.attention_calls = True, 0
+        self.tokens += group_batch.packed.num_tokens
+        self.causal_pairs += group_batch.packed.causal_pairs()
         work = attention_load(plan, backend)
         self.work_max, self.work_mean = max(work), sum(work) / len(work)
-        if not module.training:
-            self._eval = (plan, rank, world, group_batch["rank_tokens"])
+        if not module.training or group_batch.targets is None:
+            # evaluation, or a loss the caller computes (Trainer's compute_loss_func, label smoothing):
+            # the logits go back to the rows this rank brought, in their own order
+            self._restore = (_RowRoute(plan, rank, world, group_batch.rank_tokens, self.group), flat)
         return args, kwargs
 
+    def _group_count(self, rank_count, world: int, device: torch.device) -> torch.Tensor:
+        """Trainer's count of this process's targets -> the group's count / group size.
+
+        With ``average_tokens_across_devices=False`` Trainer scales nothing and DDP averages the
+        gradients over every process; dividing each shard's loss sum by this makes the group's
+        processes add up to its mean, so DDP's average is the mean over groups of each group's mean.
+        """
+        count = torch.as_tensor(rank_count).to(device=device, dtype=torch.float64)
+        dist.all_reduce(count, group=self.group)
+        return count / world
+
     def restore_outputs(self, module, args, kwargs, output):
-        """Forward hook: in evaluation, the logits of this rank's own rows, in order."""
-        if self._eval is None:
+        """Forward hook: where the caller reads logits, this rank's own rows of them, in its own (B, S) order.
+
+        It also refuses a model whose forward ran no ``longctx_*`` attention on the sharded batch: its
+        attention bypasses transformers' AttentionInterface (or it has none), so it attended inside each
+        shard without the document boundaries.
+        """
+        if self._sharded and self.attention_calls == 0:
+            self._sharded, self._restore, self.current = False, None, None
+            raise ValueError(f"{type(module).__name__} ran a sharded forward without calling its longctx_* attention: "
+                             "its attention does not go through transformers' AttentionInterface (or it has none), so "
+                             "it cannot be sequence parallel or see packed documents; use attn_implementation='sdpa' "
+                             "and no LongContextCallback for this model")
+        if not module.training:
+            self.current = None  # no backward follows: nothing recomputes attention later
+        if self._restore is None:
             return None
-        plan, rank, world, rank_tokens = self._eval
-        self._eval = None
+        route, flat = self._restore
+        self._restore = None
         logits = getattr(output, "logits", None)
         if logits is not None and logits.numel():
-            output["logits"] = own_rows(logits[0], plan, rank, world, rank_tokens, self.group).unsqueeze(0)
+            output["logits"] = unflatten_rows(route.own_rows(logits[0]), flat)
         return output
 
     def remove(self) -> None:
@@ -98,35 +166,66 @@ class SequenceParallelInputs:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+        if self.model is not None:
+            unbind_modules(self.model, self)
+            self.model = None
+        self.current = None
 
 
-def own_rows(local: torch.Tensor, plan, rank: int, world: int, rank_tokens: list[int],
-             group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Rows of the group batch that ``rank`` brought, in order, from every rank's ``local`` shard rows.
+class _RowRoute:
+    """Where each of this rank's shard rows goes so that every rank gets back the rows it brought.
 
-    ``local`` holds this rank's rows in ``plan.local_indices(rank)`` order; the result has
-    ``rank_tokens[rank]`` rows. One all_to_all moves each row straight to the rank that owns it.
+    ``own_rows`` is one all_to_all, differentiable: its backward sends the gradients of the rows back
+    to the ranks that computed them.
     """
-    offsets = torch.tensor([0] + rank_tokens).cumsum(0)
-    start, end = int(offsets[rank]), int(offsets[rank + 1])
-    mine = plan.local_indices(rank)
-    owner = torch.bucketize(mine, offsets[1:], right=True)
-    order = torch.argsort(owner, stable=True)
-    send = local[order.to(local.device)].contiguous()
-    send_counts = torch.bincount(owner, minlength=world).tolist()
-    received_at = []
-    for source in range(world):
-        theirs = plan.local_indices(source)
-        received_at.append(theirs[(theirs >= start) & (theirs < end)] - start)
-    positions = torch.cat(received_at)
-    if world == 1:
-        received = send
-    else:
-        received = local.new_empty((positions.numel(), *local.shape[1:]))
-        dist.all_to_all_single(received, send, [len(p) for p in received_at], send_counts, group=group)
-    out = local.new_empty((end - start, *local.shape[1:]))
-    out[positions.to(local.device)] = received
-    return out
+
+    def __init__(self, plan, rank: int, world: int, rank_tokens: list[int], group: dist.ProcessGroup | None):
+        offsets = torch.tensor([0] + rank_tokens).cumsum(0)
+        start, end = int(offsets[rank]), int(offsets[rank + 1])
+        mine = plan.local_indices(rank)
+        owner = torch.bucketize(mine, offsets[1:], right=True)
+        self.send_order = torch.argsort(owner, stable=True)
+        self.send_counts = torch.bincount(owner, minlength=world).tolist()
+        received_at = []
+        for source in range(world):
+            theirs = plan.local_indices(source)
+            received_at.append(theirs[(theirs >= start) & (theirs < end)] - start)
+        self.positions = torch.cat(received_at)
+        self.recv_counts = [len(p) for p in received_at]
+        self.own_tokens = end - start
+        self.world, self.group = world, group
+
+    def own_rows(self, local: torch.Tensor) -> torch.Tensor:
+        """(shard rows, ...) in plan order -> (this rank's own rows, ...) in the order it brought them."""
+        return _OwnRows.apply(local, self)
+
+
+class _OwnRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, route: _RowRoute) -> torch.Tensor:
+        ctx.route = route
+        send = local[route.send_order.to(local.device)].contiguous()
+        received = _exchange(send, route.recv_counts, route.send_counts, route)
+        out = local.new_empty((route.own_tokens, *local.shape[1:]))
+        out[route.positions.to(local.device)] = received
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        route = ctx.route
+        received = grad_out[route.positions.to(grad_out.device)].contiguous()
+        sent = _exchange(received, route.send_counts, route.recv_counts, route)
+        grad = torch.empty_like(sent)
+        grad[route.send_order.to(sent.device)] = sent
+        return grad, None
+
+
+def _exchange(send: torch.Tensor, recv_counts: list[int], send_counts: list[int], route: _RowRoute) -> torch.Tensor:
+    if route.world == 1:
+        return send
+    received = send.new_empty((sum(recv_counts), *send.shape[1:]))
+    dist.all_to_all_single(received, send, recv_counts, send_counts, group=route.group)
+    return received
 
 
 def install_input_hook(model, group: dist.ProcessGroup | None, kernel: str = "auto") -> SequenceParallelInputs:
@@ -135,4 +234,6 @@ def install_input_hook(model, group: dist.ProcessGroup | None, kernel: str = "au
     # prepended: every other pre-hook (tiled loss, user hooks) must see the sharded inputs
     hook.handles = [model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True),
                     model.register_forward_hook(hook.restore_outputs, with_kwargs=True)]
+    hook.model = model
+    bind_modules(model, hook)
     return hook

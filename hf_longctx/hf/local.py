@@ -6,9 +6,11 @@ hand every attention function, in this order:
 
 1. ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``,
    TRL's padding-free collator): used as given;
-2. a 2-D padding mask (``attention_mask`` with zeros; :func:`padding_mask` passes it through):
-   padding tokens are dropped and every row is its own sequence;
-3. ``position_ids`` restarting at 0 (a packed batch): one document per restart.
+2. a 2-D ``attention_mask`` (:func:`padding_mask` passes it through): padding tokens are dropped and
+   every row is one sequence (transformers' sdpa, eager and flash paths do not look for packed
+   documents when a mask is given, and neither does this);
+3. ``position_ids`` (a packed batch): a new document wherever a position is not the previous one + 1,
+   transformers' rule (:func:`~hf_longctx.layout.document_starts`); positions need not start at 0.
 
 With a KV cache the queries are the last tokens of each row, so a segment has fewer queries than
 keys and the kernels' bottom-right causal mask is exactly the decoding mask. Padded query rows get a
@@ -22,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import varlen_attention
+from ..layout import document_starts
 
 _CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -56,17 +59,16 @@ def without_autocast(like: torch.Tensor):
 
 
 def padding_mask(batch_size: int, q_length: int, kv_length: int, *args, attention_mask=None, **kwargs):
-    """Mask function of ``longctx_*``: the 2-D padding mask when it masks something, else None.
+    """Mask function of ``longctx_*``: the 2-D mask the model was given (sliced to the keys), else None.
 
     No (q x kv) mask is ever built: document structure and causality come from the segments, and
     the 2-D mask only says which tokens are padding (sliced from the right, as a sliding cache does).
+    An all-ones mask is passed on too: its presence alone tells transformers not to split the rows
+    into packed documents, and :func:`local_attention` follows the same rule.
     """
     if attention_mask is None or attention_mask.dim() != 2:
         return None
-    mask = attention_mask[:, -kv_length:]
-    if mask.shape[1] == kv_length and bool(mask.all()):
-        return None
-    return mask
+    return attention_mask[:, -kv_length:]
 
 
 def _segments(batch: int, sq: int, sk: int, mask: torch.Tensor | None, position_ids: torch.Tensor | None):
@@ -86,10 +88,9 @@ def _segments(batch: int, sq: int, sk: int, mask: torch.Tensor | None, position_
         queries = keys[(keys >= q_span[0]) & (keys < q_span[1])]
         if queries.numel() == 0:
             continue
-        if sq == sk and position_ids is not None:  # no cache: documents restart at position 0
+        if mask is None and sq == sk and position_ids is not None:  # packed documents, no cache, no mask
             pos = position_ids[b if position_ids.shape[0] > 1 else 0].to(keys.device)[keys]
-            starts = torch.nonzero(pos == 0).flatten().tolist()
-            bounds = sorted(set([0] + starts)) + [keys.numel()]
+            bounds = document_starts(pos) + [keys.numel()]
             for a, z in zip(bounds, bounds[1:]):
                 cu_q.append(cu_q[-1] + z - a)
                 cu_k.append(cu_k[-1] + z - a)
@@ -115,8 +116,13 @@ def local_attention(
     cu_seq_lens_k: torch.Tensor | None = None,
     kernel: str = "auto",
     window: int | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """HF-layout (B, H, S, D) q/k/v -> (B, Sq, Hq, D) exact causal attention per document (module docstring)."""
+    """HF-layout (B, H, S, D) q/k/v -> (B, Sq, Hq, D) exact attention per document (module docstring).
+
+    ``causal=False`` (a layer whose module says ``is_causal = False``): every query sees every key of its
+    document (and, with a KV cache, every cached key).
+    """
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(
             f"longctx_* attention takes a 2-D padding mask (or none), got a {attention_mask.dim()}-D mask: custom "
@@ -127,7 +133,7 @@ def local_attention(
     q = query.transpose(1, 2).reshape(batch * sq, hq, dim)
     k = key.transpose(1, 2).reshape(batch * sk, key.shape[1], dim)
     v = value.transpose(1, 2).reshape(batch * sk, value.shape[1], value.shape[-1])
-    run = {"softmax_scale": scaling, "kernel": kernel, "window": window}
+    run = {"softmax_scale": scaling, "kernel": kernel, "window": window, "causal": causal}
     if attention_mask is None and cu_seq_lens_q is not None and cu_seq_lens_k is not None and batch == 1:
         cu_q, cu_k = cu_seq_lens_q.tolist(), cu_seq_lens_k.tolist()
         if cu_q[-1] == sq and cu_k[-1] == sk:

@@ -3,10 +3,13 @@
 Targets are shifted BEFORE sharding (``shift_labels``): token i predicts token i + 1 of the same
 document, the last token of a document predicts nothing, and a shard boundary loses no target.
 ``num_items_in_batch`` is the global number of targets, so each rank's loss is its share of the
-single-device mean and the shares add up exactly.
+single-device mean and the shares add up exactly. :mod:`.rows` turns whatever batch a collator made
+into one flat packed sequence per rank; :func:`gather_group_batch` joins a group's flat batches.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -15,30 +18,7 @@ from ..backends import default_strategy
 from ..comm.groups import group_rank_and_size
 from ..layout import PackedBatch, ShardPlan, shard_plan
 from .context import SequenceParallelContext
-
-IGNORE_INDEX = -100
-
-
-def packed_batch_of(batch: dict) -> PackedBatch:
-    """Document structure of a batch: from ``doc_lens`` if given, else from per-document ``position_ids``."""
-    ids = batch.get("input_ids")
-    if ids is not None and ids.dim() == 2 and ids.shape[0] != 1:
-        raise ValueError(
-            f"sequence-parallel training takes ONE packed sequence per step (batch size 1), got input_ids of shape "
-            f"{tuple(ids.shape)}; pack documents with hf_longctx.data.PackedCollator"
-        )
-    if batch.get("doc_lens") is not None:
-        packed = PackedBatch.from_doc_lens(batch["doc_lens"].reshape(-1))
-    elif batch.get("position_ids") is not None:
-        packed = PackedBatch.from_position_ids(batch["position_ids"])
-    else:
-        raise ValueError(
-            "the batch is not packed: it needs position_ids restarting at 0 per document (or doc_lens); "
-            "use hf_longctx.data.PackedCollator or transformers' DataCollatorWithFlattening"
-        )
-    if ids is not None and packed.num_tokens != ids.numel():
-        raise ValueError(f"documents cover {packed.num_tokens} tokens but input_ids has {ids.numel()}")
-    return packed
+from .rows import IGNORE_INDEX, FlatBatch
 
 
 def shift_labels_per_document(labels: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
@@ -58,28 +38,66 @@ def shard_batch(
     group: dist.ProcessGroup | None = None,
     kernel: str = "auto",
 ) -> dict:
-    """kwargs of ``model(**local)`` for ``rank``: its tokens, global positions, shifted targets, context.
+    """kwargs of ``model(**local)`` for ``rank``: its tokens, positions, shifted targets, context.
 
-    ``batch`` holds one packed sequence: ``input_ids`` (1, T), ``position_ids`` (1, T) restarting per
-    document (or ``doc_lens``), optional ``labels`` (1, T; default input_ids).
+    ``batch`` holds one packed sequence: ``input_ids`` (1, T), ``position_ids`` (1, T) (or ``doc_lens``;
+    positions default to restarting at 0 per document and travel with the tokens), optional
+    ``labels`` (1, T; default input_ids).
     """
     packed = plan.batch
-    idx = plan.local_indices(rank).to(batch["input_ids"].device)
     input_ids = batch["input_ids"].reshape(-1)
     labels = batch.get("labels")
     labels = input_ids if labels is None else labels.reshape(-1)
-    shifted = shift_labels_per_document(labels, packed)
-    position_ids = packed.position_ids.to(input_ids.device)
-    local_targets = shifted[idx].unsqueeze(0)
-    return {
+    positions = batch.get("position_ids")
+    positions = packed.position_ids if positions is None else positions.reshape(-1)
+    return _shard(input_ids, positions, shift_labels_per_document(labels, packed), None, plan, rank, group, kernel)
+
+
+def _shard(input_ids: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor | None,
+           padding: torch.Tensor | None, plan: ShardPlan, rank: int, group: dist.ProcessGroup | None,
+           kernel: str) -> dict:
+    """This rank's rows of a packed sequence's tokens, positions and targets, as model keywords."""
+    idx = plan.local_indices(rank).to(input_ids.device)
+    local_padding = padding[idx.to(padding.device)] if padding is not None else None
+    if local_padding is not None and not bool(local_padding.any()):
+        local_padding = None
+    local = {
         "input_ids": input_ids[idx].unsqueeze(0),
-        "position_ids": position_ids[idx].unsqueeze(0),
-        # transformers computes a loss only when labels is given; shift_labels is what it uses
-        "labels": local_targets,
-        "shift_labels": local_targets,
-        "num_items_in_batch": (shifted != IGNORE_INDEX).sum(),
-        "longctx": SequenceParallelContext(plan, group, rank, kernel),
+        "position_ids": positions.to(input_ids.device)[idx].unsqueeze(0),
+        "longctx": SequenceParallelContext(plan, group, rank, kernel, local_padding),
     }
+    if targets is not None:
+        local_targets = targets[idx.to(targets.device)].unsqueeze(0)
+        # transformers computes a loss only when labels is given; shift_labels is what it uses
+        local.update(labels=local_targets, shift_labels=local_targets,
+                     num_items_in_batch=(targets != IGNORE_INDEX).sum())
+    return local
+
+
+@dataclass
+class GroupBatch:
+    """The packed sequence a sequence-parallel group trains on: its members' flat batches, in rank order.
+
+    ``rank_tokens`` lists how many tokens each rank brought; ``targets`` is None when the call had no
+    labels, ``padding`` None when no rank had padding.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    targets: torch.Tensor | None
+    padding: torch.Tensor | None
+    packed: PackedBatch
+    rank_tokens: list[int]
+
+    def shard(self, plan: ShardPlan, rank: int, group: dist.ProcessGroup | None, kernel: str = "auto") -> dict:
+        """kwargs of ``model(**local)`` for ``rank`` under ``plan``."""
+        return _shard(self.input_ids, self.position_ids, self.targets, self.padding, plan, rank, group, kernel)
+
+
+def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where this group's collectives take tensors: the current GPU under NCCL, else the CPU."""
+    backend = dist.get_backend(group)
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
 def plan_for(packed: PackedBatch, backend: str, group: dist.ProcessGroup | None) -> ShardPlan:
@@ -87,37 +105,57 @@ def plan_for(packed: PackedBatch, backend: str, group: dist.ProcessGroup | None)
     return shard_plan(packed, world, default_strategy(backend))
 
 
-def gather_group_batch(batch: dict, group: dist.ProcessGroup | None) -> dict:
-    """Concatenate the packed batches of all ranks of ``group`` (rank order) into one packed sequence.
+def gather_group_batch(flat: FlatBatch | None, group: dist.ProcessGroup | None,
+                       problem: str | None = None) -> GroupBatch:
+    """Concatenate the flat batches of all ranks of ``group`` (rank order) into one packed sequence.
 
     Each rank's data loader yields its own rows; the sequence-parallel group trains on their
     concatenation, so every row is used exactly once and no sampler has to know about the group.
-    ``rank_tokens`` lists how many of the tokens each rank brought, in rank order.
+    One all_gather of the sizes, one of the tokens, targets, positions and padding flags. A rank whose
+    batch was bad (``problem``, ``flat`` None) still joins the first all_gather, so every rank raises
+    at once instead of waiting for it.
     """
     rank, world = group_rank_and_size(group)
-    packed = packed_batch_of(batch)
-    ids = batch["input_ids"].reshape(-1)
-    labels = batch.get("labels")
-    labels = ids if labels is None else labels.reshape(-1)
-    if world == 1:
-        return {"input_ids": ids.unsqueeze(0), "labels": labels.unsqueeze(0),
-                "doc_lens": torch.tensor(packed.doc_lens), "rank_tokens": [packed.num_tokens]}
-    device = ids.device
-    sizes = torch.tensor([packed.num_tokens, packed.num_docs], device=device)
+    if world == 1 or not dist.is_initialized():
+        if problem:
+            raise ValueError(problem)
+        return GroupBatch(flat.input_ids, flat.position_ids, flat.targets, flat.padding,
+                          PackedBatch.from_doc_lens(flat.doc_lens), [flat.num_tokens])
+    device = flat.input_ids.device if flat is not None else _collective_device(group)
+    if flat is None:
+        sizes = torch.tensor([0, 0, 0, 0, 1], device=device)
+    else:
+        sizes = torch.tensor([flat.num_tokens, len(flat.doc_lens), flat.targets is not None, flat.padding is not None,
+                              0], device=device)
     all_sizes = [torch.empty_like(sizes) for _ in range(world)]
     dist.all_gather(all_sizes, sizes, group=group)
-    max_tokens = max(int(s[0]) for s in all_sizes)
-    max_docs = max(int(s[1]) for s in all_sizes)
-    payload = torch.full((2, max_tokens + max_docs), 0, dtype=torch.int64, device=device)
-    payload[0, : packed.num_tokens] = ids
-    payload[1, : packed.num_tokens] = labels
-    payload[0, max_tokens : max_tokens + packed.num_docs] = torch.tensor(packed.doc_lens, device=device)
+    all_sizes = [s.tolist() for s in all_sizes]
+    if problem:
+        raise ValueError(problem)
+    failed = [r for r, s in enumerate(all_sizes) if s[4]]
+    if failed:
+        raise ValueError(f"rank(s) {failed} of the sequence-parallel group rejected their batch (their error says "
+                         "why); this rank stops too instead of waiting for them")
+    ids = flat.input_ids
+    n_tok, n_doc = flat.num_tokens, len(flat.doc_lens)
+    with_targets = {bool(s[2]) for s in all_sizes}
+    if len(with_targets) > 1:
+        raise ValueError("some ranks of the sequence-parallel group called the model with labels and some without; "
+                         "every rank must pass labels (or none)")
+    has_targets, has_padding = with_targets.pop(), any(s[3] for s in all_sizes)
+    max_tokens = max(s[0] for s in all_sizes)
+    max_docs = max(s[1] for s in all_sizes)
+    payload = torch.full((4, max_tokens + max_docs), 0, dtype=torch.int64, device=device)
+    payload[0, :n_tok] = ids
+    if flat.targets is not None:
+        payload[1, :n_tok] = flat.targets.to(device)
+    payload[2, :n_tok] = flat.position_ids.to(device)
+    if flat.padding is not None:
+        payload[3, :n_tok] = flat.padding.to(device)
+    payload[0, max_tokens : max_tokens + n_doc] = torch.tensor(flat.doc_lens, device=device)
     gathered = [torch.empty_like(payload) for _ in range(world)]
     dist.all_gather(gathered, payload, group=group)
-    out_ids, out_labels, out_docs = [], [], []
-    for (n_tok, n_doc), p in zip((s.tolist() for s in all_sizes), gathered):
-        out_ids.append(p[0, :n_tok])
-        out_labels.append(p[1, :n_tok])
-        out_docs.append(p[0, max_tokens : max_tokens + n_doc])
-    return {"input_ids": torch.cat(out_ids).unsqueeze(0), "labels": torch.cat(out_labels).unsqueeze(0),
-            "doc_lens": torch.cat(out_docs).cpu(), "rank_tokens": [int(s[0]) for s in all_sizes]}
+    rows = [torch.cat([p[i, : s[0]] for s, p in zip(all_sizes, gathered)]) for i in range(4)]
+    doc_lens = torch.cat([p[0, max_tokens : max_tokens + s[1]] for s, p in zip(all_sizes, gathered)]).cpu()
+    return GroupBatch(rows[0], rows[2], rows[1] if has_targets else None, rows[3].bool() if has_padding else None,
+                      PackedBatch.from_doc_lens(doc_lens), [s[0] for s in all_sizes])

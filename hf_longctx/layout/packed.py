@@ -1,7 +1,8 @@
 """PackedBatch: the document structure of one packed sequence.
 
 A packed sequence concatenates documents; attention never crosses a document boundary and RoPE
-positions restart at 0 in every document. Everything downstream (shard plans, backends, loss)
+positions restart in every document (at 0, as collators write them; transformers starts a new
+document wherever a position does not follow the previous one). Everything downstream (shard plans, backends, loss)
 derives from the document lengths alone, so that is all this class stores.
 """
 
@@ -12,6 +13,15 @@ from functools import cached_property
 from itertools import accumulate
 
 import torch
+
+
+def document_starts(positions: torch.Tensor) -> list[int]:
+    """Indices where a document starts in a 1-D run of positions: 0, and wherever a position is not the
+    previous one + 1 (transformers' rule for packed sequences)."""
+    if positions.numel() == 0:
+        return []
+    breaks = torch.nonzero(positions[1:] - positions[:-1] != 1).flatten() + 1
+    return [0] + breaks.tolist()
 
 
 @dataclass(frozen=True)
@@ -32,19 +42,17 @@ class PackedBatch:
 
     @classmethod
     def from_position_ids(cls, position_ids: torch.Tensor) -> PackedBatch:
-        """Recover documents from positions that restart at 0 per document (transformers' convention)."""
-        pos = position_ids.reshape(-1)
-        if pos.numel() == 0:
+        """Recover documents from positions: a new document starts wherever a position is not the previous + 1.
+
+        This is transformers' own rule (``masking_utils.find_packed_sequence_indices``): positions
+        0, 1, 2, 0, 1 are two documents, and so are 5, 6, 7, 3, 4 or 0, 1, 2, 7, 8. Positions need not
+        start at 0; they travel with the tokens unchanged.
+        """
+        starts = document_starts(position_ids.reshape(-1))
+        if not starts:
             raise ValueError("position_ids is empty")
-        starts = torch.nonzero(pos == 0).flatten().tolist()
-        if not starts or starts[0] != 0:
-            raise ValueError("position_ids of a packed batch must start at 0 and restart at 0 for every document")
-        bounds = starts + [pos.numel()]
-        lens = [b - a for a, b in zip(bounds, bounds[1:])]
-        expected = torch.cat([torch.arange(n) for n in lens]).to(pos.device)
-        if not torch.equal(pos.long(), expected):
-            raise ValueError("position_ids must count 0, 1, 2, ... inside every document (packed, unpadded batch)")
-        return cls(tuple(lens))
+        bounds = starts + [position_ids.numel()]
+        return cls(tuple(b - a for a, b in zip(bounds, bounds[1:])))
 
     @property
     def num_tokens(self) -> int:
