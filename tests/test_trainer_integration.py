@@ -229,6 +229,13 @@ BAD_SETTINGS = [
     ("sp_size: 2\n", [], 1, ["ONE process", "--config_file recipes/cpu-2proc.yaml"]),
     ("backend: zigzag\n", ["--dataset", str(ROOT / "data" / "sample_corpus.jsnl")], 1,
      ["--dataset", "no such file", "did you mean", "sample_corpus.jsonl"]),
+    # a number below its range is an error, never the default
+    ("seq_len: 0\n", [], 2, ["bad.longctx.yaml", "seq_len must be a whole number >= 1", "got 0"]),
+    ("backend: zigzag\n", ["--seq-len", "0"], 2, ["--seq-len '0'", "seq_len must be a whole number >= 1"]),
+    ("backend: zigzag\n", ["--seq-len", "-4096"], 2, ["--seq-len '-4096'", ">= 1 (tokens per process per step)"]),
+    ("backend: zigzag\n", ["--tp-size", "0"], 2, ["--tp-size '0'", "tp_size must be a whole number >= 1"]),
+    ("backend: zigzag\n", ["--max-steps", "0"], 2, ["--max-steps 0: must be a whole number >= 1"]),
+    ("backend: zigzag\n", ["--lr", "-1"], 2, ["--lr -1.0: must be a number > 0"]),
 ]
 
 

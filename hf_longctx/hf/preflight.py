@@ -54,6 +54,17 @@ def check_path(option: str, value: str | None, builtin: tuple[str, ...] = (),
         raise _missing_path(option, value)
 
 
+def check_positive(option: str, value: float) -> None:
+    """Raise ConfigError unless a script's numeric option is positive (a whole number >= 1 when an int).
+
+    ``--max-steps 0`` or ``--lr -1`` would otherwise be taken as a default or train nonsense."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise ConfigError(f"command line: {option} {value}: must be a whole number >= 1")
+    elif not value > 0:  # NaN too
+        raise ConfigError(f"command line: {option} {value}: must be a number > 0")
+
+
 def check_process_count(world: int) -> None:
     """A launcher asked for N processes but this run has fewer: say so instead of training alone.
 
