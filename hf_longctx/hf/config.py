@@ -323,7 +323,35 @@ PACKAGE_ENVIRONMENT = ("HF_LONGCTX_RECIPE", "HF_LONGCTX_DATA_DIR", "HF_LONGCTX_C
 
 
 def _recipe(recipe: str | os.PathLike | None) -> str | os.PathLike | None:
-    return recipe or os.environ.get("HF_LONGCTX_RECIPE") or _launcher_config_file()
+    return _recipe_and_origin(recipe)[0]
+
+
+def _recipe_and_origin(recipe: str | os.PathLike | None) -> tuple[str | os.PathLike | None, str]:
+    """The recipe in use and how it was named: ``--recipe``, ``HF_LONGCTX_RECIPE=`` or the launcher's option."""
+    if recipe:
+        return recipe, "--recipe"
+    if os.environ.get("HF_LONGCTX_RECIPE"):
+        return os.environ["HF_LONGCTX_RECIPE"], "HF_LONGCTX_RECIPE="
+    launcher = _launcher_config_file()
+    return (launcher, "accelerate launch --config_file") if launcher else (None, "")
+
+
+def _missing_recipe(recipe: str | os.PathLike, origin: str) -> ValueError:
+    """A recipe path that does not exist, with the closest recipe of its folder (or the folder's recipes)."""
+    path = Path(recipe).expanduser()
+    folder = path.parent
+    names = sorted(p.name for p in folder.iterdir() if p.suffix in (".yaml", ".yml")) if folder.is_dir() else []
+    hint = difflib.get_close_matches(path.name, names, n=1, cutoff=0.6)
+    recipes = [n for n in names if not n.endswith(".longctx.yaml")]
+    if hint:
+        where = f"; did you mean {str(folder / hint[0])!r}?"
+    elif recipes:
+        where = f" (recipes in {str(folder)!r}: {', '.join(recipes)})"
+    else:
+        where = f" (folder {str(folder)!r} holds no recipe)" if folder.is_dir() else \
+            f" (folder {str(folder)!r} does not exist either)"
+    named = origin + ("" if origin.endswith("=") else " ") + repr(str(recipe))
+    return ValueError(f"{named}: recipe file does not exist{where}")
 
 
 def recipe_source(recipe: str | os.PathLike | None = None, overrides: Mapping[str, object] | None = None) -> str:
@@ -343,8 +371,10 @@ def load_config(recipe: str | os.PathLike | None = None,
     import yaml
 
     values: dict = {}
-    recipe = _recipe(recipe)
+    recipe, origin = _recipe_and_origin(recipe)
     if recipe:
+        if not Path(recipe).expanduser().is_file():
+            raise _missing_recipe(recipe, origin)
         path = sidecar_path(recipe)
         if not path.is_file():
             raise ValueError(f"no long-context settings for recipe {recipe}: expected {path}")
