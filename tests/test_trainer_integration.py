@@ -269,6 +269,31 @@ def test_bad_settings_stop_before_any_model_or_data_in_one_short_message(sidecar
     assert capsys.readouterr().err == ""
 
 
+def test_the_launcher_reports_the_configuration_error_as_the_root_cause(tmp_path, monkeypatch, capsys):
+    """Under torchrun (``accelerate launch``) each rank leaves the message in its TORCHELASTIC_ERROR_FILE, so
+    the launcher's failure summary ends with it instead of "To enable traceback see ..."."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    train = _load_train_script()
+    monkeypatch.delenv("HF_LONGCTX_RECIPE", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    failures = {}
+    for rank in (1, 0):  # whichever rank the launcher sees fail first, it reports the message
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / f"error{rank}.json"))
+        with pytest.raises(SystemExit) as stop:
+            train.main(["--recipe", str(ROOT / "recipes" / "cpu-2proc.yaml"), "--backend", "zigzg"])
+        assert stop.value.code == 2
+        failures[rank] = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=2,
+                                        error_file=str(tmp_path / f"error{rank}.json"))
+    summary = ChildFailedError("scripts/train.py", failures).format_msg()
+    root = summary.split("Root Cause (first observed failure):", 1)[1]
+    assert "hf_longctx: configuration error, nothing was started" in root, summary
+    assert "did you mean 'zigzag'?" in root, summary
+    assert "To enable traceback" not in summary and "Traceback" not in summary, summary
+    assert capsys.readouterr().err.count("did you mean 'zigzag'?") == 1  # rank 0 prints it, once
+
+
 def test_one_process_where_the_launcher_asked_for_more_is_refused(monkeypatch):
     """`accelerate launch --num_processes 2` without --multi_gpu starts one process on CPU: say so."""
     import hf_longctx.hf.preflight as preflight

@@ -11,8 +11,10 @@ on every rank, without a traceback.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -106,12 +108,37 @@ def check_run(recipe: str | os.PathLike | None = None, *, overrides: Mapping[str
     return cfg
 
 
+def _tell_launcher(message: str) -> None:
+    """Write ``message`` where torchrun's launcher (the one ``accelerate launch`` runs) looks for a worker's error.
+
+    The launcher names each worker an error file (``TORCHELASTIC_ERROR_FILE``) and, when a worker
+    exits non-zero, ends its summary with the "root cause": the earliest failure's file message, or
+    else "To enable traceback see ...". The file holds what torch's own ``ErrorHandler`` writes,
+    without a Python traceback. Every rank writes the same message: whichever rank the launcher
+    sees fail first (a rank still exiting is stopped by it) is the one it reports.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
+    try:
+        Path(path).write_text(json.dumps(data))
+    except OSError:
+        pass  # the launcher then says what it says without it; rank 0 printed the message anyway
+
+
 @contextmanager
 def report_config_errors() -> Iterator[None]:
-    """Inside the block, a ConfigError prints once (rank 0) in a few lines and every rank exits with status 2."""
+    """Inside the block, a ConfigError prints once (rank 0) in a few lines and every rank exits with status 2.
+
+    Under a torchrun launcher (``accelerate launch``, ``torchrun``) the message is also the root cause
+    in the launcher's failure summary, instead of a pointer to torch's documentation.
+    """
     try:
         yield
     except ConfigError as err:
+        message = f"hf_longctx: configuration error, nothing was started\n  {err}"
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"hf_longctx: configuration error, nothing was started\n  {err}", file=sys.stderr, flush=True)
+            print(message, file=sys.stderr, flush=True)
+        _tell_launcher(message)
         raise SystemExit(2) from None
