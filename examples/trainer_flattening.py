@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(format="%(message)s")
     logging.getLogger("hf_longctx").setLevel(logging.INFO)  # the callback says what it set up
     with report_config_errors():
-        cfg = check_run()
+        cfg = check_run(attn_implementation=args.attn_implementation)
     impl = args.attn_implementation or cfg.attn_implementation
     tokenizer = load_sample_tokenizer()
     texts = load_text_dataset(str(sample_corpus_path())).filter(lambda row: row["text"].strip() != "")

@@ -26,7 +26,14 @@ import yaml
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import hf_longctx
-from hf_longctx.hf import ConfigError, LongContextConfig, backend_from_name, check_run, implementation_name
+from hf_longctx.hf import (
+    ConfigError,
+    LongContextConfig,
+    backend_from_name,
+    check_attn_implementation,
+    check_run,
+    implementation_name,
+)
 from hf_longctx.kernels import reset_stats, stats
 
 from distributed import run_distributed
@@ -292,6 +299,32 @@ def test_the_launcher_reports_the_configuration_error_as_the_root_cause(tmp_path
     assert "did you mean 'zigzag'?" in root, summary
     assert "To enable traceback" not in summary and "Traceback" not in summary, summary
     assert capsys.readouterr().err.count("did you mean 'zigzag'?") == 1  # rank 0 prints it, once
+
+
+@pytest.mark.parametrize("example", ["trainer_flattening.py", "sft_trl.py"])
+def test_a_misspelled_attn_implementation_names_the_registered_one(example, monkeypatch, capsys):
+    """transformers' own error lists only its implementations; the examples check the name first."""
+    with pytest.raises(ValueError) as theirs:  # what transformers says (no longctx_* name, no hint)
+        LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1,
+                                     attn_implementation="longctx_zigzg"))
+    assert "longctx_zigzag" not in str(theirs.value)
+    monkeypatch.delenv("HF_LONGCTX_RECIPE", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    spec = importlib.util.spec_from_file_location(example[:-3], ROOT / "examples" / example)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "load_sample_tokenizer", lambda: pytest.fail("built before the check"))
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--attn-implementation", "longctx_zigzg"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "attn_implementation 'longctx_zigzg' is not registered" in err, err
+    assert "did you mean 'longctx_zigzag'?" in err, err
+    for name in ("sdpa", "longctx_distfa", "paged|eager", "kernels-community/flash-attn3"):
+        assert check_attn_implementation(name) == name
+    with pytest.raises(ConfigError, match="did you mean 'sdpa'"):
+        check_attn_implementation("spda")
 
 
 def test_one_process_where_the_launcher_asked_for_more_is_refused(monkeypatch):

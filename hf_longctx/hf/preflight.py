@@ -67,6 +67,32 @@ def check_positive(option: str, value: float) -> None:
         raise ConfigError(f"command line: {option} {value}: must be a number > 0")
 
 
+def check_attn_implementation(name: str | None) -> str | None:
+    """``name`` when transformers can build a model with it, else a ConfigError naming the closest name.
+
+    transformers accepts every name registered with its ``AttentionInterface`` (the ``longctx_*``
+    names among them, registered when ``hf_longctx`` is imported), but its error for an unknown name
+    lists only its own implementations (a fixed list in ``PreTrainedModel.get_correct_attn_implementation``),
+    so ``longctx_zigzg`` gets no hint there. Checked here first, the closest name is the registered
+    one. Hub kernels (``org/repo``) are left to transformers.
+    """
+    if name is None or "/" in name:
+        return name
+    from transformers import AttentionInterface
+
+    from .attention import PREFIX
+
+    known = ["eager", *AttentionInterface().valid_keys()]
+    if name in known or name.removeprefix("paged|") in known:
+        return name
+    ours = [k for k in known if k.startswith(PREFIX)]
+    theirs = [k for k in known if not k.startswith(PREFIX)]
+    hint = difflib.get_close_matches(name, ours if name.startswith(PREFIX) else known, n=1, cutoff=0.5)
+    raise ConfigError(f"attn_implementation {name!r} is not registered with transformers"
+                      + (f"; did you mean {hint[0]!r}?" if hint else "")
+                      + f" (hf_longctx: {', '.join(ours)}; transformers: {', '.join(theirs)})")
+
+
 def check_process_count(world: int) -> None:
     """A launcher asked for N processes but this run has fewer: say so instead of training alone.
 
@@ -84,14 +110,16 @@ def check_process_count(world: int) -> None:
 
 
 def check_run(recipe: str | os.PathLike | None = None, *, overrides: Mapping[str, object] | None = None,
-              world_size: int | None = None, dataset: str | None = None, model: str | None = None
-              ) -> LongContextConfig:
+              world_size: int | None = None, dataset: str | None = None, model: str | None = None,
+              attn_implementation: str | None = None) -> LongContextConfig:
     """The run's :class:`LongContextConfig`, or a ConfigError naming the file, the value and the fix.
 
     ``world_size`` defaults to the launcher's ``WORLD_SIZE`` (1 without a launcher). ``dataset`` and
     ``model`` are checked only where they name local paths; ``"synthetic"``/``"sample"`` and the
     built-in model names of the training script pass. ``overrides``: settings from the command line
     (see :func:`~hf_longctx.hf.config.config_overrides`), checked like the sidecar's.
+    ``attn_implementation``: a name the caller will give transformers instead of the recipe's
+    backend (see :func:`check_attn_implementation`).
     """
     try:
         cfg = load_config(recipe, overrides)
@@ -105,6 +133,7 @@ def check_run(recipe: str | os.PathLike | None = None, *, overrides: Mapping[str
         raise ConfigError(f"{recipe_source(recipe, overrides)}: {err}") from None
     check_path("--dataset", dataset, builtin=("synthetic", "sample"), suffixes=_DATA_SUFFIXES)
     check_path("--model", model, builtin=("tiny", "llama3-8b-shape"))
+    check_attn_implementation(attn_implementation)
     return cfg
 
 
