@@ -158,7 +158,8 @@ def test_trainer_bf16_autocast_trains_like_sdpa_and_generates_after(tmp_path):
 
 
 def test_checkpointing_follows_training_arguments_and_backend_follows_the_model(tmp_path, caplog):
-    """gradient_checkpointing off: none; on: recompute-aware (attention runs once per layer and step), logged."""
+    """activation_checkpointing off: none; on: recompute-aware (attention runs once per layer and step), logged
+    with the TrainingArguments name this transformers has (activation_checkpointing, not the deprecated alias)."""
     recipe_says_ring = LongContextConfig(backend="ring")
     for on in (False, True):
         reset_stats()
@@ -166,8 +167,9 @@ def test_checkpointing_follows_training_arguments_and_backend_follows_the_model(
         with caplog.at_level(logging.INFO, logger="hf_longctx"):
             run = flattening_run(str(tmp_path / str(on)), steps=1, evaluate=False, gradient_checkpointing=on,
                                  config=recipe_says_ring)
-        said = "gradient_checkpointing is on: recompute-aware" if on else "gradient_checkpointing is off"
-        assert said in caplog.text
+        said = "activation checkpointing is on: recompute-aware" if on else \
+            "activation checkpointing is off (set TrainingArguments(activation_checkpointing=True)"
+        assert said in caplog.text, caplog.text
         assert run["summary"]["checkpointing"] == ("recompute_aware" if on else "none")
         assert run["summary"]["backend"] == "zigzag"  # the model's, not the recipe's
         model = run["model"]
@@ -175,6 +177,25 @@ def test_checkpointing_follows_training_arguments_and_backend_follows_the_model(
         assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules()) == on
         layers = run["model"].config.num_hidden_layers
         assert stats()["core_attention.forward"] == layers  # plain layer checkpointing would give 2 x layers
+
+
+def test_checkpointing_uses_the_current_training_argument_without_warnings():
+    """transformers 5.x deprecates TrainingArguments(gradient_checkpointing=...): neither the code nor the
+    README's instructions use it where activation_checkpointing exists."""
+    import warnings
+
+    from transformers import TrainingArguments
+
+    from hf_longctx.hf.checkpointing import checkpointing_argument, checkpointing_training_args
+
+    assert checkpointing_argument() == "activation_checkpointing"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        args = TrainingArguments(output_dir="unused", use_cpu=True, report_to=[], **checkpointing_training_args(True))
+    assert args.activation_checkpointing
+    for doc in ("README.md", "recipes/README.md"):
+        text = (ROOT / doc).read_text()
+        assert "gradient_checkpointing=True" not in text and "activation_checkpointing=True" in text, doc
 
 
 def _two_process_runs(rank, world, out_dir):
