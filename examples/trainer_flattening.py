@@ -6,6 +6,9 @@
 Every example is one tokenized document; the collator flattens a batch into one sequence with
 position_ids restarting per document, which is all a ``longctx_*`` model needs. After training the
 callback has taken its hooks off: the same model evaluates and generates in each process.
+
+``--docs-per-step`` is per process: 2 processes at ``--docs-per-step 4`` log the losses of one
+process at ``--docs-per-step 8`` (the same documents per step), not of one at 4.
 """
 
 from __future__ import annotations
