@@ -7,6 +7,9 @@ A small random Llama built from a config, the tokenizer and corpus shipped in ``
 download). TRL packs documents into rows and passes them padding-free (position_ids restarting per
 document); ``LongContextCallback`` shards each step's rows over the sequence-parallel group. The
 attention backend is the model's ``attn_implementation`` (default: the recipe's backend).
+
+``--rows-per-process`` is per process: 2 processes at 1 row each log the losses of one process at
+``--rows-per-process 2`` (the same rows per step), not of one at 1.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from trl import SFTConfig, SFTTrainer
 import hf_longctx
 from hf_longctx.data import load_sample_tokenizer, load_text_dataset, sample_corpus_path
 from hf_longctx.hf import check_run, report_config_errors
+from hf_longctx.hf.checkpointing import checkpointing_training_args
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -29,7 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attn-implementation", default=None,
                    help="longctx_<backend> or any transformers implementation (default: the recipe's backend)")
     p.add_argument("--max-steps", type=int, default=10)
-    p.add_argument("--max-length", type=int, default=512, help="tokens per packed row (one row per process)")
+    p.add_argument("--max-length", type=int, default=512, help="tokens per packed row")
+    p.add_argument("--rows-per-process", type=int, default=1, help="packed rows per process per step")
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--bf16", action="store_true", help="bf16 autocast over float32 weights (TRL's default on GPU)")
@@ -45,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(format="%(message)s")
     logging.getLogger("hf_longctx").setLevel(logging.INFO)  # the callback says what it set up
     with report_config_errors():
-        cfg = check_run()
+        cfg = check_run(attn_implementation=args.attn_implementation)
     impl = args.attn_implementation or cfg.attn_implementation
     tokenizer = load_sample_tokenizer()
     torch.manual_seed(args.seed)
@@ -56,10 +61,12 @@ def main(argv: list[str] | None = None) -> None:
         attn_implementation=impl, tie_word_embeddings=True,
     ))
     sft = SFTConfig(
-        output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=1, learning_rate=args.lr,
-        logging_steps=1, save_strategy="no", report_to=[], seed=args.seed, bf16=args.bf16,
+        output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.rows_per_process,
+        learning_rate=args.lr, logging_steps=1, save_strategy="no", report_to=[], seed=args.seed, bf16=args.bf16,
         use_cpu=not torch.cuda.is_available(), packing=True, padding_free=True, max_length=args.max_length,
         train_sampling_strategy="sequential", dataloader_drop_last=True,
+        # TRL turns checkpointing on by default under transformers' deprecated name; name it the current way
+        **checkpointing_training_args(cfg.checkpointing != "none"),
     )
     callbacks = [hf_longctx.LongContextCallback(cfg)] if impl.startswith("longctx_") else []
     trainer = SFTTrainer(model=model, args=sft, train_dataset=load_text_dataset(str(sample_corpus_path())),

@@ -6,6 +6,9 @@
 Every example is one tokenized document; the collator flattens a batch into one sequence with
 position_ids restarting per document, which is all a ``longctx_*`` model needs. After training the
 callback has taken its hooks off: the same model evaluates and generates in each process.
+
+``--docs-per-step`` is per process: 2 processes at ``--docs-per-step 4`` log the losses of one
+process at ``--docs-per-step 8`` (the same documents per step), not of one at 4.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(format="%(message)s")
     logging.getLogger("hf_longctx").setLevel(logging.INFO)  # the callback says what it set up
     with report_config_errors():
-        cfg = check_run()
+        cfg = check_run(attn_implementation=args.attn_implementation)
     impl = args.attn_implementation or cfg.attn_implementation
     tokenizer = load_sample_tokenizer()
     texts = load_text_dataset(str(sample_corpus_path())).filter(lambda row: row["text"].strip() != "")

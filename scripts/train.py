@@ -38,7 +38,7 @@ from hf_longctx.data import (
     packed_synthetic_dataset,
     sample_corpus_path,
 )
-from hf_longctx.hf import apply_model_parallelism, check_run, report_config_errors
+from hf_longctx.hf import apply_model_parallelism, check_positive, check_run, report_config_errors
 from hf_longctx.hf.checkpointing import checkpointing_training_args
 from hf_longctx.hf.config import add_config_arguments, config_overrides
 
@@ -98,9 +98,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(format="%(message)s")
     logging.getLogger("hf_longctx").setLevel(logging.INFO)  # the callback says what it set up
     with report_config_errors():  # before any model or data: one short message, no per-rank tracebacks
+        for option in ("--max-steps", "--logging-steps", "--num-layers", "--vocab-size", "--lr"):
+            check_positive(option, getattr(args, option[2:].replace("-", "_")))
         cfg = check_run(args.recipe, overrides=config_overrides(args, unknown, p), dataset=args.dataset,
                         model=args.model)
-    seq_len = cfg.seq_len or 1024
+    seq_len = cfg.seq_len
     on_gpu = torch.cuda.is_available()
     built = args.model in ("tiny", "tiny-moe", "llama3-8b-shape")
     if built:

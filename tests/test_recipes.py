@@ -59,8 +59,31 @@ def test_environment_overrides_and_rejects_unknown_keys(monkeypatch, tmp_path):
     sidecar_path(bad).write_text("backend: ring\ncheckpoint: layer\n")
     with pytest.raises(ValueError, match="did you mean 'checkpointing'"):
         load_config(bad)
-    with pytest.raises(ValueError, match="no long-context settings"):
-        load_config(tmp_path / "missing.yaml")
+    alone = tmp_path / "alone.yaml"
+    alone.write_text("compute_environment: LOCAL_MACHINE\n")
+    with pytest.raises(ValueError, match="no long-context settings for recipe .*alone.yaml"):
+        load_config(alone)
+
+
+@pytest.mark.parametrize("given,closest", [
+    ("1node-2gpux.yaml", "1node-2gpu.yaml"),
+    ("cpu-2prc.yaml", "cpu-2proc.yaml"),
+    ("1node-8gpu.longctx.yml", "1node-8gpu.longctx.yaml"),
+])
+def test_a_recipe_that_does_not_exist_is_named_with_the_closest_recipe(given, closest, monkeypatch):
+    """Not a missing sidecar: the recipe itself is missing, and the nearest name in its folder is suggested."""
+    missing = str(ROOT / "recipes" / given)
+    with pytest.raises(ConfigError) as err:
+        check_run(missing, world_size=2)
+    message = str(err.value)
+    assert f"--recipe {missing!r}: recipe file does not exist" in message, message
+    assert f"did you mean {str(ROOT / 'recipes' / closest)!r}?" in message, message
+    assert "long-context settings" not in message
+    monkeypatch.setenv("HF_LONGCTX_RECIPE", missing)
+    with pytest.raises(ConfigError, match=f"HF_LONGCTX_RECIPE='.*{given}': recipe file does not exist"):
+        check_run(world_size=2)
+    with pytest.raises(ConfigError, match=r"recipe file does not exist \(folder .* does not exist either\)"):
+        check_run(str(ROOT / "recipez" / "cpu-2proc.yaml"), world_size=2)
 
 
 def _overrides(*argv: str) -> tuple[str, dict]:

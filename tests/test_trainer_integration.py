@@ -26,7 +26,14 @@ import yaml
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import hf_longctx
-from hf_longctx.hf import ConfigError, LongContextConfig, backend_from_name, check_run, implementation_name
+from hf_longctx.hf import (
+    ConfigError,
+    LongContextConfig,
+    backend_from_name,
+    check_attn_implementation,
+    check_run,
+    implementation_name,
+)
 from hf_longctx.kernels import reset_stats, stats
 
 from distributed import run_distributed
@@ -151,7 +158,8 @@ def test_trainer_bf16_autocast_trains_like_sdpa_and_generates_after(tmp_path):
 
 
 def test_checkpointing_follows_training_arguments_and_backend_follows_the_model(tmp_path, caplog):
-    """gradient_checkpointing off: none; on: recompute-aware (attention runs once per layer and step), logged."""
+    """activation_checkpointing off: none; on: recompute-aware (attention runs once per layer and step), logged
+    with the TrainingArguments name this transformers has (activation_checkpointing, not the deprecated alias)."""
     recipe_says_ring = LongContextConfig(backend="ring")
     for on in (False, True):
         reset_stats()
@@ -159,8 +167,9 @@ def test_checkpointing_follows_training_arguments_and_backend_follows_the_model(
         with caplog.at_level(logging.INFO, logger="hf_longctx"):
             run = flattening_run(str(tmp_path / str(on)), steps=1, evaluate=False, gradient_checkpointing=on,
                                  config=recipe_says_ring)
-        said = "gradient_checkpointing is on: recompute-aware" if on else "gradient_checkpointing is off"
-        assert said in caplog.text
+        said = "activation checkpointing is on: recompute-aware" if on else \
+            "activation checkpointing is off (set TrainingArguments(activation_checkpointing=True)"
+        assert said in caplog.text, caplog.text
         assert run["summary"]["checkpointing"] == ("recompute_aware" if on else "none")
         assert run["summary"]["backend"] == "zigzag"  # the model's, not the recipe's
         model = run["model"]
@@ -168,6 +177,25 @@ def test_checkpointing_follows_training_arguments_and_backend_follows_the_model(
         assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules()) == on
         layers = run["model"].config.num_hidden_layers
         assert stats()["core_attention.forward"] == layers  # plain layer checkpointing would give 2 x layers
+
+
+def test_checkpointing_uses_the_current_training_argument_without_warnings():
+    """transformers 5.x deprecates TrainingArguments(gradient_checkpointing=...): neither the code nor the
+    README's instructions use it where activation_checkpointing exists."""
+    import warnings
+
+    from transformers import TrainingArguments
+
+    from hf_longctx.hf.checkpointing import checkpointing_argument, checkpointing_training_args
+
+    assert checkpointing_argument() == "activation_checkpointing"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        args = TrainingArguments(output_dir="unused", use_cpu=True, report_to=[], **checkpointing_training_args(True))
+    assert args.activation_checkpointing
+    for doc in ("README.md", "recipes/README.md"):
+        text = (ROOT / doc).read_text()
+        assert "gradient_checkpointing=True" not in text and "activation_checkpointing=True" in text, doc
 
 
 def _two_process_runs(rank, world, out_dir):
@@ -229,6 +257,13 @@ BAD_SETTINGS = [
     ("sp_size: 2\n", [], 1, ["ONE process", "--config_file recipes/cpu-2proc.yaml"]),
     ("backend: zigzag\n", ["--dataset", str(ROOT / "data" / "sample_corpus.jsnl")], 1,
      ["--dataset", "no such file", "did you mean", "sample_corpus.jsonl"]),
+    # a number below its range is an error, never the default
+    ("seq_len: 0\n", [], 2, ["bad.longctx.yaml", "seq_len must be a whole number >= 1", "got 0"]),
+    ("backend: zigzag\n", ["--seq-len", "0"], 2, ["--seq-len '0'", "seq_len must be a whole number >= 1"]),
+    ("backend: zigzag\n", ["--seq-len", "-4096"], 2, ["--seq-len '-4096'", ">= 1 (tokens per process per step)"]),
+    ("backend: zigzag\n", ["--tp-size", "0"], 2, ["--tp-size '0'", "tp_size must be a whole number >= 1"]),
+    ("backend: zigzag\n", ["--max-steps", "0"], 2, ["--max-steps 0: must be a whole number >= 1"]),
+    ("backend: zigzag\n", ["--lr", "-1"], 2, ["--lr -1.0: must be a number > 0"]),
 ]
 
 
@@ -260,6 +295,57 @@ def test_bad_settings_stop_before_any_model_or_data_in_one_short_message(sidecar
     with pytest.raises(SystemExit):
         train.main(["--recipe", str(recipe), *extra])
     assert capsys.readouterr().err == ""
+
+
+def test_the_launcher_reports_the_configuration_error_as_the_root_cause(tmp_path, monkeypatch, capsys):
+    """Under torchrun (``accelerate launch``) each rank leaves the message in its TORCHELASTIC_ERROR_FILE, so
+    the launcher's failure summary ends with it instead of "To enable traceback see ..."."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    train = _load_train_script()
+    monkeypatch.delenv("HF_LONGCTX_RECIPE", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    failures = {}
+    for rank in (1, 0):  # whichever rank the launcher sees fail first, it reports the message
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / f"error{rank}.json"))
+        with pytest.raises(SystemExit) as stop:
+            train.main(["--recipe", str(ROOT / "recipes" / "cpu-2proc.yaml"), "--backend", "zigzg"])
+        assert stop.value.code == 2
+        failures[rank] = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=2,
+                                        error_file=str(tmp_path / f"error{rank}.json"))
+    summary = ChildFailedError("scripts/train.py", failures).format_msg()
+    root = summary.split("Root Cause (first observed failure):", 1)[1]
+    assert "hf_longctx: configuration error, nothing was started" in root, summary
+    assert "did you mean 'zigzag'?" in root, summary
+    assert "To enable traceback" not in summary and "Traceback" not in summary, summary
+    assert capsys.readouterr().err.count("did you mean 'zigzag'?") == 1  # rank 0 prints it, once
+
+
+@pytest.mark.parametrize("example", ["trainer_flattening.py", "sft_trl.py"])
+def test_a_misspelled_attn_implementation_names_the_registered_one(example, monkeypatch, capsys):
+    """transformers' own error lists only its implementations; the examples check the name first."""
+    with pytest.raises(ValueError) as theirs:  # what transformers says (no longctx_* name, no hint)
+        LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1,
+                                     attn_implementation="longctx_zigzg"))
+    assert "longctx_zigzag" not in str(theirs.value)
+    monkeypatch.delenv("HF_LONGCTX_RECIPE", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    spec = importlib.util.spec_from_file_location(example[:-3], ROOT / "examples" / example)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "load_sample_tokenizer", lambda: pytest.fail("built before the check"))
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--attn-implementation", "longctx_zigzg"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "attn_implementation 'longctx_zigzg' is not registered" in err, err
+    assert "did you mean 'longctx_zigzag'?" in err, err
+    for name in ("sdpa", "longctx_distfa", "paged|eager", "kernels-community/flash-attn3"):
+        assert check_attn_implementation(name) == name
+    with pytest.raises(ConfigError, match="did you mean 'sdpa'"):
+        check_attn_implementation("spda")
 
 
 def test_one_process_where_the_launcher_asked_for_more_is_refused(monkeypatch):

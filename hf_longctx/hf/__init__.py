@@ -11,7 +11,7 @@ from .config import LongContextConfig, backend_from_name, load_config
 from .context import SequenceParallelContext
 from .local import local_attention
 from .parallelism import ModelParallelism, apply_model_parallelism, model_parallelism
-from .preflight import ConfigError, check_run, report_config_errors
+from .preflight import ConfigError, check_attn_implementation, check_positive, check_run, report_config_errors
 from .rows import FlatBatch, flatten_batch
 from .sharding import GroupBatch, gather_group_batch, plan_for, shard_batch, shift_labels_per_document
 from .tiled_loss import enable_tiled_loss
@@ -26,6 +26,8 @@ __all__ = [
     "ModelParallelism",
     "apply_model_parallelism",
     "backend_from_name",
+    "check_attn_implementation",
+    "check_positive",
     "check_run",
     "enable_layer_checkpointing",
     "enable_recompute_aware_checkpointing",

@@ -6,7 +6,7 @@ only says how many processes share a sequence and which memory knobs to turn.
 
 At ``on_train_begin`` it builds the sequence-parallel group (a ("dp", "sp") DeviceMesh over the
 processes accelerate started), installs the input hook that shards every batch, switches on
-recompute-aware checkpointing when ``TrainingArguments.gradient_checkpointing`` is on, and from then
+recompute-aware checkpointing when ``TrainingArguments.activation_checkpointing`` is on, and from then
 on adds to the logs: tokens/s, an MFU estimate, the attention-load imbalance of the schedule across
 ranks. At ``on_train_end`` it takes its hooks off again, so evaluation and ``generate()`` after
 training run the model as loaded (exact attention in each process).
@@ -24,6 +24,7 @@ from ..benchmarking import model_flops_per_token, peak_flops, training_mfu
 from ..comm.groups import sequence_parallel_group
 from ..kernels import available_kernels
 from .attention import PREFIX
+from .checkpointing import checkpointing_argument
 from .config import LongContextConfig, load_config
 from .inputs import install_input_hook
 from .memory import enable_memory_options
@@ -118,11 +119,11 @@ class LongContextCallback(TrainerCallback):
         if state.is_world_process_zero:
             logger.info("hf_longctx: %s", self.summary)
             if checkpointing == "recompute_aware":
-                logger.info("hf_longctx: gradient_checkpointing is on: recompute-aware (every decoder layer is "
+                logger.info("hf_longctx: activation checkpointing is on: recompute-aware (every decoder layer is "
                             "checkpointed, its core-attention output is kept, so backward never re-runs attention)")
             elif checkpointing == "none" and cfg.checkpointing != "none":
-                logger.info("hf_longctx: gradient_checkpointing is off: no activation checkpointing (set "
-                            "gradient_checkpointing=True for recompute-aware checkpointing)")
+                logger.info("hf_longctx: activation checkpointing is off (set TrainingArguments(%s=True) for "
+                            "recompute-aware checkpointing)", checkpointing_argument())
 
     def _take_over_clipping(self, args, model) -> None:
         """Expert gradients: clipped by the expert-gradient hook with the whole model's norm (see hf.parallelism)."""

@@ -28,7 +28,8 @@ def recompute_aware_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 def recompute_aware_checkpointing_kwargs() -> dict:
-    """``gradient_checkpointing_kwargs`` for ``model.gradient_checkpointing_enable`` / TrainingArguments."""
+    """``activation_checkpointing_kwargs`` for ``model.activation_checkpointing_enable`` / TrainingArguments
+    (``gradient_checkpointing_*`` in transformers releases before the rename)."""
     return {"use_reentrant": False, "context_fn": partial(create_selective_checkpoint_contexts, recompute_aware_policy)}
 
 
@@ -70,13 +71,21 @@ def enable_layer_checkpointing(model, kwargs: dict | None = None, offload: bool 
     model._hf_longctx_offloader = offloader
 
 
-def checkpointing_training_args(enabled: bool) -> dict:
-    """``TrainingArguments`` keyword that turns activation checkpointing on or off in this transformers.
+def checkpointing_argument() -> str:
+    """Name of the ``TrainingArguments`` field that turns activation checkpointing on in this transformers.
 
-    transformers 5.2x renamed ``gradient_checkpointing`` to ``activation_checkpointing`` (the old name
-    warns); :class:`~hf_longctx.hf.callback.LongContextCallback` makes either recompute-aware.
+    transformers 5.x renamed ``gradient_checkpointing`` to ``activation_checkpointing``; the old name is
+    a deprecated alias that warns (``FutureWarning``, to be removed in v6), so it is used only where
+    the new one does not exist yet.
     """
     from transformers import TrainingArguments
 
     fields = getattr(TrainingArguments, "__dataclass_fields__", {})
-    return {"activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing": enabled}
+    return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+
+
+def checkpointing_training_args(enabled: bool) -> dict:
+    """``TrainingArguments`` keyword that turns activation checkpointing on or off, by its current name
+    (:func:`checkpointing_argument`); :class:`~hf_longctx.hf.callback.LongContextCallback` makes it
+    recompute-aware."""
+    return {checkpointing_argument(): enabled}

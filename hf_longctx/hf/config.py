@@ -30,13 +30,34 @@ CHECKPOINTING_MODES = ("none", "layer", "recompute_aware")
 MOE_DISPATCHES = ("allgather", "all_to_all")
 
 
+# The least valid value of each whole-number setting, and what that value means. Nothing below it is
+# read as a default: seq_len 0 or tp_size 0 is an error, wherever it is written.
+WHOLE_NUMBER_RANGES = {
+    "sp_size": (0, "0 = all processes"),
+    "seq_len": (1, "tokens per process per step"),
+    "tiled_loss": (0, "0 = off"),
+    "tiled_mlp": (0, "0 = off"),
+    "tp_size": (1, "1 = off"),
+    "ep_size": (1, "1 = off"),
+    "expert_tp_size": (1, "1 = off"),
+}
+
+
+def _out_of_range(key: str, value) -> str | None:
+    """Why ``value`` is not valid for the whole-number setting ``key`` (None when it is)."""
+    least, meaning = WHOLE_NUMBER_RANGES[key]
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        return f"must be a whole number >= {least} ({meaning})"
+    return None
+
+
 @dataclass(frozen=True)
 class LongContextConfig:
     backend: str = "distflash"
     sp_size: int = 0  # 0: the whole world is one sequence-parallel group
     checkpointing: str = "recompute_aware"
     kernel: str = "auto"
-    seq_len: int = 0  # tokens per process per step (0: the training script's default)
+    seq_len: int = 1024  # tokens per process per step
     tiled_loss: int = 0  # tokens per chunk of the vocabulary loss (0: off, logits for the whole shard)
     tiled_mlp: int = 0  # tokens per chunk of each decoder layer's MLP (0: off)
     offload_checkpoints: bool = False  # keep layer checkpoints in pinned host memory between the passes
@@ -55,14 +76,10 @@ class LongContextConfig:
         if self.offload_checkpoints and self.checkpointing == "none":
             raise ValueError("offload_checkpoints moves layer checkpoints to the host: it needs checkpointing "
                              "'layer' or 'recompute_aware', not 'none'")
-        for key in ("sp_size", "seq_len", "tiled_loss", "tiled_mlp"):
+        for key in WHOLE_NUMBER_RANGES:
             value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{key} must be a non-negative int (0 = default/off), got {value!r}")
-        for key in ("tp_size", "ep_size", "expert_tp_size"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{key} must be a positive int (1 = off), got {value!r}")
+            if _out_of_range(key, value):
+                raise ValueError(f"{key} {_out_of_range(key, value)}, got {value!r}")
         if self.moe_dispatch not in MOE_DISPATCHES:
             raise ValueError(f"unknown moe_dispatch {self.moe_dispatch!r}; choose one of {MOE_DISPATCHES}")
         if self.expert_tp_size > 1 and self.moe_dispatch != "allgather":
@@ -242,9 +259,12 @@ _FROM_TEXT = {f.name: _PARSERS[f.type] for f in fields(LongContextConfig)}
 def _from_text(key: str, text: str, given_as: str):
     """``text`` as the value of ``key``; ``given_as`` (e.g. ``HF_LONGCTX_SEQ_LEN='x'``) names it in the error."""
     try:
-        return _FROM_TEXT[key](text)
+        value = _FROM_TEXT[key](text)
     except ValueError as err:
         raise ValueError(f"{given_as}: {err}") from None
+    if key in WHOLE_NUMBER_RANGES and _out_of_range(key, value):
+        raise ValueError(f"{given_as}: {key} {_out_of_range(key, value)}")
+    return value
 
 
 def option_name(key: str) -> str:
@@ -303,7 +323,35 @@ PACKAGE_ENVIRONMENT = ("HF_LONGCTX_RECIPE", "HF_LONGCTX_DATA_DIR", "HF_LONGCTX_C
 
 
 def _recipe(recipe: str | os.PathLike | None) -> str | os.PathLike | None:
-    return recipe or os.environ.get("HF_LONGCTX_RECIPE") or _launcher_config_file()
+    return _recipe_and_origin(recipe)[0]
+
+
+def _recipe_and_origin(recipe: str | os.PathLike | None) -> tuple[str | os.PathLike | None, str]:
+    """The recipe in use and how it was named: ``--recipe``, ``HF_LONGCTX_RECIPE=`` or the launcher's option."""
+    if recipe:
+        return recipe, "--recipe"
+    if os.environ.get("HF_LONGCTX_RECIPE"):
+        return os.environ["HF_LONGCTX_RECIPE"], "HF_LONGCTX_RECIPE="
+    launcher = _launcher_config_file()
+    return (launcher, "accelerate launch --config_file") if launcher else (None, "")
+
+
+def _missing_recipe(recipe: str | os.PathLike, origin: str) -> ValueError:
+    """A recipe path that does not exist, with the closest recipe of its folder (or the folder's recipes)."""
+    path = Path(recipe).expanduser()
+    folder = path.parent
+    names = sorted(p.name for p in folder.iterdir() if p.suffix in (".yaml", ".yml")) if folder.is_dir() else []
+    hint = difflib.get_close_matches(path.name, names, n=1, cutoff=0.6)
+    recipes = [n for n in names if not n.endswith(".longctx.yaml")]
+    if hint:
+        where = f"; did you mean {str(folder / hint[0])!r}?"
+    elif recipes:
+        where = f" (recipes in {str(folder)!r}: {', '.join(recipes)})"
+    else:
+        where = f" (folder {str(folder)!r} holds no recipe)" if folder.is_dir() else \
+            f" (folder {str(folder)!r} does not exist either)"
+    named = origin + ("" if origin.endswith("=") else " ") + repr(str(recipe))
+    return ValueError(f"{named}: recipe file does not exist{where}")
 
 
 def recipe_source(recipe: str | os.PathLike | None = None, overrides: Mapping[str, object] | None = None) -> str:
@@ -323,8 +371,10 @@ def load_config(recipe: str | os.PathLike | None = None,
     import yaml
 
     values: dict = {}
-    recipe = _recipe(recipe)
+    recipe, origin = _recipe_and_origin(recipe)
     if recipe:
+        if not Path(recipe).expanduser().is_file():
+            raise _missing_recipe(recipe, origin)
         path = sidecar_path(recipe)
         if not path.is_file():
             raise ValueError(f"no long-context settings for recipe {recipe}: expected {path}")
