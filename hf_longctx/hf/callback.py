@@ -132,7 +132,7 @@ class LongContextCallback(TrainerCallback):
             if checkpointing == "recompute_aware":
                 logger.info("hf_longctx: gradient_checkpointing is on: recompute-aware (every decoder layer is "
                             "checkpointed, its core-attention output is kept, so backward never re-runs attention)")
-            elif checkpointing == "none" and cfg.checkpointing != "none":
+            elif checkpointing == "none" and cfg.checkpointing != "none" and plan is None:
                 logger.info("hf_longctx: gradient_checkpointing is off: no activation checkpointing (set "
                             "gradient_checkpointing=True for recompute-aware checkpointing)")
 

@@ -582,8 +582,8 @@ class MemoryPlan:
                         f"{_gib(sum(self.layer_host[first:last + 1])):>10}")
         other = ", ".join(f"{k} {_gib(v)}" for k, v in self.gpu_items.items()
                           if k not in ("checkpoints", "activations") and v)
-        rows.append(f"  at the peak: {other} GiB; host: " + ", ".join(f"{k} {_gib(v)}" for k, v in
-                                                                       self.host_items.items() if v) + " GiB")
+        host = ", ".join(f"{k} {_gib(v)}" for k, v in self.host_items.items() if v)
+        rows.append(f"  at the peak: {other} GiB; host: " + (f"{host} GiB" if host else "nothing planned"))
         opt = "host" if self.optimizer_on_host else "GPU"
         rows.append(f"  tiled loss {self.tiled_loss or 'off'}, tiled MLP {self.tiled_mlp or 'off'}, optimizer on {opt}")
         return "\n".join([head, *rows])
@@ -897,7 +897,8 @@ def precision_of(model, zero_stage: int = 0) -> str:
 
 
 def plan_for_training(model, cfg, args=None, *, tokens_per_gpu: int | None = None, world: int = 1,
-                      sp_size: int = 1, train_dataloader=None, processes_per_host: int | None = None) -> MemoryPlan:
+                      sp_size: int = 1, train_dataloader=None, processes_per_host: int | None = None,
+                      zero_stage: int | None = None, precision: str | None = None) -> MemoryPlan:
     """The memory plan of a run whose recipe says ``memory: auto``.
 
     ``model``: the model or its config. Tokens per GPU: ``tokens_per_gpu``, else the recipe's
@@ -905,15 +906,22 @@ def plan_for_training(model, cfg, args=None, *, tokens_per_gpu: int | None = Non
     ``checkpointing`` bounds the modes (``recompute_aware``: any; ``layer``: none or layer;
     ``none``: none); a non-zero ``tiled_loss`` / ``tiled_mlp`` is kept as given, otherwise the plan
     chooses; ``offload_checkpoints`` is the plan's to decide. ZeRO's stage comes from ``args``'s
-    DeepSpeed plugin. On a GPU the budgets are the device's total memory and the host's; on CPU
-    the "device" is the host itself: the plan takes the host's available memory, split over the
-    processes on it, as the device budget, and offloads nothing (a host copy would save nothing).
+    DeepSpeed plugin (or ``zero_stage``, or accelerate's ``ACCELERATE_DEEPSPEED_ZERO_STAGE``); the
+    precision from the model's parameters (or ``precision`` when ``model`` is a config). On a GPU
+    the budgets are the device's total memory and the host's; on CPU the "device" is the host
+    itself: the plan takes the host's available memory, split over the processes on it, as the
+    device budget, and offloads nothing (a host copy would save nothing).
     """
     config = getattr(model, "config", model)
-    zero = 0
     plugin = getattr(args, "deepspeed_plugin", None) if args is not None else None
     if plugin is not None:
         zero = int(getattr(plugin, "zero_stage", 0) or 0)
+    elif zero_stage is not None:
+        zero = zero_stage
+    elif os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        zero = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "0") or 0)
+    else:
+        zero = 0
     if tokens_per_gpu is None:
         batch = getattr(args, "per_device_train_batch_size", 1) if args is not None else 1
         tokens_per_gpu = cfg.seq_len * batch if cfg.seq_len else row_tokens(train_dataloader)
@@ -922,7 +930,7 @@ def plan_for_training(model, cfg, args=None, *, tokens_per_gpu: int | None = Non
     ppn = processes_per_host or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     device = getattr(args, "device", None) if args is not None else None
     on_gpu = device.type == "cuda" if device is not None else _cuda_available()
-    precision = precision_of(model, zero) if hasattr(model, "parameters") else None
+    precision = precision_of(model, zero) if hasattr(model, "parameters") else precision
     common = dict(sp_size=sp_size, zero_stage=zero, world=world, precision=precision,
                   modes=_MODES_OF_RECIPE[cfg.checkpointing], tiled_loss=cfg.tiled_loss or None,
                   tiled_mlp=cfg.tiled_mlp or None, processes_per_host=ppn)
