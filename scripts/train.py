@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import time
 
 import torch
@@ -41,6 +42,7 @@ from hf_longctx.data import (
 from hf_longctx.hf import apply_model_parallelism, check_positive, check_run, report_config_errors
 from hf_longctx.hf.checkpointing import checkpointing_training_args
 from hf_longctx.hf.config import add_config_arguments, config_overrides
+from hf_longctx.hf.memory_plan import plan_for_training
 
 
 def tiny_llama_config(vocab_size: int, attn_implementation: str) -> LlamaConfig:
@@ -69,6 +71,19 @@ def llama3_8b_shape(vocab_size: int, layers: int, attn_implementation: str) -> L
         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=1 << 22, rope_theta=500000.0,
         attn_implementation=attn_implementation,
     )
+
+
+def model_config(args, cfg, tokenizer):
+    """The config of the model --model names, without building the model."""
+    if args.model == "tiny":
+        return tiny_llama_config(len(tokenizer), cfg.attn_implementation)
+    if args.model == "tiny-moe":
+        return tiny_moe_config(len(tokenizer), cfg.attn_implementation)
+    if args.model == "llama3-8b-shape":
+        return llama3_8b_shape(args.vocab_size, args.num_layers, cfg.attn_implementation)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(args.model)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -113,6 +128,11 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
     torch.manual_seed(args.seed)
     dtype = torch.bfloat16 if on_gpu else torch.float32
+    if cfg.memory == "auto":  # a plan that cannot fit stops the run here, before any model or data is built
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        with report_config_errors():
+            plan_for_training(model_config(args, cfg, tokenizer), cfg, tokens_per_gpu=seq_len, world=world,
+                              sp_size=cfg.resolved_sp_size(world), precision="bf16" if on_gpu else "fp32")
     if args.model == "tiny":
         model = LlamaForCausalLM(tiny_llama_config(len(tokenizer), cfg.attn_implementation))
     elif args.model == "tiny-moe":

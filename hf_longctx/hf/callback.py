@@ -98,9 +98,18 @@ class LongContextCallback(TrainerCallback):
         if checkpointing_requested(args):
             # layer-boundary checkpointing would re-run attention and its communication in backward
             checkpointing = "layer" if cfg.checkpointing == "layer" else "recompute_aware"
-        # before the input hook: its output hook must run after the tiled loss's
-        self._memory = enable_memory_options(model, checkpointing, cfg.offload_checkpoints and checkpointing != "none",
-                                             cfg.tiled_loss, cfg.tiled_mlp)
+        plan = None
+        if cfg.memory == "auto":  # the plan picks per-layer checkpointing, offload and tiling (hf.memory_plan)
+            from .memory_plan import plan_for_training
+
+            plan = plan_for_training(model, cfg, args, world=world, sp_size=sp,
+                                     train_dataloader=kwargs.get("train_dataloader"))
+            self._memory = plan.apply(model)  # before the input hook, as below
+            checkpointing = self._memory.checkpointing
+        else:
+            # before the input hook: its output hook must run after the tiled loss's
+            self._memory = enable_memory_options(model, checkpointing, cfg.offload_checkpoints and
+                                                 checkpointing != "none", cfg.tiled_loss, cfg.tiled_mlp)
         self.hook = install_input_hook(model, group, cfg.kernel)
         # average_tokens_across_devices=False: every sequence-parallel group averages its own tokens, as one
         # device of plain DDP averages its batch (the group, not the process, holds a sequence)
@@ -110,6 +119,8 @@ class LongContextCallback(TrainerCallback):
                         "tiled_loss": cfg.tiled_loss, "tiled_mlp": cfg.tiled_mlp,
                         "offload_checkpoints": cfg.offload_checkpoints and checkpointing != "none",
                         "kernels_available": available_kernels(args.device)}
+        if plan is not None:
+            self.summary.update(plan.summary())
         if cfg.ep_size * cfg.expert_tp_size > 1:
             self.summary.update(ep_size=cfg.ep_size, expert_tp_size=cfg.expert_tp_size, moe_dispatch=cfg.moe_dispatch)
         self._flops_per_token = model_flops_per_token(model)
@@ -118,10 +129,14 @@ class LongContextCallback(TrainerCallback):
         self._last = (time.perf_counter(), 0, 0)
         if state.is_world_process_zero:
             logger.info("hf_longctx: %s", self.summary)
+            if plan is not None:
+                where = "" if str(args.device).startswith("cuda") else (" (CPU: the host's available memory is the "
+                                                                         "device budget, nothing is offloaded)")
+                logger.info("hf_longctx: memory: auto%s\n%s", where, plan)
             if checkpointing == "recompute_aware":
                 logger.info("hf_longctx: activation checkpointing is on: recompute-aware (every decoder layer is "
                             "checkpointed, its core-attention output is kept, so backward never re-runs attention)")
-            elif checkpointing == "none" and cfg.checkpointing != "none":
+            elif checkpointing == "none" and cfg.checkpointing != "none" and plan is None:
                 logger.info("hf_longctx: activation checkpointing is off (set TrainingArguments(%s=True) for "
                             "recompute-aware checkpointing)", checkpointing_argument())
 

@@ -71,6 +71,53 @@ def enable_layer_checkpointing(model, kwargs: dict | None = None, offload: bool 
     model._hf_longctx_offloader = offloader
 
 
+def _decoder_layers(model) -> list:
+    """The layers transformers checkpoints (its GradientCheckpointingLayer modules), in model order."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def enable_per_layer_checkpointing(model, layers) -> None:
+    """Checkpoint each decoder layer its own way: ``layers[i]`` is ``(mode, offload)`` for layer ``i``.
+
+    ``mode``: ``none`` (the layer keeps its activations), ``layer`` or ``recompute_aware``;
+    ``offload``: that layer's checkpoint waits in pinned host memory (one
+    :class:`~hf_longctx.hf.offload.CheckpointOffloader` serves every offloaded layer, so the copies
+    of those layers keep their side streams and the next offloaded layer is prefetched in backward).
+    The layers that stay on the device use ``torch.utils.checkpoint`` as usual. Gradients are those
+    of any other choice (the same operations run; only where tensors wait differs).
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    from .config import CHECKPOINTING_MODES
+
+    choices = [(c, False) if isinstance(c, str) else (c[0], bool(c[1])) for c in layers]
+    for mode, offload in choices:
+        if mode not in CHECKPOINTING_MODES:
+            raise ValueError(f"unknown checkpointing {mode!r}; choose one of {CHECKPOINTING_MODES}")
+        if offload and mode == "none":
+            raise ValueError("a layer without checkpointing has no checkpoint to offload")
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"{type(model).__name__} does not support gradient checkpointing")
+    decoder = _decoder_layers(model)
+    if len(decoder) != len(choices):
+        raise ValueError(f"{len(choices)} per-layer choices for the {len(decoder)} checkpointable layers of "
+                         f"{type(model).__name__}")
+    if any(mode != "none" for mode, _ in choices):
+        enable_layer_checkpointing(model)  # transformers' own set-up (flags, PEFT input gradients)
+    model.__dict__.pop("_hf_longctx_offloader", None)
+    offloader = None
+    if any(offload for _, offload in choices):
+        from .offload import CheckpointOffloader
+
+        offloader = model._hf_longctx_offloader = CheckpointOffloader(keep_attention_outputs=None)
+    for module, (mode, offload) in zip(decoder, choices):
+        kwargs = recompute_aware_checkpointing_kwargs() if mode == "recompute_aware" else {"use_reentrant": False}
+        module.gradient_checkpointing = mode != "none"
+        module._gradient_checkpointing_func = partial(offloader if offload else checkpoint, **kwargs)
+
+
 def checkpointing_argument() -> str:
     """Name of the ``TrainingArguments`` field that turns activation checkpointing on in this transformers.
 

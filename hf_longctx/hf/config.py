@@ -28,6 +28,7 @@ class ConfigError(ValueError):
 
 CHECKPOINTING_MODES = ("none", "layer", "recompute_aware")
 MOE_DISPATCHES = ("allgather", "all_to_all")
+MEMORY_MODES = ("manual", "auto")
 
 
 # The least valid value of each whole-number setting, and what that value means. Nothing below it is
@@ -65,6 +66,7 @@ class LongContextConfig:
     ep_size: int = 1  # ranks splitting each MoE layer's experts (expert parallel)
     moe_dispatch: str = "allgather"  # how tokens reach their experts: allgather or all_to_all
     expert_tp_size: int = 1  # ranks splitting each expert's intermediate dimension (expert tensor parallel)
+    memory: str = "manual"  # auto: a memory plan picks per-layer checkpointing, offload and tiling (hf.memory_plan)
 
     def __post_init__(self):
         object.__setattr__(self, "backend", backend_from_name(self.backend))
@@ -80,6 +82,10 @@ class LongContextConfig:
             value = getattr(self, key)
             if _out_of_range(key, value):
                 raise ValueError(f"{key} {_out_of_range(key, value)}, got {value!r}")
+        if self.memory not in MEMORY_MODES:
+            hint = difflib.get_close_matches(str(self.memory), MEMORY_MODES, n=1, cutoff=0.5)
+            raise ValueError(f"unknown memory {self.memory!r}" + (f"; did you mean {hint[0]!r}?" if hint else "")
+                             + f" (choose one of {', '.join(MEMORY_MODES)})")
         if self.moe_dispatch not in MOE_DISPATCHES:
             raise ValueError(f"unknown moe_dispatch {self.moe_dispatch!r}; choose one of {MOE_DISPATCHES}")
         if self.expert_tp_size > 1 and self.moe_dispatch != "allgather":

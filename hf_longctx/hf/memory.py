@@ -11,7 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .checkpointing import enable_layer_checkpointing, enable_recompute_aware_checkpointing
+from .checkpointing import (
+    enable_layer_checkpointing,
+    enable_per_layer_checkpointing,
+    enable_recompute_aware_checkpointing,
+)
 from .config import CHECKPOINTING_MODES
 from .tiled_loss import TiledLoss, enable_tiled_loss
 
@@ -24,6 +28,7 @@ class MemoryOptions:
     checkpointing: str
     tiled_loss: TiledLoss | None
     tiled_mlp: bool
+    layers: tuple | None = None  # per decoder layer (mode, offload) when the layers differ
 
     def remove(self) -> None:
         """Undo the tiling (checkpointing stays, as the Trainer would leave it)."""
@@ -38,18 +43,24 @@ class MemoryOptions:
 
 
 def enable_memory_options(model: torch.nn.Module, checkpointing: str = "none", offload: bool = False,
-                          tiled_loss: int = 0, tiled_mlp: int = 0) -> MemoryOptions:
+                          tiled_loss: int = 0, tiled_mlp: int = 0, layers=None) -> MemoryOptions:
     """Turn on the memory options a run asked for.
 
     ``checkpointing``: ``none``, ``layer`` (every decoder layer recomputed in backward) or
     ``recompute_aware`` (the same, keeping each core-attention output); ``offload`` keeps the
     checkpoints in pinned host memory. ``tiled_loss`` / ``tiled_mlp``: tokens per chunk of the
-    vocabulary loss / of every MLP (0: off). Install the sequence-parallel input hook AFTER this call:
-    its output hook must run after the tiled loss's.
+    vocabulary loss / of every MLP (0: off). ``layers``: one ``(mode, offload)`` per decoder layer
+    (as :class:`~hf_longctx.hf.memory_plan.MemoryPlan` chooses them), which then replaces
+    ``checkpointing`` and ``offload``: some layers not checkpointed, exactly the chosen layers'
+    checkpoints on the host. Install the sequence-parallel input hook AFTER this call: its output hook
+    must run after the tiled loss's.
     """
-    if checkpointing not in CHECKPOINTING_MODES:
+    if layers is not None:
+        layers = tuple((c, False) if isinstance(c, str) else (c[0], bool(c[1])) for c in layers)
+        enable_per_layer_checkpointing(model, layers)  # validates before anything else is switched on
+    elif checkpointing not in CHECKPOINTING_MODES:
         raise ValueError(f"unknown checkpointing {checkpointing!r}; choose one of {CHECKPOINTING_MODES}")
-    if offload and checkpointing == "none":
+    elif offload and checkpointing == "none":
         raise ValueError("offload keeps layer checkpoints on the host: it needs checkpointing 'layer' or "
                          "'recompute_aware', not 'none'")
     loss = enable_tiled_loss(model, chunk_tokens=tiled_loss) if tiled_loss else None
@@ -58,8 +69,11 @@ def enable_memory_options(model: torch.nn.Module, checkpointing: str = "none", o
         from .tiled_mlp import enable_tiled_mlp
 
         mlp = enable_tiled_mlp(model, chunk_tokens=tiled_mlp) > 0
-    if checkpointing == "recompute_aware":
+    if layers is not None:
+        modes = {mode for mode, _ in layers if mode != "none"}
+        checkpointing = modes.pop() if len(modes) == 1 else ("per_layer" if modes else "none")
+    elif checkpointing == "recompute_aware":
         enable_recompute_aware_checkpointing(model, offload=offload)
     elif checkpointing == "layer":
         enable_layer_checkpointing(model, offload=offload)
-    return MemoryOptions(model, checkpointing, loss, mlp)
+    return MemoryOptions(model, checkpointing, loss, mlp, layers)

@@ -179,8 +179,9 @@ class CheckpointOffloader:
     checkpoint keyword arguments (``use_reentrant=False``, a selective ``context_fn``) pass through.
     """
 
-    def __init__(self, keep_attention_outputs: bool, min_bytes: int = MIN_OFFLOAD_BYTES):
-        # True under recompute-aware checkpointing, whose cache holds the core-attention outputs
+    def __init__(self, keep_attention_outputs: bool | None, min_bytes: int = MIN_OFFLOAD_BYTES):
+        # True under recompute-aware checkpointing, whose cache holds the core-attention outputs; None:
+        # decided per call, by whether the call passes a selective-checkpoint context_fn (layers may differ)
         self.keep_attention_outputs = keep_attention_outputs
         self.min_bytes = min_bytes
         self._streams: dict[torch.device, _Streams] = {}
@@ -203,10 +204,13 @@ class CheckpointOffloader:
         slot = _Slot(self, previous)
         self._last = weakref.ref(slot)
         calls = [0]
+        keep = self.keep_attention_outputs
+        if keep is None:
+            keep = checkpoint_kwargs.get("context_fn") is not None
 
         def run(*inner_args):
             calls[0] += 1
-            if calls[0] > 1 or not self.keep_attention_outputs:  # recompute, or nothing cached to move
+            if calls[0] > 1 or not keep:  # recompute, or nothing cached to move
                 return function(*inner_args)
             with ATTENTION_OUTPUTS.watch(slot.keep):
                 return function(*inner_args)

@@ -1,0 +1,298 @@
+"""The memory model against measured CPU tensor bytes, the planner's decisions on the Llama-3-8B shape,
+and per-layer checkpointing with partial offload (exact gradients)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hf_longctx  # noqa: F401 - registers the attention implementations
+from hf_longctx.backends.op import ATTENTION_OUTPUTS
+from hf_longctx.hf import plan_for, shard_batch
+from hf_longctx.hf.checkpointing import enable_per_layer_checkpointing, enable_recompute_aware_checkpointing
+from hf_longctx.hf.memory import enable_memory_options
+from hf_longctx.hf.memory_plan import (
+    GiB,
+    LayerChoice,
+    MemoryModel,
+    MemoryPlanError,
+    ModelShape,
+    plan_for_training,
+    plan_memory,
+)
+from hf_longctx.layout import PackedBatch
+
+H200_GPU = 143771 << 20  # what nvidia-smi reports for an H200 (141 GB)
+H100_GPU = 81559 << 20  # an H100 80GB HBM3
+HOST = 125 * GiB
+LLAMA3_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8)
+K = 1024
+
+
+def _tiny(layers=3, dtype=torch.bfloat16, tied=False, seed=0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
+                      attn_implementation="longctx_local")
+    return LlamaForCausalLM(cfg).to(dtype)
+
+
+def _batch(tokens: int, seed: int = 1, docs=None):
+    packed = PackedBatch.from_doc_lens(docs or [tokens])
+    ids = torch.randint(0, 96, (1, tokens), generator=torch.Generator().manual_seed(seed))
+    batch = {"input_ids": ids, "position_ids": packed.position_ids[None]}
+    return shard_batch(batch, plan_for(packed, "local", None), 0)
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# --- the model against measured bytes ---------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,precision,tied", [(torch.bfloat16, "bf16", False), (torch.float32, "fp32", True)])
+def test_weights_grads_and_optimizer_states_match_a_trained_model(dtype, precision, tied):
+    """Exact: parameter, gradient and AdamW-moment bytes of a tiny Llama after one step."""
+    model = _tiny(dtype=dtype, tied=tied)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(**_batch(64)).loss.backward()
+    opt.step()
+    predicted = MemoryModel(ModelShape.from_config(model.config), 64, precision=precision)
+    params = list(model.parameters())
+    assert predicted.shape.params == sum(p.numel() for p in params)
+    assert predicted.weights == _nbytes(params)
+    grads = predicted.grad_head + predicted.shape.layers * predicted.grad_layer + predicted.grad_embedding
+    assert grads == _nbytes(p.grad for p in params)
+    states = [v for s in opt.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")]
+    assert predicted.optimizer_gpu == _nbytes(states)
+
+
+class _SavedPerLayer:
+    """Storages autograd saves inside each decoder layer's call (parameters and integer tensors left out)."""
+
+    def __init__(self, model):
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.layers: list[dict[int, int]] = []
+        self.handles = []
+        for layer in model.model.layers:
+            self.handles.append(layer.register_forward_pre_hook(self._enter))
+            self.handles.append(layer.register_forward_hook(self._exit))
+
+    def _enter(self, module, args):
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if t.is_floating_point() and storage.data_ptr() not in self.params:
+                seen[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        hooks.__enter__()
+        module._saved_probe = (hooks, seen)
+
+    def _exit(self, module, args, output):
+        hooks, seen = module.__dict__.pop("_saved_probe")
+        hooks.__exit__(None, None, None)
+        self.layers.append(seen)
+
+    def per_layer_bytes(self) -> list[int]:
+        shared = set.intersection(*(set(s) for s in self.layers))  # RoPE cos/sin, passed to every layer
+        return [sum(n for ptr, n in s.items() if ptr not in shared) for s in self.layers]
+
+
+@pytest.mark.parametrize("mode", ["none", "layer", "recompute_aware"])
+def test_what_each_layer_keeps_matches_the_model(mode):
+    """Exact for both checkpointing modes (the layer input; plus the kept attention output and lse) and
+    for a layer without checkpointing (norms, q/k/v, attention output and lse, MLP intermediates)."""
+    tokens, layers = 128, 3
+    model = _tiny(layers)
+    model.train()
+    enable_per_layer_checkpointing(model, [mode] * layers)
+    probe = _SavedPerLayer(model)
+    kept = []
+    with ATTENTION_OUTPUTS.watch(lambda t: kept.append(t.untyped_storage().nbytes())):
+        loss = model(**_batch(tokens)).loss
+    predicted = MemoryModel(ModelShape.from_config(model.config), tokens, precision="bf16")
+    saved = probe.per_layer_bytes()
+    if mode == "recompute_aware":  # the kept outputs live in the checkpoint cache, out of the hooks' reach
+        saved = [s + sum(kept) // layers for s in saved]
+    assert saved == [predicted.checkpoint[mode]] * layers
+    loss.backward()
+
+
+def test_tiled_mlp_layers_keep_no_mlp_intermediates():
+    tokens, layers = 128, 2
+    model = _tiny(layers)
+    model.train()
+    enable_memory_options(model, tiled_mlp=32)
+    probe = _SavedPerLayer(model)
+    model(**_batch(tokens)).loss.backward()
+    predicted = MemoryModel(ModelShape.from_config(model.config), tokens, precision="bf16", tiled_mlp=32)
+    assert probe.per_layer_bytes() == [predicted.checkpoint["none"]] * layers
+
+
+def test_offloaded_checkpoints_take_their_power_of_two_host_bytes():
+    shape = ModelShape.from_config(LLAMA3_8B)
+    model = MemoryModel(shape, 384 * K)  # 3 GiB of layer input per layer: pinned blocks round up to 4 GiB
+    assert model.checkpoint["layer"] == 3 * GiB and model.host_checkpoint["layer"] == 4 * GiB
+    host = model.host_items([LayerChoice("layer", True)] * 2 + [LayerChoice("layer")] * 30)
+    assert host["pinned checkpoints"] == 8 * GiB and host["fixed overhead"] == 20 * GiB
+
+
+def test_the_model_reproduces_the_gpu_measurements_it_was_calibrated_on():
+    """bench/RESULTS.md, one H200, full 8B shape: layer checkpointing, tiled loss 8192, tiled MLP 16384."""
+    shape = ModelShape.from_config(LLAMA3_8B)
+    for tokens, offload, measured in ((128 * K, False, 97.8), (192 * K, False, 123.6), (256 * K, True, 101.6)):
+        model = MemoryModel(shape, tokens, tiled_loss=8192, tiled_mlp=16384)
+        peak = model.gpu_peak([LayerChoice("layer", offload)] * 32)[0] / GiB
+        assert measured <= peak <= 1.05 * measured, (tokens, peak)
+
+
+# --- the planner on the Llama-3-8B shape -------------------------------------------------------
+
+def test_plan_128k_on_an_h200_checkpoints_almost_everything_on_the_gpu():
+    plan = plan_memory(LLAMA3_8B, 128 * K, gpu_bytes=H200_GPU, host_bytes=HOST)
+    assert plan.gpu_peak <= plan.gpu_usable and plan.host_peak <= HOST
+    assert plan.offloaded_layers <= 8  # little offload
+    assert plan.checkpointing == "recompute_aware" and plan.tiled_loss
+    assert "none" in {c.checkpointing for c in plan.layers}  # spare memory buys a layer without recompute
+    text = str(plan)
+    assert "recompute_aware" in text and "GPU GiB" in text and len(text.splitlines()) <= 8
+
+
+def test_plan_256k_on_an_h200_offloads_only_what_the_host_holds():
+    plan = plan_memory(LLAMA3_8B, 256 * K, gpu_bytes=H200_GPU, host_bytes=HOST)
+    every = MemoryModel(plan.shape, 256 * K).host_checkpoint["recompute_aware"] * 32
+    assert every > HOST  # all 32 checkpoints would not fit the host...
+    assert 0 < plan.offloaded_layers < 32  # ...so some stay on the GPU
+    assert plan.host_peak <= HOST and plan.gpu_peak <= plan.gpu_usable
+    assert plan.tiled_loss and plan.tiled_mlp
+    opts = plan.memory_options()
+    assert sum(offload for _, offload in opts["layers"]) == plan.offloaded_layers
+
+
+def test_plan_512k_on_one_h200_names_the_shortfall_and_what_would_fit():
+    with pytest.raises(MemoryPlanError) as err:
+        plan_memory(LLAMA3_8B, 512 * K, gpu_bytes=H200_GPU, host_bytes=HOST)
+    text = str(err.value)
+    assert "524288 tokens per GPU do not fit" in text and "GiB of GPU memory" in text
+    assert "sp_size 2: 262144 tokens per GPU" in text
+    assert "at most" in text and "tokens per GPU fit here" in text
+    # what the hint promises does fit
+    plan_memory(LLAMA3_8B, 256 * K, sp_size=2, gpu_bytes=H200_GPU, host_bytes=HOST)
+
+
+def test_plan_on_an_h100_suggests_sharding_when_more_gpus_alone_would_not_do():
+    plan = plan_memory(LLAMA3_8B, 64 * K, gpu_bytes=H100_GPU, host_bytes=HOST)
+    assert plan.gpu_peak <= plan.gpu_usable
+    with pytest.raises(MemoryPlanError, match="under DeepSpeed ZeRO-2"):
+        plan_memory(LLAMA3_8B, 256 * K, gpu_bytes=H100_GPU, host_bytes=HOST)
+
+
+def test_optimizer_on_the_host_only_when_allowed_and_not_applied():
+    with pytest.raises(MemoryPlanError, match="optimizer states on the host"):
+        plan_memory(LLAMA3_8B, 128 * K, gpu_bytes=H100_GPU, host_bytes=HOST)
+    plan = plan_memory(LLAMA3_8B, 128 * K, gpu_bytes=H100_GPU, host_bytes=HOST, allow_optimizer_on_host=True)
+    assert plan.optimizer_on_host and plan.host_items["optimizer"] > 0
+    with pytest.raises(NotImplementedError, match="offload_optimizer"):
+        plan.apply(None)
+
+
+def test_zero_and_recipe_restrictions():
+    plan = plan_memory(LLAMA3_8B, 64 * K, gpu_bytes=H200_GPU, host_bytes=HOST, zero_stage=3, world=8)
+    assert plan.tiled_mlp == 0  # the tiled MLP cannot run under ZeRO-3
+    plan = plan_memory(LLAMA3_8B, 128 * K, gpu_bytes=H200_GPU, host_bytes=HOST, modes=("none", "layer"))
+    assert {c.checkpointing for c in plan.layers} <= {"none", "layer"}
+    plan = plan_memory(LLAMA3_8B, 128 * K, gpu_bytes=H200_GPU, host_bytes=HOST, allow_offload=False)
+    assert plan.offloaded_layers == 0 and plan.gpu_peak <= plan.gpu_usable
+
+
+def test_everything_fits_means_no_checkpointing():
+    plan = plan_memory(_tiny().config, 256, gpu_bytes=64 * GiB, host_bytes=HOST)
+    assert plan.checkpointed_layers == 0 and plan.tiled_loss == 0 and plan.tiled_mlp == 0
+    assert plan.step_factor == 1.0
+
+
+# --- per-layer checkpointing and partial offload ---------------------------------------------
+
+CHOICES = [("recompute_aware", True), ("layer", True), ("recompute_aware", False), ("layer", False), ("none", False)]
+
+
+def _grads(model, batch):
+    model.zero_grad(set_to_none=True)
+    model(**batch).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_partial_offload_gives_the_same_gradients_bitwise():
+    model = _tiny(layers=len(CHOICES), dtype=torch.float64, seed=5)
+    model.train()
+    batch = _batch(96, seed=2, docs=[40, 7, 49])
+    plain = _grads(model, batch)  # no checkpointing
+    enable_per_layer_checkpointing(model, [(mode, False) for mode, _ in CHOICES])
+    on_device = _grads(model, batch)
+    enable_recompute_aware_checkpointing(model, offload=True)
+    model._hf_longctx_offloader.min_bytes = 0
+    everything = _grads(model, batch)
+    enable_per_layer_checkpointing(model, CHOICES)
+    offloader = model._hf_longctx_offloader
+    offloader.min_bytes = 0  # the tiny model's tensors are below the default threshold
+    partial = _grads(model, batch)
+    assert offloader.layers_offloaded == 2
+    tokens, hidden, heads = 96, model.config.hidden_size, model.config.num_attention_heads
+    assert offloader.bytes_offloaded == 8 * (2 * tokens * hidden + tokens * hidden + heads * tokens)
+    assert [m.gradient_checkpointing for m in model.model.layers] == [True, True, True, True, False]
+    for name in plain:
+        for other in (on_device, everything, partial):
+            torch.testing.assert_close(other[name], plain[name], rtol=0, atol=0, msg=name)
+
+
+def test_memory_options_take_a_plan():
+    model = _tiny(layers=2, dtype=torch.float64)
+    model.train()
+    batch = _batch(64)
+    want = _grads(model, batch)
+    plan = plan_memory(model.config, 64, gpu_bytes=64 * GiB, host_bytes=HOST, precision="fp64")
+    plan.layers = (LayerChoice("recompute_aware", True), LayerChoice("none"))
+    plan.tiled_loss, plan.tiled_mlp = 16, 24
+    options = plan.apply(model)
+    model._hf_longctx_offloader.min_bytes = 0
+    assert options.checkpointing == "recompute_aware" and options.tiled_loss is not None and options.tiled_mlp
+    got = _grads(model, batch)
+    for name, grad in want.items():  # transformers' own loss upcasts to float32 only, the tiled loss keeps float64
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    with pytest.raises(ValueError, match="no checkpoint to offload"):
+        enable_memory_options(model, layers=[("none", True), ("layer", False)])
+    with pytest.raises(ValueError, match="3 per-layer choices for the 2"):
+        enable_memory_options(model, layers=["layer"] * 3)
+
+
+# --- the recipe key ----------------------------------------------------------------------------
+
+def test_memory_key_is_validated(monkeypatch):
+    from hf_longctx.hf import LongContextConfig, load_config
+
+    assert LongContextConfig().memory == "manual"
+    with pytest.raises(ValueError, match="unknown memory 'atuo'; did you mean 'auto'"):
+        LongContextConfig.from_dict({"memory": "atuo"})
+    with pytest.raises(ValueError, match="did you mean 'memory'"):
+        LongContextConfig.from_dict({"memroy": "auto"})
+    monkeypatch.delenv("HF_LONGCTX_RECIPE", raising=False)
+    monkeypatch.setenv("HF_LONGCTX_MEMORY", "auto")
+    assert load_config().memory == "auto"
+    monkeypatch.delenv("HF_LONGCTX_MEMORY")
+    assert load_config(overrides={"memory": "auto"}).memory == "auto"
+
+
+def test_a_training_run_plan_on_cpu_uses_host_memory_and_offloads_nothing():
+    from hf_longctx.hf import ConfigError, LongContextConfig
+
+    model = _tiny()
+    plan = plan_for_training(model, LongContextConfig(memory="auto", seq_len=256, checkpointing="layer"))
+    assert plan.offloaded_layers == 0 and {c.checkpointing for c in plan.layers} <= {"none", "layer"}
+    with pytest.raises(ConfigError, match="needs the tokens per GPU"):
+        plan_for_training(model, LongContextConfig(memory="auto"))
