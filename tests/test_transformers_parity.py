@@ -95,7 +95,7 @@ def per_document_reference(model, ids, pos, lens):
         (loss / count).backward()
         total += loss.item() / count
         start += n
-    return total, {k: p.grad.clone() for k, p in model.named_parameters()}
+    return total, {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
 
 
 def sharded_loss_and_grads(model, impl: str, rank: int, world: int, rows: dict):
@@ -109,7 +109,7 @@ def sharded_loss_and_grads(model, impl: str, rank: int, world: int, rows: dict):
     finally:
         hook.remove()
     total = loss.detach().clone()
-    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
     if world > 1:
         dist.all_reduce(total)
         for g in grads.values():
@@ -295,3 +295,60 @@ def test_trainer_loss_options_on_two_processes_equal_their_reference(tmp_path):
         assert len(two[name]["losses"]) == 3, name
         assert two[name]["losses"] == pytest.approx(expected["losses"], rel=1e-5), name
         assert two[name]["grad_norms"] == pytest.approx(expected["grad_norms"], rel=1e-4), name
+
+
+# ----------------------------------------------------------------------------- refusals by name, and LoRA
+
+
+@pytest.mark.parametrize("model_type,expected", [
+    ("llama", None),
+    ("qwen3_next", "'linear_attention' layers: sequence mixers outside the attention function"),
+    ("bamba", "'linear_attention' layers"),
+    ("falcon_h1", "'hybrid' layers"),
+    ("lfm2", None),  # its default layer list in transformers is all attention
+    ("llama4_text", "chunked-attention layers"),
+    ("hy_v4", "sparse indexer reads transformers' dense attention mask"),
+])
+def test_layers_no_backend_computes_are_named_from_the_config(model_type, expected):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from hf_longctx.hf.model_support import unsupported_layers
+
+    reason = unsupported_layers(CONFIG_MAPPING[model_type]())
+    assert reason == expected if expected is None else expected in reason
+    assert "Mamba (state-space) blocks" in unsupported_layers(LlamaConfig(mamba_d_state=16))  # no layer list
+
+
+def test_hybrid_models_refuse_packed_rows_and_sharding_but_run_one_document_per_row():
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3NextConfig(**{**SHAPE, "head_dim": 8}, layer_types=["linear_attention", "full_attention"],
+                          linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+                          linear_value_head_dim=8, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
+                          shared_expert_intermediate_size=16, attn_implementation="longctx_zigzag")
+    model = Qwen3NextForCausalLM(cfg)  # float32: its grouped-GEMM experts take no float64
+    ids, pos = packed(4, [5, 7])
+    with pytest.raises(ValueError, match="packs several documents in a row.*'linear_attention' layers"):
+        model(input_ids=ids, position_ids=pos, use_cache=False)
+    with torch.no_grad():
+        out = model(input_ids=ids[:, :5]).logits  # one document per row runs
+        model.set_attn_implementation("sdpa")
+        torch.testing.assert_close(out, model(input_ids=ids[:, :5]).logits, rtol=1e-5, atol=1e-5)
+    model.set_attn_implementation("longctx_zigzag")
+    with pytest.raises(ValueError, match="Qwen3NextForCausalLM cannot be sequence parallel.*linear_attention"):
+        install_input_hook(model, None)
+
+
+def test_lora_through_get_peft_model_shards_like_the_plain_model():
+    """A PEFT wrapper is looked through: the LoRA model trains under the hook as the plain one does."""
+    peft = pytest.importorskip("peft")
+    ids, pos = packed(5, LENS)
+    model = build("llama")
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                                                      init_lora_weights=False))
+    lora.base_model.model.loss_function = causal_lm_loss_fp64
+    ref = per_document_reference(lora, ids, pos, LENS)
+    got = sharded_loss_and_grads(lora, "longctx_zigzag", 0, 1, [{"input_ids": ids, "position_ids": pos,
+                                                                 "labels": ids}])
+    assert_same(*got, *ref, "LoRA")

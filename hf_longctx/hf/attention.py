@@ -26,6 +26,7 @@ from ..backends import Backend, registered_backends, sequence_parallel_attention
 from ..backends.registry import on_backend_registered
 from .context import context_of, count_attention_call
 from .local import local_attention, match_dtypes, padding_mask, without_autocast
+from .model_support import unsupported_layers
 
 PREFIX = "longctx_"
 
@@ -99,7 +100,8 @@ def _make_attention(backend: str):
                 out = local_attention(query, key, value, attention_mask, scaling=scaling,
                                       position_ids=kwargs.get("position_ids"),
                                       cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
-                                      cu_seq_lens_k=kwargs.get("cu_seq_lens_k"), window=window, causal=causal)
+                                      cu_seq_lens_k=kwargs.get("cu_seq_lens_k"), window=window, causal=causal,
+                                      one_document_only=unsupported_layers(getattr(module, "config", None)))
                 return out, None
             # (1, H, S, D) -> packed token-major (S, H, D)
             q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))

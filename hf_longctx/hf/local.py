@@ -58,39 +58,69 @@ def without_autocast(like: torch.Tensor):
     return torch.autocast(like.device.type, enabled=False)
 
 
-def padding_mask(batch_size: int, q_length: int, kv_length: int, *args, attention_mask=None, **kwargs):
-    """Mask function of ``longctx_*``: the 2-D mask the model was given (sliced to the keys), else None.
+def padding_mask(batch_size: int, q_length: int, kv_length: int, *args, attention_mask=None, mask_function=None,
+                 config=None, **kwargs):
+    """Mask function of ``longctx_*``: what the attention function needs to know of transformers' mask, as a
+    (B, kv) tensor of document ids (0: padding), or None when every row is one sequence.
 
-    No (q x kv) mask is ever built: document structure and causality come from the segments, and
-    the 2-D mask only says which tokens are padding (sliced from the right, as a sliding cache does).
-    An all-ones mask is passed on too: its presence alone tells transformers not to split the rows
-    into packed documents, and :func:`local_attention` follows the same rule.
+    No (q x kv) mask is ever built: causality and windows come from the kernels. A 2-D ``attention_mask``
+    (padding) is passed on as it is (sliced from the right, as a sliding cache does); even an all-ones one,
+    since its presence alone tells transformers not to split the rows into packed documents. Without a
+    mask, the documents transformers found (packed ``position_ids`` with ``use_cache=False``, chunked
+    attention) are read off its own ``mask_function``: a new document starts at every token that may not
+    see the token before it. This is what the attention function cannot see when a model does not hand
+    it ``position_ids``.
     """
-    if attention_mask is None or attention_mask.dim() != 2:
+    from .model_support import reads_dense_mask
+
+    reason = reads_dense_mask(config)
+    if reason is not None:
+        raise ValueError(f"{type(config).__name__}: {reason}; use attn_implementation='sdpa' or 'eager'")
+    if attention_mask is not None and attention_mask.dim() == 2:
+        return attention_mask[:, -kv_length:]
+    if attention_mask is not None or mask_function is None or q_length != kv_length or kv_length < 2:
         return None
-    return attention_mask[:, -kv_length:]
+    device = kwargs.get("device") or "cpu"
+    q_idx = torch.arange(1, kv_length, device=device)
+    rows = torch.arange(batch_size, device=device)[:, None]
+    sees_previous = torch.as_tensor(mask_function(rows, torch.zeros_like(rows), q_idx[None, :], q_idx[None, :] - 1),
+                                    device=device).expand(batch_size, kv_length - 1)
+    if bool(sees_previous.all()):
+        return None
+    starts = torch.cat([torch.ones(batch_size, 1, dtype=torch.long, device=device), (~sees_previous).long()], dim=1)
+    return starts.cumsum(1)  # document 1, 2, ... of each row
 
 
 def _segments(batch: int, sq: int, sk: int, mask: torch.Tensor | None, position_ids: torch.Tensor | None):
-    """Row indices of the kept queries and keys (into the flattened (B*S) tensors) and their cu_seqlens."""
+    """Row indices of the kept queries and keys (into the flattened (B*S) tensors) and their cu_seqlens.
+
+    ``mask`` (B, >= sk) holds 0 at padding and a document id elsewhere (a 0/1 padding mask: one document
+    per row); without it, documents come from ``position_ids`` when there is no cache.
+    """
     q_rows, k_rows, cu_q, cu_k = [], [], [0], [0]
-    device = mask.device if mask is not None else None
     for b in range(batch):
         if mask is None:
-            valid_k = torch.ones(sk, dtype=torch.bool, device=device)
+            ids = torch.ones(sk, dtype=torch.long, device=position_ids.device if position_ids is not None else None)
             q_span = (sk - sq, sk)
+            if sq == sk and position_ids is not None:  # packed documents, no cache, no mask
+                pos = position_ids[b if position_ids.shape[0] > 1 else 0]
+                starts = torch.zeros(sk, dtype=torch.long, device=pos.device)
+                starts[document_starts(pos)] = 1
+                ids = starts.cumsum(0)
         else:
-            row = mask[b].to(torch.bool)
-            valid_k = torch.zeros(sk, dtype=torch.bool, device=row.device)
-            valid_k[: row.shape[0]] = row  # keys past the mask (static cache slots) are empty
+            row = mask[b].long()
+            ids = torch.zeros(sk, dtype=torch.long, device=row.device)
+            ids[: row.shape[0]] = row  # keys past the mask (static cache slots) are empty
             q_span = (row.shape[0] - sq, row.shape[0])
-        keys = torch.nonzero(valid_k).flatten()
+        keys = torch.nonzero(ids).flatten()
         queries = keys[(keys >= q_span[0]) & (keys < q_span[1])]
         if queries.numel() == 0:
             continue
-        if mask is None and sq == sk and position_ids is not None:  # packed documents, no cache, no mask
-            pos = position_ids[b if position_ids.shape[0] > 1 else 0].to(keys.device)[keys]
-            bounds = document_starts(pos) + [keys.numel()]
+        key_ids = ids[keys]
+        bounds = [0] + (torch.nonzero(key_ids[1:] != key_ids[:-1]).flatten() + 1).tolist() + [keys.numel()]
+        if len(bounds) > 2 and sq != sk:
+            raise ValueError("a KV cache over several documents of one row: decode one document per row")
+        if sq == sk:
             for a, z in zip(bounds, bounds[1:]):
                 cu_q.append(cu_q[-1] + z - a)
                 cu_k.append(cu_k[-1] + z - a)
@@ -117,11 +147,13 @@ def local_attention(
     kernel: str = "auto",
     window: int | None = None,
     causal: bool = True,
+    one_document_only: str | None = None,
 ) -> torch.Tensor:
     """HF-layout (B, H, S, D) q/k/v -> (B, Sq, Hq, D) exact attention per document (module docstring).
 
     ``causal=False`` (a layer whose module says ``is_causal = False``): every query sees every key of its
-    document (and, with a KV cache, every cached key).
+    document (and, with a KV cache, every cached key). ``one_document_only``: the reason this model
+    cannot take packed documents (see :mod:`.model_support`); a row of several documents then raises.
     """
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(
@@ -137,8 +169,14 @@ def local_attention(
     if attention_mask is None and cu_seq_lens_q is not None and cu_seq_lens_k is not None and batch == 1:
         cu_q, cu_k = cu_seq_lens_q.tolist(), cu_seq_lens_k.tolist()
         if cu_q[-1] == sq and cu_k[-1] == sk:
+            if one_document_only and len(cu_q) > 2:
+                raise ValueError(f"this batch packs several documents in a row, but {one_document_only}; give each "
+                                 "document a row of its own (padded), or use attn_implementation='sdpa'")
             return varlen_attention(q, k, v, cu_q, cu_k, **run).view(batch, sq, hq, dim)
     q_rows, k_rows, cu_q, cu_k = _segments(batch, sq, sk, attention_mask, position_ids)
+    if one_document_only and len(cu_q) - 1 > len(q_rows):
+        raise ValueError(f"this batch packs several documents in a row, but {one_document_only}; give each document a "
+                         "row of its own (padded), or use attn_implementation='sdpa'")
     if len(q_rows) == batch and cu_q[-1] == batch * sq and cu_k[-1] == batch * sk:  # nothing dropped
         return varlen_attention(q, k, v, cu_q, cu_k, **run).view(batch, sq, hq, dim)
     out = q.new_zeros(q.shape)

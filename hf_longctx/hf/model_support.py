@@ -1,0 +1,75 @@
+"""Which decoders a ``longctx_*`` implementation can compute exactly, read from their configs.
+
+The backends replace softmax(QK^T)V and know documents, causality and sliding windows. Three kinds of
+layer need more than that, and a model that has one is refused by name instead of training wrong:
+
+* **sequence mixers that are not attention** (Mamba and other state-space layers, linear attention,
+  gated delta nets, short convolutions, hybrid blocks): they carry state from one token to the next
+  outside the attention function, so packed documents leak into each other and a shard of the
+  sequence starts from an empty state. One process with one document per row stays exact;
+* **chunked attention** (Llama 4's local layers): attention inside fixed chunks, which no backend
+  computes under sequence parallelism;
+* **indexed (sparse-selection) attention** (DeepSeek-style indexers) and **dynamic mask attention**
+  (Doge): the model reads transformers' dense 4-D mask itself, which a ``longctx_*`` implementation
+  never builds (:func:`reads_dense_mask`: refused whenever the mask is built).
+
+The configs of transformers 5 say which layers a model has (``layer_types``, ``layers_block_type``) or
+that it has Mamba blocks (``mamba_*`` settings); the model sweep test keeps this list honest for
+every causal LM of the installed transformers.
+"""
+
+from __future__ import annotations
+
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention", "global", "local"})
+_LAYER_TYPE_KEYS = ("layer_types", "layers_block_type", "block_types")
+
+
+def _layer_types(config) -> set[str]:
+    types: set[str] = set()
+    for key in _LAYER_TYPE_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, (list, tuple)):
+            types.update(str(t) for t in value)
+    return types
+
+
+def _text_config(config):
+    return getattr(config, "get_text_config", lambda: config)() or config
+
+
+def reads_dense_mask(config) -> str | None:
+    """Why a model of this config reads transformers' dense (q x kv) mask itself, or None.
+
+    Such a model cannot run a ``longctx_*`` implementation at all: the mask function never builds it.
+    """
+    if config is None:
+        return None
+    config = _text_config(config)
+    if "indexed_attention" in _layer_types(config) or getattr(config, "index_topk", None):
+        return ("its sparse indexer reads transformers' dense attention mask, which longctx_* attention never "
+                "builds")
+    if getattr(config, "keep_window_size", None) is not None:  # Doge's dynamic mask attention
+        return ("its dynamic mask attention adds a learned bias to the dense attention mask, which no backend "
+                "computes")
+    return None
+
+
+def unsupported_layers(config) -> str | None:
+    """Why a model of this config cannot take packed documents or sequence parallelism, or None."""
+    if config is None:
+        return None
+    dense = reads_dense_mask(config)
+    if dense is not None:
+        return dense
+    config = _text_config(config)
+    types = _layer_types(config)
+    if "chunked_attention" in types:
+        return "it has chunked-attention layers (attention inside fixed chunks), which no backend computes"
+    other = sorted(t for t in types - ATTENTION_LAYER_TYPES if "attention" not in t or t == "linear_attention")
+    if other:
+        return (f"it has {', '.join(repr(t) for t in other)} layers: sequence mixers outside the attention "
+                "function, which carry state across document and shard boundaries")
+    if any(k.startswith("mamba") or k.endswith("_mamba_heads") or k == "n_mamba_heads"
+           for k in vars(config)):
+        return "it has Mamba (state-space) blocks, which carry state across document and shard boundaries"
+    return None
