@@ -101,6 +101,17 @@ def attention_ms(plan, backend, rank, group, cfg, device, dtype, reps=3, kernel=
     return timed_slowest_rank(step, reps, device)
 
 
+def host_peak_gib() -> float:
+    """Peak resident memory of this process (VmHWM: pinned checkpoint buffers included), GiB; nan off Linux."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return float("nan")
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -126,7 +137,22 @@ def worker(rank, world, args):
     else:
         impl = implementation_name(args.backend)
     model = build_model(args, impl, device)
-    enable_memory_options(model, args.checkpointing, args.offload, args.tiled_loss, args.tiled_mlp)
+    memory_plan = None
+    if args.memory == "auto":  # the planner picks checkpointing, offload and tiling from the memory it sees
+        from hf_longctx.hf import LongContextConfig
+        from hf_longctx.hf.memory_plan import plan_for_training
+
+        memory_plan = plan_for_training(model, LongContextConfig(memory="auto"), tokens_per_gpu=args.seq,
+                                        world=world, sp_size=world, processes_per_host=world, zero_stage=args.zero)
+        if rank == 0:
+            print(memory_plan, flush=True)
+        memory_plan.apply(model)
+        # what the result reports: the plan's choices (its most common checkpointing mode)
+        args.checkpointing, args.tiled_loss, args.tiled_mlp = (memory_plan.checkpointing, memory_plan.tiled_loss,
+                                                               memory_plan.tiled_mlp)
+        args.offload = memory_plan.offloaded_layers > 0
+    else:
+        enable_memory_options(model, args.checkpointing, args.offload, args.tiled_loss, args.tiled_mlp)
     model.train()
     flops_per_token = model_flops_per_token(model)  # before ZeRO-3 partitions the parameters away
     params = [p for p in model.parameters() if p.requires_grad]
@@ -201,8 +227,12 @@ def worker(rank, world, args):
         "mfu": training_mfu(model.config, flops_per_token, total, packed.causal_pairs(), ms / 1e3, world,
                             peak_flops(device)),
         "peak_gib": peak_t.item(),
+        "host_peak_gib": host_peak_gib(),
         "attention_share": None if peer else min(1.0, attn * attn_runs / ms),
     }
+    if memory_plan is not None:
+        result.update(memory="auto", predicted_gib=memory_plan.gpu_peak / 2**30,
+                      predicted_host_gib=memory_plan.host_peak / 2**30, plan=memory_plan.summary())
     if rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
         if args.json_out:
@@ -285,6 +315,9 @@ def main() -> int:
     p.add_argument("--tiled-mlp", type=int, default=0, help="tokens per MLP chunk (0: off)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--offload", action="store_true", help="keep layer checkpoints in pinned host memory")
+    p.add_argument("--memory", default="manual", choices=["manual", "auto"],
+                   help="auto: the memory planner picks checkpointing, offload and tiling (the options above are "
+                        "ignored) and the result shows its predicted peaks beside the measured ones")
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage (0: plain)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--search", action="store_true", help="find the largest --seq that fits")

@@ -258,6 +258,7 @@ TRAINER_CASES = {
     "compute_loss_func": (dict(compute_loss_func=shifted_sum_loss), "one process"),
     "average_tokens_per_device": (dict(average_tokens_across_devices=False), "one process"),
     "right_padding": (dict(collator=PaddingCollator("right")), "one process"),
+    "gradient_accumulation": (dict(gradient_accumulation_steps=2), "one process"),
     "label_smoothing": (dict(label_smoothing_factor=0.1), "ddp"),
 }
 

@@ -116,7 +116,7 @@ class SequenceParallelInputs:
             local.pop("num_items_in_batch", None)  # Trainer's count covers the whole step (accumulation, devices)
             if self.average_in_group:
                 kwargs["num_items_in_batch"] = self._group_count(kwargs["num_items_in_batch"], world,
-                                                                 kwargs["input_ids"].device)
+                                                                 local["input_ids"].device)
         kwargs.update(local)
         kwargs["use_cache"] = False  # a shard's keys and values are no prompt to continue from
         self.current = local["longctx"]
