@@ -7,6 +7,8 @@ whole default group (or a single process when torch.distributed is not initialis
 
 from __future__ import annotations
 
+import atexit
+import gc
 from functools import cache
 
 import torch
@@ -31,11 +33,56 @@ def mesh_device_type() -> str:
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
+_built_meshes: list = []
+
+
+def remember_mesh(mesh):
+    """Record a DeviceMesh this package built, so :func:`release_groups` can let its groups go; returns it."""
+    if not _built_meshes:
+        atexit.register(release_groups)
+    _built_meshes.append(mesh)
+    return mesh
+
+
+def release_groups() -> None:
+    """Destroy the sub-groups of the meshes this package built and forget the meshes.
+
+    A DeviceMesh holds strong references to its process groups (the default group included), and
+    gloo stops a group's worker and transport threads only when the last reference goes:
+    ``destroy_process_group()`` alone leaves them running while a cached mesh lives. Left to the
+    interpreter's exit, those threads outlive the start of finalization, and a gloo thread that
+    then needs the GIL (torch takes it from C++ to update a tensor's Python reference) is ended by
+    CPython with ``pthread_exit`` inside a destructor: ``terminate called without an active
+    exception`` and SIGABRT after a finished run. Registered with ``atexit`` (which runs before
+    finalization) when the first mesh is built; safe to call at any time, before or after the world
+    is destroyed, on every rank alike. The next call that needs a mesh builds it anew.
+    """
+    meshes = list(_built_meshes)
+    _built_meshes.clear()
+    _mesh.cache_clear()
+    from .mesh import _groups
+
+    _groups.cache_clear()
+    if dist.is_available() and dist.is_initialized():  # else destroy_process_group() unregistered them all
+        world = dist.group.WORLD
+        seen: list = []
+        for mesh in meshes:
+            for name in mesh.mesh_dim_names or ():
+                pg = mesh.get_group(name)
+                if pg is world or any(pg is s for s in seen):
+                    continue
+                seen.append(pg)
+                dist.destroy_process_group(pg)
+        del seen
+    del meshes
+    gc.collect()  # a DeviceMesh sits in reference cycles: free it, and the groups it holds, now
+
+
 @cache
 def _mesh(sp_size: int, world_size: int, device_type: str):
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (world_size // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
+    return remember_mesh(init_device_mesh(device_type, (world_size // sp_size, sp_size), mesh_dim_names=("dp", "sp")))
 
 
 def sequence_parallel_mesh(sp_size: int):

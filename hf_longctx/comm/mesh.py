@@ -34,7 +34,7 @@ from functools import cache
 import torch
 import torch.distributed as dist
 
-from .groups import mesh_device_type
+from .groups import mesh_device_type, remember_mesh
 
 
 def check_parallel_sizes(world_size: int, sp_size: int = 1, tp_size: int = 1, ep_size: int = 1,
@@ -107,10 +107,12 @@ def _groups(world: int, sp: int, tp: int, ep: int, etp: int, device_type: str) -
     dp = world // (sp * tp)
     edp = world // (tp * ep * etp)
     ranks = torch.arange(world)
-    mesh = DeviceMesh(device_type, ranks.view(dp, sp, tp), mesh_dim_names=("dp", "sp", "tp"))
-    expert_mesh = DeviceMesh(device_type, ranks.view(edp, ep, etp, tp), mesh_dim_names=("edp", "ep", "etp", "tp"))
-    moe_mesh = DeviceMesh(device_type, ranks.view(edp, ep * etp, tp), mesh_dim_names=("edp", "moe", "tp"))
-    batch_mesh = DeviceMesh(device_type, ranks.view(world // tp, tp), mesh_dim_names=("batch", "tp"))
+    mesh = remember_mesh(DeviceMesh(device_type, ranks.view(dp, sp, tp), mesh_dim_names=("dp", "sp", "tp")))
+    expert_mesh = remember_mesh(DeviceMesh(device_type, ranks.view(edp, ep, etp, tp),
+                                           mesh_dim_names=("edp", "ep", "etp", "tp")))
+    moe_mesh = remember_mesh(DeviceMesh(device_type, ranks.view(edp, ep * etp, tp),
+                                        mesh_dim_names=("edp", "moe", "tp")))
+    batch_mesh = remember_mesh(DeviceMesh(device_type, ranks.view(world // tp, tp), mesh_dim_names=("batch", "tp")))
     return ParallelGroups(mesh, dp, sp, tp, ep, etp, dp=mesh.get_group("dp"), sp=mesh.get_group("sp"),
                           tp=mesh.get_group("tp"), ep=expert_mesh.get_group("ep"),
                           expert_tp=expert_mesh.get_group("etp"), moe=moe_mesh.get_group("moe"),
