@@ -26,6 +26,10 @@ import tempfile
 from datetime import timedelta
 from pathlib import Path
 
+# long contexts allocate and free many large blocks: growable segments keep the caching allocator from
+# fragmenting (the memory planner budgets for the rest); set before CUDA starts, a user's value wins
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp

@@ -19,6 +19,10 @@ import logging
 import os
 import time
 
+# long contexts allocate and free many large blocks: growable segments keep the caching allocator from
+# fragmenting (the memory planner budgets for the rest); set before CUDA starts, a user's value wins
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
 import torch
 from transformers import (
     AutoModelForCausalLM,

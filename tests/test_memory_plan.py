@@ -296,3 +296,15 @@ def test_a_training_run_plan_on_cpu_uses_host_memory_and_offloads_nothing():
     assert plan.offloaded_layers == 0 and {c.checkpointing for c in plan.layers} <= {"none", "layer"}
     with pytest.raises(ConfigError, match="needs the tokens per GPU"):
         plan_for_training(model, LongContextConfig(memory="auto"))
+
+
+def test_host_memory_is_capped_by_the_cgroup_and_can_be_set(monkeypatch):
+    """A container's limit, not /proc/meminfo, is what a process may pin; the variable wins over both."""
+    from hf_longctx.hf import memory_plan
+
+    monkeypatch.delenv("HF_LONGCTX_HOST_MEMORY_GIB", raising=False)
+    total = memory_plan.host_memory_bytes()
+    monkeypatch.setattr(memory_plan, "_cgroup_limit", lambda: 3 * 2**30)
+    assert memory_plan.host_memory_bytes() == min(total, 3 * 2**30)
+    monkeypatch.setenv("HF_LONGCTX_HOST_MEMORY_GIB", "125")
+    assert memory_plan.host_memory_bytes() == 125 * 2**30

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The memory planner on one GPU: the full Llama-3-8B shape (32 layers, ProLong mix), each size planned by
+# `--memory auto` and run, its predicted GPU and host peaks printed beside the measured ones. One part per
+# call (each fits the 10-minute command limit):
+#
+#   scripts/bench_memory.sh 128k    # today's hand-picked settings, then --memory auto, at 128K tokens
+#   scripts/bench_memory.sh 256k    # --memory auto at 256K
+#   scripts/bench_memory.sh plans   # the planner's verdict (no run) from 64K to 1M on this GPU
+#
+# HF_LONGCTX_HOST_MEMORY_GIB tells the planner the host's memory where /proc/meminfo under-reports it.
+# Every number printed is copied into bench/RESULTS.md with the date, GPU and command.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=${PYTHONPATH:-}:$PWD
+PY=${PY:-python3}
+STEPS=${STEPS:-2}
+train() { $PY scripts/bench_train.py --gpus 1 --backend local --layers 32 --steps "$STEPS" "$@" 2>&1 \
+  | grep -E "^(RESULT|memory plan|  )|Error|error:|out of memory" | tail -14; }
+
+case "${1:-}" in
+128k)
+  train --seq 131072 --checkpointing layer --offload --tiled-loss 8192 --tiled-mlp 16384
+  train --seq 131072 --memory auto
+  ;;
+256k)
+  train --seq 262144 --memory auto
+  ;;
+plans)
+  for seq in 65536 131072 262144 393216 524288 1048576; do
+    $PY - "$seq" <<'PY'
+import sys
+from transformers import LlamaConfig
+from hf_longctx.hf.memory_plan import MemoryPlanError, plan_memory
+cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8)
+try:
+    print(plan_memory(cfg, int(sys.argv[1])))
+except MemoryPlanError as err:
+    print(f"{int(sys.argv[1]) // 1024}K: {err}")
+PY
+  done
+  ;;
+*)
+  echo "usage: $0 128k|256k|plans" >&2
+  exit 2
+  ;;
+esac
