@@ -79,12 +79,18 @@ def _assert_same(ddp: dict, fsdp: dict, what: str) -> None:
 def _backends_like_ddp(rank, world, out_dir):
     from torch.distributed.fsdp import FSDPModule
 
+    from hf_longctx.kernels import reset_stats, stats
+
     for impl in BACKENDS:
         runs = {}
         for fsdp in (False, True):
+            reset_stats()
             with accelerate_mode(fsdp):
                 runs[fsdp] = flattening_run(os.path.join(out_dir, f"{impl}-{fsdp}-{rank}"), impl=impl, evaluate=False,
                                             gradient_checkpointing=True, **CONFIGURED)
+            calls = stats()["core_attention.forward"]
+        # recompute-aware inside the FSDP units: attention ran once per layer and step (layer checkpointing: twice)
+        assert calls == 3 * runs[True]["model"].config.num_hidden_layers, (impl, calls)
         sharded = runs[True]
         assert isinstance(sharded["model"], FSDPModule) and not isinstance(runs[False]["model"], FSDPModule)
         assert sharded["summary"]["fsdp_shard_size"] == world, "parameters shard over dp x sp, the whole world"

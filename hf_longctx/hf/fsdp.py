@@ -36,8 +36,9 @@ Refused by name, before any model is built (:func:`check_fsdp_launch`) and again
 checkpointing that re-runs attention and its communication in backward: use the Trainer's
 ``activation_checkpointing``, which the callback makes recompute-aware); expert parallelism
 (``ep_size`` / ``expert_tp_size`` > 1: the expert slices would need ``ignored_params`` and a norm
-over DTensors and local slices together, which is not built); ``tiled_loss`` (it projects chunks
-through the output head outside the head's FSDP unit, and its backward crashes inside autograd);
+over DTensors and local slices together, which is not built); ``tiled_loss`` (accelerate shards the
+final norm and output head as one group of two modules, and the loss's per-chunk recompute of the head
+crashes inside autograd in backward; with the head in the root unit, :func:`fully_shard_model`, it runs);
 ``memory: auto`` (the planner models DDP and ZeRO only); accelerate's own cp / sp / tp axes; and an
 FSDP launch whose model reached the callback unsharded. Tiled MLP and checkpoint offload work.
 """
@@ -82,9 +83,9 @@ def unsupported_with_fsdp(cfg) -> str | None:
                 "DDP only (FSDP would shard each rank's own expert slices as one tensor); use a DDP recipe, or "
                 "ep_size: 1 and expert_tp_size: 1 with FSDP")
     if cfg.tiled_loss:
-        return (f"tiled_loss={cfg.tiled_loss} under FSDP: the tiled loss projects chunks with the output head outside "
-                "the head's FSDP unit (its backward crashes inside autograd); set tiled_loss: 0 with FSDP, or use a "
-                "DDP or DeepSpeed recipe for it")
+        return (f"tiled_loss={cfg.tiled_loss} under FSDP: accelerate shards the final norm and output head as one "
+                "FSDP group of two modules, and the tiled loss's per-chunk recompute of the head crashes inside "
+                "autograd in backward; set tiled_loss: 0 with FSDP, or use a DDP or DeepSpeed recipe for it")
     if cfg.memory == "auto":
         return ("memory: auto under FSDP: the memory planner models DDP and ZeRO, not FSDP2 (and may pick the tiled "
                 "loss); set memory: manual and choose checkpointing, offload_checkpoints and tiled_mlp yourself")
@@ -195,3 +196,16 @@ def check_fsdp_model(model, args, cfg) -> int | None:
     if problem is not None:
         raise ValueError(problem)
     return fsdp_shard_size(model)
+
+
+def fully_shard_model(model, **kwargs):
+    """FSDP2 without accelerate: ``fully_shard`` on every decoder layer, then on the root (embedding, final norm
+    and output head stay in the root unit, where the tiled loss runs). ``kwargs`` go to ``fully_shard``
+    (``mesh``: default the whole world, dp x sp). Returns the model, sharded in place."""
+    from torch.distributed.fsdp import fully_shard
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    for layer in [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
