@@ -11,6 +11,7 @@ packed documents from a ProLong-style length mix. Prints tokens/s, MFU (6 x para
 causal attention FLOPs, over the GPUs' dense bf16 peak), peak memory per GPU, and the share of the
 step spent in core attention (core attention timed alone on the same shapes, times the layers).
 Memory options are each optional: ``--checkpointing``, ``--tiled-loss``, ``--tiled-mlp``.
+``--zero N`` (DeepSpeed) or ``--fsdp`` (FSDP2) shard the weights over the GPUs.
 ``--search`` doubles ``--seq`` until a step runs out of memory, then bisects; each try runs in a
 fresh process so an out-of-memory error leaves nothing behind.
 """
@@ -175,6 +176,18 @@ def worker(rank, world, args):
 
         def step():
             return trainer.step(**whole)
+    elif args.fsdp:  # FSDP2: every decoder layer and the root sharded over all GPUs (dp x sp share the weights)
+        from hf_longctx.hf.fsdp import fully_shard_model
+
+        fully_shard_model(model)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)  # the shards
+
+        def step():
+            loss = model(**local).loss
+            (loss * world).backward()  # FSDP averages over the ranks; each rank's loss is its share: the sum
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
     elif args.zero:  # DeepSpeed ZeRO shards gradients / optimizer states (and parameters at stage 3)
         import deepspeed
 
@@ -225,8 +238,8 @@ def worker(rank, world, args):
     result = {
         "backend": args.backend, "kernel": args.kernel, "gpus": world, "tokens_per_gpu": args.seq, "context": total,
         "layers": model.config.num_hidden_layers, "checkpointing": args.checkpointing,
-        "tiled_loss": args.tiled_loss, "tiled_mlp": args.tiled_mlp, "zero": args.zero, "offload": args.offload,
-        "docs": packed.num_docs,
+        "tiled_loss": args.tiled_loss, "tiled_mlp": args.tiled_mlp, "zero": args.zero, "fsdp": args.fsdp,
+        "offload": args.offload, "docs": packed.num_docs,
         "longest_doc": max(packed.doc_lens), "step_s": ms / 1e3, "tokens_per_s": total / (ms / 1e3),
         "mfu": training_mfu(model.config, flops_per_token, total, packed.causal_pairs(), ms / 1e3, world,
                             peak_flops(device)),
@@ -249,12 +262,18 @@ def row(r: dict) -> str:
     share = f"{100 * r['attention_share']:.0f}%" if r.get("attention_share") is not None else None
     return table_row([f"{r['backend']} ({r.get('kernel', 'auto')})", r["gpus"], f"{r['tokens_per_gpu'] // 1024}K",
                       f"{r['context'] // 1024}K", r["layers"], r["checkpointing"], r["tiled_loss"] or None,
-                      r["tiled_mlp"] or None, r.get("zero") or None, "yes" if r.get("offload") else None,
+                      r["tiled_mlp"] or None, sharding(r), "yes" if r.get("offload") else None,
                       f"{r['step_s']:.2f}", f"{r['tokens_per_s']:.0f}", mfu, f"{r['peak_gib']:.1f}", share])
 
 
+def sharding(r: dict) -> str | None:
+    """How the weights were held: None (replicated, gradients all-reduced), FSDP2 or a ZeRO stage."""
+    return "FSDP2" if r.get("fsdp") else (f"ZeRO-{r['zero']}" if r.get("zero") else None)
+
+
 HEADER = table_header(["backend", "GPUs", "tokens/GPU", "context", "layers", "checkpointing", "tiled loss",
-                       "tiled MLP", "ZeRO", "offload", "step s", "tokens/s", "MFU", "peak GiB/GPU", "attention share"])
+                       "tiled MLP", "sharding", "offload", "step s", "tokens/s", "MFU", "peak GiB/GPU",
+                       "attention share"])
 
 
 def try_seq(args, seq: int) -> dict | None:
@@ -323,6 +342,7 @@ def main() -> int:
                    help="auto: the memory planner picks checkpointing, offload and tiling (the options above are "
                         "ignored) and the result shows its predicted peaks beside the measured ones")
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage (0: plain)")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard per decoder layer and root) over all GPUs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--search", action="store_true", help="find the largest --seq that fits")
     p.add_argument("--max-seq", type=int, default=1 << 23)
@@ -347,6 +367,8 @@ def main() -> int:
             args.checkpointing = "layer"  # recompute-aware needs our attention op; the peer gets plain layers
         if args.zero or args.tiled_mlp:
             p.error("torch_cp shards with FSDP2 itself; --zero and --tiled-mlp do not apply")
+    if args.fsdp and (args.zero or args.backend == "torch_cp"):
+        p.error("--fsdp shards the weights itself: not with --zero or torch_cp")
     if args.search:
         return search(args)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

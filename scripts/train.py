@@ -46,6 +46,7 @@ from hf_longctx.data import (
 from hf_longctx.hf import apply_model_parallelism, check_positive, check_run, report_config_errors
 from hf_longctx.hf.checkpointing import checkpointing_training_args
 from hf_longctx.hf.config import add_config_arguments, config_overrides
+from hf_longctx.hf.fsdp import enable_fsdp_on_cpu
 from hf_longctx.hf.memory_plan import plan_for_training
 
 
@@ -163,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         use_cpu=not on_gpu, dataloader_drop_last=True, ddp_find_unused_parameters=False,
         **checkpointing_training_args(cfg.checkpointing != "none"),  # the callback makes it recompute-aware
     )
+    enable_fsdp_on_cpu(training_args)  # an FSDP2 recipe on CPU: accelerate would fall back to DDP (hf_longctx.hf.fsdp)
     callback = hf_longctx.LongContextCallback(cfg)
     trainer = Trainer(model=model, args=training_args, train_dataset=packed, data_collator=PackedCollator(),
                       callbacks=[callback])

@@ -21,7 +21,8 @@ RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if not p.name.ends
 def test_one_recipe_per_hardware_shape():
     names = [p.stem for p in RECIPES]
     assert {"cpu-2proc", "cpu-3proc", "cpu-4proc", "cpu-2proc-zero2", "cpu-2proc-zero3",
-            "1node-2gpu", "1node-4gpu", "1node-8gpu", "2node-16gpu"} == set(names)
+            "1node-2gpu", "1node-4gpu", "1node-8gpu", "2node-16gpu", "cpu-2proc-fsdp2", "cpu-4proc-fsdp2",
+            "1node-2gpu-fsdp2", "1node-4gpu-fsdp2", "1node-8gpu-fsdp2", "2node-16gpu-fsdp2"} == set(names)
     shapes = {}
     for recipe in RECIPES:  # the settings are the sidecar's: no two accelerate configs may be the same
         config = yaml.safe_load(recipe.read_text())

@@ -85,11 +85,11 @@ class PaddingCollator:
 def flattening_run(output_dir: str, rows_per_step: int = 4, steps: int = 3, bf16: bool = False,
                    impl: str = "longctx_zigzag", callback: bool = True, evaluate: bool = True,
                    gradient_checkpointing: bool = False, config=None, collator=None, compute_loss_func=None,
-                   **training_args) -> dict:
+                   resume_from_checkpoint: str | None = None, **training_args) -> dict:
     """transformers Trainer + DataCollatorWithFlattening, no recipe: the model's backend, the whole world SP.
 
-    ``collator`` replaces the flattening collator, ``compute_loss_func`` goes to the Trainer, and any
-    other keyword to ``TrainingArguments``.
+    ``collator`` replaces the flattening collator, ``compute_loss_func`` goes to the Trainer,
+    ``resume_from_checkpoint`` to ``train()``, and any other keyword to ``TrainingArguments``.
     """
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
@@ -108,7 +108,8 @@ def flattening_run(output_dir: str, rows_per_step: int = 4, steps: int = 3, bf16
     args = TrainingArguments(
         output_dir=output_dir, max_steps=steps, per_device_train_batch_size=per_device,
         per_device_eval_batch_size=per_device, learning_rate=1e-2, logging_steps=1, report_to=[], use_cpu=True,
-        bf16=bf16, save_strategy="no", train_sampling_strategy="sequential", disable_tqdm=True, seed=0,
+        bf16=bf16, save_strategy=training_args.pop("save_strategy", "no"), train_sampling_strategy="sequential",
+        disable_tqdm=True, seed=0,
         eval_strategy="steps" if evaluate else "no", eval_steps=steps, dataloader_drop_last=True,
         **checkpointing_training_args(gradient_checkpointing), **training_args,
     )
@@ -118,8 +119,9 @@ def flattening_run(output_dir: str, rows_per_step: int = 4, steps: int = 3, bf16
                       eval_dataset=token_rows(rows_per_step, seed=2, fixed=16) if evaluate else None,
                       data_collator=collator or DataCollatorWithFlattening(), compute_metrics=compute_metrics,
                       compute_loss_func=compute_loss_func, callbacks=[cb] if callback else [])
-    trainer.train()
-    return {**_history(trainer), "predictions": predictions, "model": model, "summary": cb.summary}
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    return {**_history(trainer), "predictions": predictions, "model": model, "summary": cb.summary,
+            "trainer": trainer}
 
 
 def trl_run(output_dir: str, rows_per_step: int = 2, steps: int = 3, bf16: bool = False,

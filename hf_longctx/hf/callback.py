@@ -6,7 +6,8 @@ only says how many processes share a sequence and which memory knobs to turn.
 
 At ``on_train_begin`` it builds the sequence-parallel group (a ("dp", "sp") DeviceMesh over the
 processes accelerate started), installs the input hook that shards every batch, switches on
-recompute-aware checkpointing when ``TrainingArguments.activation_checkpointing`` is on, and from then
+recompute-aware checkpointing when ``TrainingArguments.activation_checkpointing`` is on (the model may
+be FSDP2-sharded by then: see :mod:`.fsdp`, which also names what is refused with it), and from then
 on adds to the logs: tokens/s, an MFU estimate, the attention-load imbalance of the schedule across
 ranks. At ``on_train_end`` it takes its hooks off again, so evaluation and ``generate()`` after
 training run the model as loaded (exact attention in each process).
@@ -26,6 +27,7 @@ from ..kernels import available_kernels
 from .attention import PREFIX
 from .checkpointing import checkpointing_argument
 from .config import LongContextConfig, load_config
+from .fsdp import check_fsdp_model
 from .inputs import install_input_hook
 from .memory import enable_memory_options
 from .parallelism import model_parallelism
@@ -90,6 +92,7 @@ class LongContextCallback(TrainerCallback):
         world = dist.get_world_size() if dist.is_initialized() else 1
         check_process_count(world)
         sp = cfg.resolved_sp_size(world)
+        fsdp_shards = check_fsdp_model(model, args, cfg)  # FSDP2: what works with it, or an error naming it
         if cfg.tp_size > 1 or cfg.ep_size > 1 or cfg.expert_tp_size > 1:
             check_moe_layout(model, cfg, world)
             self._take_over_clipping(args, model)
@@ -119,6 +122,8 @@ class LongContextCallback(TrainerCallback):
                         "tiled_loss": cfg.tiled_loss, "tiled_mlp": cfg.tiled_mlp,
                         "offload_checkpoints": cfg.offload_checkpoints and checkpointing != "none",
                         "kernels_available": available_kernels(args.device)}
+        if fsdp_shards is not None:
+            self.summary["fsdp_shard_size"] = fsdp_shards  # dp x sp: one sharding dimension over the world
         if plan is not None:
             self.summary.update(plan.summary())
         if cfg.ep_size * cfg.expert_tp_size > 1:

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .config import ConfigError, LongContextConfig, launcher_num_processes, load_config, recipe_source
+from .fsdp import check_fsdp_launch
 
 _DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow", ".csv", ".txt")
 
@@ -131,6 +132,7 @@ def check_run(recipe: str | os.PathLike | None = None, *, overrides: Mapping[str
         cfg.resolved_sp_size(world)
     except ValueError as err:
         raise ConfigError(f"{recipe_source(recipe, overrides)}: {err}") from None
+    check_fsdp_launch(cfg)  # an FSDP launch: version 2, no FSDP activation checkpointing, no expert parallelism
     check_path("--dataset", dataset, builtin=("synthetic", "sample"), suffixes=_DATA_SUFFIXES)
     check_path("--model", model, builtin=("tiny", "llama3-8b-shape"))
     check_attn_implementation(attn_implementation)
