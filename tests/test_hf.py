@@ -171,7 +171,7 @@ def test_config_errors_name_the_fix():
 
 
 def test_model_and_batch_errors_name_the_fix():
-    from transformers import BloomConfig, BloomForCausalLM
+    from transformers import BloomConfig, BloomForCausalLM, CodeGenConfig, CodeGenForCausalLM
 
     with pytest.raises(ValueError, match="attn_implementation='longctx_<backend>'"):
         install_input_hook(tiny_llama(0), None)
@@ -179,10 +179,11 @@ def test_model_and_batch_errors_name_the_fix():
     bloom.config._attn_implementation = "longctx_ring"
     with pytest.raises(ValueError, match="BloomForCausalLM.forward takes no position_ids"):
         install_input_hook(bloom, None)
-    model = tiny_llama(0, impl="longctx_ring")
-    model._supports_attention_backend = False
-    with pytest.raises(ValueError, match="does not route its attention through transformers' AttentionInterface"):
-        install_input_hook(model, None)
+    codegen = CodeGenForCausalLM(CodeGenConfig(n_layer=1, n_embd=32, n_head=4, rotary_dim=4, vocab_size=VOCAB))
+    codegen.config._attn_implementation = "longctx_ring"  # its attention never asks transformers' interface
+    install_input_hook(codegen, None)
+    with pytest.raises(ValueError, match=r"ran a sharded forward without calling its longctx_\* attention"):
+        codegen(input_ids=torch.randint(0, VOCAB, (1, 8)))
     model = tiny_llama(0, impl="longctx_ring")
     install_input_hook(model, None)
     ids = torch.randint(0, VOCAB, (1, 8))

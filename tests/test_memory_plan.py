@@ -3,6 +3,8 @@ and per-layer checkpointing with partial offload (exact gradients)."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -157,7 +159,7 @@ def test_the_model_reproduces_the_gpu_measurements_it_was_calibrated_on():
 def test_plan_128k_on_an_h200_checkpoints_almost_everything_on_the_gpu():
     plan = plan_memory(LLAMA3_8B, 128 * K, gpu_bytes=H200_GPU, host_bytes=HOST)
     assert plan.gpu_peak <= plan.gpu_usable and plan.host_peak <= HOST
-    assert plan.offloaded_layers <= 8  # little offload
+    assert plan.offloaded_layers <= 12  # a minority of the layers offloaded (10 in the plan that ran on an H200)
     assert plan.checkpointing == "recompute_aware" and plan.tiled_loss
     assert "none" in {c.checkpointing for c in plan.layers}  # spare memory buys a layer without recompute
     text = str(plan)
@@ -289,13 +291,14 @@ def test_memory_key_is_validated(monkeypatch):
 
 
 def test_a_training_run_plan_on_cpu_uses_host_memory_and_offloads_nothing():
-    from hf_longctx.hf import ConfigError, LongContextConfig
+    from hf_longctx.hf import LongContextConfig
 
     model = _tiny()
     plan = plan_for_training(model, LongContextConfig(memory="auto", seq_len=256, checkpointing="layer"))
     assert plan.offloaded_layers == 0 and {c.checkpointing for c in plan.layers} <= {"none", "layer"}
-    with pytest.raises(ConfigError, match="needs the tokens per GPU"):
-        plan_for_training(model, LongContextConfig(memory="auto"))
+    rows = types.SimpleNamespace(dataset=[{"input_ids": list(range(300))}])  # the data's rows beat seq_len
+    assert plan_for_training(model, LongContextConfig(memory="auto", seq_len=256),
+                             train_dataloader=rows).tokens_per_gpu == 300
 
 
 def test_host_memory_is_capped_by_the_cgroup_and_can_be_set(monkeypatch):

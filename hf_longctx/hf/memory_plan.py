@@ -927,8 +927,9 @@ def plan_for_training(model, cfg, args=None, *, tokens_per_gpu: int | None = Non
                       zero_stage: int | None = None, precision: str | None = None) -> MemoryPlan:
     """The memory plan of a run whose recipe says ``memory: auto``.
 
-    ``model``: the model or its config. Tokens per GPU: ``tokens_per_gpu``, else the recipe's
-    ``seq_len`` x the per-device batch size, else one row of ``train_dataloader``. The recipe's
+    ``model``: the model or its config. Tokens per GPU: ``tokens_per_gpu``, else the length of a row of
+    ``train_dataloader`` (what the data really brings) x the per-device batch size, else the recipe's
+    ``seq_len`` x that batch size. The recipe's
     ``checkpointing`` bounds the modes (``recompute_aware``: any; ``layer``: none or layer;
     ``none``: none); a non-zero ``tiled_loss`` / ``tiled_mlp`` is kept as given, otherwise the plan
     chooses; ``offload_checkpoints`` is the plan's to decide. ZeRO's stage comes from ``args``'s
@@ -948,9 +949,10 @@ def plan_for_training(model, cfg, args=None, *, tokens_per_gpu: int | None = Non
         zero = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "0") or 0)
     else:
         zero = 0
-    if tokens_per_gpu is None:
+    if tokens_per_gpu is None:  # what the data really brings, where it can tell; else the recipe's seq_len
         batch = getattr(args, "per_device_train_batch_size", 1) if args is not None else 1
-        tokens_per_gpu = cfg.seq_len * batch if cfg.seq_len else row_tokens(train_dataloader)
+        row = row_tokens(train_dataloader) if train_dataloader is not None else None
+        tokens_per_gpu = (row or cfg.seq_len) * batch
     if not tokens_per_gpu:
         raise ConfigError("memory: auto needs the tokens per GPU: set seq_len in the recipe (or --seq-len)")
     ppn = processes_per_host or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
