@@ -4,7 +4,7 @@
 # call (each fits the 10-minute command limit):
 #
 #   scripts/bench_memory.sh 128k    # today's hand-picked settings, then --memory auto, at 128K tokens
-#   scripts/bench_memory.sh 256k    # --memory auto at 256K
+#   scripts/bench_memory.sh auto 262144   # --memory auto at the sizes named (tokens per GPU)
 #   scripts/bench_memory.sh plans   # the planner's verdict (no run) from 64K to 1M on this GPU
 #
 # HF_LONGCTX_HOST_MEMORY_GIB tells the planner the host's memory where /proc/meminfo under-reports it.
@@ -22,8 +22,11 @@ case "${1:-}" in
   train --seq 131072 --checkpointing layer --offload --tiled-loss 8192 --tiled-mlp 16384
   train --seq 131072 --memory auto
   ;;
-256k)
-  train --seq 262144 --memory auto
+auto)
+  shift
+  for seq in "${@:-262144}"; do
+    train --seq "$seq" --memory auto
+  done
   ;;
 plans)
   for seq in 65536 131072 262144 393216 524288 1048576; do
@@ -41,7 +44,7 @@ PY
   done
   ;;
 *)
-  echo "usage: $0 128k|256k|plans" >&2
+  echo "usage: $0 128k | auto SEQ... | plans" >&2
   exit 2
   ;;
 esac
