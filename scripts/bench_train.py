@@ -180,7 +180,8 @@ def worker(rank, world, args):
         from hf_longctx.hf.fsdp import fully_shard_model
 
         fully_shard_model(model)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)  # the shards
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,  # the shards
+                                fused=device.type == "cuda")
 
         def step():
             loss = model(**local).loss

@@ -159,12 +159,26 @@ def test_fsdp2_resumes_from_a_sharded_checkpoint_and_saves_for_from_pretrained(t
     ({"PARALLELISM_CONFIG_CP_SIZE": "2"}, None, "parallelism_config_cp_size 2"),
     ({}, LongContextConfig(ep_size=2), "ep_size=2, expert_tp_size=1 under FSDP"),
     ({}, LongContextConfig(tiled_loss=256), "tiled_loss=256 under FSDP"),
-    ({}, LongContextConfig(memory="auto"), "memory: auto under FSDP"),
-], ids=["fsdp1", "fsdp-activation-checkpointing", "accelerate-cp", "expert-parallel", "tiled-loss", "memory-auto"])
+], ids=["fsdp1", "fsdp-activation-checkpointing", "accelerate-cp", "expert-parallel", "tiled-loss"])
 def test_fsdp_launches_that_cannot_work_are_refused_by_name(env, cfg, message):
     with pytest.raises(ConfigError, match=message):
         check_fsdp_launch(cfg, {**FSDP_ENV, **env})
     check_fsdp_launch(cfg, {k: v for k, v in env.items() if k.startswith("FSDP_")})  # no FSDP launch: nothing to say
+
+
+def test_the_memory_plan_of_an_fsdp2_launch_shards_like_zero3_without_the_tiled_loss(monkeypatch):
+    """memory: auto under FSDP2: weights, gradients and optimizer states over the world, no tiled loss."""
+    from hf_longctx.hf.memory_plan import plan_for_training
+
+    model = tiny_llama("longctx_zigzag")
+    cfg = LongContextConfig(memory="auto", seq_len=256, tiled_loss=0)
+    ddp = plan_for_training(model, cfg, tokens_per_gpu=256, world=4, sp_size=2)
+    for k, v in FSDP_ENV.items():
+        monkeypatch.setenv(k, v)
+    check_fsdp_launch(cfg)  # planned, not refused
+    fsdp = plan_for_training(model, cfg, tokens_per_gpu=256, world=4, sp_size=2)
+    assert fsdp.tiled_loss == 0
+    assert fsdp.gpu_items["optimizer"] * 4 == pytest.approx(ddp.gpu_items["optimizer"], rel=0.01)
 
 
 def test_an_fsdp_launch_whose_model_was_not_sharded_is_refused(monkeypatch):

@@ -39,8 +39,9 @@ checkpointing that re-runs attention and its communication in backward: use the 
 over DTensors and local slices together, which is not built); ``tiled_loss`` (accelerate shards the
 final norm and output head as one group of two modules, and the loss's per-chunk recompute of the head
 crashes inside autograd in backward; with the head in the root unit, :func:`fully_shard_model`, it runs);
-``memory: auto`` (the planner models DDP and ZeRO only); accelerate's own cp / sp / tp axes; and an
-FSDP launch whose model reached the callback unsharded. Tiled MLP and checkpoint offload work.
+accelerate's own cp / sp / tp axes; and an
+FSDP launch whose model reached the callback unsharded. Tiled MLP and checkpoint offload work, and
+``memory: auto`` plans FSDP2's memory as ZeRO-3's in the model's own dtype, without the tiled loss.
 """
 
 from __future__ import annotations
@@ -86,9 +87,6 @@ def unsupported_with_fsdp(cfg) -> str | None:
         return (f"tiled_loss={cfg.tiled_loss} under FSDP: accelerate shards the final norm and output head as one "
                 "FSDP group of two modules, and the tiled loss's per-chunk recompute of the head crashes inside "
                 "autograd in backward; set tiled_loss: 0 with FSDP, or use a DDP or DeepSpeed recipe for it")
-    if cfg.memory == "auto":
-        return ("memory: auto under FSDP: the memory planner models DDP and ZeRO, not FSDP2 (and may pick the tiled "
-                "loss); set memory: manual and choose checkpointing, offload_checkpoints and tiled_mlp yourself")
     return None
 
 

@@ -75,6 +75,7 @@ needs DeepSpeed's ``offload_optimizer``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Sequence
@@ -939,9 +940,21 @@ def plan_for_training(model, cfg, args=None, *, tokens_per_gpu: int | None = Non
     itself: the plan takes the host's available memory, split over the processes on it, as the
     device budget, and offloads nothing (a host copy would save nothing).
     """
+    from .fsdp import requested_fsdp_version
+
     config = getattr(model, "config", model)
     plugin = getattr(args, "deepspeed_plugin", None) if args is not None else None
-    if plugin is not None:
+    # FSDP2 keeps what ZeRO-3 keeps: weights, gradients and optimizer states sharded over the world and one
+    # or two layers gathered at a time, in the model's own dtype (no float32 master copy); the tiled loss
+    # is refused under it (see hf.fsdp)
+    fsdp = requested_fsdp_version(args) == 2
+    if fsdp:
+        cfg = dataclasses.replace(cfg, tiled_loss=0)
+        if hasattr(model, "parameters"):
+            precision = precision_of(model, 0)
+    if fsdp:
+        zero = 3
+    elif plugin is not None:
         zero = int(getattr(plugin, "zero_stage", 0) or 0)
     elif zero_stage is not None:
         zero = zero_stage
@@ -958,9 +971,10 @@ def plan_for_training(model, cfg, args=None, *, tokens_per_gpu: int | None = Non
     ppn = processes_per_host or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     device = getattr(args, "device", None) if args is not None else None
     on_gpu = device.type == "cuda" if device is not None else _cuda_available()
-    precision = precision_of(model, zero) if hasattr(model, "parameters") else precision
+    if not fsdp:
+        precision = precision_of(model, zero) if hasattr(model, "parameters") else precision
     common = dict(sp_size=sp_size, zero_stage=zero, world=world, precision=precision,
-                  modes=_MODES_OF_RECIPE[cfg.checkpointing], tiled_loss=cfg.tiled_loss or None,
+                  modes=_MODES_OF_RECIPE[cfg.checkpointing], tiled_loss=0 if fsdp else (cfg.tiled_loss or None),
                   tiled_mlp=cfg.tiled_mlp or None, processes_per_host=ppn)
     if on_gpu:
         return plan_memory(config, tokens_per_gpu, gpu_bytes=gpu_memory_bytes(device), **common)
