@@ -208,7 +208,9 @@ def padded_rows(seed: int, real: list[int], length: int, side: str):
         else:  # a gap of padding after the first two tokens
             mask[i, :2] = 1
             mask[i, length - (n - 2) :] = 1
-    ids = ids.masked_fill(mask == 0, 0)
+    # padding with an ordinary token (as with pad = eos): the pad_token_id row of the embedding is zero, and
+    # zero values would hide what the padding attends to
+    ids = ids.masked_fill(mask == 0, 7)
     labels = ids.masked_fill(mask == 0, -100)
     return ids, mask, labels
 
