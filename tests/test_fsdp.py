@@ -189,13 +189,13 @@ def test_an_fsdp_launch_whose_model_was_not_sharded_is_refused(monkeypatch):
         check_fsdp_model(tiny_llama("longctx_zigzag"), None, LongContextConfig())
 
 
-def _launch(tmp_path: Path, name: str, config_file: str, sidecar: str) -> list[dict]:
+def _launch(tmp_path: Path, name: str, config_file: str, sidecar: str, extra: tuple[str, ...] = ()) -> list[dict]:
     log = tmp_path / f"{name}.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_LONGCTX_")}
     env.update(PYTHONPATH=str(ROOT), HF_LONGCTX_RECIPE=str(ROOT / "recipes" / sidecar))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes" / config_file),
            str(ROOT / "scripts" / "train.py"), "--max-steps", "3", "--logging-steps", "1",
-           "--output-dir", str(tmp_path / name), "--log-json", str(log)]
+           "--output-dir", str(tmp_path / name), "--log-json", str(log), *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     summary = [line for line in proc.stdout.splitlines() if line.startswith("hf_longctx training summary: ")]
@@ -204,12 +204,17 @@ def _launch(tmp_path: Path, name: str, config_file: str, sidecar: str) -> list[d
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", ["cpu-2proc", "cpu-4proc"])
-def test_fsdp2_recipe_launch_trains_like_ddp(tmp_path, shape):
-    """The real command line of the FSDP2 recipe against the DDP recipe of the same shape, same settings."""
+@pytest.mark.parametrize("shape,backend", [("cpu-2proc", None)] + [("cpu-4proc", b) for b in
+                                                                    ("zigzag", "distfa", "tasp", "cad")])
+def test_fsdp2_recipe_launch_trains_like_ddp(tmp_path, shape, backend):
+    """The real command line of the FSDP2 recipe against the DDP recipe of the same shape, same settings;
+    on 4 processes (sp 2 x dp 2) for zigzag, distfa, tasp and cad."""
     sidecar = f"{shape}-fsdp2.yaml"
-    ddp, _ = _launch(tmp_path, "ddp", f"{shape}.yaml", sidecar)
-    fsdp, summary = _launch(tmp_path, "fsdp2", f"{shape}-fsdp2.yaml", sidecar)
+    extra = ("--backend", backend) if backend else ()
+    ddp, _ = _launch(tmp_path, "ddp", f"{shape}.yaml", sidecar, extra)
+    fsdp, summary = _launch(tmp_path, "fsdp2", f"{shape}-fsdp2.yaml", sidecar, extra)
+    if backend:
+        assert summary["backend"] == backend
     assert summary["fsdp_shard_size"] == summary["sp_size"] * summary["dp_size"] == int(shape[4])
     assert len(ddp) == len(fsdp) == 3
     for step, (a, b) in enumerate(zip(ddp, fsdp)):
