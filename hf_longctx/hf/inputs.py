@@ -21,6 +21,7 @@ local attention path.
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import torch
@@ -45,8 +46,6 @@ def check_model(model) -> None:
     would number each shard's tokens from 0. (That the model's attention runs through the ``longctx_*``
     function at all is checked after its first sharded forward: see ``restore_outputs``.)
     """
-    import inspect
-
     impl = getattr(model.config, "_attn_implementation", None) or ""
     if not impl.startswith("longctx_"):
         raise ValueError(f"the model uses attn_implementation={impl!r}; load it with "

@@ -25,6 +25,7 @@ import torch
 
 from ..backends import varlen_attention
 from ..layout import document_starts
+from .model_support import reads_dense_mask
 
 _CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -71,8 +72,6 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, *args, attentio
     see the token before it. This is what the attention function cannot see when a model does not hand
     it ``position_ids``.
     """
-    from .model_support import reads_dense_mask
-
     reason = reads_dense_mask(config)
     if reason is not None:
         raise ValueError(f"{type(config).__name__}: {reason}; use attn_implementation='sdpa' or 'eager'")

@@ -29,9 +29,19 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout import document_starts
+from ..layout import PackedBatch, document_starts
 
 IGNORE_INDEX = -100
+
+
+def shift_labels_per_document(labels: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+    """(T,) targets: labels[i + 1] inside a document, IGNORE_INDEX at every document's last token."""
+    labels = labels.reshape(-1)
+    shifted = torch.full_like(labels, IGNORE_INDEX)
+    shifted[:-1] = labels[1:]
+    last = torch.tensor([s + n - 1 for s, n in zip(packed.doc_starts, packed.doc_lens)], device=labels.device)
+    shifted[last] = IGNORE_INDEX
+    return shifted
 
 
 @dataclass
@@ -104,12 +114,6 @@ def flatten_batch(input_ids, *, attention_mask=None, position_ids=None, labels=N
     any_padding = False
     for b in range(rows):
         real = mask[b].bool() if mask is not None else None
-        row_targets = None
-        if shifted is not None:
-            row_targets = shifted[b].clone()
-        elif labels is not None:
-            row_targets = torch.full_like(labels[b], IGNORE_INDEX)
-            row_targets[:-1] = labels[b, 1:]
         start = b * length
         if mask is not None:  # one sequence per row: real tokens first, then the row's padding
             kept = torch.nonzero(real).flatten()
@@ -118,6 +122,7 @@ def flatten_batch(input_ids, *, attention_mask=None, position_ids=None, labels=N
             row_lens = [n for n in (kept.numel(), pads.numel()) if n]
             row_pad = [False] * (kept.numel() > 0) + [True] * (pads.numel() > 0)
             any_padding = any_padding or pads.numel() > 0
+            target_docs = [length]  # transformers shifts the labels inside the row, padding included
         else:
             row_order = torch.arange(length, device=ids.device)
             if doc_lens is not None:
@@ -128,9 +133,12 @@ def flatten_batch(input_ids, *, attention_mask=None, position_ids=None, labels=N
                 bounds = document_starts(positions[b]) + [length]
                 row_lens = [z - a for a, z in zip(bounds, bounds[1:])]
             row_pad = [False] * len(row_lens)
-            if row_targets is not None and shifted is None:  # a document's last token predicts nothing
-                ends = torch.tensor(row_lens, device=row_targets.device).cumsum(0) - 1
-                row_targets[ends] = IGNORE_INDEX
+            target_docs = row_lens  # a document's last token predicts nothing
+        row_targets = None
+        if shifted is not None:
+            row_targets = shifted[b]
+        elif labels is not None:
+            row_targets = shift_labels_per_document(labels[b], PackedBatch.from_doc_lens(target_docs))
         order.append(row_order + start)
         lens.extend(row_lens)
         pad_flags.extend(row_pad)

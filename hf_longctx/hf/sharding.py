@@ -18,17 +18,7 @@ from ..backends import default_strategy
 from ..comm.groups import group_rank_and_size
 from ..layout import PackedBatch, ShardPlan, shard_plan
 from .context import SequenceParallelContext
-from .rows import IGNORE_INDEX, FlatBatch
-
-
-def shift_labels_per_document(labels: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
-    """(T,) targets: labels[i + 1] inside a document, IGNORE_INDEX at every document's last token."""
-    labels = labels.reshape(-1)
-    shifted = torch.full_like(labels, IGNORE_INDEX)
-    shifted[:-1] = labels[1:]
-    last = torch.tensor([s + n - 1 for s, n in zip(packed.doc_starts, packed.doc_lens)], device=labels.device)
-    shifted[last] = IGNORE_INDEX
-    return shifted
+from .rows import IGNORE_INDEX, FlatBatch, shift_labels_per_document
 
 
 def shard_batch(
