@@ -14,7 +14,8 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=${PYTHONPATH:-}:$PWD
 PY=${PY:-python3}
 STEPS=${STEPS:-2}
-train() { $PY scripts/bench_train.py --gpus 1 --backend local --layers 32 --steps "$STEPS" "$@" 2>&1 \
+WARMUP=${WARMUP:-1}  # 0 at sizes whose step takes minutes: the one step is timed, first-call costs included
+train() { $PY scripts/bench_train.py --gpus 1 --backend local --layers 32 --steps "$STEPS" --warmup "$WARMUP" "$@" 2>&1 \
   | grep -E "^(RESULT|memory plan|  )|Error|error:|out of memory" | tail -14; }
 
 case "${1:-}" in

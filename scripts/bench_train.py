@@ -148,7 +148,8 @@ def worker(rank, world, args):
         from hf_longctx.hf.memory_plan import plan_for_training
 
         memory_plan = plan_for_training(model, LongContextConfig(memory="auto"), tokens_per_gpu=args.seq,
-                                        world=world, sp_size=world, processes_per_host=world, zero_stage=args.zero)
+                                        world=world, sp_size=world, processes_per_host=world, zero_stage=args.zero,
+                                        fused_ops=None if args.fused_ops == "auto" else args.fused_ops == "liger")
         if rank == 0:
             print(memory_plan, flush=True)
         memory_plan.apply(model)
@@ -156,7 +157,13 @@ def worker(rank, world, args):
         args.checkpointing, args.tiled_loss, args.tiled_mlp = (memory_plan.checkpointing, memory_plan.tiled_loss,
                                                                memory_plan.tiled_mlp)
         args.offload = memory_plan.offloaded_layers > 0
+        args.fused_ops = "liger" if memory_plan.fused_ops else "off"
     else:
+        args.fused_ops = "liger" if args.fused_ops == "liger" else "off"  # manual options: only when asked
+        if args.fused_ops == "liger":
+            from hf_longctx.hf.fused_ops import enable_fused_ops
+
+            enable_fused_ops(model, swiglu=not args.tiled_mlp)
         enable_memory_options(model, args.checkpointing, args.offload, args.tiled_loss, args.tiled_mlp)
     model.train()
     flops_per_token = model_flops_per_token(model)  # before ZeRO-3 partitions the parameters away
@@ -228,7 +235,7 @@ def worker(rank, world, args):
         return
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    ms = timed_slowest_rank(step, args.steps, device)
+    ms = timed_slowest_rank(step, args.steps, device, warmup=args.warmup)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     peak_t = torch.tensor([peak], device=device)
     dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
@@ -240,7 +247,7 @@ def worker(rank, world, args):
         "backend": args.backend, "kernel": args.kernel, "gpus": world, "tokens_per_gpu": args.seq, "context": total,
         "layers": model.config.num_hidden_layers, "checkpointing": args.checkpointing,
         "tiled_loss": args.tiled_loss, "tiled_mlp": args.tiled_mlp, "zero": args.zero, "fsdp": args.fsdp,
-        "offload": args.offload, "docs": packed.num_docs,
+        "offload": args.offload, "fused_ops": args.fused_ops, "docs": packed.num_docs,
         "longest_doc": max(packed.doc_lens), "step_s": ms / 1e3, "tokens_per_s": total / (ms / 1e3),
         "mfu": training_mfu(model.config, flops_per_token, total, packed.causal_pairs(), ms / 1e3, world,
                             peak_flops(device)),
@@ -338,6 +345,11 @@ def main() -> int:
     p.add_argument("--tiled-loss", type=int, default=0, help="tokens per loss chunk (0: off)")
     p.add_argument("--tiled-mlp", type=int, default=0, help="tokens per MLP chunk (0: off)")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (0: the first step is timed too, for "
+                                                          "sizes whose step takes minutes)")
+    p.add_argument("--fused-ops", default="auto", choices=["auto", "liger", "off"],
+                   help="Liger-Kernel's RMSNorm/RoPE/SwiGLU: with --memory auto, auto lets the planner use them where "
+                        "they run; with manual options only liger turns them on")
     p.add_argument("--offload", action="store_true", help="keep layer checkpoints in pinned host memory")
     p.add_argument("--memory", default="manual", choices=["manual", "auto"],
                    help="auto: the memory planner picks checkpointing, offload and tiling (the options above are "

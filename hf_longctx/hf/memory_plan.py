@@ -34,8 +34,8 @@ states and the logits: ``T x V x (2 a + 8)`` for the logits, their float32 copy,
 the gradient cast back, or one chunk's with the tiled loss); each layer's backward (the checkpoints of the layers
 below it, the gradients of the layers above it, its own working set); the optimizer step. Static
 terms: weights, gradients, optimizer states and master weights as the precision and the ZeRO stage
-put them. Host: a fixed overhead (processes, CUDA contexts, the data, the page cache: 20 GiB by
-default) plus the pinned checkpoints of every process on the host, plus the optimizer when it lives
+put them. Host: an overhead (:func:`default_host_overhead`: 3 GiB per process, measured, and 3 GiB for
+the system) plus the pinned checkpoints of every process on the host, plus the optimizer when it lives
 there.
 
 Calibration: measured peaks (``torch.cuda.max_memory_allocated``, one or two H200, bf16 weights and
@@ -105,11 +105,21 @@ NORM_RSQRT_BYTES = 4
 NORMS_PER_LAYER = 2
 """input_layernorm and post_attention_layernorm."""
 
+FUSED_NORM_KEPT_INPUTS = 1
+"""Per layer, the inputs a fused RMSNorm (Liger) keeps that nothing else keeps: the post-attention norm's
+input (the residual sum); the input norm's input is the layer's input, kept anyway. Each fused norm also
+keeps its output (the next projection's input) and a float32 rsqrt per token, and its backward writes dX
+over dY (no float32 temporaries)."""
+
 LSE_BYTES = 4
 """Per head per token: the core attention's log-sum-exp is float32."""
 
 MLP_SAVED_INTERMEDIATES = 4
 """gate(x), up(x), act(gate(x)) and their product (the down projection's input), each T x I."""
+
+FUSED_MLP_SAVED_INTERMEDIATES = 3
+"""Liger's SwiGLU keeps gate(x) and up(x) and recomputes act(gate(x)) in backward; the down projection keeps
+the product."""
 
 MLP_GRAD_INTERMEDIATES = 3
 """MLP gradients alive together in its backward: d(product), d(gate), d(up)."""
@@ -164,8 +174,19 @@ GPU_FRAGMENTATION = 0.08
 tokens, default allocator): 8.6 of 139.8 GiB reserved but unallocated when a plan that filled 96% ran out
 of memory; expandable_segments (which the training scripts turn on) leaves less, this keeps the margin."""
 
-HOST_OVERHEAD_BYTES = 20 * GiB
-"""Host memory the plan does not model: the processes, CUDA contexts' host side, data, page cache."""
+HOST_PROCESS_BYTES = 3 * GiB
+"""Host memory of one training process besides what the plan models (its pinned checkpoints and host optimizer):
+Python, torch, CUDA's host side, the data. Measured on one H200 and one H100 (full 8B shape, 64K-256K
+tokens): the process's peak resident memory (VmHWM) was 2.0 GiB above its pinned checkpoints every time;
+1 GiB more is margin."""
+
+HOST_RESERVED_BYTES = 3 * GiB
+"""Host memory for everything besides the training processes (the system, the page cache it cannot drop)."""
+
+
+def default_host_overhead(processes_per_host: int = 1) -> int:
+    """Host bytes the plan keeps free of checkpoints and optimizer states: the system plus each process's own."""
+    return HOST_RESERVED_BYTES + max(1, processes_per_host) * HOST_PROCESS_BYTES
 
 # ---------------------------------------------------------------------------------------------
 # Coefficients of the cost model.
@@ -318,7 +339,7 @@ class MemoryModel:
     def __init__(self, shape: ModelShape, tokens: int, sp_size: int = 1, precision: str | Precision = "bf16",
                  zero_stage: int = 0, world: int = 1, tiled_loss: int = 0, tiled_mlp: int = 0,
                  optimizer_on_host: bool = False, processes_per_host: int = 1,
-                 host_overhead_bytes: int = HOST_OVERHEAD_BYTES):
+                 host_overhead_bytes: int | None = None, fused_ops: bool = False):
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
         if isinstance(precision, str):
@@ -328,7 +349,10 @@ class MemoryModel:
         self.shape, self.tokens, self.sp_size, self.precision = shape, int(tokens), sp_size, precision
         self.zero_stage, self.world = zero_stage, max(1, world)
         self.tiled_loss, self.tiled_mlp, self.optimizer_on_host = tiled_loss, tiled_mlp, optimizer_on_host
-        self.processes_per_host, self.host_overhead_bytes = max(1, processes_per_host), host_overhead_bytes
+        self.processes_per_host = max(1, processes_per_host)
+        self.host_overhead_bytes = (host_overhead_bytes if host_overhead_bytes is not None
+                                    else default_host_overhead(self.processes_per_host))
+        self.fused_ops = fused_ops
         self._precompute()
 
     # per-token and per-layer terms ------------------------------------------------------------
@@ -337,14 +361,22 @@ class MemoryModel:
         a, h, q, kv, inter = p.activation, s.hidden, s.q_dim, s.kv_dim, s.intermediate
         mlp_chunk = min(self.tiled_mlp, T) if self.tiled_mlp else 0
         attention_out = a * q + LSE_BYTES * s.heads
-        norm = (NORM_UPCAST_BYTES + NORM_SAVED_ACTIVATIONS * a) * h + NORM_RSQRT_BYTES
-        saved_rest = NORMS_PER_LAYER * norm + a * (q + 2 * kv) + attention_out
-        saved_mlp = 0 if mlp_chunk else MLP_SAVED_INTERMEDIATES * a * inter
+        if self.fused_ops:  # Liger's RMSNorm: output, rsqrt, and the one input nothing else keeps
+            norm = a * h + NORM_RSQRT_BYTES
+            norms = NORMS_PER_LAYER * norm + FUSED_NORM_KEPT_INPUTS * a * h
+            norm_temps = 0
+        else:
+            norm = (NORM_UPCAST_BYTES + NORM_SAVED_ACTIVATIONS * a) * h + NORM_RSQRT_BYTES
+            norms = NORMS_PER_LAYER * norm
+            norm_temps = NORM_BACKWARD_FP32_TEMPS * 4 * h
+        saved_rest = norms + a * (q + 2 * kv) + attention_out
+        kept_intermediates = FUSED_MLP_SAVED_INTERMEDIATES if self.fused_ops else MLP_SAVED_INTERMEDIATES
+        saved_mlp = 0 if mlp_chunk else kept_intermediates * a * inter
         sp = SEQUENCE_PARALLEL_KV_BUFFERS * a * 2 * kv + 4 * 2 * kv if self.sp_size > 1 else 0
         residual = RESIDUAL_GRAD_TENSORS * a * h
         # backward of one layer: first its MLP (with its saved intermediates), then, once those are
         # freed, norms and attention; the working set is the larger of the two sub-phases
-        attention_phase = T * (residual + NORM_BACKWARD_FP32_TEMPS * 4 * h + a * (q + 2 * kv)
+        attention_phase = T * (residual + norm_temps + a * (q + 2 * kv)
                                + ATTENTION_DQ_ACCUMULATOR_BYTES * q + a * q + sp)
         chunk = mlp_chunk * (MLP_SAVED_INTERMEDIATES + MLP_GRAD_INTERMEDIATES) * a * inter
         mlp_grads = T * (residual + (0 if mlp_chunk else MLP_GRAD_INTERMEDIATES * a * inter)) + chunk
@@ -521,6 +553,7 @@ class MemoryPlan:
     host_items: dict[str, int]
     host_total: int
     step_factor: float  # estimated step time / that of no checkpointing and no tiling
+    fused_ops: bool = False  # Liger's RMSNorm, RoPE and (untiled) SwiGLU (hf.fused_ops)
     layer_gpu: list[int] = field(default_factory=list)  # per layer, bytes kept on the GPU between the passes
     layer_host: list[int] = field(default_factory=list)  # per layer, pinned host bytes
 
@@ -551,6 +584,11 @@ class MemoryPlan:
                                       "accelerate recipe, or plan with allow_optimizer_on_host=False")
         from .memory import enable_memory_options
 
+        if self.fused_ops:
+            from .fused_ops import enable_fused_ops, uses_fused_norms
+
+            if not uses_fused_norms(model):  # the Trainer's use_liger_kernel may have done it already
+                enable_fused_ops(model, swiglu=not self.tiled_mlp)
         return enable_memory_options(model, **self.memory_options())
 
     def groups(self) -> list[tuple[int, int, LayerChoice]]:
@@ -568,7 +606,8 @@ class MemoryPlan:
         return {"memory": "auto", "checkpointed_layers": self.checkpointed_layers,
                 "offloaded_layers": self.offloaded_layers, "checkpointing": self.checkpointing,
                 "tiled_loss": self.tiled_loss, "tiled_mlp": self.tiled_mlp,
-                "optimizer_on_host": self.optimizer_on_host, "predicted_gpu_gib": round(self.gpu_peak / GiB, 1),
+                "optimizer_on_host": self.optimizer_on_host, "fused_ops": self.fused_ops,
+                "predicted_gpu_gib": round(self.gpu_peak / GiB, 1),
                 "predicted_host_gib": round(self.host_peak / GiB, 1), "step_factor": round(self.step_factor, 3)}
 
     def __str__(self) -> str:
@@ -589,7 +628,9 @@ class MemoryPlan:
         host = ", ".join(f"{k} {_gib(v)}" for k, v in self.host_items.items() if v)
         rows.append(f"  at the peak: {other} GiB; host: " + (f"{host} GiB" if host else "nothing planned"))
         opt = "host" if self.optimizer_on_host else "GPU"
-        rows.append(f"  tiled loss {self.tiled_loss or 'off'}, tiled MLP {self.tiled_mlp or 'off'}, optimizer on {opt}")
+        fused = "Liger RMSNorm/RoPE" + ("" if self.tiled_mlp else "/SwiGLU") if self.fused_ops else "off"
+        rows.append(f"  tiled loss {self.tiled_loss or 'off'}, tiled MLP {self.tiled_mlp or 'off'}, "
+                    f"optimizer on {opt}, fused ops {fused}")
         return "\n".join([head, *rows])
 
 
@@ -742,8 +783,8 @@ def plan_memory(config, tokens_per_gpu: int, sp_size: int = 1, gpu_bytes: int | 
                 precision: str | None = None, modes: Sequence[str] = CHECKPOINTING_CHOICES,
                 allow_offload: bool = True, allow_optimizer_on_host: bool = False,
                 tiled_loss: int | None = None, tiled_mlp: int | None = None,
-                host_overhead_bytes: int = HOST_OVERHEAD_BYTES, processes_per_host: int = 1,
-                attention_context: float | None = None) -> MemoryPlan:
+                host_overhead_bytes: int | None = None, processes_per_host: int = 1,
+                attention_context: float | None = None, fused_ops: bool | None = None) -> MemoryPlan:
     """The fastest memory plan for ``tokens_per_gpu`` tokens per GPU that fits the GPU and the host.
 
     ``config``: a transformers config (or a :class:`ModelShape`). ``gpu_bytes``: the GPU's total
@@ -756,7 +797,9 @@ def plan_memory(config, tokens_per_gpu: int, sp_size: int = 1, gpu_bytes: int | 
     shards over ``world`` ranks. ``modes``: the checkpointing modes allowed per layer.
     ``tiled_loss`` / ``tiled_mlp``: a chunk size fixes it (0: off), None lets the planner choose.
     ``attention_context``: mean keys per query for the cost model (default: one document over the
-    whole context). Raises :class:`MemoryPlanError` naming the shortfall and what would fit.
+    whole context). ``fused_ops``: the model runs Liger's fused RMSNorm/RoPE/SwiGLU (:mod:`.fused_ops`), which
+    keeps less per layer; None: wherever they can run here. Raises :class:`MemoryPlanError` naming the shortfall
+    and what would fit.
     """
     shape = config if isinstance(config, ModelShape) else ModelShape.from_config(config)
     tokens = int(tokens_per_gpu)
@@ -768,8 +811,13 @@ def plan_memory(config, tokens_per_gpu: int, sp_size: int = 1, gpu_bytes: int | 
         raise ValueError(f"modes must be some of {CHECKPOINTING_CHOICES}, got {modes!r}")
     gpu_total = int(gpu_bytes) if gpu_bytes is not None else gpu_memory_bytes()
     host_total = int(host_bytes) if host_bytes is not None else host_memory_bytes()
+    if fused_ops is None:
+        from .fused_ops import fused_ops_available
+
+        fused_ops = fused_ops_available()
     settings = dict(sp_size=sp_size, precision=_precision_for(precision, zero_stage), zero_stage=zero_stage,
-                    world=world, processes_per_host=processes_per_host, host_overhead_bytes=host_overhead_bytes)
+                    world=world, processes_per_host=processes_per_host, host_overhead_bytes=host_overhead_bytes,
+                    fused_ops=bool(fused_ops))
     budget = _Budget(usable_gpu_bytes(gpu_total), host_total)
     loss_options = [tiled_loss] if tiled_loss is not None else [0, *[c for c in LOSS_CHUNKS if c < tokens]]
     mlp_options = [tiled_mlp] if tiled_mlp is not None else [0, *[c for c in MLP_CHUNKS if c < tokens]]
@@ -797,6 +845,7 @@ def plan_memory(config, tokens_per_gpu: int, sp_size: int = 1, gpu_bytes: int | 
     host = model.host_items(layers)
     return MemoryPlan(shape=shape, tokens_per_gpu=tokens, sp_size=sp_size, layers=tuple(layers),
                       tiled_loss=model.tiled_loss, tiled_mlp=model.tiled_mlp, optimizer_on_host=model.optimizer_on_host,
+                      fused_ops=model.fused_ops,
                       gpu_peak=peak, gpu_phase=phase, gpu_items=items, gpu_usable=budget.gpu, gpu_total=gpu_total,
                       host_peak=sum(host.values()), host_items=host, host_total=host_total,
                       step_factor=(costs.base + cost) / costs.base,
@@ -925,7 +974,8 @@ def precision_of(model, zero_stage: int = 0) -> str:
 
 def plan_for_training(model, cfg, args=None, *, tokens_per_gpu: int | None = None, world: int = 1,
                       sp_size: int = 1, train_dataloader=None, processes_per_host: int | None = None,
-                      zero_stage: int | None = None, precision: str | None = None) -> MemoryPlan:
+                      zero_stage: int | None = None, precision: str | None = None,
+                      fused_ops: bool | None = None) -> MemoryPlan:
     """The memory plan of a run whose recipe says ``memory: auto``.
 
     ``model``: the model or its config. Tokens per GPU: ``tokens_per_gpu``, else the length of a row of
@@ -938,7 +988,9 @@ def plan_for_training(model, cfg, args=None, *, tokens_per_gpu: int | None = Non
     precision from the model's parameters (or ``precision`` when ``model`` is a config). On a GPU
     the budgets are the device's total memory and the host's; on CPU the "device" is the host
     itself: the plan takes the host's available memory, split over the processes on it, as the
-    device budget, and offloads nothing (a host copy would save nothing).
+    device budget, and offloads nothing (a host copy would save nothing). ``fused_ops``: plan (and apply)
+    Liger's fused RMSNorm/RoPE/SwiGLU; None: where they run (a CUDA device, Liger installed) or where the
+    model runs them already (``use_liger_kernel=True``).
     """
     from .fsdp import requested_fsdp_version
 
@@ -973,7 +1025,12 @@ def plan_for_training(model, cfg, args=None, *, tokens_per_gpu: int | None = Non
     on_gpu = device.type == "cuda" if device is not None else _cuda_available()
     if not fsdp:
         precision = precision_of(model, zero) if hasattr(model, "parameters") else precision
-    common = dict(sp_size=sp_size, zero_stage=zero, world=world, precision=precision,
+    if fused_ops is None:
+        from .fused_ops import fused_ops_available, uses_fused_norms
+
+        already = hasattr(model, "parameters") and uses_fused_norms(model)
+        fused_ops = already or (on_gpu and fused_ops_available(device))
+    common = dict(sp_size=sp_size, zero_stage=zero, world=world, precision=precision, fused_ops=fused_ops,
                   modes=_MODES_OF_RECIPE[cfg.checkpointing], tiled_loss=0 if fsdp else (cfg.tiled_loss or None),
                   tiled_mlp=cfg.tiled_mlp or None, processes_per_host=ppn)
     if on_gpu:

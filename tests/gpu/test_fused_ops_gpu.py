@@ -1,0 +1,108 @@
+"""Liger-Kernel's fused ops on the GPU: they keep what the memory model says, and they train like transformers' own.
+
+The memory planner reaches 512K tokens on one H200 because Liger's RMSNorm, RoPE and SwiGLU keep
+less for backward than transformers' modules (hf_longctx.hf.fused_ops). Here a tiny Llama patched
+by :func:`enable_fused_ops` keeps, per decoder layer, exactly the bytes :class:`MemoryModel` predicts
+with ``fused_ops=True``; and a Trainer run with ``use_liger_kernel=True`` (TRL's flag is the same
+TrainingArguments field) and the long-context callback gives the losses and gradient norms of the
+same run without Liger, for every backend at world size one, under ``memory: manual`` and ``auto``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_memory_plan import _batch, _SavedPerLayer, _tiny
+from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+import hf_longctx
+from hf_longctx.backends.op import ATTENTION_OUTPUTS
+from hf_longctx.backends.registry import backend_names
+from hf_longctx.hf.checkpointing import enable_per_layer_checkpointing
+from hf_longctx.hf.config import LongContextConfig
+from hf_longctx.hf.fused_ops import enable_fused_ops, uses_fused_norms
+from hf_longctx.hf.memory import enable_memory_options
+from hf_longctx.hf.memory_plan import MemoryModel, ModelShape
+
+pytest.importorskip("liger_kernel")
+
+
+@pytest.mark.parametrize("mode", ["none", "layer", "recompute_aware"])
+def test_fused_layers_keep_what_the_memory_model_predicts(mode):
+    tokens, layers = 256, 3
+    model = _tiny(layers).cuda()
+    model.train()
+    enable_fused_ops(model, swiglu=True)
+    assert uses_fused_norms(model)
+    enable_per_layer_checkpointing(model, [mode] * layers)
+    probe = _SavedPerLayer(model)
+    kept = []
+    batch = {k: v.cuda() for k, v in _batch(tokens).items()}
+    with ATTENTION_OUTPUTS.watch(lambda t: kept.append(t.untyped_storage().nbytes())):
+        loss = model(**batch).loss
+    saved = probe.per_layer_bytes()
+    if mode == "recompute_aware":
+        saved = [s + sum(kept) // layers for s in saved]
+    fused = MemoryModel(ModelShape.from_config(model.config), tokens, precision="bf16", fused_ops=True)
+    plain = MemoryModel(ModelShape.from_config(model.config), tokens, precision="bf16")
+    assert saved == [fused.checkpoint[mode]] * layers, (saved, fused.checkpoint[mode], plain.checkpoint[mode])
+    loss.backward()
+
+
+def test_tiled_mlp_composes_with_fused_norms():
+    tokens, layers = 256, 2
+    model = _tiny(layers).cuda()
+    model.train()
+    enable_fused_ops(model, swiglu=False)
+    enable_memory_options(model, tiled_mlp=64)
+    probe = _SavedPerLayer(model)
+    batch = {k: v.cuda() for k, v in _batch(tokens).items()}
+    model(**batch).loss.backward()
+    fused = MemoryModel(ModelShape.from_config(model.config), tokens, precision="bf16", tiled_mlp=64, fused_ops=True)
+    assert probe.per_layer_bytes() == [fused.checkpoint["none"]] * layers
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self, count: int, vocab: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        lens = torch.randint(20, 120, (count,), generator=g).tolist()
+        self.rows = [{"input_ids": torch.randint(3, vocab, (n,), generator=g).tolist()} for n in lens]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def _train(tmp_path, backend: str, liger: bool, memory: str) -> tuple[list[float], list[float], bool]:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, attn_implementation=f"longctx_{backend}")
+    model = LlamaForCausalLM(cfg).cuda()
+    args = TrainingArguments(output_dir=str(tmp_path / f"{backend}-{liger}-{memory}"), per_device_train_batch_size=4,
+                             max_steps=3, logging_steps=1, learning_rate=1e-3, report_to=[], save_strategy="no",
+                             use_liger_kernel=liger, seed=0, dataloader_num_workers=0,
+                             gradient_checkpointing=memory == "manual")
+    callback = hf_longctx.LongContextCallback(LongContextConfig(memory=memory, seq_len=512))
+    trainer = Trainer(model=model, args=args, train_dataset=_Rows(32, 97),
+                      data_collator=DataCollatorWithFlattening(return_position_ids=True), callbacks=[callback])
+    trainer.train()
+    logs = trainer.state.log_history
+    return ([e["loss"] for e in logs if "loss" in e], [e["grad_norm"] for e in logs if "grad_norm" in e],
+            uses_fused_norms(model))
+
+
+@pytest.mark.parametrize("backend", sorted(set(backend_names()) - {"auto"}))
+def test_trainer_use_liger_kernel_trains_like_without_it(tmp_path, backend):
+    """Reference: transformers' own modules, recompute-aware checkpointing. Liger through the Trainer's flag
+    (which also swaps in its fused linear cross-entropy), with manual options and with ``memory: auto`` (which
+    must see the patched norms and not patch again), and ``memory: auto`` alone (which switches them on)."""
+    ref_losses, ref_norms, ref_fused = _train(tmp_path, backend, liger=False, memory="manual")
+    assert not ref_fused
+    for liger, memory in ((True, "manual"), (True, "auto"), (False, "auto")):
+        losses, norms, fused = _train(tmp_path, backend, liger=liger, memory=memory)
+        assert fused, (liger, memory)
+        assert len(losses) == len(ref_losses) == 3
+        assert losses == pytest.approx(ref_losses, rel=2e-4), (liger, memory)
+        assert norms == pytest.approx(ref_norms, rel=2e-3), (liger, memory)
