@@ -27,6 +27,10 @@ from hf_longctx.hf.memory_plan import MemoryModel, ModelShape
 pytest.importorskip("liger_kernel")
 
 
+def _on_gpu(batch: dict) -> dict:
+    return {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
 @pytest.mark.parametrize("mode", ["none", "layer", "recompute_aware"])
 def test_fused_layers_keep_what_the_memory_model_predicts(mode):
     tokens, layers = 256, 3
@@ -37,7 +41,7 @@ def test_fused_layers_keep_what_the_memory_model_predicts(mode):
     enable_per_layer_checkpointing(model, [mode] * layers)
     probe = _SavedPerLayer(model)
     kept = []
-    batch = {k: v.cuda() for k, v in _batch(tokens).items()}
+    batch = _on_gpu(_batch(tokens))
     with ATTENTION_OUTPUTS.watch(lambda t: kept.append(t.untyped_storage().nbytes())):
         loss = model(**batch).loss
     saved = probe.per_layer_bytes()
@@ -56,7 +60,7 @@ def test_tiled_mlp_composes_with_fused_norms():
     enable_fused_ops(model, swiglu=False)
     enable_memory_options(model, tiled_mlp=64)
     probe = _SavedPerLayer(model)
-    batch = {k: v.cuda() for k, v in _batch(tokens).items()}
+    batch = _on_gpu(_batch(tokens))
     model(**batch).loss.backward()
     fused = MemoryModel(ModelShape.from_config(model.config), tokens, precision="bf16", tiled_mlp=64, fused_ops=True)
     assert probe.per_layer_bytes() == [fused.checkpoint["none"]] * layers
