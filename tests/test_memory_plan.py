@@ -315,14 +315,14 @@ def test_host_memory_is_capped_by_the_cgroup_and_can_be_set(monkeypatch):
 
 
 def test_fused_ops_keep_less_per_layer_and_take_one_h200_to_512k():
-    """Liger's RMSNorm keeps its output, a float32 rsqrt and the one input nothing else keeps (~72 KiB less per
+    """Liger's RMSNorm keeps its input, its output and a float32 rsqrt (60 KiB less per
     token in a layer's backward for the 8B shape): 512K tokens then fit one H200 with 125 GiB of host memory."""
     shape = ModelShape.from_config(LLAMA3_8B)
     plain, fused = MemoryModel(shape, 512 * K), MemoryModel(shape, 512 * K, fused_ops=True)
     h, a = shape.hidden, 2
     # the norms, and one MLP intermediate (act(gate) is recomputed by the fused SwiGLU)
-    assert plain.saved_layer - fused.saved_layer == 512 * K * (2 * (4 + 2 * a) * h - 3 * a * h + a * shape.intermediate)
-    assert plain.backward_work["layer"] - fused.backward_work["layer"] >= 512 * K * 64 * 1024
+    assert plain.saved_layer - fused.saved_layer == 512 * K * (2 * (4 + 2 * a) * h - 4 * a * h + a * shape.intermediate)
+    assert plain.backward_work["layer"] - fused.backward_work["layer"] == 512 * K * 60 * 1024  # 32 of them temporaries
     assert fused.checkpoint["layer"] == plain.checkpoint["layer"]  # the layer input is what a checkpoint keeps
     plan = plan_memory(LLAMA3_8B, 512 * K, gpu_bytes=H200_GPU, host_bytes=HOST, fused_ops=True)
     assert plan.fused_ops and plan.gpu_peak <= plan.gpu_usable and plan.host_peak <= HOST
