@@ -72,6 +72,9 @@ def uses_fused_norms(model: torch.nn.Module) -> bool:
 def enable_fused_ops(model: torch.nn.Module, swiglu: bool = True) -> None:
     """Switch ``model``'s RMSNorms, RoPE and (``swiglu``) MLPs to Liger's kernels; the loss is left as it is.
 
+    Like the Trainer's ``use_liger_kernel``, this patches the model type's transformers module too (Liger's
+    RoPE replaces the module's function; models built later in this process get Liger's norms and MLP).
+
     Raises RuntimeError naming the fix when Liger cannot run here or does not know the model type.
     ``swiglu=False`` keeps the MLP module as it is (the tiled MLP wraps it instead).
     """

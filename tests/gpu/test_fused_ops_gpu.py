@@ -14,6 +14,7 @@ import pytest
 import torch
 from test_memory_plan import _batch, _SavedPerLayer, _tiny
 from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers.models.llama import modeling_llama
 
 import hf_longctx
 from hf_longctx.backends.registry import backend_names
@@ -23,6 +24,23 @@ from hf_longctx.hf.memory import enable_memory_options
 from hf_longctx.hf.memory_plan import MemoryModel, ModelShape
 
 pytest.importorskip("liger_kernel")
+
+# Liger patches transformers' Llama module as well as the instance (its RoPE is a module function): each run
+# here starts from transformers' own modules, as a fresh process would
+_LLAMA_NAMES = ("LlamaRMSNorm", "LlamaMLP", "apply_rotary_pos_emb")
+_ORIGINAL = {name: getattr(modeling_llama, name) for name in _LLAMA_NAMES}
+
+
+def _fresh_transformers() -> None:
+    for name, value in _ORIGINAL.items():
+        setattr(modeling_llama, name, value)
+
+
+@pytest.fixture(autouse=True)
+def _unpatched_transformers():
+    _fresh_transformers()
+    yield
+    _fresh_transformers()
 
 
 def _on_gpu(batch: dict) -> dict:
@@ -74,6 +92,7 @@ class _Rows(torch.utils.data.Dataset):
 
 
 def _train(tmp_path, backend: str, liger: bool, memory: str) -> tuple[list[float], list[float], bool]:
+    _fresh_transformers()
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, attn_implementation=f"longctx_{backend}")
