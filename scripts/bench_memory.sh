@@ -3,7 +3,7 @@
 # `--memory auto` and run, its predicted GPU and host peaks printed beside the measured ones. One part per
 # call (each fits the 10-minute command limit):
 #
-#   scripts/bench_memory.sh 128k    # today's hand-picked settings, then --memory auto, at 128K tokens
+#   scripts/bench_memory.sh 128k    # today's hand-picked settings, --memory auto, two hand-picked with Liger
 #   scripts/bench_memory.sh auto 262144   # --memory auto at the sizes named (tokens per GPU)
 #   scripts/bench_memory.sh plans   # the planner's verdict (no run) from 64K to 1M on this GPU
 #
@@ -19,9 +19,11 @@ train() { $PY scripts/bench_train.py --gpus 1 --backend local --layers 32 --step
   | grep -E "^(RESULT|memory plan|  )|Error|error:|out of memory" | tail -14; }
 
 case "${1:-}" in
-128k)
+128k)  # today's hand-picked settings, --memory auto, then the hand-picked candidates for the fastest
   train --seq 131072 --checkpointing layer --offload --tiled-loss 8192 --tiled-mlp 16384
   train --seq 131072 --memory auto
+  train --seq 131072 --checkpointing recompute_aware --offload --tiled-loss 8192 --fused-ops liger
+  train --seq 131072 --checkpointing recompute_aware --offload --tiled-loss 8192 --tiled-mlp 16384 --fused-ops liger
   ;;
 auto)
   shift

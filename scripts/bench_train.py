@@ -142,6 +142,14 @@ def worker(rank, world, args):
     else:
         impl = implementation_name(args.backend)
     model = build_model(args, impl, device)
+    phase_peaks: dict[str, float] = {}
+
+    def phase_peak(name: str) -> None:
+        """The GPU peak of the phase that just ended (GiB), for the memory model's calibration; then a new phase."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            phase_peaks[name] = max(phase_peaks.get(name, 0.0), torch.cuda.max_memory_allocated(device) / 2**30)
+            torch.cuda.reset_peak_memory_stats(device)
     memory_plan = None
     if args.memory == "auto":  # the planner picks checkpointing, offload and tiling from the memory it sees
         from hf_longctx.hf import LongContextConfig
@@ -213,12 +221,15 @@ def worker(rank, world, args):
     else:
         def step():
             loss = model(**local).loss
+            phase_peak("forward and loss")
             loss.backward()
             for p in params:  # each rank holds its share of the loss: the gradient is the group's sum
                 if world > 1:
                     dist.all_reduce(p.grad)
+            phase_peak("backward")
             opt.step()
             opt.zero_grad(set_to_none=True)
+            phase_peak("optimizer step")
             return loss
 
     if args.curve:  # the loss of every step, summed over the group (each rank's loss is its share)
@@ -237,6 +248,8 @@ def worker(rank, world, args):
         torch.cuda.reset_peak_memory_stats(device)
     ms = timed_slowest_rank(step, args.steps, device, warmup=args.warmup)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    if phase_peaks:
+        peak = max(peak, *phase_peaks.values())
     peak_t = torch.tensor([peak], device=device)
     dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
     attn = float("nan") if peer else attention_ms(plan, args.backend, rank, None, model.config, device,
@@ -252,7 +265,7 @@ def worker(rank, world, args):
         "mfu": training_mfu(model.config, flops_per_token, total, packed.causal_pairs(), ms / 1e3, world,
                             peak_flops(device)),
         "peak_gib": peak_t.item(),
-        "host_peak_gib": host_peak_gib(),
+        "host_peak_gib": host_peak_gib(), "phase_peak_gib": {k: round(v, 1) for k, v in phase_peaks.items()},
         "attention_share": None if peer else min(1.0, attn * attn_runs / ms),
     }
     if memory_plan is not None:
