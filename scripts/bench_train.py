@@ -176,7 +176,10 @@ def worker(rank, world, args):
     model.train()
     flops_per_token = model_flops_per_token(model)  # before ZeRO-3 partitions the parameters away
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, fused=device.type == "cuda" and not args.zero and not peer)
+    if memory_plan is not None and memory_plan.optimizer_on_host:  # torchao's offload optimizer (one process)
+        opt = memory_plan.make_optimizer(params, lr=args.lr)
+    else:
+        opt = torch.optim.AdamW(params, lr=args.lr, fused=device.type == "cuda" and not args.zero and not peer)
     total = args.seq * world
     packed, batch = packed_batch(total, model.config.vocab_size, args.mix, args.seed, device,
                                  learnable=bool(args.curve))
@@ -260,7 +263,8 @@ def worker(rank, world, args):
         "backend": args.backend, "kernel": args.kernel, "gpus": world, "tokens_per_gpu": args.seq, "context": total,
         "layers": model.config.num_hidden_layers, "checkpointing": args.checkpointing,
         "tiled_loss": args.tiled_loss, "tiled_mlp": args.tiled_mlp, "zero": args.zero, "fsdp": args.fsdp,
-        "offload": args.offload, "fused_ops": args.fused_ops, "docs": packed.num_docs,
+        "offload": args.offload, "fused_ops": args.fused_ops,
+        "optimizer_on_host": bool(memory_plan is not None and memory_plan.optimizer_on_host), "docs": packed.num_docs,
         "longest_doc": max(packed.doc_lens), "step_s": ms / 1e3, "tokens_per_s": total / (ms / 1e3),
         "mfu": training_mfu(model.config, flops_per_token, total, packed.causal_pairs(), ms / 1e3, world,
                             peak_flops(device)),

@@ -48,6 +48,7 @@ from hf_longctx.hf.checkpointing import checkpointing_training_args
 from hf_longctx.hf.config import add_config_arguments, config_overrides
 from hf_longctx.hf.fsdp import enable_fsdp_on_cpu
 from hf_longctx.hf.memory_plan import plan_for_training
+from hf_longctx.hf.optimizer_offload import trainer_optimizer_cls_and_kwargs
 
 
 def tiny_llama_config(vocab_size: int, attn_implementation: str) -> LlamaConfig:
@@ -133,11 +134,13 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
     torch.manual_seed(args.seed)
     dtype = torch.bfloat16 if on_gpu else torch.float32
+    memory_plan = None
     if cfg.memory == "auto":  # a plan that cannot fit stops the run here, before any model or data is built
         world = int(os.environ.get("WORLD_SIZE", "1"))
         with report_config_errors():
-            plan_for_training(model_config(args, cfg, tokenizer), cfg, tokens_per_gpu=seq_len, world=world,
-                              sp_size=cfg.resolved_sp_size(world), precision="bf16" if on_gpu else "fp32")
+            memory_plan = plan_for_training(model_config(args, cfg, tokenizer), cfg, tokens_per_gpu=seq_len,
+                                            world=world, sp_size=cfg.resolved_sp_size(world),
+                                            precision="bf16" if on_gpu else "fp32")
     if args.model == "tiny":
         model = LlamaForCausalLM(tiny_llama_config(len(tokenizer), cfg.attn_implementation))
     elif args.model == "tiny-moe":
@@ -166,8 +169,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     enable_fsdp_on_cpu(training_args)  # an FSDP2 recipe on CPU: accelerate would fall back to DDP (hf_longctx.hf.fsdp)
     callback = hf_longctx.LongContextCallback(cfg)
+    # a plan that keeps AdamW on the host needs that optimizer from the start (the callback checks it)
+    host_adamw = memory_plan is not None and memory_plan.optimizer_on_host
     trainer = Trainer(model=model, args=training_args, train_dataset=packed, data_collator=PackedCollator(),
-                      callbacks=[callback])
+                      callbacks=[callback],
+                      optimizer_cls_and_kwargs=trainer_optimizer_cls_and_kwargs(training_args) if host_adamw else None)
     start = time.perf_counter()
     trainer.train()
     elapsed = time.perf_counter() - start

@@ -22,6 +22,7 @@ from hf_longctx.hf.memory_plan import (
     ModelShape,
     default_host_overhead,
     plan_for_training,
+    pinned_parameter_bytes,
     plan_memory,
 )
 from hf_longctx.layout import PackedBatch
@@ -196,13 +197,28 @@ def test_plan_on_an_h100_suggests_sharding_when_more_gpus_alone_would_not_do():
         plan_memory(LLAMA3_8B, 256 * K, gpu_bytes=H100_GPU, host_bytes=HOST)
 
 
-def test_optimizer_on_the_host_only_when_allowed_and_not_applied():
+def test_optimizer_on_the_host_only_when_allowed_and_needed():
+    """One H100: 128K does not fit with AdamW on the GPU; with torchao's offload optimizer the host holds pinned
+    copies of every parameter and gradient (power-of-two blocks) and the moments, and the GPU no gradients."""
     with pytest.raises(MemoryPlanError, match="optimizer states on the host"):
         plan_memory(LLAMA3_8B, 128 * K, gpu_bytes=H100_GPU, host_bytes=HOST)
     plan = plan_memory(LLAMA3_8B, 128 * K, gpu_bytes=H100_GPU, host_bytes=HOST, allow_optimizer_on_host=True)
-    assert plan.optimizer_on_host and plan.host_items["optimizer"] > 0
-    with pytest.raises(NotImplementedError, match="offload_optimizer"):
-        plan.apply(None)
+    shape = ModelShape.from_config(LLAMA3_8B)
+    assert plan.optimizer_on_host
+    assert plan.host_items["optimizer"] == 2 * pinned_parameter_bytes(shape, 2) + shape.params * 4
+    assert "optimizer" not in plan.gpu_items or plan.gpu_items["optimizer"] == 0
+    # where everything fits on the GPU, the host optimizer's slower step is not chosen
+    assert not plan_memory(LLAMA3_8B, 32 * K, gpu_bytes=H200_GPU, host_bytes=HOST,
+                           allow_optimizer_on_host=True).optimizer_on_host
+
+
+def test_pinned_copies_round_each_tensor_up_to_a_power_of_two():
+    shape = ModelShape.from_config(LLAMA3_8B)
+    # gate/up/down (4096 x 14336 bf16 = 112 MiB) take 128 MiB blocks; q/o 32 MiB and k/v 8 MiB are exact
+    per_layer = 3 * 128 + 2 * 32 + 2 * 8
+    embedding = 1024  # 128256 x 4096 bf16 = 1002 MiB in a 1 GiB block, twice (untied head)
+    small = (2 * 32 + 1) * 8192 / (1 << 20)  # the norms' 8 KiB blocks
+    assert pinned_parameter_bytes(shape, 2) == int(((32 * per_layer + 2 * embedding) + small) * (1 << 20))
 
 
 def test_zero_and_recipe_restrictions():

@@ -30,6 +30,7 @@ from .config import LongContextConfig, load_config
 from .fsdp import check_fsdp_model
 from .inputs import install_input_hook
 from .memory import enable_memory_options
+from .optimizer_offload import host_optimizer_of
 from .parallelism import model_parallelism
 from .preflight import check_process_count
 
@@ -82,6 +83,7 @@ class LongContextCallback(TrainerCallback):
         self._model = None
         self._grad_sync = None
         self._max_grad_norm = None
+        self._host_optimizer = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         cfg = self.config = self.config or load_config()
@@ -106,13 +108,16 @@ class LongContextCallback(TrainerCallback):
             from .memory_plan import plan_for_training
 
             plan = plan_for_training(model, cfg, args, world=world, sp_size=sp,
-                                     train_dataloader=kwargs.get("train_dataloader"))
+                                     train_dataloader=kwargs.get("train_dataloader"), optimizer=kwargs.get("optimizer"))
             self._memory = plan.apply(model)  # before the input hook, as below
             checkpointing = self._memory.checkpointing
         else:
             # before the input hook: its output hook must run after the tiled loss's
             self._memory = enable_memory_options(model, checkpointing, cfg.offload_checkpoints and
                                                  checkpointing != "none", cfg.tiled_loss, cfg.tiled_mlp)
+        self._host_optimizer = host_optimizer_of(kwargs.get("optimizer"))
+        if self._host_optimizer is not None:
+            self._take_over_clipping_on_the_host(args)
         self.hook = install_input_hook(model, group, cfg.kernel)
         # average_tokens_across_devices=False: every sequence-parallel group averages its own tokens, as one
         # device of plain DDP averages its batch (the group, not the process, holds a sequence)
@@ -160,8 +165,21 @@ class LongContextCallback(TrainerCallback):
         sync.max_grad_norm = args.max_grad_norm if clip else float("inf")  # inf: only measure, for the logs
         args.max_grad_norm = 0.0
 
+    def _take_over_clipping_on_the_host(self, args) -> None:
+        """AdamW on the host: the GPU gradients are gone when the Trainer would clip them; the optimizer clips the
+        host copies with the whole model's norm (hf.optimizer_offload)."""
+        if args.gradient_accumulation_steps != 1:
+            raise ValueError("AdamW on the host (HostOffloadAdamW) does not accumulate gradients over micro-batches: "
+                             "set gradient_accumulation_steps=1 (a longer sequence per step instead), or keep the "
+                             "optimizer on the GPU")
+        self._max_grad_norm = args.max_grad_norm
+        self._host_optimizer.max_grad_norm = args.max_grad_norm
+        args.max_grad_norm = 0.0
+
     def on_train_end(self, args, state, control, model=None, **kwargs):
         """Remove what ``on_train_begin`` installed; checkpointing stays as the Trainer left it."""
+        if self._host_optimizer is not None:
+            args.max_grad_norm, self._host_optimizer = self._max_grad_norm, None
         if self._grad_sync is not None:
             args.max_grad_norm, self._grad_sync.max_grad_norm = self._max_grad_norm, None
             self._grad_sync = None
@@ -173,6 +191,10 @@ class LongContextCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.hook is None or logs is None or "loss" not in logs:
             return
+        if self._host_optimizer is not None and self._host_optimizer.last_grad_norm is not None:
+            logs["grad_norm"] = self._host_optimizer.last_grad_norm  # the Trainer no longer sees the gradients
+            if state.log_history and "loss" in state.log_history[-1]:
+                state.log_history[-1]["grad_norm"] = logs["grad_norm"]
         sync = self._grad_sync
         if sync is not None and sync.last_norm is not None and "grad_norm" in logs:
             # the Trainer measured this rank's own expert slices; the hook's norm is the whole model's

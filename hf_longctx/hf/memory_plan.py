@@ -68,9 +68,12 @@ copy time that the layer's compute does not hide, whichever is more. So spare me
 first untiled loss and MLP, then fewer checkpointed layers, recompute-aware before layer
 checkpointing, and checkpoints on the host while host memory lasts.
 
-Optimizer states on the host are modelled but never chosen unless ``allow_optimizer_on_host=True``,
-and such a plan cannot be applied yet (:meth:`MemoryPlan.apply` raises NotImplementedError): it
-needs DeepSpeed's ``offload_optimizer``.
+Optimizer states on the host: in one process (no ZeRO) AdamW runs on the host through torchao's
+offload optimizer (:mod:`.optimizer_offload`): pinned host copies of every parameter and gradient
+(power-of-two blocks) plus the AdamW moments; on the GPU only the weights and one layer's gradients in
+flight. :func:`plan_for_training` allows it where it can run (torchao, a CUDA device, one process) and
+the plan chooses it only when nothing fits with the optimizer on the GPU (its host AdamW step costs
+seconds). Under ZeRO the host layout is DeepSpeed's ``offload_optimizer`` (modelled, set in the recipe).
 """
 
 from __future__ import annotations
@@ -81,9 +84,12 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from .config import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 GiB = 1 << 30
 
@@ -315,6 +321,21 @@ PRECISIONS = {
 }
 
 
+def parameter_tensor_elements(shape: ModelShape) -> list[int]:
+    """Elements of each parameter tensor of the model (biases left out: too small to matter)."""
+    s = shape
+    per_layer = [s.hidden * s.q_dim, s.hidden * s.kv_dim, s.hidden * s.kv_dim, s.q_dim * s.hidden,
+                 s.hidden * s.intermediate, s.hidden * s.intermediate, s.intermediate * s.hidden, s.hidden, s.hidden]
+    head = [] if s.tied_embeddings else [s.vocab * s.hidden]
+    return per_layer * s.layers + [s.vocab * s.hidden, *head, s.hidden]
+
+
+def pinned_parameter_bytes(shape: ModelShape, bytes_per_element: int) -> int:
+    """Pinned host bytes of one copy of every parameter tensor: torch's caching host allocator rounds each
+    block up to a power of two."""
+    return sum(_pow2(n * bytes_per_element) for n in parameter_tensor_elements(shape))
+
+
 class LayerChoice(NamedTuple):
     """How one decoder layer keeps what its backward needs."""
 
@@ -411,7 +432,13 @@ class MemoryModel:
         self.grad_layer = s.layer_params * p.grad // shard_grads
         self.grad_head = s.head_params * p.grad // shard_grads
         self.grad_embedding = s.embedding_params * p.grad // shard_grads
-        buffers = 0
+        host_adamw = self.optimizer_on_host and zero == 0
+        if host_adamw:  # torchao's offload optimizer: pinned copies of parameters and gradients, moments on the host
+            self.optimizer_host = (pinned_parameter_bytes(s, p.weight) + pinned_parameter_bytes(s, p.grad)
+                                   + P * p.states)
+            # each GPU gradient is freed once its copy has left: one layer's gradients in flight
+            self.grad_layer = self.grad_head = self.grad_embedding = 0
+        buffers = s.layer_params * p.grad if host_adamw else 0
         if zero >= 2:
             buffers = min(P, ZERO_REDUCE_BUCKET_ELEMENTS) * p.grad
         elif zero == 0 and n > 1:
@@ -582,11 +609,12 @@ class MemoryPlan:
                 "tiled_loss": self.tiled_loss, "tiled_mlp": self.tiled_mlp, "layers": list(self.layers)}
 
     def apply(self, model):
-        """Switch this plan's options on (returns :class:`~hf_longctx.hf.memory.MemoryOptions`)."""
-        if self.optimizer_on_host:
-            raise NotImplementedError("this plan keeps the optimizer states on the host, which hf_longctx cannot "
-                                      "set up yet: use DeepSpeed's zero_optimization.offload_optimizer in the "
-                                      "accelerate recipe, or plan with allow_optimizer_on_host=False")
+        """Switch this plan's options on (returns :class:`~hf_longctx.hf.memory.MemoryOptions`).
+
+        The optimizer is the caller's: :meth:`make_optimizer` builds the one this plan assumes (the Trainer
+        takes :func:`~hf_longctx.hf.optimizer_offload.trainer_optimizer_cls_and_kwargs` when
+        ``optimizer_on_host``; the callback refuses a Trainer whose optimizer is not it).
+        """
         from .memory import enable_memory_options
 
         if self.fused_ops:
@@ -595,6 +623,16 @@ class MemoryPlan:
             if not uses_fused_norms(model):  # the Trainer's use_liger_kernel may have done it already
                 enable_fused_ops(model, swiglu=not self.tiled_mlp)
         return enable_memory_options(model, **self.memory_options())
+
+    def make_optimizer(self, params, lr: float, **adamw) -> torch.optim.Optimizer:
+        """AdamW where this plan keeps it: on the host (torchao's offload optimizer) or fused on the GPU."""
+        import torch
+
+        if self.optimizer_on_host:
+            from .optimizer_offload import HostOffloadAdamW
+
+            return HostOffloadAdamW(params, lr=lr, **adamw)
+        return torch.optim.AdamW(params, lr=lr, fused=torch.cuda.is_available(), **adamw)
 
     def groups(self) -> list[tuple[int, int, LayerChoice]]:
         """Runs of consecutive layers with the same choice: (first, last, choice)."""
@@ -789,7 +827,8 @@ def plan_memory(config, tokens_per_gpu: int, sp_size: int = 1, gpu_bytes: int | 
                 allow_offload: bool = True, allow_optimizer_on_host: bool = False,
                 tiled_loss: int | None = None, tiled_mlp: int | None = None,
                 host_overhead_bytes: int | None = None, processes_per_host: int = 1,
-                attention_context: float | None = None, fused_ops: bool | None = None) -> MemoryPlan:
+                attention_context: float | None = None, fused_ops: bool | None = None,
+                optimizer_on_host: bool | None = None) -> MemoryPlan:
     """The fastest memory plan for ``tokens_per_gpu`` tokens per GPU that fits the GPU and the host.
 
     ``config``: a transformers config (or a :class:`ModelShape`). ``gpu_bytes``: the GPU's total
@@ -803,8 +842,9 @@ def plan_memory(config, tokens_per_gpu: int, sp_size: int = 1, gpu_bytes: int | 
     ``tiled_loss`` / ``tiled_mlp``: a chunk size fixes it (0: off), None lets the planner choose.
     ``attention_context``: mean keys per query for the cost model (default: one document over the
     whole context). ``fused_ops``: the model runs Liger's fused RMSNorm/RoPE/SwiGLU (:mod:`.fused_ops`), which
-    keeps less per layer; None: wherever they can run here. Raises :class:`MemoryPlanError` naming the shortfall
-    and what would fit.
+    keeps less per layer; None: wherever they can run here. ``optimizer_on_host``: where AdamW is (an optimizer
+    that already exists); None lets the plan choose (the host only with ``allow_optimizer_on_host``).
+    Raises :class:`MemoryPlanError` naming the shortfall and what would fit.
     """
     shape = config if isinstance(config, ModelShape) else ModelShape.from_config(config)
     tokens = int(tokens_per_gpu)
@@ -828,7 +868,11 @@ def plan_memory(config, tokens_per_gpu: int, sp_size: int = 1, gpu_bytes: int | 
     mlp_options = [tiled_mlp] if tiled_mlp is not None else [0, *[c for c in MLP_CHUNKS if c < tokens]]
     if zero_stage == 3:  # the chunked backward reads weights ZeRO-3 has freed (see tiled_mlp)
         mlp_options = [0]
-    places = [False, True] if allow_optimizer_on_host else [False]
+    if optimizer_on_host is not None:
+        places = [bool(optimizer_on_host)]
+        allow_optimizer_on_host = bool(optimizer_on_host)
+    else:
+        places = [False, True] if allow_optimizer_on_host else [False]
     costs = _Costs(shape, tokens, sp_size, attention_context, PRECISIONS[settings["precision"]], zero_stage, world)
     best = None
     for on_host in places:
@@ -943,8 +987,8 @@ def _no_fit_message(shape, tokens, gpu_total, host_total, modes, allow_offload, 
                 hints.append(f"more host memory: {_gib(full)} GiB (has {_gib(host_total)}) to offload every "
                              "layer's checkpoint")
     if not allow_opt and fits(tokens, on_host=True):
-        hints.append("the optimizer states on the host (allow_optimizer_on_host=True; needs DeepSpeed's "
-                     "offload_optimizer, which hf_longctx does not set up yet)")
+        hints.append("the optimizer states on the host (allow_optimizer_on_host=True: torchao's offload optimizer "
+                     "in one process, pip install 'hf_longctx[offload]'; DeepSpeed's offload_optimizer under ZeRO)")
     if not hints:
         hints.append("none found among sequence parallelism up to 1024 GPUs, more host memory or a shorter context")
     return lines[0] + ". Would fit: " + "; or ".join(hints)
@@ -980,7 +1024,8 @@ def precision_of(model, zero_stage: int = 0) -> str:
 def plan_for_training(model, cfg, args=None, *, tokens_per_gpu: int | None = None, world: int = 1,
                       sp_size: int = 1, train_dataloader=None, processes_per_host: int | None = None,
                       zero_stage: int | None = None, precision: str | None = None,
-                      fused_ops: bool | None = None) -> MemoryPlan:
+                      fused_ops: bool | None = None, allow_optimizer_on_host: bool | None = None,
+                      optimizer=None) -> MemoryPlan:
     """The memory plan of a run whose recipe says ``memory: auto``.
 
     ``model``: the model or its config. Tokens per GPU: ``tokens_per_gpu``, else the length of a row of
@@ -995,7 +1040,10 @@ def plan_for_training(model, cfg, args=None, *, tokens_per_gpu: int | None = Non
     itself: the plan takes the host's available memory, split over the processes on it, as the
     device budget, and offloads nothing (a host copy would save nothing). ``fused_ops``: plan (and apply)
     Liger's fused RMSNorm/RoPE/SwiGLU; None: where they run (a CUDA device, Liger installed) or where the
-    model runs them already (``use_liger_kernel=True``).
+    model runs them already (``use_liger_kernel=True``). ``allow_optimizer_on_host``: let the plan keep AdamW
+    on the host when nothing fits otherwise; None: where torchao's offload optimizer can run (one process on
+    a CUDA device, no ZeRO or FSDP). ``optimizer``: the optimizer the run already has (the Trainer's): the
+    plan takes its place as given, and a plan that needs AdamW on the host while it is on the GPU says so.
     """
     from .fsdp import requested_fsdp_version
 
@@ -1035,14 +1083,24 @@ def plan_for_training(model, cfg, args=None, *, tokens_per_gpu: int | None = Non
 
         already = hasattr(model, "parameters") and uses_fused_norms(model)
         fused_ops = already or (on_gpu and fused_ops_available(device))
+    from .optimizer_offload import check_optimizer_place, host_optimizer_of, optimizer_offload_available
+
+    fixed_place = True if optimizer is not None and host_optimizer_of(optimizer) is not None else None
+    if allow_optimizer_on_host is None:
+        allow_optimizer_on_host = (on_gpu and zero == 0 and not fsdp and world == 1
+                                   and optimizer_offload_available(device))
     common = dict(sp_size=sp_size, zero_stage=zero, world=world, precision=precision, fused_ops=fused_ops,
+                  allow_optimizer_on_host=allow_optimizer_on_host, optimizer_on_host=fixed_place,
                   modes=_MODES_OF_RECIPE[cfg.checkpointing], tiled_loss=0 if fsdp else (cfg.tiled_loss or None),
                   tiled_mlp=cfg.tiled_mlp or None, processes_per_host=ppn)
     if on_gpu:
-        return plan_memory(config, tokens_per_gpu, gpu_bytes=gpu_memory_bytes(device), **common)
-    budget = host_memory_bytes(available=True) // ppn
-    return plan_memory(config, tokens_per_gpu, gpu_bytes=budget, host_bytes=budget, allow_offload=False,
-                       host_overhead_bytes=0, **common)
+        plan = plan_memory(config, tokens_per_gpu, gpu_bytes=gpu_memory_bytes(device), **common)
+    else:
+        budget = host_memory_bytes(available=True) // ppn
+        plan = plan_memory(config, tokens_per_gpu, gpu_bytes=budget, host_bytes=budget, allow_offload=False,
+                           host_overhead_bytes=0, **common)
+    check_optimizer_place(plan, optimizer)
+    return plan
 
 
 def _cuda_available() -> bool:
