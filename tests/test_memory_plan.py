@@ -377,3 +377,16 @@ def test_the_fused_model_against_its_gpu_measurements():
         model = MemoryModel(shape, tokens, tiled_loss=loss, tiled_mlp=mlp, fused_ops=True)
         peak = model.gpu_peak(layers)[0] / GiB
         assert low * measured <= peak <= high * measured, (tokens, peak, measured)
+
+
+def test_a_plan_with_adamw_on_the_host_refuses_an_optimizer_on_the_gpu():
+    from hf_longctx.hf.config import ConfigError
+    from hf_longctx.hf.optimizer_offload import check_optimizer_place, optimizer_offload_reason
+
+    plan = plan_memory(LLAMA3_8B, 128 * K, gpu_bytes=H100_GPU, host_bytes=HOST, allow_optimizer_on_host=True)
+    assert plan.optimizer_on_host
+    gpu_adamw = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    with pytest.raises(ConfigError, match="trainer_optimizer_cls_and_kwargs"):
+        check_optimizer_place(plan, gpu_adamw)
+    check_optimizer_place(plan, None)  # no optimizer yet (the script builds the right one)
+    assert optimizer_offload_reason("cpu") is not None  # torchao's offload needs a CUDA device

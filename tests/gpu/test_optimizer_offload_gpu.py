@@ -1,0 +1,102 @@
+"""AdamW on the host (torchao's offload optimizer behind HostOffloadAdamW) steps like AdamW on the GPU.
+
+The same tiny float32 model trained three steps with each optimizer: the parameters agree to float32
+rounding after every step, with and without gradient clipping (which the host optimizer applies to its
+host copies, since the GPU gradients are gone by the time the Trainer would clip). A gradient that
+arrives twice before a step (gradient accumulation) is refused. Through the Trainer and the long-context
+callback the losses and gradient norms match a run with the Trainer's own AdamW.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+import hf_longctx
+from hf_longctx.hf.config import LongContextConfig
+from hf_longctx.hf.optimizer_offload import HostOffloadAdamW, trainer_optimizer_cls_and_kwargs
+
+pytest.importorskip("torchao")
+
+
+def _model(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg).cuda()
+
+
+def _loss(model, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, 97, (2, 64), generator=g).cuda()
+    return model(input_ids=ids, labels=ids).loss
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 0.05])
+def test_host_adamw_steps_like_adamw_on_the_gpu(max_grad_norm):
+    ref, host = _model(), _model()
+    settings = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **settings)
+    host_opt = HostOffloadAdamW(host.parameters(), max_grad_norm=max_grad_norm, **settings)
+    for step in range(3):
+        _loss(ref, step).backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm or float("inf"))
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        _loss(host, step).backward()
+        host_opt.step()
+        host_opt.zero_grad()
+        assert host_opt.last_grad_norm == pytest.approx(float(norm), rel=1e-5)
+        for (name, a), b in zip(ref.named_parameters(), host.parameters()):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"step {step}, {name}")
+    if max_grad_norm:
+        assert norm > max_grad_norm  # the clip did act
+
+
+def test_gradient_accumulation_is_refused():
+    model = _model()
+    opt = HostOffloadAdamW(model.parameters(), lr=1e-3)
+    _loss(model, 0).backward()
+    with pytest.raises(RuntimeError, match="gradient_accumulation_steps=1"):
+        _loss(model, 1).backward()
+    del opt
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self, count: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        lens = torch.randint(20, 120, (count,), generator=g).tolist()
+        self.rows = [{"input_ids": torch.randint(3, 97, (n,), generator=g).tolist()} for n in lens]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def _train(tmp_path, host: bool) -> tuple[list[float], list[float]]:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="longctx_zigzag")
+    model = LlamaForCausalLM(cfg).cuda()
+    args = TrainingArguments(output_dir=str(tmp_path / f"host-{host}"), per_device_train_batch_size=4, max_steps=3,
+                             logging_steps=1, learning_rate=1e-3, report_to=[], save_strategy="no", seed=0,
+                             max_grad_norm=0.5, dataloader_num_workers=0)
+    trainer = Trainer(model=model, args=args, train_dataset=_Rows(32),
+                      data_collator=DataCollatorWithFlattening(return_position_ids=True),
+                      callbacks=[hf_longctx.LongContextCallback(LongContextConfig())],
+                      optimizer_cls_and_kwargs=trainer_optimizer_cls_and_kwargs(args) if host else None)
+    trainer.train()
+    assert args.max_grad_norm == 0.5  # the callback gives the Trainer its setting back
+    logs = trainer.state.log_history
+    return [e["loss"] for e in logs if "loss" in e], [e["grad_norm"] for e in logs if "grad_norm" in e]
+
+
+def test_trainer_with_host_adamw_trains_like_the_trainers_adamw(tmp_path):
+    losses, norms = _train(tmp_path, host=True)
+    ref_losses, ref_norms = _train(tmp_path, host=False)
+    assert len(losses) == len(norms) == 3
+    assert losses == pytest.approx(ref_losses, rel=1e-4)
+    assert norms == pytest.approx(ref_norms, rel=1e-3)
