@@ -71,17 +71,20 @@ def _flatten(params) -> list:
     return [{**g, "params": list(g["params"])} for g in groups]
 
 
-def HostOffloadAdamW(params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,  # noqa: N802
-                     weight_decay: float = 0.01, max_grad_norm: float | None = None, **kwargs):
+class HostOffloadAdamW(torch.optim.Optimizer):
     """AdamW whose states, and the gradients between backward and step, live in pinned host memory.
 
-    A function returning an instance of a subclass of torchao's ``CPUOffloadOptimizer`` (built on first
-    use, so this module imports without torchao); usable as ``Trainer(optimizer_cls_and_kwargs=
-    (HostOffloadAdamW, {...}))``. ``max_grad_norm``: clip the global gradient norm in :meth:`step` (the
-    callback sets it from ``TrainingArguments.max_grad_norm``). Extra ``kwargs`` go to ``torch.optim.AdamW``.
+    Constructing it returns an instance of a subclass of torchao's ``CPUOffloadOptimizer`` (built on first
+    use, so this module imports without torchao); being an ``Optimizer`` subclass itself, it is taken by
+    ``Trainer(optimizer_cls_and_kwargs=(HostOffloadAdamW, {...}))`` as an optimizer class.
+    ``max_grad_norm``: clip the global gradient norm in ``step`` (the callback sets it from
+    ``TrainingArguments.max_grad_norm``). Extra ``kwargs`` go to ``torch.optim.AdamW``.
     """
-    return _host_offload_class()(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                 max_grad_norm=max_grad_norm, **kwargs)
+
+    def __new__(cls, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                weight_decay: float = 0.01, max_grad_norm: float | None = None, **kwargs):
+        return _host_offload_class()(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                     max_grad_norm=max_grad_norm, **kwargs)
 
 
 _CLASS = None
