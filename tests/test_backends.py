@@ -159,14 +159,14 @@ def raise_on_one_rank(rank, world, result_dir):
     idx = plan.local_indices(rank)
     if rank == 0:  # fails in its second kernel call: the helper block rank 2 waits for
         calls = []
-        real = engine.attention_forward
+        real = engine.kernel_forward
 
         def broken(*args, **kwargs):
             calls.append(1)
             if len(calls) == 2:
                 raise RuntimeError("simulated kernel failure")
             return real(*args, **kwargs)
-        engine.attention_forward = broken
+        engine.kernel_forward = broken
     start = time.monotonic()
     try:
         sequence_parallel_attention(q[idx], q[idx], q[idx], plan=plan, backend="distflash")

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.p2p import PendingExchange, post_exchange
-from ..kernels import PartialAccumulator, accumulation_dtype, attention_backward, attention_forward
+from ..kernels import PartialAccumulator, accumulation_dtype, kernel_backward, kernel_call, kernel_forward
 from ..layout import Exchange, ShardPlan, exchange_plan
 from .schedule import BlockTask, Schedule
 
@@ -129,10 +129,9 @@ def _post_forward_fetch(ctx: RunContext, step: int, q, k, v) -> PendingExchange:
 
 def _run_pairs_forward(ctx: RunContext, pairs, qs, ks, vs, acc: PartialAccumulator) -> None:
     for p in pairs:
-        out, lse = attention_forward(
-            qs[p.q_start : p.q_end], ks[p.k_start : p.k_end], vs[p.k_start : p.k_end], p.cu_q, p.cu_k,
-            p.max_q, p.max_k, causal=p.causal, softmax_scale=ctx.scale, kernel=ctx.kernel, window=p.window,
-        )
+        call = kernel_call(qs[p.q_start : p.q_end], ks[p.k_start : p.k_end], vs[p.k_start : p.k_end], p.cu_q,
+                           p.cu_k, p.max_q, p.max_k, causal=p.causal, softmax_scale=ctx.scale, window=p.window)
+        out, lse = kernel_forward(call, ctx.kernel)
         acc.add(p.q_start, out, lse)
 
 
@@ -230,10 +229,9 @@ def _post_backward_fetch(ctx: RunContext, step: int, tensors: dict) -> PendingEx
 def _run_pairs_backward(ctx: RunContext, pairs, qs, outs, douts, lses, ks, vs, dq, dk, dv) -> None:
     for p in pairs:
         sq, sk = slice(p.q_start, p.q_end), slice(p.k_start, p.k_end)
-        gq, gk, gv = attention_backward(
-            douts[sq], qs[sq], ks[sk], vs[sk], outs[sq], lses[:, sq], p.cu_q, p.cu_k, p.max_q, p.max_k,
-            causal=p.causal, softmax_scale=ctx.scale, kernel=ctx.kernel, window=p.window,
-        )
+        call = kernel_call(qs[sq], ks[sk], vs[sk], p.cu_q, p.cu_k, p.max_q, p.max_k, causal=p.causal,
+                           softmax_scale=ctx.scale, window=p.window)
+        gq, gk, gv = kernel_backward(call, douts[sq], outs[sq], lses[:, sq], ctx.kernel)
         dq[sq] += gq
         dk[sk] += gk
         dv[sk] += gv

@@ -170,9 +170,9 @@ def backend_from_name(name: str) -> str:
 
 def _check_kernel(kernel: str) -> None:
     """Kernel names are checked when the recipe is read, not at the first forward."""
-    from ..kernels import KERNELS
+    from ..kernels import kernel_names
 
-    valid = ("auto",) + tuple(KERNELS)
+    valid = ("auto", *kernel_names())
     if kernel not in valid:
         hint = difflib.get_close_matches(str(kernel), valid, n=1, cutoff=0.5)
         raise ValueError(f"unknown kernel {kernel!r}" + (f"; did you mean {hint[0]!r}?" if hint else "")
