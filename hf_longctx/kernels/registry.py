@@ -28,7 +28,7 @@ class KernelRegistry:
     def register(self, kernel: Kernel, *, auto_before: str | None = None, in_auto: bool = True,
                  replace: bool = False) -> Kernel:
         name = getattr(kernel, "name", None)
-        if not isinstance(name, str) or not name or not name.replace("_", "").isalnum() or name == AUTO:
+        if not isinstance(name, str) or not name.replace("_", "").isalnum() or name != name.lower() or name == AUTO:
             raise ValueError(f"kernel name {name!r} must be lower-case letters, digits and '_' (and not 'auto')")
         missing = [m for m in ("supports", "forward", "backward") if not callable(getattr(kernel, m, None))]
         if missing:
