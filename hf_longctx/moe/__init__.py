@@ -18,7 +18,7 @@ from .checkpoint import (
     merge_shard,
     shard_state_dict,
 )
-from .dispatch import DISPATCHES, dispatch_experts, moe_comm_stats, reset_moe_comm_stats
+from .dispatch import DISPATCHES, dispatch_experts
 from .expert_tp import TensorSlice, expert_tp_slices
 from .experts import expert_mlp, expert_mlp_flops
 from .grads import all_reduce_expert_grads, clip_grad_norm_, expert_parameter_names, ignore_expert_params_in_ddp
@@ -50,8 +50,6 @@ __all__ = [
     "load_balancing_loss_share",
     "merge_expert_shards",
     "merge_shard",
-    "moe_comm_stats",
     "pair_layout",
-    "reset_moe_comm_stats",
     "shard_state_dict",
 ]
