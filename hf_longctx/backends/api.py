@@ -19,13 +19,11 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..comm.groups import group_rank_and_size
+from ..comm.groups import DTYPE_CODES, group_rank_and_size
 from ..layout import ShardPlan
 from .engine import RunContext
 from .op import run_core_attention
 from .registry import get_backend, registered_backends
-
-_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 
 
 def windowed_plan(plan: ShardPlan, window: int | None) -> ShardPlan:
@@ -67,7 +65,7 @@ def _local_problem(q, k, v, plan: ShardPlan, backend: str, rank: int, world: int
                     "index the global tensors with plan.local_indices(rank)")
     if q.shape[1] % k.shape[1]:
         return f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
-    if q.dtype not in _DTYPE_CODES or not (q.dtype == k.dtype == v.dtype):
+    if q.dtype not in DTYPE_CODES or not (q.dtype == k.dtype == v.dtype):
         return f"q, k, v must share one float dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
     return spec.validate(q, k, v, plan, world)
 
@@ -95,7 +93,7 @@ def check_group_agrees(q, k, v, plan, backend, group, rank, world, causal, windo
     backend_code = int.from_bytes(hashlib.blake2b(backend.encode(), digest_size=4).digest(), "little")
     sig = torch.tensor(
         [0 if problem is None else 1, _plan_fingerprint(plan), q.shape[1], k.shape[1], q.shape[2],
-         _DTYPE_CODES.get(q.dtype, 0), backend_code],
+         DTYPE_CODES.get(q.dtype, 0), backend_code],
         dtype=torch.int64, device=q.device,
     )
     gathered = [torch.empty_like(sig) for _ in range(world)]

@@ -14,6 +14,9 @@ from functools import cache
 import torch
 import torch.distributed as dist
 
+# Float dtypes as small integers, for the signatures ranks exchange before a collective (0: none of them).
+DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+
 
 def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """(rank inside ``group``, group size); (0, 1) without torch.distributed."""

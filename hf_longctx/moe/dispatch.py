@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm.groups import DTYPE_CODES
 from ..comm.p2p import count_all_to_all, count_collective
 from ..kernels import accumulation_dtype
 from .experts import expert_mlp
@@ -279,9 +280,6 @@ def _group_token_counts(tokens: int, signature: list[int], group, world: int, de
     return [row[0] for row in rows]
 
 
-_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
-
-
 def chunk_bounds(max_tokens: int, chunk_tokens: int | None) -> list[tuple[int, int]]:
     """(start, stop) token ranges every rank of a group runs in turn (the same list on every rank)."""
     if max_tokens == 0:
@@ -319,7 +317,7 @@ def dispatch_experts(
     if dispatch not in DISPATCHES:
         raise ValueError(f"unknown dispatch {dispatch!r}; choose one of {DISPATCHES}")
     tokens, hidden = hidden_states.shape
-    signature = [hidden, top_k_index.shape[1], _DTYPE_CODES.get(hidden_states.dtype, 0), num_local_experts,
+    signature = [hidden, top_k_index.shape[1], DTYPE_CODES.get(hidden_states.dtype, 0), num_local_experts,
                  DISPATCHES.index(dispatch), int(chunk_tokens or 0)]
     counts = _group_token_counts(tokens, signature, group, world, hidden_states.device)
     pieces = []
