@@ -17,7 +17,7 @@ from .registry import (
     register_backend,
     registered_backends,
 )
-from .schedule import BlockTask, distflash_schedule, rotation_schedule
+from .schedule import BlockTask, distfa_schedule, rotation_schedule
 
 __all__ = [
     "Backend",
@@ -26,7 +26,7 @@ __all__ = [
     "ScheduleBackend",
     "backend_names",
     "default_strategy",
-    "distflash_schedule",
+    "distfa_schedule",
     "get_backend",
     "on_backend_registered",
     "register_backend",

@@ -49,7 +49,7 @@ def _local_problem(q, k, v, plan: ShardPlan, backend: str, rank: int, world: int
                 "layers, or train without sequence parallelism")
     if not spec.sequence_parallel and world != 1:
         return (f"backend {backend!r} runs without sequence parallelism but the group has {world} ranks; "
-                "use a distributed backend (ring, zigzag, distflash, ...) or a sequence-parallel size of 1")
+                "use a distributed backend (ring, zigzag, distfa, ...) or a sequence-parallel size of 1")
     if plan.world_size != world:
         return (f"the shard plan is for {plan.world_size} ranks but the sequence-parallel group has {world}; "
                 f"build it with shard_plan(batch, {world}, ...)")
@@ -131,7 +131,7 @@ def sequence_parallel_attention(
     v_local: torch.Tensor,
     *,
     plan: ShardPlan,
-    backend: str = "distflash",
+    backend: str = "distfa",
     group: dist.ProcessGroup | None = None,
     causal: bool = True,
     softmax_scale: float | None = None,

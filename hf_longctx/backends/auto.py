@@ -12,7 +12,7 @@ own). Later calls cost nothing.
 
 Candidates are the registered backends that name the plan's placement in their
 ``auto_candidate_for`` and are exact for it, in registration order: ``zigzag`` and ``tasp`` on
-zig-zag placements, ``ring``, ``distflash`` and ``tasp`` on contiguous ones (ring and zigzag run the
+zig-zag placements, ``ring``, ``distfa`` and ``tasp`` on contiguous ones (ring and zigzag run the
 same rotation schedule, so each placement lists only one of them). The verdict and its timings are
 logged at INFO level and kept in the :class:`Verdicts` of the registered ``auto`` backend
 (:func:`auto_decisions`).
@@ -64,7 +64,7 @@ class AutoBackend(Backend):
     """
 
     name = "auto"
-    summary = ("measures tasp against zigzag on zig-zag placements and against ring and distflash on contiguous "
+    summary = ("measures tasp against zigzag on zig-zag placements and against ring and distfa on contiguous "
                "ones, once per shape; keeps the fastest")
     default_strategy = "zigzag"
     chooses_backend = True

@@ -15,7 +15,7 @@ computes under a plan.
 
 Two kinds implement it. A :class:`ScheduleBackend` is data: a function from the number of ranks to a
 :class:`~hf_longctx.backends.schedule.Schedule`, which the one engine (:mod:`.engine`) runs forward and
-backward (local, ring, zigzag, distflash). A runner backend brings its own ``forward``/``backward``
+backward (local, ring, zigzag, distfa). A runner backend brings its own ``forward``/``backward``
 (ulysses, tasp, cad). Outside packages subclass either and call
 :func:`~hf_longctx.backends.register_backend`.
 """

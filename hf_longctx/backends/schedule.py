@@ -47,7 +47,7 @@ def rotation_schedule(world_size: int) -> Schedule:
     )
 
 
-def distflash_schedule(world_size: int) -> Schedule:
+def distfa_schedule(world_size: int) -> Schedule:
     """DistFlashAttn's load-balanced causal schedule for contiguous placement.
 
     With contiguous chunks, query rank i needs key ranks 0..i. At step t (1 <= t <= P // 2) rank i

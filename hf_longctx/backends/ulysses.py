@@ -33,7 +33,7 @@ def kv_repeat(hq: int, hkv: int, world: int) -> int:
     rep = world // gcd(hkv, world)
     if hq % world or hq % (hkv * rep):
         raise ValueError(f"ulysses needs query heads ({hq}) divisible by the sequence-parallel size ({world}); "
-                         "use a ring backend (ring, zigzag, distflash) for this head count")
+                         "use a ring backend (ring, zigzag, distfa) for this head count")
     return rep
 
 

@@ -32,7 +32,7 @@ PREFIX = "longctx_"
 
 
 def implementation_name(backend: str) -> str:
-    """transformers attention name of a backend: ``longctx_<backend>`` (``longctx_distfa`` for distflash).
+    """transformers attention name of a backend: ``longctx_<backend>``.
 
     transformers treats every attention name containing "flash" as a FlashAttention kernel to import,
     so "flash" in a backend name becomes "fa".
