@@ -177,7 +177,7 @@ def resolve_backend(q, k, v, plan, backend, group, rank, world, scale, kernel, o
 
     def probe(name: str):
         run = make_run_context(plan, name, group, rank, world, scale, kernel, options)
-        return run.forward_fn(run, q, k, v)
+        return run.forward(q, k, v)
 
     return spec.resolve(q, k, v, plan, group, probe)
 

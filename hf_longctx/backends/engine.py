@@ -80,6 +80,13 @@ class RunContext:
         if self.backward_fn is None:
             self.backward_fn = run_backward
 
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.forward_fn(self, q, k, v)
+
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.backward_fn(self, dout, q, k, v, out, lse)
+
     def exchange(self, task: BlockTask) -> Exchange:
         return exchange_plan(self.plan, task.q_rank, task.kv_rank, task.part, task.parts)
 

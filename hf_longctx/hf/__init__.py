@@ -10,7 +10,6 @@ from .checkpointing import (
 )
 from .config import load_config
 from .context import SequenceParallelContext
-from .local import local_attention
 from .parallelism import ModelParallelism, apply_model_parallelism, model_parallelism
 from .preflight import ConfigError, check_attn_implementation, check_positive, check_run, report_config_errors
 from .rows import FlatBatch, flatten_batch
@@ -18,6 +17,7 @@ from .settings import LongContextConfig
 from .sharding import GroupBatch, gather_group_batch, plan_for, shard_batch, shift_labels_per_document
 from .tiled_loss import enable_tiled_loss
 from .tiled_mlp import TiledMLP, disable_tiled_mlp, enable_tiled_mlp
+from .unsharded import unsharded_attention
 
 __all__ = [
     "ConfigError",
@@ -34,7 +34,7 @@ __all__ = [
     "enable_layer_checkpointing",
     "enable_recompute_aware_checkpointing",
     "enable_tiled_loss",
-    "local_attention",
+    "unsharded_attention",
     "model_parallelism",
     "report_config_errors",
     "load_config",
