@@ -121,10 +121,11 @@ class ScheduleBackend(Backend):
     def schedule(self, world: int) -> Schedule:
         return self._schedule(world)
 
-    def forward(self, run, q, k, v):
+    def forward(self, run: RunContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         return run_forward(run, q, k, v)
 
-    def backward(self, run, dout, q, k, v, out, lse):
+    def backward(self, run: RunContext, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor):
         return run_backward(run, dout, q, k, v, out, lse)
 
     def attention_load(self, plan: ShardPlan) -> list[int]:
