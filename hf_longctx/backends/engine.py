@@ -284,13 +284,19 @@ def _apply_grads(ctx: RunContext, pending: PendingExchange | None, dq: torch.Ten
             scatter_add_rows(dk if name == "dk" else dv, ex.kv_ranges, grad)
 
 
+def zero_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv accumulators of q, k, v's shapes in the accumulation dtype (float32, float64 for float64)."""
+    acc_dtype = accumulation_dtype(q.dtype)
+    return (torch.zeros(q.shape, dtype=acc_dtype, device=q.device),
+            torch.zeros(k.shape, dtype=acc_dtype, device=k.device),
+            torch.zeros(v.shape, dtype=acc_dtype, device=v.device))
+
+
 def run_backward(ctx: RunContext, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 out: torch.Tensor, lse: torch.Tensor):
+                 out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of this rank's local tensors under ``ctx.schedule``."""
     acc_dtype = accumulation_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-    dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
-    dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
+    dq, dk, dv = zero_grads(q, k, v)
     dout = dout.contiguous()
     tensors = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse}
     fetch = _post_backward_fetch(ctx, 0, tensors)

@@ -11,8 +11,7 @@ its output too; without autograd (inference) it calls the kernel directly and re
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -22,27 +21,21 @@ from .op import run_core_attention
 
 @dataclass(frozen=True)
 class OneProcessRun:
-    """A one-process attention call with everything but q/k/v fixed: what the core-attention op runs."""
+    """What the core-attention op runs for a one-process call: the checked kernel call and the kernel.
 
-    cu_seqlens_q: tuple[int, ...]
-    cu_seqlens_k: tuple[int, ...]
-    max_seqlen_q: int
-    max_seqlen_k: int
-    causal: bool
-    softmax_scale: float
-    window: int | None
+    The op hands back q, k and v (the same tensors, or recomputed ones under checkpointing), so only
+    they are swapped into the call; segments, scale and window stay as they were checked.
+    """
+
+    call: KernelCall
     kernel: str
 
-    def call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> KernelCall:
-        return kernel_call(q, k, v, self.cu_seqlens_q, self.cu_seqlens_k, self.max_seqlen_q, self.max_seqlen_k,
-                           causal=self.causal, softmax_scale=self.softmax_scale, window=self.window)
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return kernel_forward(self.call(q, k, v), self.kernel)
+        return kernel_forward(replace(self.call, q=q, k=k, v=v), self.kernel)
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return kernel_backward(self.call(q, k, v), dout, out, lse, self.kernel)
+        return kernel_backward(replace(self.call, q=q, k=k, v=v), dout, out, lse, self.kernel)
 
 
 def one_process_attention(
@@ -66,10 +59,10 @@ def one_process_attention(
     if len(cu_q) != len(cu_k) or cu_q[-1] != q.shape[0] or cu_k[-1] != k.shape[0]:
         raise ValueError(f"segments do not match the tensors: cu_seqlens_q ends at {cu_q[-1]} for {q.shape[0]} "
                          f"queries, cu_seqlens_k at {cu_k[-1]} for {k.shape[0]} keys")
-    run = OneProcessRun(
-        cu_q, cu_k, max((b - a for a, b in zip(cu_q, cu_q[1:])), default=0),
-        max((b - a for a, b in zip(cu_k, cu_k[1:])), default=0), causal,
-        softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1]), window, kernel)
+    call = kernel_call(q, k, v, cu_q, cu_k, max((b - a for a, b in zip(cu_q, cu_q[1:])), default=0),
+                       max((b - a for a, b in zip(cu_k, cu_k[1:])), default=0), causal=causal,
+                       softmax_scale=softmax_scale, window=window)
+    run = OneProcessRun(call, kernel)
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
         return run.forward(q, k, v)[0]
     return run_core_attention(q, k, v, run)

@@ -29,7 +29,7 @@ from ..comm.p2p import PendingExchange, count_all_to_all
 from ..kernels import PartialAccumulator, accumulation_dtype, attention_backward, attention_forward
 from ..layout import Pair, ShardPlan, clip_pair, exchange_plan, pairs_between_slots
 from .contract import Backend
-from .engine import RunContext, gather_rows, scatter_add_rows
+from .engine import RunContext, gather_rows, scatter_add_rows, zero_grads
 from .tasp_topology import hamiltonian_decomposition, idle_arcs
 
 log = logging.getLogger(__name__)
@@ -273,11 +273,9 @@ def max_hops(plan: ShardPlan) -> int:
 
 
 def run_backward(ctx: RunContext, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 out: torch.Tensor, lse: torch.Tensor):
+                 out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     acc_dtype = accumulation_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-    dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
-    dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
+    dq, dk, dv = zero_grads(q, k, v)
     dout = dout.contiguous()
     last = max_hops(ctx.plan)
     rts = routes(ctx.plan)

@@ -226,19 +226,9 @@ def attention_forward(
 
 
 def attention_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    cu_seqlens_q: torch.Tensor | list[int],
-    cu_seqlens_k: torch.Tensor | list[int],
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    causal: bool = True,
-    softmax_scale: float | None = None,
-    kernel: str = AUTO,
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | list[int], cu_seqlens_k: torch.Tensor | list[int], max_seqlen_q: int,
+    max_seqlen_k: int, causal: bool = True, softmax_scale: float | None = None, kernel: str = AUTO,
     window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) given the FINAL out and lse of the query rows (see :func:`kernel_backward`).
