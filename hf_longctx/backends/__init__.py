@@ -17,11 +17,10 @@ from .registry import (
     register_backend,
     registered_backends,
 )
-from .schedule import BlockTask, distfa_schedule, rotation_schedule
+from .schedule import distfa_schedule
 
 __all__ = [
     "Backend",
-    "BlockTask",
     "RunContext",
     "ScheduleBackend",
     "backend_names",
@@ -32,6 +31,5 @@ __all__ = [
     "one_process_attention",
     "register_backend",
     "registered_backends",
-    "rotation_schedule",
     "sequence_parallel_attention",
 ]

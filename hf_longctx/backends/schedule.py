@@ -68,8 +68,3 @@ def distfa_schedule(world_size: int) -> Schedule:
             helper = [BlockTask(i, i - t, at_kv_owner=True, part=1, parts=2) for i in range(t, p)]
         steps.append(tuple(own + helper))
     return tuple(steps)
-
-
-def covered_blocks(schedule: Schedule) -> list[tuple[int, int]]:
-    """Every (query rank, key rank) block of the schedule, with repetition (for coverage checks)."""
-    return [(t.q_rank, t.kv_rank) for step in schedule for t in step]

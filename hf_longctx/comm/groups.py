@@ -109,11 +109,6 @@ def sequence_parallel_group(sp_size: int) -> dist.ProcessGroup | None:
     return mesh.get_group("sp")
 
 
-def data_parallel_group(sp_size: int) -> dist.ProcessGroup | None:
-    mesh = sequence_parallel_mesh(sp_size)
-    return mesh.get_group("dp")
-
-
 def current_device() -> torch.device:
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())

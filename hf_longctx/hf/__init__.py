@@ -5,27 +5,19 @@ from .backend_names import backend_from_name
 from .checkpointing import (
     enable_layer_checkpointing,
     enable_recompute_aware_checkpointing,
-    recompute_aware_checkpointing_kwargs,
-    recompute_aware_policy,
 )
 from .config import load_config
-from .context import SequenceParallelContext
-from .parallelism import ModelParallelism, apply_model_parallelism, model_parallelism
+from .parallelism import apply_model_parallelism, model_parallelism
 from .preflight import ConfigError, check_attn_implementation, check_positive, check_run, report_config_errors
-from .rows import FlatBatch, flatten_batch
 from .settings import LongContextConfig
-from .sharding import GroupBatch, gather_group_batch, plan_for, shard_batch, shift_labels_per_document
+from .sharding import plan_for, shard_batch
 from .tiled_loss import enable_tiled_loss
 from .tiled_mlp import TiledMLP, disable_tiled_mlp, enable_tiled_mlp
-from .unsharded import unsharded_attention
 
 __all__ = [
     "ConfigError",
-    "FlatBatch",
-    "GroupBatch",
     "LongContextCallback",
     "LongContextConfig",
-    "ModelParallelism",
     "apply_model_parallelism",
     "backend_from_name",
     "check_attn_implementation",
@@ -34,24 +26,17 @@ __all__ = [
     "enable_layer_checkpointing",
     "enable_recompute_aware_checkpointing",
     "enable_tiled_loss",
-    "unsharded_attention",
     "model_parallelism",
     "report_config_errors",
     "load_config",
-    "recompute_aware_checkpointing_kwargs",
-    "recompute_aware_policy",
-    "SequenceParallelContext",
     "TiledMLP",
     "backend_of",
     "disable_tiled_mlp",
     "enable_tiled_mlp",
-    "flatten_batch",
-    "gather_group_batch",
     "implementation_name",
     "plan_for",
     "register_attention_implementations",
     "shard_batch",
-    "shift_labels_per_document",
 ]
 
 

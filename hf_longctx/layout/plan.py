@@ -35,7 +35,7 @@ from .packed import PackedBatch
 
 T = TypeVar("T")
 
-SHARD_STRATEGIES = ("contiguous", "zigzag", "doc_zigzag", "cad")  # built in; see register_strategy
+SHARD_STRATEGIES = ("contiguous", "zigzag", "doc_zigzag", "cad")
 
 
 @dataclass(frozen=True)
@@ -216,8 +216,3 @@ def shard_plan(batch: PackedBatch, world_size: int, strategy: str = "zigzag") ->
     if builder is None:
         raise ValueError(f"unknown shard strategy {strategy!r}; choose one of {', '.join(_BUILDERS)}")
     return ShardPlan(batch, world_size, strategy, builder(batch, world_size))
-
-
-def register_strategy(name: str, builder) -> None:
-    """Add a strategy: ``builder(batch, world_size) -> tuple[tuple[Slot, ...], ...]`` (one per rank)."""
-    _BUILDERS[name] = builder
