@@ -1,20 +1,24 @@
 """hf_longctx: exact distributed core attention for long-context training with transformers.
 
 Importing the package registers the ``longctx_<backend>`` attention implementations with
-transformers (when transformers is installed).
+transformers when transformers is installed; without it, kernels, layouts and backends still work.
+Only the absence of transformers is tolerated: any other import failure surfaces as it is.
 """
+
+import importlib
+import importlib.util
 
 __version__ = "0.1.0"
 
-try:
+if importlib.util.find_spec("transformers") is not None:
     from .hf.attention import register_attention_implementations as _register
 
     ATTENTION_IMPLEMENTATIONS = _register()
-except ImportError:  # transformers missing: kernels, layouts and backends still work
+else:
     ATTENTION_IMPLEMENTATIONS = []
 
 
-_SUBPACKAGES = ("backends", "comm", "data", "hf", "kernels", "layout")
+_SUBPACKAGES = ("backends", "comm", "data", "hf", "kernels", "layout", "moe")
 
 
 def __getattr__(name: str):
@@ -22,8 +26,6 @@ def __getattr__(name: str):
         from .hf.callback import LongContextCallback
 
         return LongContextCallback
-    if name in _SUBPACKAGES:  # hf_longctx.data etc. work after a plain `import hf_longctx`
-        import importlib
-
+    if name in _SUBPACKAGES:  # hf_longctx.moe etc. work after a plain `import hf_longctx`
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'hf_longctx' has no attribute {name!r}")

@@ -258,7 +258,7 @@ def main() -> int:
     p.add_argument("--seqs", default="65536,131072,262144,524288")
     p.add_argument("--packed-seqs", default="262144")
     p.add_argument("--kv-heads", default="8,32")
-    p.add_argument("--backends", default="ring,zigzag,distflash,cp_flash,cp_cudnn")
+    p.add_argument("--backends", default="ring,zigzag,distfa,cp_flash,cp_cudnn")
     p.add_argument("--mix", default="prolong")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--single-max", type=int, default=262144, help="largest sequence timed on one GPU")

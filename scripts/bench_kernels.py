@@ -22,7 +22,14 @@ import torch
 
 from hf_longctx.benchmarking import attention_tflops, causal_attention_flops, first_call_seconds, table_header, timed
 from hf_longctx.data.synthetic_lengths import synthetic_doc_lengths
-from hf_longctx.kernels import attention_backward, attention_forward, available_kernels, fa4, select_kernel
+from hf_longctx.kernels import (
+    attention_backward,
+    attention_forward,
+    available_kernels,
+    fa4,
+    kernel_call,
+    select_kernel,
+)
 
 KERNELS = ("fa4", "cudnn_varlen", "cudnn", "torch_flash", "auto")
 
@@ -45,7 +52,8 @@ def bench_one(lens, kernel, hq, hkv, d, reps, device):
     q = torch.randn(total, hq, d, generator=g).to(device, torch.bfloat16)
     k, v = (torch.randn(total, hkv, d, generator=g).to(device, torch.bfloat16) for _ in range(2))
     dout = torch.randn_like(q)
-    chosen = select_kernel(kernel, q, k, cu, cu, True)  # ValueError when the kernel declines
+    # ValueError when the kernel declines
+    chosen = select_kernel(kernel, kernel_call(q, k, v, cu, cu, longest, longest))
 
     def fwd():
         return attention_forward(q, k, v, cu, cu, longest, longest, kernel=kernel)

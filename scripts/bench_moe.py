@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hf_longctx.benchmarking import table_header, timed_slowest_rank
+from hf_longctx.comm import comm_stats, reset_comm_stats
 from hf_longctx.comm.mesh import parallel_groups
 from hf_longctx.moe import (
     ExpertParallelExperts,
@@ -43,8 +44,6 @@ from hf_longctx.moe import (
     expert_load,
     expert_mlp_flops,
     find_experts_modules,
-    moe_comm_stats,
-    reset_moe_comm_stats,
 )
 
 # name -> (model kind, experts, hidden, intermediate, top_k, tokens per GPU)
@@ -177,10 +176,10 @@ def bench_layer(name, shape, routing, mode, ep, args, device, dtype, rank, world
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     step()  # first call: warm-up, and the rows each expert computes
-    reset_moe_comm_stats()
+    reset_comm_stats()
     ms = timed_slowest_rank(step, args.reps, device, args.warmup)
     steps = args.reps + args.warmup
-    sent = moe_comm_stats().get("sent_bytes", 0) / steps
+    sent = comm_stats().get("sent_bytes", 0) / steps
     pairs = tokens * top_k
     flops = 3 * expert_mlp_flops(pairs, block.experts)
     rows_per_expert = (record["rows_per_expert"] / (steps + 1)).round().long() if record else \

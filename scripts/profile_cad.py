@@ -34,7 +34,7 @@ import torch
 
 from hf_longctx.backends.cad.cost_model import FlopsCostModel, ProfiledCostModel
 from hf_longctx.benchmarking import timed
-from hf_longctx.kernels import attention_backward, attention_forward, select_kernel
+from hf_longctx.kernels import attention_backward, attention_forward, kernel_call, select_kernel
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                 table[i][j] = rate * pairs.cost(ql, kl)
                 extrapolated.append([ql, kl])
     probe = torch.empty(args.q_lens[-1], args.heads, args.head_dim, device="cuda", dtype=DTYPES[args.dtype])
-    ran = select_kernel(args.kernel, probe, probe[:, : args.kv_heads], [0, args.q_lens[-1]], [0, args.q_lens[-1]], True)
+    kv, n = probe[:, : args.kv_heads], len(probe)
+    ran = select_kernel(args.kernel, kernel_call(probe, kv, kv, [0, n], [0, n], n, n))
     model = ProfiledCostModel.from_grid(args.q_lens, args.kv_lens, table, units="ms")
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "heads": args.heads,
             "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": args.dtype, "kernel": ran,

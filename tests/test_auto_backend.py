@@ -31,7 +31,7 @@ def check_auto_is_exact_and_agreed(rank, world):
     gathered = [None] * world
     dist.all_gather_object(gathered, chosen)
     assert all(g == chosen for g in gathered), f"ranks chose differently: {gathered}"
-    assert set(decisions[0]["seconds"]) | set(decisions[1]["seconds"]) == {"zigzag", "tasp", "ring", "distflash"}
+    assert set(decisions[0]["seconds"]) | set(decisions[1]["seconds"]) == {"zigzag", "tasp", "ring", "distfa"}
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -75,12 +75,12 @@ def test_the_slowest_rank_decides():
 def test_a_tie_keeps_the_plain_ring():
     assert auto._pick(["zigzag", "tasp"], [1.00, 0.99], margin=0.03) == "zigzag"
     assert auto._pick(["zigzag", "tasp"], [1.00, 0.90], margin=0.03) == "tasp"
-    assert auto._pick(["ring", "distflash", "tasp"], [1.0, 0.5, 0.6], margin=0.03) == "distflash"
+    assert auto._pick(["ring", "distfa", "tasp"], [1.0, 0.5, 0.6], margin=0.03) == "distfa"
 
 
 def test_candidates_follow_the_placement():
     batch = PackedBatch.from_doc_lens([50, 30, 20])
     assert auto.candidates_for(shard_plan(batch, 3, "zigzag")) == ["zigzag", "tasp"]
-    assert auto.candidates_for(shard_plan(batch, 3, "contiguous")) == ["ring", "distflash", "tasp"]
+    assert auto.candidates_for(shard_plan(batch, 3, "contiguous")) == ["ring", "distfa", "tasp"]
     with pytest.raises(ValueError, match="no candidate for plan strategy 'cad'"):
         auto.candidates_for(shard_plan(batch, 3, "cad"))

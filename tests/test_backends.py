@@ -83,7 +83,7 @@ def test_tasp_on_six_ranks_where_no_hamiltonian_decomposition_exists():
 
 
 def every_placement_backends() -> list[str]:
-    """Backends of the matrix that are exact on every placement (not distflash, not cad)."""
+    """Backends of the matrix that are exact on every placement (not distfa, not cad)."""
     return [b for b in matrix_backends() if set(PLACEMENTS) <= set(get_backend(b).strategies)]
 
 
@@ -159,17 +159,17 @@ def raise_on_one_rank(rank, world, result_dir):
     idx = plan.local_indices(rank)
     if rank == 0:  # fails in its second kernel call: the helper block rank 2 waits for
         calls = []
-        real = engine.attention_forward
+        real = engine.kernel_forward
 
         def broken(*args, **kwargs):
             calls.append(1)
             if len(calls) == 2:
                 raise RuntimeError("simulated kernel failure")
             return real(*args, **kwargs)
-        engine.attention_forward = broken
+        engine.kernel_forward = broken
     start = time.monotonic()
     try:
-        sequence_parallel_attention(q[idx], q[idx], q[idx], plan=plan, backend="distflash")
+        sequence_parallel_attention(q[idx], q[idx], q[idx], plan=plan, backend="distfa")
         outcome = "returned"
     except Exception as exc:  # noqa: BLE001 - the test records whatever each rank raised
         outcome = f"{type(exc).__name__}: {exc}"
@@ -255,7 +255,7 @@ def count_windowed_work(rank, world):
     # ranks that disagree on the window all stop with the same error before any transfer
     with pytest.raises(ValueError, match="sliding window"):
         sequence_parallel_attention(x, x, x, plan=plan, backend="ring", window=4 if rank else 5)
-    for backend in ("ring", "distflash", "tasp"):
+    for backend in ("ring", "distfa", "tasp"):
         reset_comm_stats()
         reset_stats()
         with torch.no_grad():

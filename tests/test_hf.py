@@ -234,7 +234,7 @@ def check_sliding_window_models(rank, world, backends, seed, window):
 @pytest.mark.parametrize("world,window,backends", [
     (1, 5, ["local", "zigzag"]),
     (2, 7, BACKENDS + ["auto"]),
-    (3, 11, ["distflash", "tasp", "cad"]),
+    (3, 11, ["distfa", "tasp", "cad"]),
 ])
 def test_sliding_window_models_equal_sdpa_per_document(world, window, backends):
     """Mistral and Qwen2 with sliding_window train exactly like SDPA with the same window, document by

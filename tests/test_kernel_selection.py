@@ -14,7 +14,15 @@ import random
 import pytest
 import torch
 
-from hf_longctx.kernels import attention_backward, attention_forward, dispatch, fa4
+from hf_longctx.kernels import (
+    attention_backward,
+    attention_forward,
+    dispatch,
+    fa4,
+    kernel_call,
+    reference,
+    torch_flash,
+)
 from hf_longctx.kernels.buckets import bucket, lse_runs, padded_segments
 
 from helpers import cumulative
@@ -84,17 +92,16 @@ def test_auto_falls_back_for_the_failing_configuration_only(monkeypatch, caplog)
     """A kernel whose compile fails for one configuration keeps serving the others."""
     calls = []
 
-    def pretend_serves(name, q, k, cu_q, cu_k, causal, window=None):
-        return None if name in ("torch_flash", "reference") else "not here"
-
-    def flaky_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=None):
-        calls.append(q.shape[-1])
-        if q.shape[-1] == 16:
+    def flaky_forward(call):
+        calls.append(call.q.shape[-1])
+        if call.q.shape[-1] == 16:
             raise RuntimeError("compile failed for head_dim 16")
-        return dispatch.reference.reference_forward(q, k, v, cu_q.tolist(), cu_k.tolist(), causal, scale)
+        return reference.forward(call)
 
-    monkeypatch.setattr(dispatch, "_reason", pretend_serves)
-    monkeypatch.setattr(dispatch.torch_flash, "forward", flaky_forward)
+    monkeypatch.setattr(torch_flash, "supports", lambda call: None)
+    monkeypatch.setattr(torch_flash, "forward", flaky_forward)
+    for name in ("fa4", "cudnn_varlen", "cudnn"):  # out of the way: torch_flash is auto's first choice here
+        monkeypatch.setattr(dispatch.get_kernel(name), "supports", lambda call: "not here")
     monkeypatch.setattr(dispatch, "_broken", {})
     dispatch.reset_stats()
     for d in (16, 16, 8):
@@ -142,10 +149,11 @@ def test_a_missing_extra_is_named_once_where_it_would_help(monkeypatch, caplog):
     monkeypatch.setattr(cudnn_varlen, "is_installed", lambda: False)
     monkeypatch.setattr(cudnn_varlen, "worth_installing", lambda device: False)
     q = torch.randn(4, 2, 8)
-    dispatch.select_kernel("auto", q, q, [0, 4], [0, 4], True)
+    call = kernel_call(q, q, q, [0, 4], [0, 4], 4, 4)
+    dispatch.select_kernel("auto", call)
     assert "not installed" not in caplog.text, "fa4 is no help on a CPU: no hint"
     monkeypatch.setattr(fa4, "worth_installing", lambda device: True)
     for _ in range(3):
-        assert dispatch.select_kernel("auto", q, q, [0, 4], [0, 4], True) == "reference"
+        assert dispatch.select_kernel("auto", call) == "reference"
     assert caplog.text.count('pip install "hf-longctx[fa4]"') == 1
     assert "cudnn_varlen" not in caplog.text

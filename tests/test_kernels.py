@@ -275,10 +275,10 @@ def test_window_must_be_a_positive_int(window):
 
 
 def test_cudnn_declines_a_window_and_torch_flash_takes_it():
-    from hf_longctx.kernels import cudnn, torch_flash
+    from hf_longctx.kernels import cudnn, kernel_call, torch_flash
 
     q = torch.randn(8, 2, 8)
-    assert "sliding window" in cudnn.unsupported_reason(q, q, [0, 8], [0, 8], True, window=4)
+    assert "sliding window" in cudnn.supports(kernel_call(q, q, q, [0, 8], [0, 8], 8, 8, window=4))
     # torch's FlashAttention ops take flash-attn's (left, right) window sizes in this torch build
     schema = str(torch.ops.aten._flash_attention_forward.default._schema)
     assert "window_size_left" in schema and "window_size_right" in schema

@@ -182,7 +182,7 @@ def test_windowed_pairs_compute_each_visible_pair_once_and_send_only_keys_in_rea
             if r != s and not ex.pairs:
                 assert ex.num_kv_rows == 0
             if r != s and ex.pairs and not any(p.causal for p in ex.pairs):
-                # distflash shares such a block by query rows, TASP by key rows: the parts add up
+                # distfa shares such a block by query rows, TASP by key rows: the parts add up
                 halves = [exchange_plan(plan, r, s, part, 2) for part in range(2)]
                 assert sorted(pairs) == sorted(x for h in halves for x in _visible_global_pairs(plan, r, s, h))
                 cut = ex.num_kv_rows // 2

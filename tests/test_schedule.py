@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_longctx.backends import distflash_schedule, get_backend
+from hf_longctx.backends import distfa_schedule, get_backend
 from hf_longctx.layout import PackedBatch, exchange_plan, shard_plan
 
 
@@ -20,7 +20,7 @@ def per_rank_work(plan, schedule):
 
 @settings(max_examples=50, deadline=None)
 @given(doc_lens=st.lists(st.integers(1, 200), min_size=1, max_size=20), world=st.integers(1, 7),
-       backend=st.sampled_from(["ring", "zigzag", "distflash"]))
+       backend=st.sampled_from(["ring", "zigzag", "distfa"]))
 def test_schedule_covers_every_visible_pair_once(doc_lens, world, backend):
     spec = get_backend(backend)
     for strategy in spec.strategies:
@@ -31,9 +31,9 @@ def test_schedule_covers_every_visible_pair_once(doc_lens, world, backend):
 @pytest.mark.parametrize("world", [2, 3, 4, 5, 6, 8])
 def test_distflash_balances_one_long_document_for_odd_and_even_world(world):
     plan = shard_plan(PackedBatch.from_doc_lens([1024 * world]), world, "contiguous")
-    work = per_rank_work(plan, distflash_schedule(world))
+    work = per_rank_work(plan, distfa_schedule(world))
     assert max(work) / min(work) < 1.01
-    assert len(distflash_schedule(world)) == world // 2 + 1
+    assert len(distfa_schedule(world)) == world // 2 + 1
 
 
 def test_split_blocks_are_only_full_attention():

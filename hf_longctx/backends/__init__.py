@@ -8,7 +8,7 @@ from . import builtin  # noqa: F401 - registers the package's backends
 from .api import sequence_parallel_attention
 from .contract import Backend, ScheduleBackend
 from .engine import RunContext
-from .local import varlen_attention
+from .one_process import one_process_attention
 from .registry import (
     backend_names,
     default_strategy,
@@ -17,21 +17,19 @@ from .registry import (
     register_backend,
     registered_backends,
 )
-from .schedule import BlockTask, distflash_schedule, rotation_schedule
+from .schedule import distfa_schedule
 
 __all__ = [
     "Backend",
-    "BlockTask",
     "RunContext",
     "ScheduleBackend",
     "backend_names",
     "default_strategy",
-    "distflash_schedule",
+    "distfa_schedule",
     "get_backend",
     "on_backend_registered",
+    "one_process_attention",
     "register_backend",
     "registered_backends",
-    "rotation_schedule",
     "sequence_parallel_attention",
-    "varlen_attention",
 ]

@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from ..comm.groups import group_rank_and_size
+from ..comm.groups import DTYPE_CODES, group_rank_and_size
 from ..layout import ShardPlan
 from .engine import RunContext
 from .op import run_core_attention
 from .registry import get_backend, registered_backends
-
-_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 
 
 def windowed_plan(plan: ShardPlan, window: int | None) -> ShardPlan:
@@ -38,20 +37,43 @@ def windowed_plan(plan: ShardPlan, window: int | None) -> ShardPlan:
     return plan.with_window(window)
 
 
-def _local_problem(q, k, v, plan: ShardPlan, backend: str, rank: int, world: int, causal: bool,
-                   window_problem: str | None = None) -> str | None:
+@dataclass(frozen=True)
+class RankCall:
+    """One rank's call of :func:`sequence_parallel_attention`, as every step from checks to run sees it.
+
+    ``plan`` is the plan the backend runs (its window view under a sliding window), ``window_problem``
+    why the call's window could not be applied (every rank hears of it before any raises).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    plan: ShardPlan
+    backend: str
+    group: dist.ProcessGroup | None
+    rank: int
+    world: int
+    causal: bool
+    scale: float
+    kernel: str
+    options: dict[str, object] = field(default_factory=dict)
+    window_problem: str | None = None
+
+
+def _local_problem(call: RankCall) -> str | None:
     """The checks every backend shares, then the backend's own :meth:`~.contract.Backend.validate`."""
+    q, k, v, plan, backend, rank, world = call.q, call.k, call.v, call.plan, call.backend, call.rank, call.world
     spec = get_backend(backend)
-    if window_problem:
-        return window_problem
-    if not causal and not spec.bidirectional:
+    if call.window_problem:
+        return call.window_problem
+    if not call.causal and not spec.bidirectional:
         able = [b.name for b in registered_backends() if b.bidirectional and b.sequence_parallel]
         return (f"this layer attends bidirectionally (is_causal=False) but backend {backend!r} computes causal "
                 f"attention only; use {', '.join(able) or 'one process'} for sequence parallelism of bidirectional "
                 "layers, or train without sequence parallelism")
     if not spec.sequence_parallel and world != 1:
         return (f"backend {backend!r} runs without sequence parallelism but the group has {world} ranks; "
-                "use a distributed backend (ring, zigzag, distflash, ...) or a sequence-parallel size of 1")
+                "use a distributed backend (ring, zigzag, distfa, ...) or a sequence-parallel size of 1")
     if plan.world_size != world:
         return (f"the shard plan is for {plan.world_size} ranks but the sequence-parallel group has {world}; "
                 f"build it with shard_plan(batch, {world}, ...)")
@@ -67,7 +89,7 @@ def _local_problem(q, k, v, plan: ShardPlan, backend: str, rank: int, world: int
                     "index the global tensors with plan.local_indices(rank)")
     if q.shape[1] % k.shape[1]:
         return f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
-    if q.dtype not in _DTYPE_CODES or not (q.dtype == k.dtype == v.dtype):
+    if q.dtype not in DTYPE_CODES or not (q.dtype == k.dtype == v.dtype):
         return f"q, k, v must share one float dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
     return spec.validate(q, k, v, plan, world)
 
@@ -78,28 +100,29 @@ def _plan_fingerprint(plan: ShardPlan) -> int:
     return int.from_bytes(digest.digest(), "little")
 
 
-def check_group_agrees(q, k, v, plan, backend, group, rank, world, causal, window_problem: str | None = None) -> None:
-    """Validate locally, then make sure every rank of ``group`` runs the same problem (one all_gather).
+def check_group_agrees(call: RankCall) -> None:
+    """Validate locally, then make sure every rank of the group runs the same problem (one all_gather).
 
-    ``plan`` is the plan the backend will run (its window view under a sliding window), so ranks that
-    disagree on the window stop here too.
+    ``call.plan`` is the plan the backend will run (its window view under a sliding window), so ranks
+    that disagree on the window stop here too. A plan that passed once for a group is not checked again.
     """
-    problem = _local_problem(q, k, v, plan, backend, rank, world, causal, window_problem)
+    q, k, plan, backend, rank, world = call.q, call.k, call.plan, call.backend, call.rank, call.world
+    problem = _local_problem(call)
     if world == 1 or not dist.is_initialized():
         if problem:
             raise ValueError(f"hf_longctx {backend}: {problem}")
         return
-    key = ("validated", backend, id(group), q.shape[1:], k.shape[1:], q.dtype, plan.window)
-    if problem is None and key in plan._cache:
+    key = ("validated", backend, id(call.group), q.shape[1:], k.shape[1:], q.dtype, plan.window)
+    if problem is None and plan.has_cached(key):
         return
     backend_code = int.from_bytes(hashlib.blake2b(backend.encode(), digest_size=4).digest(), "little")
     sig = torch.tensor(
         [0 if problem is None else 1, _plan_fingerprint(plan), q.shape[1], k.shape[1], q.shape[2],
-         _DTYPE_CODES.get(q.dtype, 0), backend_code],
+         DTYPE_CODES.get(q.dtype, 0), backend_code],
         dtype=torch.int64, device=q.device,
     )
     gathered = [torch.empty_like(sig) for _ in range(world)]
-    dist.all_gather(gathered, sig, group=group)
+    dist.all_gather(gathered, sig, group=call.group)
     rows = [g.tolist() for g in gathered]
     if problem:
         raise ValueError(f"hf_longctx {backend} on rank {rank}: {problem}")
@@ -112,12 +135,13 @@ def check_group_agrees(q, k, v, plan, backend, group, rank, world, causal, windo
         raise ValueError(f"hf_longctx {backend}: rank(s) {mismatch} run a different plan, sliding window, head "
                          f"layout, dtype or backend than rank {rank}; every rank of a sequence-parallel group must "
                          "build the same shard plan from the same document lengths and use the same window")
-    plan._cache[key] = True
+    plan.cached(key, lambda: True)
 
 
-def make_run_context(plan, backend, group, rank, world, scale, kernel, options=None) -> RunContext:
+def make_run_context(call: RankCall, backend: str) -> RunContext:
     """The run of ``backend`` (a name) for this rank: its schedule, prepared options, forward and backward."""
-    return get_backend(backend).run_context(plan, group, rank, world, scale, kernel, options)
+    return get_backend(backend).run_context(call.plan, call.group, call.rank, call.world, call.scale, call.kernel,
+                                            call.options)
 
 
 def _rank_and_world(group: dist.ProcessGroup | None, rank: int | None) -> tuple[int, int]:
@@ -133,7 +157,7 @@ def sequence_parallel_attention(
     v_local: torch.Tensor,
     *,
     plan: ShardPlan,
-    backend: str = "distflash",
+    backend: str = "distfa",
     group: dist.ProcessGroup | None = None,
     causal: bool = True,
     softmax_scale: float | None = None,
@@ -148,6 +172,7 @@ def sequence_parallel_attention(
     k/v. Returns this rank's output rows in the same order; autograd gives exact gradients to the
     three local inputs. ``backend`` is one of :func:`~hf_longctx.backends.registry.backend_names`
     (``"auto"`` times the candidates once per problem shape and keeps the fastest, see :mod:`.auto`);
+    ``kernel`` is ``"auto"`` or a registered kernel name (:func:`~hf_longctx.kernels.kernel_names`);
     ``options`` tune a backend (CAD: ``eps``, ``pingpong``). ``window``: sliding window in positions,
     transformers' ``sliding_window`` (a query at document position p sees keys p - window + 1 .. p);
     None for plain causal attention (or the window of a plan from ``plan.with_window``). Every backend
@@ -155,39 +180,27 @@ def sequence_parallel_attention(
     ``group`` when the caller already has it (the transformers layer's context carries it); None asks
     the group.
     """
-    run = _checked_run(q_local, k_local, v_local, plan, backend, group, rank, causal, softmax_scale, kernel,
-                       options, window)
+    rank, world = _rank_and_world(group, rank)
+    try:
+        run_plan, window_problem = windowed_plan(plan, window), None
+    except ValueError as exc:
+        run_plan, window_problem = plan, str(exc)
+    call_options = dict(options or {})
+    if not causal:
+        call_options["causal"] = False
+    call = RankCall(q_local, k_local, v_local, run_plan, backend, group, rank, world, causal,
+                    softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_local.shape[-1]), kernel,
+                    call_options, window_problem)
+    check_group_agrees(call)
+    run = make_run_context(call, resolve_backend(call))
     return run_core_attention(q_local, k_local, v_local, run)
 
 
-def _checked_run(q, k, v, plan, backend, group, rank, causal, softmax_scale, kernel, options, window) -> RunContext:
-    """Validate on every rank of the group, resolve ``auto``, and build the run of the backend that runs."""
-    rank, world = _rank_and_world(group, rank)
-    plan, window_problem = _resolve_window(plan, window)
-    check_group_agrees(q, k, v, plan, backend, group, rank, world, causal, window_problem)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if not causal:
-        options = {**(options or {}), "causal": False}
-    backend = resolve_backend(q, k, v, plan, backend, group, rank, world, scale, kernel, options)
-    return make_run_context(plan, backend, group, rank, world, scale, kernel, options)
+def resolve_backend(call: RankCall) -> str:
+    """The name of the backend that runs: ``call.backend`` itself, or the one it chooses (``auto``: the
+    candidate measured fastest on these inputs, cached)."""
 
+    def probe(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return make_run_context(call, name).forward(call.q, call.k, call.v)
 
-def resolve_backend(q, k, v, plan, backend, group, rank, world, scale, kernel, options=None) -> str:
-    """The name of the backend that runs: ``backend`` itself, or the one it chooses (``auto``: the candidate
-    measured fastest on these inputs, cached)."""
-    spec = get_backend(backend)
-
-    def probe(name: str):
-        run = make_run_context(plan, name, group, rank, world, scale, kernel, options)
-        return run.forward_fn(run, q, k, v)
-
-    return spec.resolve(q, k, v, plan, group, probe)
-
-
-def _resolve_window(plan: ShardPlan, window) -> tuple[ShardPlan, str | None]:
-    """The plan to run and, for a bad window, the problem every rank must hear about before raising."""
-    try:
-        return windowed_plan(plan, window), None
-    except ValueError as exc:
-        return plan, str(exc)
-
+    return get_backend(call.backend).resolve(call.q, call.k, call.v, call.plan, call.group, probe)

@@ -12,7 +12,7 @@ own). Later calls cost nothing.
 
 Candidates are the registered backends that name the plan's placement in their
 ``auto_candidate_for`` and are exact for it, in registration order: ``zigzag`` and ``tasp`` on
-zig-zag placements, ``ring``, ``distflash`` and ``tasp`` on contiguous ones (ring and zigzag run the
+zig-zag placements, ``ring``, ``distfa`` and ``tasp`` on contiguous ones (ring and zigzag run the
 same rotation schedule, so each placement lists only one of them). The verdict and its timings are
 logged at INFO level and kept in the :class:`Verdicts` of the registered ``auto`` backend
 (:func:`auto_decisions`).
@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ..layout import ShardPlan
 from .contract import Backend, ForwardProbe
+from .engine import RunContext
 from .registry import registered_backends
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class AutoBackend(Backend):
     """
 
     name = "auto"
-    summary = ("measures tasp against zigzag on zig-zag placements and against ring and distflash on contiguous "
+    summary = ("measures tasp against zigzag on zig-zag placements and against ring and distfa on contiguous "
                "ones, once per shape; keeps the fastest")
     default_strategy = "zigzag"
     chooses_backend = True
@@ -72,13 +73,15 @@ class AutoBackend(Backend):
     def __init__(self) -> None:
         self.verdicts = Verdicts()
 
-    def resolve(self, q, k, v, plan, group, probe: ForwardProbe) -> str:
+    def resolve(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ShardPlan,
+                group: dist.ProcessGroup | None, probe: ForwardProbe) -> str:
         return choose_backend(q, k, v, plan, group, probe, verdicts=self.verdicts)
 
-    def forward(self, run, q, k, v):
+    def forward(self, run: RunContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         raise RuntimeError("backend 'auto' runs the candidate it resolves to, never itself")
 
-    def backward(self, run, dout, q, k, v, out, lse):
+    def backward(self, run: RunContext, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor):
         raise RuntimeError("backend 'auto' runs the candidate it resolves to, never itself")
 
 
@@ -110,7 +113,7 @@ def _size_bucket(tokens: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, tokens))))
 
 
-def _decision_key(q, k, plan: ShardPlan, group) -> tuple:
+def _decision_key(q: torch.Tensor, k: torch.Tensor, plan: ShardPlan, group: dist.ProcessGroup | None) -> tuple:
     return (id(group), plan.world_size, plan.strategy, _size_bucket(plan.batch.num_tokens), plan.window,
             tuple(q.shape[1:]), tuple(k.shape[1:]), q.dtype, q.device.type)
 
@@ -120,7 +123,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _slowest_rank(seconds: list[float], device, group) -> list[float]:
+def _slowest_rank(seconds: list[float], device: torch.device, group: dist.ProcessGroup | None) -> list[float]:
     t = torch.tensor(seconds, dtype=torch.float64, device=device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -150,7 +153,8 @@ def _pick(names: list[str], seconds: list[float], margin: float) -> str:
     return names[best] if seconds[best] < (1.0 - margin) * seconds[0] else names[0]
 
 
-def choose_backend(q, k, v, plan: ShardPlan, group, forward: ForwardProbe,
+def choose_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ShardPlan,
+                   group: dist.ProcessGroup | None, forward: ForwardProbe,
                    timer: Callable[[Callable[[], object], torch.device], float] | None = None,
                    margin: float = 0.03, verdicts: Verdicts | None = None) -> str:
     """The fastest candidate for this problem; ``forward(backend)`` runs one forward of it.

@@ -11,7 +11,7 @@ from .cad.runtime import CadBackend
 from .contract import ScheduleBackend
 from .local import LocalBackend
 from .registry import register_backend
-from .schedule import distflash_schedule, rotation_schedule
+from .schedule import distfa_schedule, rotation_schedule
 from .tasp import TaspBackend
 from .ulysses import UlyssesBackend
 
@@ -26,7 +26,7 @@ register_backend(ScheduleBackend(
     default_strategy="zigzag", auto_candidate_for=("zigzag", "doc_zigzag"),
 ))
 register_backend(ScheduleBackend(
-    "distflash", distflash_schedule,
+    "distfa", distfa_schedule,
     "DistFlashAttn: contiguous chunks, idle ranks compute for busy ones, P // 2 + 1 steps",
     strategies=("contiguous",), auto_candidate_for=("contiguous",),
 ))

@@ -15,7 +15,7 @@ computes under a plan.
 
 Two kinds implement it. A :class:`ScheduleBackend` is data: a function from the number of ranks to a
 :class:`~hf_longctx.backends.schedule.Schedule`, which the one engine (:mod:`.engine`) runs forward and
-backward (local, ring, zigzag, distflash). A runner backend brings its own ``forward``/``backward``
+backward (local, ring, zigzag, distfa). A runner backend brings its own ``forward``/``backward``
 (ulysses, tasp, cad). Outside packages subclass either and call
 :func:`~hf_longctx.backends.register_backend`.
 """
@@ -121,10 +121,11 @@ class ScheduleBackend(Backend):
     def schedule(self, world: int) -> Schedule:
         return self._schedule(world)
 
-    def forward(self, run, q, k, v):
+    def forward(self, run: RunContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         return run_forward(run, q, k, v)
 
-    def backward(self, run, dout, q, k, v, out, lse):
+    def backward(self, run: RunContext, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor):
         return run_backward(run, dout, q, k, v, out, lse)
 
     def attention_load(self, plan: ShardPlan) -> list[int]:

@@ -15,15 +15,15 @@ keeps NCCL (issue-order matching) and gloo (tag matching) from ever pairing the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from ..comm.p2p import PendingExchange, post_exchange
-from ..kernels import PartialAccumulator, accumulation_dtype, attention_backward, attention_forward
-from ..layout import Exchange, ShardPlan, exchange_plan
+from ..kernels import PartialAccumulator, accumulation_dtype, kernel_backward, kernel_call, kernel_forward
+from ..layout import Exchange, Pair, ShardPlan, exchange_plan
 from .schedule import BlockTask, Schedule
 
 # Message kinds, part of the tag so gloo matches messages exactly.
@@ -34,7 +34,7 @@ def _tag(step: int, kind: int) -> int:
     return step * 8 + kind
 
 
-def gather_rows(x: torch.Tensor, ranges) -> torch.Tensor:
+def gather_rows(x: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
     """Rows of ``x`` in ``ranges`` back to back: a view for one range, a copy otherwise."""
     if len(ranges) == 1:
         a, b = ranges[0]
@@ -42,7 +42,7 @@ def gather_rows(x: torch.Tensor, ranges) -> torch.Tensor:
     return torch.cat([x[a:b] for a, b in ranges])
 
 
-def scatter_add_rows(dst: torch.Tensor, ranges, src: torch.Tensor) -> None:
+def scatter_add_rows(dst: torch.Tensor, ranges: Sequence[tuple[int, int]], src: torch.Tensor) -> None:
     """dst[ranges] += src, the inverse of :func:`gather_rows`."""
     pos = 0
     for a, b in ranges:
@@ -80,6 +80,13 @@ class RunContext:
         if self.backward_fn is None:
             self.backward_fn = run_backward
 
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.forward_fn(self, q, k, v)
+
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.backward_fn(self, dout, q, k, v, out, lse)
+
     def exchange(self, task: BlockTask) -> Exchange:
         return exchange_plan(self.plan, task.q_rank, task.kv_rank, task.part, task.parts)
 
@@ -94,14 +101,15 @@ def _empty(rows: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> t
     return torch.empty(rows, *like.shape[1:], dtype=dtype or like.dtype, device=like.device)
 
 
-def _empty_lse(rows: int, heads: int, dtype: torch.dtype, device) -> torch.Tensor:
+def _empty_lse(rows: int, heads: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(heads, rows, dtype=dtype, device=device)
 
 
 # ----------------------------------------------------------------------------- forward
 
 
-def _kv_messages(ctx: RunContext, step: int, task: BlockTask, ex: Exchange, k, v, sends: list, recvs: list) -> None:
+def _kv_messages(ctx: RunContext, step: int, task: BlockTask, ex: Exchange, k: torch.Tensor, v: torch.Tensor,
+                 sends: list, recvs: list) -> None:
     """Keys and values of a ring-style task travel from their owner to the query rank."""
     tag = _tag(step, _KV)
     if task.kv_rank == ctx.rank:
@@ -111,7 +119,8 @@ def _kv_messages(ctx: RunContext, step: int, task: BlockTask, ex: Exchange, k, v
                   (("v", task), task.kv_rank, _empty(ex.num_kv_rows, v), tag)]
 
 
-def _post_forward_fetch(ctx: RunContext, step: int, q, k, v) -> PendingExchange:
+def _post_forward_fetch(ctx: RunContext, step: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                       ) -> PendingExchange:
     sends, recvs = [], []
     for task in ctx.active(step):
         if task.q_rank == task.kv_rank:
@@ -127,16 +136,17 @@ def _post_forward_fetch(ctx: RunContext, step: int, q, k, v) -> PendingExchange:
     return post_exchange(sends, recvs, ctx.group, f"forward step {step} transfer")
 
 
-def _run_pairs_forward(ctx: RunContext, pairs, qs, ks, vs, acc: PartialAccumulator) -> None:
+def _run_pairs_forward(ctx: RunContext, pairs: Sequence[Pair], qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
+                       acc: PartialAccumulator) -> None:
     for p in pairs:
-        out, lse = attention_forward(
-            qs[p.q_start : p.q_end], ks[p.k_start : p.k_end], vs[p.k_start : p.k_end], p.cu_q, p.cu_k,
-            p.max_q, p.max_k, causal=p.causal, softmax_scale=ctx.scale, kernel=ctx.kernel, window=p.window,
-        )
+        call = kernel_call(qs[p.q_start : p.q_end], ks[p.k_start : p.k_end], vs[p.k_start : p.k_end], p.cu_q,
+                           p.cu_k, p.max_q, p.max_k, causal=p.causal, softmax_scale=ctx.scale, window=p.window)
+        out, lse = kernel_forward(call, ctx.kernel)
         acc.add(p.q_start, out, lse)
 
 
-def _post_results(ctx: RunContext, step: int, results: dict, q: torch.Tensor, lse_dtype) -> PendingExchange:
+def _post_results(ctx: RunContext, step: int, results: dict, q: torch.Tensor, lse_dtype: torch.dtype
+                 ) -> PendingExchange:
     sends, recvs = [], []
     for task in ctx.active(step):
         if not task.at_kv_owner:
@@ -167,7 +177,8 @@ def _merge_results(ctx: RunContext, pending: PendingExchange | None, acc: Partia
             pos += b - a
 
 
-def run_forward(ctx: RunContext, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+def run_forward(ctx: RunContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's (out, lse) for its local queries under ``ctx.schedule``."""
     acc = PartialAccumulator(q.shape[0], q.shape[1], q.shape[2], q.dtype, q.device)
     lse_dtype = accumulation_dtype(q.dtype)
@@ -227,19 +238,20 @@ def _post_backward_fetch(ctx: RunContext, step: int, tensors: dict) -> PendingEx
     return post_exchange(sends, recvs, ctx.group, f"backward step {step} transfer")
 
 
-def _run_pairs_backward(ctx: RunContext, pairs, qs, outs, douts, lses, ks, vs, dq, dk, dv) -> None:
+def _run_pairs_backward(ctx: RunContext, pairs: Sequence[Pair], qs: torch.Tensor, outs: torch.Tensor,
+                        douts: torch.Tensor, lses: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, dq: torch.Tensor,
+                        dk: torch.Tensor, dv: torch.Tensor) -> None:
     for p in pairs:
         sq, sk = slice(p.q_start, p.q_end), slice(p.k_start, p.k_end)
-        gq, gk, gv = attention_backward(
-            douts[sq], qs[sq], ks[sk], vs[sk], outs[sq], lses[:, sq], p.cu_q, p.cu_k, p.max_q, p.max_k,
-            causal=p.causal, softmax_scale=ctx.scale, kernel=ctx.kernel, window=p.window,
-        )
+        call = kernel_call(qs[sq], ks[sk], vs[sk], p.cu_q, p.cu_k, p.max_q, p.max_k, causal=p.causal,
+                           softmax_scale=ctx.scale, window=p.window)
+        gq, gk, gv = kernel_backward(call, douts[sq], outs[sq], lses[:, sq], ctx.kernel)
         dq[sq] += gq
         dk[sk] += gk
         dv[sk] += gv
 
 
-def _post_grads(ctx: RunContext, step: int, grads: dict, like: dict, acc_dtype) -> PendingExchange:
+def _post_grads(ctx: RunContext, step: int, grads: dict, like: dict, acc_dtype: torch.dtype) -> PendingExchange:
     sends, recvs = [], []
     tag = _tag(step, _GRAD)
     for task in ctx.active(step):
@@ -260,7 +272,8 @@ def _post_grads(ctx: RunContext, step: int, grads: dict, like: dict, acc_dtype) 
     return post_exchange(sends, recvs, ctx.group, f"backward step {step} gradient return")
 
 
-def _apply_grads(ctx: RunContext, pending: PendingExchange | None, dq, dk, dv) -> None:
+def _apply_grads(ctx: RunContext, pending: PendingExchange | None, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor
+                ) -> None:
     if pending is None:
         return
     for (name, task), grad in pending.wait().items():
@@ -271,12 +284,19 @@ def _apply_grads(ctx: RunContext, pending: PendingExchange | None, dq, dk, dv) -
             scatter_add_rows(dk if name == "dk" else dv, ex.kv_ranges, grad)
 
 
-def run_backward(ctx: RunContext, dout, q, k, v, out, lse):
+def zero_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv accumulators of q, k, v's shapes in the accumulation dtype (float32, float64 for float64)."""
+    acc_dtype = accumulation_dtype(q.dtype)
+    return (torch.zeros(q.shape, dtype=acc_dtype, device=q.device),
+            torch.zeros(k.shape, dtype=acc_dtype, device=k.device),
+            torch.zeros(v.shape, dtype=acc_dtype, device=v.device))
+
+
+def run_backward(ctx: RunContext, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of this rank's local tensors under ``ctx.schedule``."""
     acc_dtype = accumulation_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-    dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
-    dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
+    dq, dk, dv = zero_grads(q, k, v)
     dout = dout.contiguous()
     tensors = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse}
     fetch = _post_backward_fetch(ctx, 0, tensors)

@@ -12,18 +12,32 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 
 from ..kernels import count
-from .engine import RunContext
 
-_CONTEXTS: OrderedDict[int, RunContext] = OrderedDict()
+
+class AttentionRun(Protocol):
+    """What the op runs: one rank's attention call, forward and backward, with everything but q/k/v bound.
+
+    A distributed call is a :class:`~.engine.RunContext`; the one-process path is a
+    :class:`~.one_process.OneProcessRun`.
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+_CONTEXTS: OrderedDict[int, AttentionRun] = OrderedDict()
 _MAX_CONTEXTS = 64
 _next_key = 0
 
 
-def register_context(run: RunContext) -> int:
+def register_context(run: AttentionRun) -> int:
     """Keep ``run`` reachable by the op under a fresh key (the oldest keys are dropped)."""
     global _next_key
     _next_key += 1
@@ -62,14 +76,14 @@ class OutputObservers:
 ATTENTION_OUTPUTS = OutputObservers()
 
 
-def run_core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: RunContext) -> torch.Tensor:
+def run_core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: AttentionRun) -> torch.Tensor:
     """This rank's attention output under ``run``, through the op (so autograd and checkpointing see it)."""
     out, lse = core_attention(q, k, v, register_context(run))
     ATTENTION_OUTPUTS.report(out, lse)
     return out
 
 
-def _context(key: int) -> RunContext:
+def _context(key: int) -> AttentionRun:
     try:
         return _CONTEXTS[key]
     except KeyError:
@@ -83,8 +97,7 @@ def _context(key: int) -> RunContext:
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of this rank's queries under the schedule registered as ``key``."""
     count("core_attention.forward")
-    run = _context(key)
-    return run.forward_fn(run, q, k, v)
+    return _context(key).forward(q, k, v)
 
 
 @core_attention.register_fake
@@ -105,8 +118,7 @@ def _backward(ctx, dout, dlse):
     if dout is None:
         dout = torch.zeros_like(out)
     count("core_attention.backward")
-    run = _context(ctx.key)
-    dq, dk, dv = run.backward_fn(run, dout, q, k, v, out, lse)
+    dq, dk, dv = _context(ctx.key).backward(dout, q, k, v, out, lse)
     return dq, dk, dv, None
 
 

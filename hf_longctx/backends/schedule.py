@@ -47,7 +47,7 @@ def rotation_schedule(world_size: int) -> Schedule:
     )
 
 
-def distflash_schedule(world_size: int) -> Schedule:
+def distfa_schedule(world_size: int) -> Schedule:
     """DistFlashAttn's load-balanced causal schedule for contiguous placement.
 
     With contiguous chunks, query rank i needs key ranks 0..i. At step t (1 <= t <= P // 2) rank i
@@ -68,8 +68,3 @@ def distflash_schedule(world_size: int) -> Schedule:
             helper = [BlockTask(i, i - t, at_kv_owner=True, part=1, parts=2) for i in range(t, p)]
         steps.append(tuple(own + helper))
     return tuple(steps)
-
-
-def covered_blocks(schedule: Schedule) -> list[tuple[int, int]]:
-    """Every (query rank, key rank) block of the schedule, with repetition (for coverage checks)."""
-    return [(t.q_rank, t.kv_rank) for step in schedule for t in step]

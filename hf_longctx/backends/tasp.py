@@ -25,11 +25,11 @@ from functools import cache
 import torch
 import torch.distributed as dist
 
-from ..comm.p2p import count_all_to_all
+from ..comm.p2p import PendingExchange, count_all_to_all
 from ..kernels import PartialAccumulator, accumulation_dtype, attention_backward, attention_forward
 from ..layout import Pair, ShardPlan, clip_pair, exchange_plan, pairs_between_slots
 from .contract import Backend
-from .engine import gather_rows, scatter_add_rows
+from .engine import RunContext, gather_rows, scatter_add_rows, zero_grads
 from .tasp_topology import hamiltonian_decomposition, idle_arcs
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ def build_routes(plan: ShardPlan, cycles: Sequence[Sequence[int]]) -> tuple[Rout
     return tuple(out)
 
 
-def _exchange(sends: dict[int, list[torch.Tensor]], recv_rows: dict[int, int], like: torch.Tensor, ctx):
+def _exchange(sends: dict[int, list[torch.Tensor]], recv_rows: dict[int, int], like: torch.Tensor, ctx: RunContext):
     """One all_to_all_single: ``sends[dst]`` tensors (rows back to back) out, ``recv_rows[src]`` rows in."""
     world = ctx.plan.world_size
     width = like.shape[1:]
@@ -190,7 +190,8 @@ def kv_hop_layout(rts: Sequence[Route], rank: int, hop: int):
     return sends, recvs
 
 
-def _post_kv(ctx, hop: int, held: dict[int, tuple[torch.Tensor, torch.Tensor]], k, v):
+def _post_kv(ctx: RunContext, hop: int, held: dict[int, tuple[torch.Tensor, torch.Tensor]], k: torch.Tensor,
+             v: torch.Tensor):
     sends, recvs = kv_hop_layout(routes(ctx.plan), ctx.rank, hop)
     payload = {}
     rts = routes(ctx.plan)
@@ -208,7 +209,7 @@ def _post_kv(ctx, hop: int, held: dict[int, tuple[torch.Tensor, torch.Tensor]], 
     return work, recv, split, recvs
 
 
-def _receive_kv(pending) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+def _receive_kv(pending: PendingExchange) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     work, recv, split, layout = pending
     work.wait()
     items = _split_recv(recv, split, layout)
@@ -219,7 +220,7 @@ def _receive_kv(pending) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def run_forward(ctx, q, k, v):
+def run_forward(ctx: RunContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     acc = PartialAccumulator(q.shape[0], q.shape[1], q.shape[2], q.dtype, q.device)
     last = max_hops(ctx.plan)
     pending = _post_kv(ctx, 1, {}, k, v) if last else None
@@ -237,7 +238,7 @@ def run_forward(ctx, q, k, v):
     return acc.result()
 
 
-def _local_forward(ctx, q, k, v, acc):
+def _local_forward(ctx: RunContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, acc: PartialAccumulator):
     ex = exchange_plan(ctx.plan, ctx.rank, ctx.rank)
     ks, vs = gather_rows(k, ex.kv_ranges), gather_rows(v, ex.kv_ranges)
     for p in ex.pairs:
@@ -247,7 +248,7 @@ def _local_forward(ctx, q, k, v, acc):
         acc.add(p.q_start, out, lse)
 
 
-def _grad_sends(ctx, grads: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
+def _grad_sends(ctx: RunContext, grads: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
     """dK/dV of every visiting sub-block, grouped by owner in route order (the order owners expect)."""
     rts = routes(ctx.plan)
     sends: dict[int, list] = {}
@@ -271,11 +272,10 @@ def max_hops(plan: ShardPlan) -> int:
     return max((r.hops for r in routes(plan)), default=0)
 
 
-def run_backward(ctx, dout, q, k, v, out, lse):
+def run_backward(ctx: RunContext, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     acc_dtype = accumulation_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-    dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
-    dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
+    dq, dk, dv = zero_grads(q, k, v)
     dout = dout.contiguous()
     last = max_hops(ctx.plan)
     rts = routes(ctx.plan)
@@ -312,7 +312,7 @@ def run_backward(ctx, dout, q, k, v, out, lse):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _add_returned(returning, rts, dk, dv) -> None:
+def _add_returned(returning: tuple | None, rts: Sequence[Route], dk: torch.Tensor, dv: torch.Tensor) -> None:
     """Wait for one hop's returned dK/dV and add them at the rows of the sub-blocks they belong to."""
     if returning is None:
         return
@@ -325,7 +325,9 @@ def _add_returned(returning, rts, dk, dv) -> None:
         dv[b.start + lo : b.start + hi] += g[half:]
 
 
-def _pairs_backward(ctx, pairs, dout, q, out, lse, ks, vs, dq, gk, gv, causal):
+def _pairs_backward(ctx: RunContext, pairs: Sequence[Pair], dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, dq: torch.Tensor, gk: torch.Tensor,
+                    gv: torch.Tensor, causal: bool):
     for p in pairs:
         sq, sk = slice(p.q_start, p.q_end), slice(p.k_start, p.k_end)
         a, b, c = attention_backward(dout[sq], q[sq], ks[sk], vs[sk], out[sq], lse[:, sq], p.cu_q, p.cu_k, p.max_q,

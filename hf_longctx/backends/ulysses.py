@@ -19,10 +19,12 @@ import torch.distributed as dist
 
 from ..comm.p2p import count_all_to_all
 from ..kernels import attention_backward, attention_forward
+from ..layout import ShardPlan
 from .contract import Backend
+from .engine import RunContext
 
 
-def attention_load(plan) -> list[int]:
+def attention_load(plan: ShardPlan) -> list[int]:
     """Every rank computes the whole sequence for 1/P of the heads: the pairs split evenly."""
     total, world = plan.batch.causal_pairs(plan.window), plan.world_size
     return [total // world + (r < total % world) for r in range(world)]
@@ -33,15 +35,15 @@ def kv_repeat(hq: int, hkv: int, world: int) -> int:
     rep = world // gcd(hkv, world)
     if hq % world or hq % (hkv * rep):
         raise ValueError(f"ulysses needs query heads ({hq}) divisible by the sequence-parallel size ({world}); "
-                         "use a ring backend (ring, zigzag, distflash) for this head count")
+                         "use a ring backend (ring, zigzag, distfa) for this head count")
     return rep
 
 
-def _token_counts(ctx) -> list[int]:
+def _token_counts(ctx: RunContext) -> list[int]:
     return ctx.plan.token_counts
 
 
-def _order(ctx, device) -> torch.Tensor | None:
+def _order(ctx: RunContext, device: torch.device) -> torch.Tensor | None:
     """Global token index of each row of the rank-order concatenation (None when already global order)."""
     idx = torch.cat([ctx.plan.local_indices(r) for r in range(ctx.plan.world_size)])
     if torch.equal(idx, torch.arange(idx.numel())):
@@ -49,7 +51,7 @@ def _order(ctx, device) -> torch.Tensor | None:
     return idx.to(device)
 
 
-def _to_heads(x: torch.Tensor, ctx, order) -> torch.Tensor:
+def _to_heads(x: torch.Tensor, ctx: RunContext, order: torch.Tensor | None) -> torch.Tensor:
     """(T_local, H, D) token shard -> (T, H / P, D) head shard in global token order."""
     world = ctx.plan.world_size
     if world == 1:
@@ -68,7 +70,7 @@ def _to_heads(x: torch.Tensor, ctx, order) -> torch.Tensor:
     return out
 
 
-def _to_tokens(x: torch.Tensor, ctx, order, rank: int) -> torch.Tensor:
+def _to_tokens(x: torch.Tensor, ctx: RunContext, order: torch.Tensor | None, rank: int) -> torch.Tensor:
     """Inverse of :func:`_to_heads`: (T, H / P, D) -> (T_local, H, D)."""
     world = ctx.plan.world_size
     if world == 1:
@@ -83,7 +85,7 @@ def _to_tokens(x: torch.Tensor, ctx, order, rank: int) -> torch.Tensor:
     return recv.view(world, t, *x.shape[1:]).transpose(0, 1).reshape(t, world * x.shape[1], x.shape[2])
 
 
-def _heads(ctx, q, k, v):
+def _heads(ctx: RunContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     rep = kv_repeat(q.shape[1], k.shape[1], ctx.plan.world_size)
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -91,7 +93,7 @@ def _heads(ctx, q, k, v):
     return order, rep, [_to_heads(t, ctx, order) for t in (q, k, v)]
 
 
-def run_forward(ctx, q, k, v):
+def run_forward(ctx: RunContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     order, _, (qh, kh, vh) = _heads(ctx, q, k, v)
     cu = ctx.plan.batch.cu_seqlens.tolist()
     m = ctx.plan.batch.max_seqlen
@@ -102,7 +104,8 @@ def run_forward(ctx, q, k, v):
     return out_local, lse_local.contiguous()
 
 
-def run_backward(ctx, dout, q, k, v, out, lse):
+def run_backward(ctx: RunContext, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor):
     order, rep, (qh, kh, vh) = _heads(ctx, q, k, v)
     outh, douth = (_to_heads(t, ctx, order) for t in (out, dout.contiguous()))
     lseh = _to_heads(lse.t().unsqueeze(-1).contiguous(), ctx, order).squeeze(-1).t().contiguous()
@@ -124,7 +127,7 @@ class UlyssesBackend(Backend):
     summary = "Ulysses: all_to_all from token shards to head shards, whole-sequence attention per head group"
     bidirectional = True  # each rank holds whole documents for its heads: any mask the kernel knows works
 
-    def validate(self, q, k, v, plan, world):
+    def validate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ShardPlan, world: int):
         try:
             kv_repeat(q.shape[1], k.shape[1], world)
         except ValueError as exc:

@@ -3,11 +3,8 @@
 from .gather import GatherPlan
 from .groups import (
     current_device,
-    data_parallel_group,
-    global_rank,
     group_rank_and_size,
     sequence_parallel_group,
-    sequence_parallel_mesh,
 )
 from .p2p import (
     CommunicationError,
@@ -26,10 +23,7 @@ __all__ = [
     "count_all_to_all",
     "reset_comm_stats",
     "current_device",
-    "data_parallel_group",
-    "global_rank",
     "group_rank_and_size",
     "post_exchange",
     "sequence_parallel_group",
-    "sequence_parallel_mesh",
 ]

@@ -14,6 +14,9 @@ from functools import cache
 import torch
 import torch.distributed as dist
 
+# Float dtypes as small integers, for the signatures ranks exchange before a collective (0: none of them).
+DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+
 
 def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """(rank inside ``group``, group size); (0, 1) without torch.distributed."""
@@ -104,11 +107,6 @@ def sequence_parallel_group(sp_size: int) -> dist.ProcessGroup | None:
     if sp_size == dist.get_world_size():
         return None
     return mesh.get_group("sp")
-
-
-def data_parallel_group(sp_size: int) -> dist.ProcessGroup | None:
-    mesh = sequence_parallel_mesh(sp_size)
-    return mesh.get_group("dp")
 
 
 def current_device() -> torch.device:

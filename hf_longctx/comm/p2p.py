@@ -24,7 +24,9 @@ _counters: Counter = Counter()
 
 
 def comm_stats() -> dict[str, int]:
-    """Messages and bytes this process sent and received through :func:`post_exchange`."""
+    """Messages and bytes this process sent to and received from other ranks: point-to-point through
+    :func:`post_exchange`, collectives through :func:`count_collective` (calls per kind, e.g.
+    ``all_to_all_calls``)."""
     return dict(_counters)
 
 
@@ -32,13 +34,20 @@ def reset_comm_stats() -> None:
     _counters.clear()
 
 
+def count_collective(kind: str, sent_bytes: int, recv_bytes: int) -> None:
+    """Record one collective call and the bytes it moved to and from OTHER ranks, in :func:`comm_stats`."""
+    _counters[f"{kind}_calls"] += 1
+    _counters["sent_bytes"] += sent_bytes
+    _counters["recv_bytes"] += recv_bytes
+
+
 def count_all_to_all(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], rank: int) -> None:
     """Record the bytes an all_to_all moves to and from OTHER ranks (the self chunk is a local copy)."""
     row = send.element_size()  # bytes of one row, from the shape: a rank that sends nothing may still receive
     for size in send.shape[1:]:
         row *= size
-    _counters["sent_bytes"] += row * sum(c for d, c in enumerate(send_counts) if d != rank)
-    _counters["recv_bytes"] += row * sum(c for s, c in enumerate(recv_counts) if s != rank)
+    count_collective("all_to_all", row * sum(c for d, c in enumerate(send_counts) if d != rank),
+                     row * sum(c for s, c in enumerate(recv_counts) if s != rank))
 
 
 class CommunicationError(RuntimeError):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+# The label that no loss counts (PyTorch's cross_entropy default); the one definition in the package.
 IGNORE_INDEX = -100
 
 

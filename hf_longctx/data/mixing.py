@@ -34,11 +34,6 @@ from .tokenization import INPUT_IDS
 GroupKey = tuple  # (source or None, bucket lower bound)
 
 
-def bucket_of(length: int, bounds: Sequence[int]) -> int:
-    """Index of the bucket ``[bounds[i], bounds[i+1])`` holding ``length`` (-1 below the first bound)."""
-    return int(np.searchsorted(np.asarray(sorted(bounds)), length, side="right")) - 1
-
-
 def token_shares(lengths: Sequence[int], bounds: Sequence[int]) -> dict[int, float]:
     """Share of all tokens (of documents >= the smallest bound) per bucket lower bound."""
     bounds = sorted(bounds)

@@ -1,29 +1,23 @@
 """transformers + accelerate glue: attention registration, batch sharding, checkpointing, Trainer callback."""
 
 from .attention import backend_of, implementation_name, register_attention_implementations
+from .backend_names import backend_from_name
 from .checkpointing import (
     enable_layer_checkpointing,
     enable_recompute_aware_checkpointing,
-    recompute_aware_checkpointing_kwargs,
-    recompute_aware_policy,
 )
-from .config import LongContextConfig, backend_from_name, load_config
-from .context import SequenceParallelContext
-from .local import local_attention
-from .parallelism import ModelParallelism, apply_model_parallelism, model_parallelism
+from .config import load_config
+from .parallelism import apply_model_parallelism, model_parallelism
 from .preflight import ConfigError, check_attn_implementation, check_positive, check_run, report_config_errors
-from .rows import FlatBatch, flatten_batch
-from .sharding import GroupBatch, gather_group_batch, plan_for, shard_batch, shift_labels_per_document
+from .settings import LongContextConfig
+from .sharding import plan_for, shard_batch
 from .tiled_loss import enable_tiled_loss
 from .tiled_mlp import TiledMLP, disable_tiled_mlp, enable_tiled_mlp
 
 __all__ = [
     "ConfigError",
-    "FlatBatch",
-    "GroupBatch",
     "LongContextCallback",
     "LongContextConfig",
-    "ModelParallelism",
     "apply_model_parallelism",
     "backend_from_name",
     "check_attn_implementation",
@@ -32,24 +26,17 @@ __all__ = [
     "enable_layer_checkpointing",
     "enable_recompute_aware_checkpointing",
     "enable_tiled_loss",
-    "local_attention",
     "model_parallelism",
     "report_config_errors",
     "load_config",
-    "recompute_aware_checkpointing_kwargs",
-    "recompute_aware_policy",
-    "SequenceParallelContext",
     "TiledMLP",
     "backend_of",
     "disable_tiled_mlp",
     "enable_tiled_mlp",
-    "flatten_batch",
-    "gather_group_batch",
     "implementation_name",
     "plan_for",
     "register_attention_implementations",
     "shard_batch",
-    "shift_labels_per_document",
 ]
 
 

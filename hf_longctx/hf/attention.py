@@ -8,7 +8,7 @@ the backends layer knows nothing of transformers.
 
 The functions replace only core attention (softmax(QK^T)V); projections, RoPE and everything else
 stay transformers' own. Document masking comes from the shard plan (or, without one,
-from the packed positions, see :mod:`.local`), so no (T x T) mask is ever materialised: the matching
+from the packed positions, see :mod:`.unsharded`), so no (T x T) mask is ever materialised: the matching
 mask function passes on at most the 2-D padding mask.
 
 With a ``longctx`` context (a batch sharded by :func:`~hf_longctx.hf.shard_batch` or the callback's
@@ -22,17 +22,17 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import Backend, registered_backends, sequence_parallel_attention, varlen_attention
+from ..backends import Backend, one_process_attention, registered_backends, sequence_parallel_attention
 from ..backends.registry import on_backend_registered
 from .context import context_of, count_attention_call
-from .local import local_attention, match_dtypes, padding_mask, without_autocast
 from .model_support import unsupported_layers
+from .unsharded import match_dtypes, padding_mask, unsharded_attention, without_autocast
 
 PREFIX = "longctx_"
 
 
 def implementation_name(backend: str) -> str:
-    """transformers attention name of a backend: ``longctx_<backend>`` (``longctx_distfa`` for distflash).
+    """transformers attention name of a backend: ``longctx_<backend>``.
 
     transformers treats every attention name containing "flash" as a FlashAttention kernel to import,
     so "flash" in a backend name becomes "fa".
@@ -97,7 +97,7 @@ def _make_attention(backend: str):
         with without_autocast(query):  # the kernels accumulate in float32 themselves
             ctx = _context(module, query, key, kwargs)
             if ctx is None:  # no sequence-parallel batch: exact attention in this process (evaluation, generate)
-                out = local_attention(query, key, value, attention_mask, scaling=scaling,
+                out = unsharded_attention(query, key, value, attention_mask, scaling=scaling,
                                       position_ids=kwargs.get("position_ids"),
                                       cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
                                       cu_seq_lens_k=kwargs.get("cu_seq_lens_k"), window=window, causal=causal,
@@ -110,7 +110,7 @@ def _make_attention(backend: str):
                 order = ctx.plan.local_indices(ctx.rank).to(q.device)
                 inverse = torch.empty_like(order)
                 inverse[order] = torch.arange(order.numel(), device=q.device)
-                out = varlen_attention(q[inverse], k[inverse], v[inverse], cu, cu, softmax_scale=scaling,
+                out = one_process_attention(q[inverse], k[inverse], v[inverse], cu, cu, softmax_scale=scaling,
                                        kernel=ctx.kernel, causal=False)[order]
             else:
                 out = sequence_parallel_attention(q, k, v, plan=ctx.plan, backend=backend, group=ctx.group,

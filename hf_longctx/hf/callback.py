@@ -26,13 +26,14 @@ from ..comm.groups import sequence_parallel_group
 from ..kernels import available_kernels
 from .attention import PREFIX
 from .checkpointing import checkpointing_argument
-from .config import LongContextConfig, load_config
+from .config import load_config
 from .fsdp import check_fsdp_model
 from .inputs import install_input_hook
 from .memory import enable_memory_options
 from .optimizer_offload import host_optimizer_of
 from .parallelism import model_parallelism
 from .preflight import check_process_count
+from .settings import LongContextConfig
 
 logger = logging.getLogger("hf_longctx")
 

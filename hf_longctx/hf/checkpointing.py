@@ -90,7 +90,7 @@ def enable_per_layer_checkpointing(model, layers) -> None:
     """
     from torch.utils.checkpoint import checkpoint
 
-    from .config import CHECKPOINTING_MODES
+    from .settings import CHECKPOINTING_MODES
 
     choices = [(c, False) if isinstance(c, str) else (c[0], bool(c[1])) for c in layers]
     for mode, offload in choices:

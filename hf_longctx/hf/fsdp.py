@@ -50,7 +50,7 @@ import os
 
 import torch
 
-from .config import ConfigError
+from .settings import ConfigError
 
 _TRUE = ("1", "true", "yes")
 

@@ -16,7 +16,7 @@ from .checkpointing import (
     enable_per_layer_checkpointing,
     enable_recompute_aware_checkpointing,
 )
-from .config import CHECKPOINTING_MODES
+from .settings import CHECKPOINTING_MODES
 from .tiled_loss import TiledLoss, enable_tiled_loss
 
 

@@ -86,7 +86,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from .config import ConfigError
+from .settings import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -153,7 +153,7 @@ ROPE_TENSORS = 2
 """cos and sin (T x head_dim, activation dtype), passed to every layer and alive all step."""
 
 SEQUENCE_PARALLEL_KV_BUFFERS = 2
-"""Ring-style sequence parallelism (zigzag, ring, distflash) holds a received K/V block and the next
+"""Ring-style sequence parallelism (zigzag, ring, distfa) holds a received K/V block and the next
 one in flight (2 x the local k and v); its backward adds float32 dk/dv accumulators. Not calibrated;
 backends that gather the whole K/V need more."""
 

@@ -22,7 +22,6 @@ synchronously (the "host copy" is a clone), which keeps the mechanism testable w
 from __future__ import annotations
 
 import weakref
-from functools import partial
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -226,9 +225,3 @@ class CheckpointOffloader:
         slot.release_kept()
         self.layers_offloaded += 1
         return out
-
-
-def offloaded_checkpoint_function(offloader: CheckpointOffloader, checkpoint_kwargs: dict):
-    """The callable transformers stores as ``_gradient_checkpointing_func``."""
-    return partial(offloader, **checkpoint_kwargs)
-

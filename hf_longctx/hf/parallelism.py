@@ -1,7 +1,7 @@
 """``apply_model_parallelism``: a recipe's tp_size / ep_size / moe_dispatch / expert_tp_size applied to a model.
 
 One call after building (or loading) the model and before the Trainer, the optimizer or DDP exist,
-on every rank alike. From the run's :class:`~hf_longctx.hf.config.LongContextConfig` it builds the
+on every rank alike. From the run's :class:`~hf_longctx.hf.settings.LongContextConfig` it builds the
 process groups of :func:`~hf_longctx.comm.mesh.parallel_groups` and:
 
 * splits the attention heads over the tensor-parallel group (``tp_size``, transformers' own plan,
@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import LongContextConfig, load_config
+from .config import load_config
+from .settings import LongContextConfig
 
 # what apply_model_parallelism did to each model (read by the callback); kept beside the model, not on it,
 # so deepcopy / pickling of the model never meets process groups

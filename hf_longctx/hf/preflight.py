@@ -19,8 +19,10 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from .config import ConfigError, LongContextConfig, launcher_num_processes, load_config, recipe_source
+from .config import load_config, recipe_source
 from .fsdp import check_fsdp_launch
+from .launcher import launcher_num_processes
+from .settings import ConfigError, LongContextConfig
 
 _DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow", ".csv", ".txt")
 

@@ -29,9 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..data.collator import IGNORE_INDEX
 from ..layout import PackedBatch, document_starts
-
-IGNORE_INDEX = -100
 
 
 def shift_labels_per_document(labels: torch.Tensor, packed: PackedBatch) -> torch.Tensor:

@@ -1,29 +1,48 @@
-"""Single-device core attention with log-sum-exp for packed documents, forward and backward."""
+"""Single-device core attention with log-sum-exp for packed documents, forward and backward.
 
+A kernel is a :class:`Kernel` (``supports``, ``forward``, ``backward`` of one :class:`KernelCall`) in
+the registry; importing this package registers the package's own (:mod:`.builtin`), and
+:func:`register_kernel` adds another from any package.
+"""
+
+from . import builtin  # noqa: F401 - registers the package's kernels
+from .contract import Kernel, KernelCall
 from .dispatch import (
-    KERNELS,
     SKIP_KERNEL,
     attention_backward,
     attention_forward,
     available_kernels,
     count,
+    kernel_backward,
+    kernel_call,
+    kernel_forward,
     reset_stats,
     select_kernel,
     stats,
 )
 from .merge import PartialAccumulator, accumulation_dtype, merge_partials
+from .registry import auto_order, get_kernel, kernel_names, register_kernel, unregister_kernel
 
 __all__ = [
-    "KERNELS",
     "SKIP_KERNEL",
+    "Kernel",
+    "KernelCall",
     "PartialAccumulator",
     "accumulation_dtype",
     "attention_backward",
     "attention_forward",
+    "auto_order",
     "available_kernels",
     "count",
+    "get_kernel",
+    "kernel_backward",
+    "kernel_call",
+    "kernel_forward",
+    "kernel_names",
     "merge_partials",
+    "register_kernel",
     "reset_stats",
     "select_kernel",
     "stats",
+    "unregister_kernel",
 ]

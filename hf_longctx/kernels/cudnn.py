@@ -15,14 +15,16 @@ from collections import defaultdict
 
 import torch
 
+from .contract import KernelCall
 from .validate import gpu_input_problem
 
+name = "cudnn"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 128
 MAX_GROUPS = 4
 
 
-def segment_groups(cu_q: list[int], cu_k: list[int]) -> dict[tuple[int, int], list[int]]:
+def segment_groups(cu_q: tuple[int, ...], cu_k: tuple[int, ...]) -> dict[tuple[int, int], list[int]]:
     """Segment indices keyed by (q_len, k_len), skipping segments with no query or no key."""
     groups: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i in range(len(cu_q) - 1):
@@ -32,16 +34,19 @@ def segment_groups(cu_q: list[int], cu_k: list[int]) -> dict[tuple[int, int], li
     return groups
 
 
-def unsupported_reason(q: torch.Tensor, k: torch.Tensor, cu_q: list[int], cu_k: list[int], causal: bool,
-                       window: int | None = None) -> str | None:
-    if window is not None:
+def supports(call: KernelCall) -> str | None:
+    """Why cuDNN's dense op cannot take this call, or None when it can."""
+    q, causal = call.q, call.causal
+    if call.window is not None:
         return "cudnn's dense SDPA path takes no sliding window; torch_flash or the reference kernel serve it"
     problem = gpu_input_problem("cudnn", q, SUPPORTED_DTYPES, MAX_HEAD_DIM)
     if problem:
         return problem
     if not torch.backends.cudnn.is_available():
         return "cuDNN is not available in this torch build"
-    groups = segment_groups(cu_q, cu_k)
+    if not hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
+        return "this torch build has no aten._scaled_dot_product_cudnn_attention"
+    groups = segment_groups(call.cu_seqlens_q, call.cu_seqlens_k)
     if len(groups) > MAX_GROUPS:
         return f"cudnn runs one dense call per distinct segment shape; {len(groups)} shapes is too many"
     if causal and any(lq != lk for lq, lk in groups):
@@ -85,7 +90,9 @@ def _scatter(dst: torch.Tensor, dense: torch.Tensor, starts: list[int], length: 
         dst[s : s + length] = rows[i]
 
 
-def forward(q, k, v, cu_q: list[int], cu_k: list[int], causal: bool, scale: float):
+def forward(call: KernelCall) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v, causal, scale = call.q, call.k, call.v, call.causal, call.softmax_scale
+    cu_q, cu_k = call.cu_seqlens_q, call.cu_seqlens_k
     tq, hq, d = q.shape
     groups = segment_groups(cu_q, cu_k)
     out, lse = None, None
@@ -110,7 +117,10 @@ def forward(q, k, v, cu_q: list[int], cu_k: list[int], causal: bool, scale: floa
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, cu_q: list[int], cu_k: list[int], causal: bool, scale: float):
+def backward(call: KernelCall, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v, causal, scale = call.q, call.k, call.v, call.causal, call.softmax_scale
+    cu_q, cu_k = call.cu_seqlens_q, call.cu_seqlens_k
     tq, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -155,3 +165,4 @@ def backward(dout, q, k, v, out, lse, cu_q: list[int], cu_k: list[int], causal: 
     if dq is None:  # no segment had both queries and keys
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     return dq, dk, dv
+

@@ -29,10 +29,12 @@ import os
 import torch
 
 from .buckets import bucket, lse_runs, padded_segments
+from .contract import KernelCall
 from .validate import gpu_input_problem
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 128
+name = "cudnn_varlen"
 INSTALL_HINT = 'pip install "hf-longctx[cudnn]" (nvidia-cudnn-frontend and nvidia-cutlass-dsl)'
 # cuDNN before 9.26 can return NaN gradients for rows whose LSE is below about -88.7, which is what
 # a row without any visible key has; such inputs go to another kernel on older cuDNN.
@@ -59,12 +61,17 @@ def is_installed() -> bool:
     return not isinstance(_ops(), str)
 
 
+def missing_extra(device: torch.device) -> str | None:
+    """The install command when the extra is absent and would serve ``device``, else None."""
+    return None if is_installed() or not worth_installing(device) else INSTALL_HINT
+
+
 def worth_installing(device: torch.device) -> bool:
     """Would installing the extra give this device a faster kernel? Any CUDA GPU with cuDNN."""
     return device.type == "cuda" and torch.backends.cudnn.is_available()
 
 
-def _has_rows_without_keys(cu_q: list[int], cu_k: list[int], causal: bool) -> bool:
+def _has_rows_without_keys(cu_q: tuple[int, ...], cu_k: tuple[int, ...], causal: bool) -> bool:
     for i in range(len(cu_q) - 1):
         lq, lk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
         if lq and (lk == 0 or (causal and lq > lk)):
@@ -72,10 +79,10 @@ def _has_rows_without_keys(cu_q: list[int], cu_k: list[int], causal: bool) -> bo
     return False
 
 
-def unsupported_reason(q: torch.Tensor, cu_q: list[int], cu_k: list[int], causal: bool,
-                       window: int | None = None) -> str | None:
-    """Why the cuDNN frontend cannot take this input, or None when it can."""
-    if window is not None:
+def supports(call: KernelCall) -> str | None:
+    """Why the cuDNN frontend cannot take this call, or None when it can."""
+    q, cu_q, cu_k, causal = call.q, call.cu_seqlens_q, call.cu_seqlens_k, call.causal
+    if call.window is not None:
         # Measured on an H200 (cuDNN 9.19, frontend 1.32): its diagonal band missed the reference by
         # 2.5-9% in every windowed case, so windows go to FlashAttention-4 or torch's FlashAttention-2.
         return "cudnn_varlen does not serve sliding windows (its band did not match the reference on the GPU)"
@@ -123,7 +130,9 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return padded
 
 
-def forward(q, k, v, cu_q: list[int], cu_k: list[int], causal: bool, scale: float, window: int | None = None):
+def forward(call: KernelCall) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v, causal, window = call.q, call.k, call.v, call.causal, call.window
+    cu_q, cu_k, scale = list(call.cu_seqlens_q), list(call.cu_seqlens_k), call.softmax_scale
     tq, hq, _ = q.shape
     segments = bucket(len(cu_q) - 1, SHAPE_STEPS)
     cq, ck = padded_segments(cu_q, segments), padded_segments(cu_k, segments)
@@ -171,8 +180,10 @@ def _backward_run(dout, q, k, v, out, lse, cu_q: list[int], cu_k: list[int], cau
     return dq[:tq], dk[:tk], dv[:tk]
 
 
-def backward(dout, q, k, v, out, lse, cu_q: list[int], cu_k: list[int], causal: bool, scale: float,
-             window: int | None = None):
+def backward(call: KernelCall, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v, causal, window = call.q, call.k, call.v, call.causal, call.window
+    cu_q, cu_k, scale = list(call.cu_seqlens_q), list(call.cu_seqlens_k), call.softmax_scale
     runs = lse_runs(cu_q, q.shape[1], LSE_BUDGET_BYTES, SHAPE_STEPS)
     if len(runs) == 1:
         return _backward_run(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, window)
@@ -187,3 +198,4 @@ def backward(dout, q, k, v, out, lse, cu_q: list[int], cu_k: list[int], causal: 
                                    local_q, local_k, causal, scale, window)
         dq[q0:q1], dk[k0:k1], dv[k0:k1] = gq, gk, gv
     return dq, dk, dv
+

@@ -22,11 +22,13 @@ import time
 
 import torch
 
+from .contract import KernelCall
 from .validate import gpu_input_problem
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # Compute capabilities whose forward AND backward FlashAttention-4 implements (Hopper, Blackwell).
 SUPPORTED_ARCHS = (9, 10, 11)
+name = "fa4"
 INSTALL_HINT = 'pip install "hf-longctx[fa4]" (flash-attn-4 with its CUDA 13 CuTe-DSL libraries)'
 
 _compiles = {"count": 0, "seconds": 0.0}
@@ -47,13 +49,19 @@ def is_installed() -> bool:
     return not isinstance(_interface(), str)
 
 
+def missing_extra(device: torch.device) -> str | None:
+    """The install command when the extra is absent and would serve ``device``, else None."""
+    return None if is_installed() or not worth_installing(device) else INSTALL_HINT
+
+
 def worth_installing(device: torch.device) -> bool:
     """Would installing the extra give this GPU a faster kernel? Only Hopper and Blackwell run it."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in SUPPORTED_ARCHS
 
 
-def unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
-    """Why FlashAttention-4 cannot take this input, or None when it can."""
+def supports(call: KernelCall) -> str | None:
+    """Why FlashAttention-4 cannot take this call, or None when it can."""
+    q = call.q
     iface = _interface()
     if isinstance(iface, str):
         return f"flash-attn-4 is not installed ({iface}); {INSTALL_HINT}"
@@ -108,23 +116,23 @@ def _window_args(causal: bool, window: int | None) -> dict:
     return {"window_size_left": window - 1, "window_size_right": 0 if causal else None}
 
 
-def forward(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, causal: bool, scale: float,
-            window: int | None = None):
-    iface = _interface()
-    out, lse = _timed_compiles(_configuration("fwd", q, k, causal, window), lambda: iface._flash_attn_fwd(
-        q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-        softmax_scale=scale, causal=causal, return_lse=True, **_window_args(causal, window),
+def forward(call: KernelCall) -> tuple[torch.Tensor, torch.Tensor]:
+    iface, q, k = _interface(), call.q, call.k
+    out, lse = _timed_compiles(_configuration("fwd", q, k, call.causal, call.window), lambda: iface._flash_attn_fwd(
+        q, k, call.v, cu_seqlens_q=call.cu_seqlens_q_device, cu_seqlens_k=call.cu_seqlens_k_device,
+        max_seqlen_q=call.max_seqlen_q, max_seqlen_k=call.max_seqlen_k, softmax_scale=call.softmax_scale,
+        causal=call.causal, return_lse=True, **_window_args(call.causal, call.window),
     )[:2])
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
-             causal: bool, scale: float, window: int | None = None):
-    iface = _interface()
+def backward(call: KernelCall, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    iface, q, k = _interface(), call.q, call.k
     lse = lse.float().contiguous()
-    dq, dk, dv = _timed_compiles(_configuration("bwd", q, k, causal, window), lambda: iface._flash_attn_bwd(
-        q, k, v, out.contiguous(), dout.contiguous(), lse, softmax_scale=scale, causal=causal,
-        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-        **_window_args(causal, window),
+    dq, dk, dv = _timed_compiles(_configuration("bwd", q, k, call.causal, call.window), lambda: iface._flash_attn_bwd(
+        q, k, call.v, out.contiguous(), dout.contiguous(), lse, softmax_scale=call.softmax_scale, causal=call.causal,
+        cu_seqlens_q=call.cu_seqlens_q_device, cu_seqlens_k=call.cu_seqlens_k_device,
+        max_seqlen_q=call.max_seqlen_q, max_seqlen_k=call.max_seqlen_k, **_window_args(call.causal, call.window),
     )[:3])
     return dq, dk, dv

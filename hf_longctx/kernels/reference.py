@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from .contract import KernelCall
 from .merge import accumulation_dtype
 
+name = "reference"
 BLOCK = 256
 
 
@@ -115,13 +117,14 @@ def _segment_backward(dout, q, k, v, out, lse, causal: bool, window: int | None,
     return dq, dk, dv
 
 
-def _segments(cu_q: list[int], cu_k: list[int]):
+def _segments(cu_q: tuple[int, ...], cu_k: tuple[int, ...]):
     for i in range(len(cu_q) - 1):
         yield cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
 
 
-def reference_forward(q, k, v, cu_q: list[int], cu_k: list[int], causal: bool, scale: float,
-                      window: int | None = None):
+def reference_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens_q: tuple[int, ...],
+                      cu_seqlens_k: tuple[int, ...], causal: bool, softmax_scale: float, window: int | None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed varlen forward. Returns out (Tq, Hq, D) in q's dtype and lse (Hq, Tq) in acc dtype."""
     acc = accumulation_dtype(q.dtype)
     tq, hq, d = q.shape
@@ -130,17 +133,19 @@ def reference_forward(q, k, v, cu_q: list[int], cu_k: list[int], causal: bool, s
     out = torch.zeros(tq, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.full((hq, tq), float("-inf"), dtype=acc, device=q.device)
     qg = q.view(tq, hkv, g, d)
-    for q0, q1, k0, k1 in _segments(cu_q, cu_k):
+    for q0, q1, k0, k1 in _segments(cu_seqlens_q, cu_seqlens_k):
         if q1 == q0 or k1 == k0:
             continue
-        o, s_lse = _segment_forward(qg[q0:q1], k[k0:k1], v[k0:k1], causal, window, scale, acc)
+        o, s_lse = _segment_forward(qg[q0:q1], k[k0:k1], v[k0:k1], causal, window, softmax_scale, acc)
         out[q0:q1] = o.reshape(q1 - q0, hq, d).to(q.dtype)
         lse[:, q0:q1] = s_lse.reshape(hq, q1 - q0)
     return out, lse
 
 
-def reference_backward(dout, q, k, v, out, lse, cu_q: list[int], cu_k: list[int], causal: bool, scale: float,
-                       window: int | None = None):
+def reference_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                       lse: torch.Tensor, *, cu_seqlens_q: tuple[int, ...], cu_seqlens_k: tuple[int, ...],
+                       causal: bool, softmax_scale: float, window: int | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed varlen backward; dk/dv are summed over each KV head's query group (no repeat)."""
     acc = accumulation_dtype(q.dtype)
     tq, hq, d = q.shape
@@ -153,13 +158,30 @@ def reference_backward(dout, q, k, v, out, lse, cu_q: list[int], cu_k: list[int]
     og = out.reshape(tq, hkv, g, d)
     dog = dout.reshape(tq, hkv, g, d)
     lse_g = lse.to(acc).reshape(hkv, g, tq)
-    for q0, q1, k0, k1 in _segments(cu_q, cu_k):
+    for q0, q1, k0, k1 in _segments(cu_seqlens_q, cu_seqlens_k):
         if q1 == q0 or k1 == k0:
             continue
         sdq, sdk, sdv = _segment_backward(
-            dog[q0:q1], qg[q0:q1], k[k0:k1], v[k0:k1], og[q0:q1], lse_g[:, :, q0:q1], causal, window, scale, acc
+            dog[q0:q1], qg[q0:q1], k[k0:k1], v[k0:k1], og[q0:q1], lse_g[:, :, q0:q1], causal, window, softmax_scale, acc
         )
         dq[q0:q1] += sdq
         dk[k0:k1] += sdk
         dv[k0:k1] += sdv
     return dq.reshape(tq, hq, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def supports(call: KernelCall) -> str | None:
+    """The reference serves every input on every device: ``auto``'s last candidate."""
+    return None
+
+
+def forward(call: KernelCall) -> tuple[torch.Tensor, torch.Tensor]:
+    return reference_forward(call.q, call.k, call.v, cu_seqlens_q=call.cu_seqlens_q, cu_seqlens_k=call.cu_seqlens_k,
+                             causal=call.causal, softmax_scale=call.softmax_scale, window=call.window)
+
+
+def backward(call: KernelCall, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return reference_backward(dout, call.q, call.k, call.v, out, lse, cu_seqlens_q=call.cu_seqlens_q,
+                              cu_seqlens_k=call.cu_seqlens_k, causal=call.causal, softmax_scale=call.softmax_scale,
+                              window=call.window)

@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import torch
 
+from .contract import KernelCall
 from .validate import gpu_input_problem
 
+name = "torch_flash"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 
 
-def unsupported_reason(q: torch.Tensor) -> str | None:
-    """Why this kernel cannot take the input, or None when it can."""
-    problem = gpu_input_problem("torch_flash", q, SUPPORTED_DTYPES, MAX_HEAD_DIM,
+def supports(call: KernelCall) -> str | None:
+    """Why this kernel cannot take the call, or None when it can."""
+    problem = gpu_input_problem("torch_flash", call.q, SUPPORTED_DTYPES, MAX_HEAD_DIM,
                                 "; use kernel='reference' for fp32/fp64")
     if problem:
         return problem
@@ -37,23 +39,26 @@ def _window_kwargs(causal: bool, window: int | None) -> dict:
     return {"window_size_left": window - 1, "window_size_right": 0 if causal else -1}
 
 
-def forward(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, causal: bool, scale: float,
-            window: int | None = None):
+def forward(call: KernelCall) -> tuple[torch.Tensor, torch.Tensor]:
+    q = call.q
     out, lse, _rng, _unused, _ = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, **_window_kwargs(causal, window)
+        q, call.k, call.v, call.cu_seqlens_q_device, call.cu_seqlens_k_device, call.max_seqlen_q, call.max_seqlen_k,
+        0.0, call.causal, False, scale=call.softmax_scale, **_window_kwargs(call.causal, call.window),
     )
     lse = lse[:, : q.shape[0]]
     lse = lse.masked_fill(lse == float("inf"), float("-inf"))
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
-             causal: bool, scale: float, window: int | None = None):
+def backward(call: KernelCall, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q = call.q
     lse = lse.float().masked_fill(lse == float("-inf"), float("inf")).contiguous()
     empty = torch.empty(0, dtype=torch.uint64 if hasattr(torch, "uint64") else torch.int64, device=q.device)
     rng_state = torch.zeros(2, dtype=torch.uint64 if hasattr(torch, "uint64") else torch.int64, device=q.device)
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        dout.contiguous(), q, k, v, out.contiguous(), lse, cu_q, cu_k, max_q, max_k, 0.0, causal,
-        rng_state, empty, scale=scale, **_window_kwargs(causal, window),
+        dout.contiguous(), q, call.k, call.v, out.contiguous(), lse, call.cu_seqlens_q_device,
+        call.cu_seqlens_k_device, call.max_seqlen_q, call.max_seqlen_k, 0.0, call.causal, rng_state, empty,
+        scale=call.softmax_scale, **_window_kwargs(call.causal, call.window),
     )
     return dq, dk, dv

@@ -218,12 +218,6 @@ def pairs_between_slots(q_slot: Slot, k_slot: Slot, window: int | None = None) -
     return pairs_from_segments(q_slot.offset, k_slot.offset, segments, causal)
 
 
-def pair_between_slots(q_slot: Slot, k_slot: Slot) -> Pair | None:
-    """The single kernel call that covers all attention from ``q_slot`` to ``k_slot``, or None (no window)."""
-    pairs = pairs_between_slots(q_slot, k_slot)
-    return pairs[0] if pairs else None
-
-
 @dataclass(frozen=True)
 class Exchange:
     """Everything the query rank r computes against the keys of rank s.

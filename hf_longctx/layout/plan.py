@@ -24,14 +24,18 @@ pieces round-robin across documents, so ranks end up within a couple of tokens o
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TypeVar
 
 import torch
 
 from .packed import PackedBatch
 
-SHARD_STRATEGIES = ("contiguous", "zigzag", "doc_zigzag", "cad")  # built in; see register_strategy
+T = TypeVar("T")
+
+SHARD_STRATEGIES = ("contiguous", "zigzag", "doc_zigzag", "cad")
 
 
 @dataclass(frozen=True)
@@ -146,7 +150,11 @@ class ShardPlan:
     def token_counts(self) -> list[int]:
         return [self.num_local_tokens(r) for r in range(self.world_size)]
 
-    def cached(self, key, build):
+    def has_cached(self, key: Hashable) -> bool:
+        """Whether :meth:`cached` already holds ``key`` (a check done once per plan, e.g. the group's agreement)."""
+        return key in self._cache
+
+    def cached(self, key: Hashable, build: Callable[[], T]) -> T:
         """Memoise derived per-plan data (exchange plans, schedules) on the plan itself."""
         if key not in self._cache:
             self._cache[key] = build()
@@ -208,8 +216,3 @@ def shard_plan(batch: PackedBatch, world_size: int, strategy: str = "zigzag") ->
     if builder is None:
         raise ValueError(f"unknown shard strategy {strategy!r}; choose one of {', '.join(_BUILDERS)}")
     return ShardPlan(batch, world_size, strategy, builder(batch, world_size))
-
-
-def register_strategy(name: str, builder) -> None:
-    """Add a strategy: ``builder(batch, world_size) -> tuple[tuple[Slot, ...], ...]`` (one per rank)."""
-    _BUILDERS[name] = builder

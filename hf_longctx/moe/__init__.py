@@ -8,9 +8,8 @@ gradients kept out of DDP and averaged over their replicas, the batch-exact load
 and merging/cutting of expert shards in state dicts. Process groups: :mod:`hf_longctx.comm.mesh`.
 """
 
-from .aux_loss import DistributedAuxLoss, enable_distributed_aux_loss, load_balancing_loss_share
+from .aux_loss import DistributedAuxLoss, enable_distributed_aux_loss
 from .checkpoint import (
-    ExpertShard,
     expert_shards,
     gather_full_state_dict,
     gather_pieces,
@@ -18,40 +17,29 @@ from .checkpoint import (
     merge_shard,
     shard_state_dict,
 )
-from .dispatch import DISPATCHES, dispatch_experts, moe_comm_stats, reset_moe_comm_stats
-from .expert_tp import TensorSlice, expert_tp_slices
-from .experts import expert_mlp, expert_mlp_flops
-from .grads import all_reduce_expert_grads, clip_grad_norm_, expert_parameter_names, ignore_expert_params_in_ddp
+from .expert_tp import expert_tp_slices
+from .experts import expert_mlp_flops
+from .grads import all_reduce_expert_grads, clip_grad_norm_, ignore_expert_params_in_ddp
 from .layer import ExpertParallelExperts, apply_expert_parallel, find_experts_modules
-from .routing import PairLayout, expert_load, pair_layout
+from .routing import expert_load, pair_layout
 
 __all__ = [
-    "DISPATCHES",
     "DistributedAuxLoss",
     "ExpertParallelExperts",
-    "ExpertShard",
-    "PairLayout",
-    "TensorSlice",
     "all_reduce_expert_grads",
     "apply_expert_parallel",
     "clip_grad_norm_",
-    "dispatch_experts",
     "enable_distributed_aux_loss",
     "expert_load",
-    "expert_mlp",
     "expert_mlp_flops",
-    "expert_parameter_names",
     "expert_shards",
     "expert_tp_slices",
     "find_experts_modules",
     "gather_full_state_dict",
     "gather_pieces",
     "ignore_expert_params_in_ddp",
-    "load_balancing_loss_share",
     "merge_expert_shards",
     "merge_shard",
-    "moe_comm_stats",
     "pair_layout",
-    "reset_moe_comm_stats",
     "shard_state_dict",
 ]

@@ -43,14 +43,14 @@ them.
 
 from __future__ import annotations
 
-import math
-from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm.groups import DTYPE_CODES
+from ..comm.p2p import count_all_to_all, count_collective
 from ..kernels import accumulation_dtype
 from .experts import expert_mlp
 from .routing import PairLayout, pair_layout
@@ -58,23 +58,9 @@ from .row_ops import pair_grads, pair_sum
 
 DISPATCHES = ("allgather", "all_to_all")
 
-_stats: Counter = Counter()
-
-
-def moe_comm_stats() -> dict[str, int]:
-    """Bytes this process sent to and received from OTHER ranks in expert dispatch, and calls per collective."""
-    return dict(_stats)
-
-
-def reset_moe_comm_stats() -> None:
-    _stats.clear()
-
-
 def _count_symmetric(kind: str, chunk_bytes: int, world: int) -> None:
     """all-gather / reduce-scatter: each rank sends its chunk to, and receives one from, each other rank."""
-    _stats[f"{kind}_calls"] += 1
-    _stats["sent_bytes"] += (world - 1) * chunk_bytes
-    _stats["recv_bytes"] += (world - 1) * chunk_bytes
+    count_collective(kind, (world - 1) * chunk_bytes, (world - 1) * chunk_bytes)
 
 
 def _all_gather(chunk: torch.Tensor, group, world: int) -> torch.Tensor:
@@ -104,10 +90,7 @@ def _all_to_all(rows: torch.Tensor, send_splits: list[int], recv_splits: list[in
     out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
     dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv_splits, input_split_sizes=send_splits,
                            group=group)
-    row_bytes = rows.element_size() * math.prod(rows.shape[1:])
-    _stats["all_to_all_calls"] += 1
-    _stats["sent_bytes"] += row_bytes * sum(c for r, c in enumerate(send_splits) if r != rank)
-    _stats["recv_bytes"] += row_bytes * sum(c for r, c in enumerate(recv_splits) if r != rank)
+    count_all_to_all(rows, send_splits, recv_splits, rank)
     return out
 
 
@@ -297,9 +280,6 @@ def _group_token_counts(tokens: int, signature: list[int], group, world: int, de
     return [row[0] for row in rows]
 
 
-_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
-
-
 def chunk_bounds(max_tokens: int, chunk_tokens: int | None) -> list[tuple[int, int]]:
     """(start, stop) token ranges every rank of a group runs in turn (the same list on every rank)."""
     if max_tokens == 0:
@@ -337,7 +317,7 @@ def dispatch_experts(
     if dispatch not in DISPATCHES:
         raise ValueError(f"unknown dispatch {dispatch!r}; choose one of {DISPATCHES}")
     tokens, hidden = hidden_states.shape
-    signature = [hidden, top_k_index.shape[1], _DTYPE_CODES.get(hidden_states.dtype, 0), num_local_experts,
+    signature = [hidden, top_k_index.shape[1], DTYPE_CODES.get(hidden_states.dtype, 0), num_local_experts,
                  DISPATCHES.index(dispatch), int(chunk_tokens or 0)]
     counts = _group_token_counts(tokens, signature, group, world, hidden_states.device)
     pieces = []

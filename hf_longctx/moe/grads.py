@@ -59,10 +59,6 @@ def ignore_expert_params_in_ddp(model: nn.Module) -> list[str]:
     return names
 
 
-def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
-    return [p for _, module in expert_parallel_modules(model) for p in module.parameters(recurse=False)]
-
-
 def all_reduce_expert_grads(model: nn.Module, expert_dp_group: dist.ProcessGroup | None,
                             divide_by: int | None = None, expert_tp_group: dist.ProcessGroup | None = None) -> None:
     """Sum every sharded expert gradient over ``expert_dp_group``, then divide by ``divide_by``.

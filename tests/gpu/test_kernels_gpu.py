@@ -23,6 +23,7 @@ from hf_longctx.kernels import (
     available_kernels,
     cudnn_varlen,
     fa4,
+    kernel_call,
     merge_partials,
     select_kernel,
 )
@@ -96,7 +97,7 @@ def test_kernel_matches_fp64_reference(kernel, case):
     q, k, v, dout, cu_q, cu_k, causal = _problem(case)
     mq, mk = max(b - a for a, b in zip(cu_q, cu_q[1:])), max(b - a for a, b in zip(cu_k, cu_k[1:]))
     try:
-        select_kernel(kernel, q, k, cu_q, cu_k, causal)
+        select_kernel(kernel, kernel_call(q, k, v, cu_q, cu_k, mq, mk, causal=causal))
     except ValueError as exc:
         must_serve = kernel == "fa4" or (kernel == "cudnn_varlen" and "without a visible key" not in str(exc))
         assert not must_serve, f"{kernel} must serve {case!r}: {exc}"
@@ -141,7 +142,7 @@ def test_auto_prefers_the_fastest_installed_kernel():
     q = torch.randn(64, 8, 128, device=DEVICE, dtype=torch.bfloat16)
     expected = next(k for k in ("fa4", "cudnn_varlen") if k in available_kernels(DEVICE)) \
         if {"fa4", "cudnn_varlen"} & set(available_kernels(DEVICE)) else "cudnn"
-    assert select_kernel("auto", q, q, [0, 10, 64], [0, 10, 64], True) == expected
+    assert select_kernel("auto", kernel_call(q, q, q, [0, 10, 64], [0, 10, 64], 54, 54)) == expected
 
 
 def test_cudnn_varlen_builds_a_bounded_number_of_graphs():
@@ -206,7 +207,7 @@ def test_kernel_sliding_window_matches_fp64_reference(kernel, case):
     cu_q, cu_k = cumulative(lq), cumulative(lk)
     mq, mk = max(lq), max(lk)
     try:
-        select_kernel(kernel, q, k, cu_q, cu_k, causal, window)
+        select_kernel(kernel, kernel_call(q, k, v, cu_q, cu_k, mq, mk, causal=causal, window=window))
     except ValueError as exc:
         assert kernel != "fa4" and kernel != "torch_flash", f"{kernel} must serve windows: {exc}"
         pytest.skip(f"{kernel} declines {case!r}: {exc}")

@@ -38,6 +38,7 @@ from ...comm.gather import GatherPlan, Run
 from ...kernels import accumulation_dtype, attention_backward, attention_forward
 from ...layout import ShardPlan
 from ..contract import Backend
+from ..engine import RunContext
 from .cost_model import FlopsCostModel, WindowedCostModel
 from .pingpong import pingpong_split
 from .scheduler import schedule
@@ -95,7 +96,8 @@ def build_nano_batch(plan: ShardPlan, tasks: Sequence[CadTask], rank: int) -> Na
     return NanoBatch(mine, GatherPlan(q_runs, rank, rows), GatherPlan(kv_runs, rank, rows), cu_q, cu_k, max_q, max_k)
 
 
-def nano_batches(plan: ShardPlan, tasks: Sequence[CadTask], rank: int, pingpong: bool, device) -> list[NanoBatch]:
+def nano_batches(plan: ShardPlan, tasks: Sequence[CadTask], rank: int, pingpong: bool, device: torch.device
+                ) -> list[NanoBatch]:
     """The nano-batches of ``rank`` (two balanced halves with ping-pong, else one), cached on the plan."""
     key = tuple(tasks)
 
@@ -144,7 +146,8 @@ def _no_rows(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tens
     return torch.empty(0, *like.shape[1:], dtype=dtype or like.dtype, device=like.device)
 
 
-def run_forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def run_forward(ctx: RunContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of this rank's query rows; this rank also serves its tasks of every nano-batch.
 
     All fetches are posted first (nano-batch 1's transfers run while nano-batch 0 computes); results of
@@ -172,8 +175,8 @@ def run_forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple
     return out, lse_rows.t().contiguous()
 
 
-def run_backward(ctx, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def run_backward(ctx: RunContext, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of this rank's rows: the forward's gathers again, gradients returned and summed in fp32.
 
     Key gradients of tasks that read the same rows add up: in the server's unique-row buffer for
