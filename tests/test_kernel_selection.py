@@ -115,6 +115,24 @@ def test_auto_falls_back_for_the_failing_configuration_only(monkeypatch, caplog)
     assert dispatch.stats()["forward.reference"] == 5  # 2 for head_dim 16 under auto + 3 explicit
 
 
+def test_running_out_of_memory_is_raised_not_fallen_back_from(monkeypatch):
+    """Out of memory in the first kernel: the error reaches the caller and the kernel is not marked broken (the
+    next ones, the reference last, need more memory)."""
+    def out_of_memory(call):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(torch_flash, "supports", lambda call: None)
+    monkeypatch.setattr(torch_flash, "forward", out_of_memory)
+    for name in ("fa4", "cudnn_varlen", "cudnn"):
+        monkeypatch.setattr(dispatch.get_kernel(name), "supports", lambda call: "not here")
+    monkeypatch.setattr(dispatch, "_broken", {})
+    dispatch.reset_stats()
+    q = torch.randn(6, 2, 8, dtype=torch.float64)
+    with pytest.raises(torch.OutOfMemoryError):
+        attention_forward(q, q, q, [0, 6], [0, 6], 6, 6)
+    assert dispatch._broken == {} and dispatch.stats().get("forward.reference", 0) == 0
+
+
 def test_auto_backward_uses_the_final_out_and_lse_whatever_kernel_ran_forward():
     """Backward may run on another kernel than forward: only out and lse travel between them."""
     g = torch.Generator().manual_seed(3)

@@ -21,8 +21,8 @@ from hf_longctx.hf.memory_plan import (
     MemoryPlanError,
     ModelShape,
     default_host_overhead,
-    plan_for_training,
     pinned_parameter_bytes,
+    plan_for_training,
     plan_memory,
 )
 from hf_longctx.layout import PackedBatch

@@ -151,7 +151,9 @@ def _hint_missing_extra(kernel: Kernel, device: torch.device) -> None:
 def _first_kernel_that_runs(kernel: str, call: KernelCall, direction: str, run):
     """``run(kernel)`` with the selected kernel. Under ``auto``, a kernel that fails (a compile, graph build or
     launch) is marked broken for this configuration and the next one in the order runs; the last candidate's
-    errors, like those of a kernel named explicitly, are raised."""
+    errors, like those of a kernel named explicitly, are raised. Running out of memory is not a broken kernel:
+    it is raised at once (the next kernels, the reference last, need more memory, and the fast kernel would be
+    marked broken for good)."""
     while True:
         name = select_kernel(kernel, call)
         chosen = _lookup(name)
@@ -160,7 +162,9 @@ def _first_kernel_that_runs(kernel: str, call: KernelCall, direction: str, run):
             _calls[f"{direction}.{name}"] += 1
         try:
             return run(chosen)
-        except Exception as exc:  # noqa: BLE001 - any failure of a kernel falls back to the next one
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any other failure of a kernel falls back to the next one
             if kernel != AUTO or name == auto_order()[-1]:
                 raise
             _broken[(name, call.configuration())] = str(exc)
