@@ -19,6 +19,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..comm.collectives import all_gather, is_distributed
 from ..comm.groups import group_rank_and_size
 from ..layout import ShardPlan
 from .engine import RunContext
@@ -85,7 +86,7 @@ def check_group_agrees(q, k, v, plan, backend, group, rank, world, causal, windo
     disagree on the window stop here too.
     """
     problem = _local_problem(q, k, v, plan, backend, rank, world, causal, window_problem)
-    if world == 1 or not dist.is_initialized():
+    if world == 1 or not is_distributed(group):
         if problem:
             raise ValueError(f"hf_longctx {backend}: {problem}")
         return
@@ -99,7 +100,7 @@ def check_group_agrees(q, k, v, plan, backend, group, rank, world, causal, windo
         dtype=torch.int64, device=q.device,
     )
     gathered = [torch.empty_like(sig) for _ in range(world)]
-    dist.all_gather(gathered, sig, group=group)
+    all_gather(gathered, sig, group)
     rows = [g.tolist() for g in gathered]
     if problem:
         raise ValueError(f"hf_longctx {backend} on rank {rank}: {problem}")

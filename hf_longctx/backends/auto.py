@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
+from ..comm.collectives import all_reduce_max
 from ..layout import ShardPlan
 from .contract import Backend, ForwardProbe
 from .registry import registered_backends
@@ -122,8 +122,7 @@ def _sync(device: torch.device) -> None:
 
 def _slowest_rank(seconds: list[float], device, group) -> list[float]:
     t = torch.tensor(seconds, dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    all_reduce_max(t, group)
     return t.tolist()
 
 
