@@ -75,7 +75,7 @@ def predicted_vs_emulated(step: EmulatedStep, batch: PackedBatch, options: dict)
 
 
 def tokens_label(total: int) -> str:
-    return tokens_label(total) if total >= 1024 else str(total)
+    return f"{total // 1024}K" if total >= 1024 else str(total)
 
 
 def row(mix, total, batch, world, label, step: EmulatedStep, extra: str) -> str:
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(rows[-1], flush=True)
             if steps:
                 choice = choose_from_steps(steps)
-                choices.append(f"- {mix} {total // 1024}K, W={w}: auto (emulated) -> {choice.reason}")
+                choices.append(f"- {mix} {tokens_label(total)}, W={w}: auto (emulated) -> {choice.reason}")
                 print(choices[-1], flush=True)
             if mix == sweep_mix and str(w) == sweep_w and "cad" in backends \
                     and time.perf_counter() - t_start <= args.budget_s:
