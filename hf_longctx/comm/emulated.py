@@ -15,6 +15,7 @@ collective kind, for a communication model (:mod:`hf_longctx.emulation.comm_mode
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections import deque
@@ -82,7 +83,9 @@ class EmulationHub:
             raise ValueError("an emulated group needs at least one rank")
         self.world = world
         self.timeout_s = timeout_s
-        self.cond = threading.Condition()
+        self.lock = threading.Lock()  # held by the one rank that runs
+        self._wakeup = [threading.Condition(self.lock) for _ in range(world)]
+        self._waiting: dict[int, Callable[[], bool]] = {}  # rank -> what it waits for
         self.failed: BaseException | None = None
         self.traffic = [Traffic() for _ in range(world)]
         self._p2p: dict[tuple[int, int, int], deque[_Message]] = {}
@@ -103,7 +106,7 @@ class EmulationHub:
         errors: list[BaseException | None] = [None] * self.world
 
         def body(rank: int) -> None:
-            with self.cond:
+            with self.lock:
                 self.local.rank = rank
                 try:
                     results[rank] = fn(self.groups[rank])
@@ -111,8 +114,8 @@ class EmulationHub:
                     errors[rank] = exc
                     if self.failed is None:
                         self.failed = exc
-                finally:
-                    self.cond.notify_all()
+                    for cond in self._wakeup:
+                        cond.notify()
 
         threads = [threading.Thread(target=body, args=(r,), name=f"emulated-rank-{r}", daemon=True)
                    for r in range(self.world)]
@@ -130,14 +133,29 @@ class EmulationHub:
         return getattr(self.local, "rank", None)
 
     def wait_for(self, predicate: Callable[[], bool], what: str) -> None:
-        """Give up the hub until ``predicate()`` holds (called with the hub held, as every rank runs)."""
-        while not predicate():
-            if self.failed is not None:
-                raise EmulationError(f"emulated {what}: another rank failed ({type(self.failed).__name__}: "
-                                     f"{self.failed})")
-            if not self.cond.wait(self.timeout_s):
-                raise EmulationError(f"emulated {what}: no peer answered in {self.timeout_s:.0f} s (a rank waits "
-                                     "for a transfer no rank posts)")
+        """Give up the hub until ``predicate()`` holds (called with the hub held, as every rank runs).
+
+        Only a rank whose condition a change made true is woken (:meth:`_changed`), so W waiting ranks
+        cost no stampede of wake-ups per transfer.
+        """
+        rank = self.current_rank()
+        self._waiting[rank] = predicate
+        try:
+            while not predicate():
+                if self.failed is not None:
+                    raise EmulationError(f"emulated {what}: another rank failed ({type(self.failed).__name__}: "
+                                         f"{self.failed})")
+                if not self._wakeup[rank].wait(self.timeout_s):
+                    raise EmulationError(f"emulated {what}: no peer answered in {self.timeout_s:.0f} s (a rank "
+                                         "waits for a transfer no rank posts)")
+        finally:
+            del self._waiting[rank]
+
+    def _changed(self) -> None:
+        """Wake the waiting ranks whose condition now holds."""
+        for rank, predicate in self._waiting.items():
+            if predicate():
+                self._wakeup[rank].notify()
 
     # ------------------------------------------------------------------ point to point
 
@@ -172,7 +190,7 @@ class EmulationHub:
             mine.append(m)
         if sent:
             self.traffic[rank].calls.append(("p2p", sent))
-        self.cond.notify_all()
+        self._changed()
         return [_Work(self, lambda m=m: m.done, what) for m in mine]
 
     # ------------------------------------------------------------------ collectives
@@ -189,7 +207,7 @@ class EmulationHub:
             complete(coll.parts)
             coll.done = True
             del self._collectives[seq]
-            self.cond.notify_all()
+            self._changed()
         return _Work(self, lambda: coll.done, kind)
 
     def all_to_all_single(self, rank: int, recv: torch.Tensor, send: torch.Tensor, in_split: list[int] | None,
@@ -205,17 +223,19 @@ class EmulationHub:
             self.traffic[rank].calls.append(("a2a", sent))
 
         def complete(parts: dict[int, tuple]) -> None:
+            starts = {s: [0, *itertools.accumulate(parts[s][3])] for s in range(world)}
             for r in range(world):
                 r_recv, _, r_in, _ = parts[r]
-                chunks = r_recv.split(r_in)
+                pieces = []
                 for s in range(world):
                     _, s_send, _, s_out = parts[s]
                     if r_in[s] != s_out[r]:
                         raise EmulationError(f"emulated all_to_all: rank {s} sends {s_out[r]} rows to rank {r}, "
                                              f"which expects {r_in[s]}")
                     if r_in[s]:
-                        start = sum(s_out[:r])
-                        chunks[s].copy_(s_send[start:start + s_out[r]])
+                        pieces.append(s_send[starts[s][r]:starts[s][r + 1]])
+                if pieces:  # one copy per receiver
+                    torch.cat(pieces, out=r_recv.view(-1, *pieces[0].shape[1:]))
 
         work = self._join(rank, "all_to_all", (recv, send, in_split, out_split), complete)
         return work if async_op else work.wait() and None
