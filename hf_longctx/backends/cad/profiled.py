@@ -48,6 +48,7 @@ class ProfileBudget:
     min_tokens: int = 32768  # query rows per timed batch (at least)
     max_kv_tokens: int = 1 << 22  # keys per timed batch (at most)
     max_pairs: float = float(1 << 31)  # visible (query, key) pairs of a measured segment
+    max_batch_pairs: float = float(1 << 31)  # visible pairs of one timed batch (bounds the copies)
     warmup: int = 1
     reps: int = 3
 
@@ -120,7 +121,8 @@ def profile_segment_costs(kernel: str = "auto", device: torch.device | str = "cu
     for i, ql in enumerate(q_lens):
         for j, kl in enumerate(kv_lens):
             if ql <= kl and PAIRS.cost(ql, kl) <= budget.max_pairs:
-                copies = max(1, min(budget.min_tokens // ql, budget.max_kv_tokens // kl))
+                copies = max(1, min(budget.min_tokens // ql, budget.max_kv_tokens // kl,
+                                    int(budget.max_batch_pairs // PAIRS.cost(ql, kl))))
                 table[i][j] = time_segments(ql, kl, copies, name, shape, device, budget)
     extrapolated = []
     measured = [(i, j) for i in range(len(q_lens)) for j in range(len(kv_lens)) if table[i][j] == table[i][j]]
