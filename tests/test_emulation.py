@@ -124,3 +124,24 @@ def test_link_model_uses_the_measured_figures_and_interpolates_between_them():
     assert LINKS["p2p"].at(1 * MB) == pytest.approx(71e9)  # held at the smallest measured size
     assert 71e9 < LINKS["p2p"].at(32 * MB) < 114e9
     assert transfer_seconds([("p2p", 64 * MB), ("a2a", 16 * MB)]) == pytest.approx(64 * MB / 114e9 + 16 * MB / 87e9)
+
+
+def test_auto_decides_from_emulated_steps_and_says_why():
+    from hf_longctx.backends.auto import AUTO, _decision_key, auto_decisions, reset_auto_decisions
+    from hf_longctx.emulation.choose import decide_auto
+
+    world = 3
+    batch, q, k, v, dout = make_problem(9, world, torch.float64)
+    plan = shard_plan(batch, world, "zigzag")
+    idx = plan.local_indices(0)
+    reset_auto_decisions()
+    try:
+        choice = decide_auto(batch, world, (q, k, v, dout), strategy="zigzag", kernel="reference", q_local=q[idx],
+                             k_local=k[idx])
+        assert choice.backend in ("zigzag", "tasp") and set(choice.predicted_s) == {"zigzag", "tasp"}
+        assert "predicted" in choice.reason and "ms/step" in choice.reason
+        (row,) = auto_decisions()
+        assert row["backend"] == choice.backend and row["reason"].startswith("emulated on one device")
+        assert AUTO.verdicts.get(_decision_key(q[idx], k[idx], plan, None)) == choice.backend
+    finally:
+        reset_auto_decisions()

@@ -12,7 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .runner import EmulatedStep
+import torch
+
+from ..backends.auto import candidates_for, record_verdict
+from ..layout import PackedBatch, shard_plan
+from .runner import EmulatedStep, emulate_step
 
 
 @dataclass(frozen=True)
@@ -42,3 +46,22 @@ def choose_from_steps(steps: Mapping[str, EmulatedStep], margin: float = 0.03) -
     if runner_up is not None:
         reason += f"; next {runner_up} {seconds[runner_up] * 1e3:.1f} ms"
     return Choice(best, reason, seconds)
+
+
+def decide_auto(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ...], *, strategy: str = "zigzag",
+                kernel: str = "auto", q_local: torch.Tensor | None = None, k_local: torch.Tensor | None = None,
+                group=None, margin: float = 0.03) -> Choice:
+    """Emulate ``auto``'s candidates for ``strategy`` (W ranks on one device) and choose by predicted step time.
+
+    With ``q_local``/``k_local`` (a rank's local q/k: shapes, dtype and device decide the verdict's key) and
+    the rank's ``group``, the choice is also recorded as ``auto``'s verdict for that problem
+    (:func:`~hf_longctx.backends.auto.record_verdict`), so a real run takes it without timing the candidates.
+    """
+    plan = shard_plan(batch, world, strategy)
+    steps = {name: emulate_step(batch, world, tensors, name, strategy=strategy, kernel=kernel)
+             for name in candidates_for(plan)}
+    choice = choose_from_steps(steps, margin)
+    if q_local is not None and k_local is not None:
+        record_verdict(q_local, k_local, plan, group, choice.backend, choice.predicted_s,
+                       f"emulated on one device: {choice.reason}")
+    return choice
