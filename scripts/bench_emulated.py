@@ -3,11 +3,12 @@
 Each configuration runs the W ranks' shares of one forward+backward step on one device (same plans,
 schedules, kernels and merges as a real run; transfers as local copies; see
 :mod:`hf_longctx.emulation`), measures each rank's kernel time and counts its bytes, and predicts the
-step time of a real group from the measured link bandwidths of DESIGN.md section 7. CAD runs three
-ways: balanced on FLOPs at eps 0.1 (the default), on the kernel's profiled cost at eps 0.1, and on the
-profiled cost with eps chosen by predicted step time; for the profiled runs the schedule's predicted
-per-server cost is compared with the emulated per-server kernel time. One CAD eps sweep is measured
-end to end. Every number is marked "emulated on one GPU".
+step time of a real group from the measured link bandwidths of the design document's section 7
+(reference numbers: NCCL sendrecv and all_to_all per rank on 4x H200). CAD runs three ways: balanced
+on FLOPs at eps 0.1 (the default), on the kernel's profiled cost at eps 0.1, and on the profiled cost
+with eps chosen by predicted step time; for the profiled runs the schedule's predicted per-server
+cost is compared with the emulated per-server kernel time. One CAD eps sweep is measured end to end.
+Every number is marked "emulated on one GPU".
 
     python scripts/bench_emulated.py --out bench/emulated.md            # GPU, about 8 minutes
     python scripts/bench_emulated.py --quick --out /tmp/emulated.md    # CPU smoke run, tiny sizes

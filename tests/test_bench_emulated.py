@@ -17,7 +17,7 @@ def test_bench_emulated_quick_writes_its_tables(tmp_path, monkeypatch):
     assert module.main(["--quick", "--out", str(out), "--worlds", "4", "--mixes", "prolong,sft",
                         "--eps-sweep", "prolong:4"]) == 0
     text = out.read_text()
-    assert "emulated on one GPU" in text and "DESIGN.md section 7" in text
+    assert "emulated on one GPU" in text and "design document section 7" in text
     for label in ("ring", "zigzag", "distflash", "tasp", "cad flops eps0.1", "cad profiled eps auto", "ulysses"):
         assert f"| {label} |" in text, label
     assert "auto (emulated) ->" in text and "CAD eps sweep" in text and "rule's choice" in text

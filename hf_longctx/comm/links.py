@@ -1,8 +1,9 @@
 """Measured link bandwidths, per collective kind and message size, for communication models.
 
 Why: an emulated run (W ranks on one device) and CAD's choice of ``eps`` both need the seconds a
-rank's bytes take on a real fabric. The figures are DESIGN.md section 7 ("Reference numbers measured
-here", 2026-11-22, 4x H200, all pairs NV18, NCCL, torch 2.11 cu130), per rank, at 16/64/256 MB:
+rank's bytes take on a real fabric. The figures are the design document's section 7 ("Reference
+numbers measured here", 2026-11-22, 4x H200, all pairs NV18, NCCL, torch 2.11 cu130), per rank, at
+16/64/256 MB:
 
 - ``p2p``: "NCCL ring sendrecv per rank": 71 / 114 / 246 GB/s (the ring, zigzag, distflash engine);
 - ``a2a``: "NCCL all_to_all per rank out": 87 / 123 / 148 GB/s (tasp, ulysses, cad).
@@ -44,7 +45,7 @@ class LinkCurve:
 
 
 _SIZES = (16.0 * MB, 64.0 * MB, 256.0 * MB)
-_SOURCE = "DESIGN.md section 7, measured 2026-11-22 on 4x H200 (NV18), NCCL"
+_SOURCE = "design document section 7 (reference numbers), measured 2026-11-22 on 4x H200 (NV18), NCCL"
 LINKS: dict[str, LinkCurve] = {
     "p2p": LinkCurve(_SIZES, (71e9, 114e9, 246e9), f"{_SOURCE}: ring sendrecv per rank 71/114/246 GB/s"),
     "a2a": LinkCurve(_SIZES, (87e9, 123e9, 148e9), f"{_SOURCE}: all_to_all per rank out 87/123/148 GB/s"),

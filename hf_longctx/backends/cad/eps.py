@@ -18,7 +18,7 @@ from .cost_model import CostModel, FlopsCostModel, TokenBytes
 from .scheduler import CadSchedule, schedule
 
 EPS_CANDIDATES = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2)
-ASSUMED_TFLOPS = 500.0  # fwd+bwd TFLOP/s that converts a FLOPs schedule to seconds (DESIGN.md s7: 480-600)
+ASSUMED_TFLOPS = 500.0  # fwd+bwd TFLOP/s that converts a FLOPs schedule to seconds (design document section 7: 480-600)
 
 
 @dataclass(frozen=True)
