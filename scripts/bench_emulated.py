@@ -10,8 +10,8 @@ with eps chosen by predicted step time; for the profiled runs the schedule's pre
 cost is compared with the emulated per-server kernel time. One CAD eps sweep is measured end to end.
 Every number is marked "emulated on one GPU".
 
-    python scripts/bench_emulated.py --out bench/emulated.md            # GPU, about 8 minutes
-    python scripts/bench_emulated.py --quick --out /tmp/emulated.md    # CPU smoke run, tiny sizes
+    python scripts/bench_emulated.py --out <file>.md         # GPU, about 8 minutes
+    python scripts/bench_emulated.py --quick --out <file>.md # CPU smoke run, tiny sizes
 
 Configurations run in order (mix, then W, then backend) until ``--budget-s`` is spent; the ones left
 are listed in the output.
