@@ -46,7 +46,7 @@ class ProfileBudget:
     largest measured cell of their row (they are compute bound)."""
 
     min_tokens: int = 32768  # query rows per timed batch (at least)
-    max_kv_tokens: int = 1 << 22  # keys per timed batch (at most)
+    max_kv_tokens: int = 1 << 21  # keys per timed batch (at most)
     max_pairs: float = float(1 << 31)  # visible (query, key) pairs of a measured segment
     max_batch_pairs: float = float(1 << 31)  # visible pairs of one timed batch (bounds the copies)
     warmup: int = 1
