@@ -70,3 +70,21 @@ def test_cad_on_a_profiled_model_and_auto_eps_stays_exact(tmp_path, monkeypatch,
         idx = plan.local_indices(r.rank)
         for got, ref in zip(r.results, want):
             torch.testing.assert_close(got, ref[idx], rtol=1e-9, atol=1e-9)
+
+
+def test_profiled_string_makes_every_rank_schedule_on_one_table(tmp_path, monkeypatch):
+    """``cost_model="profiled"``: ranks that measured different tables agree on the largest value per cell."""
+    import hf_longctx.backends.cad.runtime as runtime
+    from hf_longctx.comm.emulated import EmulationHub
+
+    base = ProfiledCostModel.from_grid((16, 64), (16, 64), [[1.0, 2.0], [3.0, 4.0]], interpolate="rate")
+    monkeypatch.setattr(runtime, "_profiled", lambda kernel: base)
+
+    def per_rank(group):
+        if group.rank == 1:  # a rank whose device measured one cell slower
+            monkeypatch.setattr(runtime, "_profiled", lambda kernel: ProfiledCostModel.from_grid(
+                (16, 64), (16, 64), [[1.0, 2.5], [3.0, 4.0]], interpolate="rate"))
+        return runtime.agreed_profile("reference", group)
+
+    models = EmulationHub(3).run(per_rank)
+    assert all(m.table == ((1.0, 2.5), (3.0, 4.0)) for m in models)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .emulated import EmulatedGroup
+from .groups import current_device
 
 
 def is_distributed(group) -> bool:
@@ -38,3 +39,9 @@ def all_reduce_max(tensor: torch.Tensor, group=None) -> None:
         group.all_reduce(tensor, "max")
     elif dist.is_available() and dist.is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+
+
+def collective_device(group) -> torch.device:
+    """Where a collective of ``group`` takes its tensors: the CPU for an emulated group (its ranks share a
+    process), else this process's device (CUDA under NCCL)."""
+    return torch.device("cpu") if isinstance(group, EmulatedGroup) else current_device()

@@ -170,7 +170,9 @@ def profiled_cost_model(kernel: str = "auto", device: torch.device | str | None 
             return FlopsCostModel(4.0 * shape.heads * shape.head_dim), f"FLOPs (no profile at {path})"
         model, meta = profile_segment_costs(name, device, shape, q_lens, kv_lens, budget)
         path.parent.mkdir(parents=True, exist_ok=True)
-        model.save(path, **meta)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # ranks of one machine may profile at once
+        model.save(tmp, **meta)
+        os.replace(tmp, path)
         log.info("hf_longctx cad: profiled %s on %s in %.1f s -> %s", name, meta["device"], meta["seconds"], path)
         return model, f"profiled {name} now ({path})"
     except Exception as exc:  # noqa: BLE001 - any failure to profile leaves the FLOPs model, said why

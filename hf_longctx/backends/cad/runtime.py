@@ -35,11 +35,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ...comm.collectives import all_reduce_max, collective_device, is_distributed
 from ...comm.gather import GatherPlan, Run
 from ...kernels import accumulation_dtype, attention_backward, attention_forward
 from ...layout import ShardPlan
 from ..contract import Backend
-from .cost_model import CostModel, FlopsCostModel, WindowedCostModel
+from .cost_model import CostModel, FlopsCostModel, ProfiledCostModel, WindowedCostModel
 from .eps import sweep_eps
 from .pingpong import pingpong_split
 from .profiled import profiled_cost_model
@@ -118,6 +119,26 @@ def nano_batches(plan: ShardPlan, tasks: Sequence[CadTask], rank: int, pingpong:
 @functools.cache
 def _profiled(kernel: str) -> CostModel:
     return profiled_cost_model(kernel)[0]
+
+
+_AGREED: dict[tuple[str, int], CostModel] = {}
+
+
+def agreed_profile(kernel: str, group) -> CostModel:
+    """The profiled cost model of ``kernel``, identical on every rank of ``group``: each rank profiles (or
+    reads) its own device, then every cell takes the largest rank's value (one all_reduce), because ranks
+    that schedule on different costs would disagree on who serves what. Kept per kernel and group."""
+    key = (kernel, id(group))
+    model = _AGREED.get(key)
+    if model is None:
+        model = _profiled(kernel)
+        if isinstance(model, ProfiledCostModel) and is_distributed(group):
+            table = torch.tensor(model.table, dtype=torch.float64, device=collective_device(group))
+            all_reduce_max(table, group)
+            model = ProfiledCostModel.from_grid(model.q_lens, model.kv_lens, table.tolist(), model.units,
+                                                model.interpolate)
+        _AGREED[key] = model
+    return model
 
 
 def cost_model_for(plan: ShardPlan, options: dict) -> CostModel:
@@ -248,8 +269,8 @@ class CadBackend(Backend):
 
     def run_context(self, plan, group, rank, world, scale, kernel, options=None):
         options = dict(options or {})
-        if options.get("cost_model") == "profiled":  # price the kernel this run calls
-            options.setdefault("cost_kernel", kernel)
+        if options.get("cost_model") == "profiled":  # price the kernel this run calls, the same on every rank
+            options["cost_model"] = agreed_profile(options.get("cost_kernel", kernel), group)
         return super().run_context(plan, group, rank, world, scale, kernel, options)
 
     # the runner's module functions are the contract's methods
