@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from hf_longctx.backends.cad.cost_model import ProfiledCostModel
 from hf_longctx.backends.cad.eps import EPS_CANDIDATES, a2a_bandwidth, candidate, choose_eps
 from hf_longctx.backends.cad.profiled import ProfileBudget, SegmentShape, profiled_cost_model
 from hf_longctx.backends.cad.runtime import cad_schedule
@@ -182,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 steps[label] = step
                 extra = ""
-                if backend == "cad" and options and options.get("cost_model") is profiled:
+                if backend == "cad" and options and options.get("cost_model") is profiled \
+                        and isinstance(profiled, ProfiledCostModel):
                     err, eps = predicted_vs_emulated(step, batch, options)
                     extra = f"eps {eps:g}; predicted vs emulated per-server time: max err {err * 100:.1f}%"
                 extra += f" ({time.perf_counter() - t0:.1f} s)"
