@@ -4,11 +4,11 @@ Each configuration runs the W ranks' shares of one forward+backward step on one 
 schedules, kernels and merges as a real run; transfers as local copies; see
 :mod:`hf_longctx.emulation`), measures each rank's kernel time and counts its bytes, and predicts the
 step time of a real group from the measured link bandwidths of the design document's section 7
-(reference numbers: NCCL sendrecv and all_to_all per rank on 4x H200). CAD runs four ways: balanced
-on FLOPs at eps 0.1 (the default), on the kernel's profiled cost at eps 0.1 and 0.01, and on the
-profiled cost with eps chosen by predicted step time; for the profiled runs the schedule's predicted per-server
-cost is compared with the emulated per-server kernel time. One CAD eps sweep is measured end to end.
-Every number is marked "emulated on one GPU".
+(reference numbers: NCCL sendrecv and all_to_all per rank on 4x H200). CAD runs five ways: balanced
+on FLOPs at eps 0.1 (the default), on the kernel's profiled cost at eps 0.1 and 0.01 (also with 32-row
+shards), and on the profiled cost with eps chosen by predicted step time; for the profiled runs the
+schedule's predicted per-server cost is compared with the emulated per-server kernel time. One CAD
+eps sweep is measured end to end. Every number is marked "emulated on one GPU".
 
     python scripts/bench_emulated.py --out <file>.md         # GPU, about 8 minutes
     python scripts/bench_emulated.py --quick --out <file>.md # CPU smoke run, tiny sizes
@@ -63,6 +63,8 @@ def variants(backends: list[str], profiled) -> list[tuple[str, str, dict | None]
             out.append(("cad flops eps0.1", "cad", {"cost_model": "flops", "eps": 0.1}))
             out.append(("cad profiled eps0.1", "cad", {"cost_model": profiled, "eps": 0.1}))
             out.append(("cad profiled eps0.01", "cad", {"cost_model": profiled, "eps": 0.01}))
+            # finer shards: at W = 64 and 256K tokens a rank holds 4K rows, and 128-row shards bound the balance
+            out.append(("cad profiled eps0.01 shard32", "cad", {"cost_model": profiled, "eps": 0.01, "min_shard": 32}))
             out.append(("cad profiled eps auto", "cad", {"cost_model": profiled, "eps": "auto"}))
         else:
             out.append((b, b, None))

@@ -60,9 +60,11 @@ def a2a_bandwidth(max_bytes: float) -> float:
 
 
 def sweep_eps(docs_per_rank, world: int, model: CostModel, token_bytes: TokenBytes | None = None,
-              eps_values: Sequence[float] = EPS_CANDIDATES) -> tuple[CadSchedule, list[EpsCandidate]]:
-    """Schedule every ``eps_values`` and keep the one :func:`choose_eps` picks; (schedule, all candidates)."""
-    scheds = {e: schedule(docs_per_rank, world, eps=e, cost_model=model, token_bytes=token_bytes) for e in eps_values}
+              eps_values: Sequence[float] = EPS_CANDIDATES, **knobs: int) -> tuple[CadSchedule, list[EpsCandidate]]:
+    """Schedule every ``eps_values`` and keep the one :func:`choose_eps` picks; (schedule, all candidates).
+    ``knobs`` (``min_shard``, ``search_width``) go to :func:`~.scheduler.schedule`."""
+    scheds = {e: schedule(docs_per_rank, world, eps=e, cost_model=model, token_bytes=token_bytes, **knobs)
+              for e in eps_values}
     cands = [candidate(s, model) for s in scheds.values()]
     bandwidth = a2a_bandwidth(max(c.max_bytes for c in cands))
     best = choose_eps(cands, bandwidth)

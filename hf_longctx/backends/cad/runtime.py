@@ -159,16 +159,18 @@ def cost_model_for(plan: ShardPlan, options: dict) -> CostModel:
 
 def cad_schedule(plan: ShardPlan, options: dict) -> CadSchedule:
     """The plan's schedule under ``options`` (``eps``: a float, default 0.1, or ``"auto"`` for the eps whose
-    schedule is predicted fastest, see :mod:`.eps`; ``cost_model``), cached on the plan."""
+    schedule is predicted fastest, see :mod:`.eps`; ``cost_model``; ``min_shard`` and ``search_width`` of
+    :func:`~.scheduler.schedule`), cached on the plan."""
     eps = options.get("eps", 0.1)
     model = cost_model_for(plan, options)
+    knobs = {k: int(options[k]) for k in ("min_shard", "search_width") if k in options}
 
     def build() -> CadSchedule:
         if eps == "auto":
-            return sweep_eps(docs_per_rank(plan), plan.world_size, model)[0]
-        return schedule(docs_per_rank(plan), plan.world_size, eps=eps, cost_model=model)
+            return sweep_eps(docs_per_rank(plan), plan.world_size, model, **knobs)[0]
+        return schedule(docs_per_rank(plan), plan.world_size, eps=eps, cost_model=model, **knobs)
 
-    return plan.cached(("cad_schedule", eps, model), build)
+    return plan.cached(("cad_schedule", eps, model, tuple(sorted(knobs.items()))), build)
 
 
 def prepare(plan: ShardPlan, options: dict) -> dict:
