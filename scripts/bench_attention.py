@@ -4,6 +4,7 @@ One command does the whole comparison (the numbers in bench/RESULTS.md come from
 
     python scripts/bench_attention.py --gpus 4            # on the GPU machine (NCCL)
     python scripts/bench_attention.py --quick --gpus 2    # CPU smoke run (gloo, reference kernel)
+    python scripts/bench_attention.py --emulate 8         # 8 ranks emulated on one GPU (per-rank kernel time)
 
 Workloads: causal one-document sequences (64K..512K tokens, H=32, KV heads 8 and 32, D=128) and
 packed batches drawn from a long-tailed document-length mix. For each: forward and forward+backward
@@ -252,6 +253,44 @@ def worker(rank, world, args):
     dist.destroy_process_group()
 
 
+def emulated(args) -> int:
+    """``--emulate W``: every workload and backend with W ranks emulated on one device, one row each."""
+    from hf_longctx.emulation import emulate_step, link_sources
+
+    device = torch.device("cpu") if args.quick else torch.device("cuda", torch.cuda.current_device())
+    dtype = torch.float32 if args.quick else torch.bfloat16
+    hq, d = (4, 16) if args.quick else (32, 128)
+    world = args.emulate
+    workloads = [("1 doc", s, hkv, [s]) for s in args.seqs for hkv in args.kv_heads]
+    workloads += [(f"{args.mix} mix", s, hkv, long_tailed_doc_lens(s, seed=s, mix=args.mix))
+                  for s in args.packed_seqs for hkv in args.kv_heads]
+    rows = []
+    for name, total, hkv, lens in workloads:
+        hkv = min(hkv, hq)
+        batch = PackedBatch.from_doc_lens(lens)
+        tensors = global_tensors(total, hq, hkv, d, dtype, device, seed=total + hkv)
+        for backend in (b for b in args.backends if not b.startswith("cp_")):
+            backend, options = VARIANTS.get(backend, (backend, None))
+            try:
+                step = emulate_step(batch, world, tensors, backend, options=options,
+                                    kernel="reference" if args.quick else "auto", warmup=1, reps=args.reps)
+            except Exception as exc:  # noqa: BLE001 - one call measures everything; report and go on
+                print(f"{name} {total} kv{hkv} {backend}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                continue
+            ms = [t * 1e3 for t in step.kernel_s]
+            rows.append(f"| {name} | {total // 1024}K | {hkv} | {backend} | {step.imbalance:.3f} | {max(ms):.2f} | "
+                        f"{min(ms):.2f} | {max(step.sent_bytes) / 2**20:.0f} | {step.predicted_step_s * 1e3:.2f} | "
+                        f"{step.tflops_per_device:.0f} |")
+            print(rows[-1], flush=True)
+        del tensors
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"\n{world} ranks emulated on one {gpu}, torch {torch.__version__}; links: " + "; ".join(link_sources()))
+    print(table_header(["workload", "tokens", "kv heads", "backend", "max/mean kernel (emulated)", "max kernel ms",
+                        "min kernel ms", "max MiB sent/rank", "predicted step ms", "predicted TFLOP/s/GPU"]))
+    print("\n".join(rows))
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gpus", type=int, default=torch.cuda.device_count() or 2)
@@ -265,6 +304,9 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="CPU smoke run with gloo and tiny sizes")
     p.add_argument("--check-max", type=int, default=0,
                    help="check outputs and gradients against one GPU for workloads up to this many tokens")
+    p.add_argument("--emulate", type=int, default=0, metavar="W",
+                   help="run W ranks emulated on one device (hf_longctx.emulation): per-rank kernel time, bytes, "
+                        "predicted step time; no process group")
     p.add_argument("--breakdown", action="store_true",
                    help="also time fwd+bwd with kernels stubbed (communication) and collectives stubbed (compute)")
     args = p.parse_args()
@@ -274,6 +316,8 @@ def main() -> int:
     args.packed_seqs = [int(s) for s in args.packed_seqs.split(",") if s]
     args.kv_heads = [int(s) for s in args.kv_heads.split(",")]
     args.backends = args.backends.split(",")
+    if args.emulate:
+        return emulated(args)
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     mp.spawn(worker, args=(args.gpus, args), nprocs=args.gpus, join=True)
     return 0

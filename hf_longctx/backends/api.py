@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..comm.collectives import all_gather, is_distributed
 from ..comm.groups import DTYPE_CODES, group_rank_and_size
 from ..layout import ShardPlan
 from .engine import RunContext
@@ -108,7 +109,7 @@ def check_group_agrees(call: RankCall) -> None:
     """
     q, k, plan, backend, rank, world = call.q, call.k, call.plan, call.backend, call.rank, call.world
     problem = _local_problem(call)
-    if world == 1 or not dist.is_initialized():
+    if world == 1 or not is_distributed(call.group):
         if problem:
             raise ValueError(f"hf_longctx {backend}: {problem}")
         return
@@ -122,7 +123,7 @@ def check_group_agrees(call: RankCall) -> None:
         dtype=torch.int64, device=q.device,
     )
     gathered = [torch.empty_like(sig) for _ in range(world)]
-    dist.all_gather(gathered, sig, group=call.group)
+    all_gather(gathered, sig, call.group)
     rows = [g.tolist() for g in gathered]
     if problem:
         raise ValueError(f"hf_longctx {backend} on rank {rank}: {problem}")

@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ..comm.collectives import all_reduce_max
 from ..layout import ShardPlan
 from .contract import Backend, ForwardProbe
 from .engine import RunContext
@@ -46,11 +47,11 @@ class Verdicts:
         verdict = self._by_key.get(key)
         return None if verdict is None else verdict["backend"]
 
-    def record(self, key: tuple, backend: str, seconds: dict[str, float]) -> None:
-        self._by_key[key] = {"backend": backend, "seconds": seconds}
+    def record(self, key: tuple, backend: str, seconds: dict[str, float], reason: str = "") -> None:
+        self._by_key[key] = {"backend": backend, "seconds": seconds, "reason": reason}
 
     def rows(self) -> list[dict]:
-        """Every verdict: backend chosen, candidates' forward seconds (slowest rank), key."""
+        """Every verdict: backend chosen, candidates' seconds, why, key."""
         return [dict(v, key=k) for k, v in self._by_key.items()]
 
     def clear(self) -> None:
@@ -97,6 +98,17 @@ def reset_auto_decisions() -> None:
     AUTO.verdicts.clear()
 
 
+def record_verdict(q, k, plan: ShardPlan, group, backend: str, seconds: dict[str, float], reason: str,
+                   verdicts: Verdicts | None = None) -> None:
+    """Decide ``auto`` for this problem in advance, e.g. from W ranks emulated on one device
+    (:func:`hf_longctx.emulation.choose.decide_auto`) or a cost model: its first call then runs ``backend``
+    without timing the candidates on the group. Every rank must record the same verdict."""
+    verdicts = AUTO.verdicts if verdicts is None else verdicts
+    verdicts.record(_decision_key(q, k, plan, group), backend, dict(seconds), reason)
+    log.info("hf_longctx auto backend: %s for %d tokens on %d ranks, decided in advance: %s", backend,
+             plan.batch.num_tokens, plan.world_size, reason)
+
+
 def candidates_for(plan: ShardPlan) -> list[str]:
     """Registered backends that are ``auto`` candidates for ``plan``'s placement and exact for it."""
     names = [b.name for b in registered_backends()
@@ -125,8 +137,7 @@ def _sync(device: torch.device) -> None:
 
 def _slowest_rank(seconds: list[float], device: torch.device, group: dist.ProcessGroup | None) -> list[float]:
     t = torch.tensor(seconds, dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    all_reduce_max(t, group)
     return t.tolist()
 
 
@@ -178,7 +189,9 @@ def choose_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Shar
             local = [timer(lambda b=b: forward(b), q.device) for b in names]
         seconds = _slowest_rank(local, q.device, group)
         chosen = _pick(names, seconds, margin)
-    verdicts.record(key, chosen, dict(zip(names, seconds)))
+    reason = ("only candidate" if len(names) == 1 or plan.world_size == 1 else
+              f"fastest forward on the group (slowest rank), by more than {margin:.0%} or the first candidate")
+    verdicts.record(key, chosen, dict(zip(names, seconds)), reason)
     log.info("hf_longctx auto backend: %s for %d tokens on %d ranks (forward seconds, slowest rank: %s)", chosen,
              plan.batch.num_tokens, plan.world_size,
              ", ".join(f"{n}={s * 1e3:.2f} ms" for n, s in zip(names, seconds)))

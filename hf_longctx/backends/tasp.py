@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 from functools import cache
 
 import torch
-import torch.distributed as dist
 
+from ..comm.collectives import all_to_all_single
 from ..comm.p2p import PendingExchange, count_all_to_all
 from ..kernels import PartialAccumulator, accumulation_dtype, attention_backward, attention_forward
 from ..layout import Pair, ShardPlan, clip_pair, exchange_plan, pairs_between_slots
@@ -157,7 +157,7 @@ def _exchange(sends: dict[int, list[torch.Tensor]], recv_rows: dict[int, int], l
     in_split = [recv_rows.get(s, 0) for s in range(world)]
     recv = like.new_empty(sum(in_split), *width)
     count_all_to_all(send, out_split, in_split, ctx.rank)
-    work = dist.all_to_all_single(recv, send, in_split, out_split, group=ctx.group, async_op=True)
+    work = all_to_all_single(recv, send, in_split, out_split, group=ctx.group, async_op=True)
     return work, recv, in_split
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 from math import gcd
 
 import torch
-import torch.distributed as dist
 
+from ..comm.collectives import all_to_all_single
 from ..comm.p2p import count_all_to_all
 from ..kernels import attention_backward, attention_forward
 from ..layout import ShardPlan
@@ -62,7 +62,7 @@ def _to_heads(x: torch.Tensor, ctx: RunContext, order: torch.Tensor | None) -> t
     recv = x.new_empty(sum(counts), h // world, d)
     send_counts = [t] * world
     count_all_to_all(send.view(world * t, h // world, d), send_counts, counts, ctx.rank)
-    dist.all_to_all_single(recv, send.view(world * t, h // world, d), counts, [t] * world, group=ctx.group)
+    all_to_all_single(recv, send.view(world * t, h // world, d), counts, [t] * world, group=ctx.group)
     if order is None:
         return recv
     out = torch.empty_like(recv)
@@ -81,7 +81,7 @@ def _to_tokens(x: torch.Tensor, ctx: RunContext, order: torch.Tensor | None, ran
     t = counts[rank]
     recv = x.new_empty(world * t, *x.shape[1:])
     count_all_to_all(x, counts, [t] * world, ctx.rank)
-    dist.all_to_all_single(recv, x.contiguous(), [t] * world, counts, group=ctx.group)
+    all_to_all_single(recv, x.contiguous(), [t] * world, counts, group=ctx.group)
     return recv.view(world, t, *x.shape[1:]).transpose(0, 1).reshape(t, world * x.shape[1], x.shape[2])
 
 

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .emulated import EmulatedGroup
 from .p2p import count_all_to_all
 
 Run = tuple[int, int, int]  # (holder rank, local row start, local row end)
@@ -74,6 +75,8 @@ def _unpack(buf: torch.Tensor, likes: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _a2a(recv: torch.Tensor, send: torch.Tensor, recv_counts: list[int], send_counts: list[int], group):
+    if isinstance(group, EmulatedGroup) and len(recv_counts) > 1:
+        return group.all_to_all_single(recv, send, recv_counts, send_counts, async_op=True)
     if dist.is_available() and dist.is_initialized() and len(recv_counts) > 1:
         return dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group, async_op=True)
     recv.copy_(send)

@@ -14,12 +14,16 @@ from functools import cache
 import torch
 import torch.distributed as dist
 
+from .emulated import EmulatedGroup
+
 # Float dtypes as small integers, for the signatures ranks exchange before a collective (0: none of them).
 DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 
 
 def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """(rank inside ``group``, group size); (0, 1) without torch.distributed."""
+    if isinstance(group, EmulatedGroup):
+        return group.rank, group.world
     if not (dist.is_available() and dist.is_initialized()):
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
@@ -27,7 +31,7 @@ def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
     """Translate a rank inside ``group`` into the global rank P2P calls need."""
-    if group is None:
+    if group is None or isinstance(group, EmulatedGroup):
         return group_rank
     return dist.get_global_rank(group, group_rank)
 

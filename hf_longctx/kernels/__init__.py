@@ -6,22 +6,26 @@ the registry; importing this package registers the package's own (:mod:`.builtin
 """
 
 from . import builtin  # noqa: F401 - registers the package's kernels
+from . import dispatch as _dispatch
 from .contract import Kernel, KernelCall
 from .dispatch import (
     SKIP_KERNEL,
-    attention_backward,
-    attention_forward,
     available_kernels,
     count,
-    kernel_backward,
     kernel_call,
-    kernel_forward,
     reset_stats,
     select_kernel,
     stats,
 )
 from .merge import PartialAccumulator, accumulation_dtype, merge_partials
+from .observe import observe_kernels, observed
 from .registry import auto_order, get_kernel, kernel_names, register_kernel, unregister_kernel
+
+# the entry points every backend calls, visible to kernel observers (e.g. per-rank timers)
+attention_forward = observed(_dispatch.attention_forward, "forward")
+attention_backward = observed(_dispatch.attention_backward, "backward")
+kernel_forward = observed(_dispatch.kernel_forward, "forward")
+kernel_backward = observed(_dispatch.kernel_backward, "backward")
 
 __all__ = [
     "SKIP_KERNEL",
@@ -40,6 +44,7 @@ __all__ = [
     "kernel_forward",
     "kernel_names",
     "merge_partials",
+    "observe_kernels",
     "register_kernel",
     "reset_stats",
     "select_kernel",

@@ -110,7 +110,7 @@ def _train(tmp_path, backend: str, liger: bool, memory: str) -> tuple[list[float
             uses_fused_norms(model))
 
 
-@pytest.mark.parametrize("backend", sorted(set(backend_names()) - {"auto", "distflash"}))
+@pytest.mark.parametrize("backend", sorted(set(backend_names()) - {"auto"}))
 def test_trainer_use_liger_kernel_trains_like_without_it(tmp_path, backend):
     """Reference: transformers' own modules, recompute-aware checkpointing. Liger through the Trainer's flag
     (which also swaps in its fused linear cross-entropy), with manual options and with ``memory: auto`` (which

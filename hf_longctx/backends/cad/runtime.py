@@ -29,19 +29,23 @@ scheduler and the nano-batch split price tasks on the pairs the window leaves vi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from ...comm.collectives import all_reduce_max, collective_device, is_distributed
 from ...comm.gather import GatherPlan, Run
 from ...kernels import accumulation_dtype, attention_backward, attention_forward
 from ...layout import ShardPlan
 from ..contract import Backend
 from ..engine import RunContext
-from .cost_model import FlopsCostModel, WindowedCostModel
+from .cost_model import CostModel, FlopsCostModel, ProfiledCostModel, WindowedCostModel
+from .eps import sweep_eps
 from .pingpong import pingpong_split
-from .scheduler import schedule
+from .profiled import profiled_cost_model
+from .scheduler import CadSchedule, schedule
 from .tasks import CadTask, all_pieces, doc_holders, docs_per_rank, key_start, task_cost, task_key
 
 
@@ -114,19 +118,70 @@ def nano_batches(plan: ShardPlan, tasks: Sequence[CadTask], rank: int, pingpong:
     return plan.cached(("cad_nano", key, rank, pingpong, str(device)), build)
 
 
+@functools.cache
+def _profiled(kernel: str) -> CostModel:
+    return profiled_cost_model(kernel)[0]
+
+
+_AGREED: dict[tuple[str, int], CostModel] = {}
+
+
+def agreed_profile(kernel: str, group) -> CostModel:
+    """The profiled cost model of ``kernel``, identical on every rank of ``group``: each rank profiles (or
+    reads) its own device, then every cell takes the largest rank's value (one all_reduce), because ranks
+    that schedule on different costs would disagree on who serves what. Kept per kernel and group."""
+    key = (kernel, id(group))
+    model = _AGREED.get(key)
+    if model is None:
+        model = _profiled(kernel)
+        if isinstance(model, ProfiledCostModel) and is_distributed(group):
+            table = torch.tensor(model.table, dtype=torch.float64, device=collective_device(group))
+            all_reduce_max(table, group)
+            model = ProfiledCostModel.from_grid(model.q_lens, model.kv_lens, table.tolist(), model.units,
+                                                model.interpolate)
+        _AGREED[key] = model
+    return model
+
+
+def cost_model_for(plan: ShardPlan, options: dict) -> CostModel:
+    """The cost model the scheduler balances: ``options["cost_model"]`` is ``"flops"`` (default), ``"profiled"``
+    (the kernel's measured cost on this GPU kind, see :mod:`.profiled`; FLOPs where it cannot be had) or a
+    cost model object; priced under the plan's sliding window."""
+    spec = options.get("cost_model", "flops")
+    if spec in (None, "flops"):
+        base: CostModel = FlopsCostModel()
+    elif spec == "profiled":
+        base = _profiled(options.get("cost_kernel", "auto"))
+    elif isinstance(spec, str):
+        raise ValueError(f"cad cost_model must be 'flops', 'profiled' or a cost model object, got {spec!r}")
+    else:
+        base = spec
+    return base if plan.window is None else WindowedCostModel(base, plan.window)
+
+
+def cad_schedule(plan: ShardPlan, options: dict) -> CadSchedule:
+    """The plan's schedule under ``options`` (``eps``: a float, default 0.1, or ``"auto"`` for the eps whose
+    schedule is predicted fastest, see :mod:`.eps`; ``cost_model``; ``min_shard`` and ``search_width`` of
+    :func:`~.scheduler.schedule`), cached on the plan."""
+    eps = options.get("eps", 0.1)
+    model = cost_model_for(plan, options)
+    knobs = {k: int(options[k]) for k in ("min_shard", "search_width") if k in options}
+
+    def build() -> CadSchedule:
+        if eps == "auto":
+            return sweep_eps(docs_per_rank(plan), plan.world_size, model, **knobs)[0]
+        return schedule(docs_per_rank(plan), plan.world_size, eps=eps, cost_model=model, **knobs)
+
+    return plan.cached(("cad_schedule", eps, model, tuple(sorted(knobs.items()))), build)
+
+
 def prepare(plan: ShardPlan, options: dict) -> dict:
     """Runner hook: schedule the plan's documents onto servers (cached per plan, so per sliding window,
-    and eps)."""
+    eps and cost model)."""
     if "tasks" in options:
         return options
-    eps = options.get("eps", 0.1)
-
-    def build():
-        model = FlopsCostModel() if plan.window is None else WindowedCostModel(FlopsCostModel(), plan.window)
-        sched = schedule(docs_per_rank(plan), plan.world_size, eps=eps, cost_model=model)
-        return list(sched.tasks)
-
-    return {**options, "tasks": plan.cached(("cad_tasks", eps), build)}
+    sched = cad_schedule(plan, options)
+    return {**options, "tasks": sched.tasks, "eps_used": sched.eps}
 
 
 def attention_load(plan: ShardPlan) -> list[int]:
@@ -216,6 +271,12 @@ class CadBackend(Backend):
     summary = "CAD: documents stay whole; a scheduler balances core-attention tasks over all ranks as servers"
     default_strategy = "cad"
     strategies = ("cad", "contiguous")
+
+    def run_context(self, plan, group, rank, world, scale, kernel, options=None):
+        options = dict(options or {})
+        if options.get("cost_model") == "profiled":  # price the kernel this run calls, the same on every rank
+            options["cost_model"] = agreed_profile(options.get("cost_kernel", kernel), group)
+        return super().run_context(plan, group, rank, world, scale, kernel, options)
 
     # the runner's module functions are the contract's methods
     prepare = staticmethod(prepare)

@@ -1,0 +1,295 @@
+"""An in-process process group: W ranks as W threads of one process, every transfer a local copy.
+
+Why: whether the work of W sequence-parallel ranks is balanced in *kernel time* needs no W GPUs, only
+the W ranks' kernel calls on one device, with the same plans, schedules, kernels and merges as a real
+run. The backends talk to their peers only through this package's ``comm`` layer, which dispatches on
+the group's type: given an :class:`EmulatedGroup`, point-to-point batches, ``all_to_all_single``,
+``all_gather``, ``all_reduce`` and ``barrier`` become copies through the shared :class:`EmulationHub`.
+
+Threads run one at a time (cooperative scheduling): a thread holds the hub's lock whenever it runs
+and gives it up only while it waits for a peer. So one rank's device work is never interleaved with
+another's on the device stream (events around a kernel call time exactly that call), package state
+needs no locks, and a run is deterministic. The hub counts what each rank sends to other ranks, by
+collective kind, for a communication model (:mod:`hf_longctx.emulation.comm_model`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class EmulationError(RuntimeError):
+    """A rank of an emulated group failed or a transfer was never matched (a deadlock)."""
+
+
+@dataclass
+class Traffic:
+    """Bytes one rank sent to other ranks: one entry per call, ``(kind, bytes)``; kind ``p2p`` or ``a2a``."""
+
+    calls: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def sent_bytes(self) -> int:
+        return sum(b for _, b in self.calls)
+
+
+class _Work:
+    """What an async call returns: ``wait()`` blocks (giving up the hub) until ``done()`` holds."""
+
+    def __init__(self, hub: EmulationHub, done: Callable[[], bool], what: str) -> None:
+        self._hub, self._done, self._what = hub, done, what
+
+    def wait(self) -> bool:
+        self._hub.wait_for(self._done, self._what)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done()
+
+
+@dataclass
+class _Message:
+    tensor: torch.Tensor | None = None  # a posted send
+    buffer: torch.Tensor | None = None  # a posted receive
+    done: bool = False
+
+
+@dataclass
+class _Collective:
+    kind: str
+    parts: dict[int, tuple] = field(default_factory=dict)
+    done: bool = False
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if dst.numel() != src.numel():
+        raise EmulationError(f"{what}: {src.numel()} elements sent into a buffer of {dst.numel()}")
+    dst.view(-1).copy_(src.reshape(-1))
+
+
+class EmulationHub:
+    """Shared state of one emulated group of ``world`` ranks; :meth:`run` runs a function on every rank."""
+
+    def __init__(self, world: int, timeout_s: float = 600.0) -> None:
+        if world < 1:
+            raise ValueError("an emulated group needs at least one rank")
+        self.world = world
+        self.timeout_s = timeout_s
+        self.lock = threading.Lock()  # held by the one rank that runs
+        self._wakeup = [threading.Condition(self.lock) for _ in range(world)]
+        self._waiting: dict[int, Callable[[], bool]] = {}  # rank -> what it waits for
+        self.failed: BaseException | None = None
+        self.traffic = [Traffic() for _ in range(world)]
+        self._p2p: dict[tuple[int, int, int], deque[_Message]] = {}
+        self._seq = [0] * world
+        self._collectives: dict[int, _Collective] = {}
+        self.groups = [EmulatedGroup(self, r) for r in range(world)]
+        self.local = threading.local()  # ``rank`` of the running thread, for observers (kernel timers)
+
+    # ------------------------------------------------------------------ running the ranks
+
+    def run(self, fn: Callable[[EmulatedGroup], Any]) -> list[Any]:
+        """``fn(group)`` on every rank (one thread each, one running at a time); their results by rank.
+
+        The first exception of any rank is raised here once every thread has stopped (the others stop at
+        their next wait with an :class:`EmulationError`).
+        """
+        results: list[Any] = [None] * self.world
+        errors: list[BaseException | None] = [None] * self.world
+
+        def body(rank: int) -> None:
+            with self.lock:
+                self.local.rank = rank
+                try:
+                    results[rank] = fn(self.groups[rank])
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                    errors[rank] = exc
+                    if self.failed is None:
+                        self.failed = exc
+                    for cond in self._wakeup:
+                        cond.notify()
+
+        threads = [threading.Thread(target=body, args=(r,), name=f"emulated-rank-{r}", daemon=True)
+                   for r in range(self.world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        first = next((e for e in errors if e is not None and not isinstance(e, EmulationError)), None)
+        first = first or next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+        return results
+
+    def current_rank(self) -> int | None:
+        return getattr(self.local, "rank", None)
+
+    def wait_for(self, predicate: Callable[[], bool], what: str) -> None:
+        """Give up the hub until ``predicate()`` holds (called with the hub held, as every rank runs).
+
+        Only a rank whose condition a change made true is woken (:meth:`_changed`), so W waiting ranks
+        cost no stampede of wake-ups per transfer.
+        """
+        rank = self.current_rank()
+        self._waiting[rank] = predicate
+        try:
+            while not predicate():
+                if self.failed is not None:
+                    raise EmulationError(f"emulated {what}: another rank failed ({type(self.failed).__name__}: "
+                                         f"{self.failed})")
+                if not self._wakeup[rank].wait(self.timeout_s):
+                    raise EmulationError(f"emulated {what}: no peer answered in {self.timeout_s:.0f} s (a rank "
+                                         "waits for a transfer no rank posts)")
+        finally:
+            del self._waiting[rank]
+
+    def _changed(self) -> None:
+        """Wake the waiting ranks whose condition now holds."""
+        for rank, predicate in self._waiting.items():
+            if predicate():
+                self._wakeup[rank].notify()
+
+    # ------------------------------------------------------------------ point to point
+
+    def post(self, rank: int, sends: Sequence[tuple[int, torch.Tensor, int]],
+             recvs: Sequence[tuple[int, torch.Tensor, int]], what: str) -> list[_Work]:
+        """Post sends ``(dst, tensor, tag)`` and receives ``(src, buffer, tag)`` of ``rank``; matched FIFO
+        per (source, destination, tag), as gloo matches them. Sends are copied when their receive is
+        posted, so a sender must not change a tensor before its work completes (as with NCCL)."""
+        mine: list[_Message] = []
+        sent = 0
+        for dst, t, tag in sends:
+            q = self._p2p.setdefault((rank, dst, tag), deque())
+            if q and q[0].buffer is not None:
+                m = q.popleft()
+                _copy_into(m.buffer, t, what)
+                m.done = True
+            else:
+                m = _Message(tensor=t)
+                q.append(m)
+            mine.append(m)
+            if dst != rank:
+                sent += t.numel() * t.element_size()
+        for src, buf, tag in recvs:
+            q = self._p2p.setdefault((src, rank, tag), deque())
+            if q and q[0].tensor is not None:
+                m = q.popleft()
+                _copy_into(buf, m.tensor, what)
+                m.done = True
+            else:
+                m = _Message(buffer=buf)
+                q.append(m)
+            mine.append(m)
+        if sent:
+            self.traffic[rank].calls.append(("p2p", sent))
+        self._changed()
+        return [_Work(self, lambda m=m: m.done, what) for m in mine]
+
+    # ------------------------------------------------------------------ collectives
+
+    def _join(self, rank: int, kind: str, part: tuple, complete: Callable[[dict[int, tuple]], None]) -> _Work:
+        seq = self._seq[rank]
+        self._seq[rank] += 1
+        coll = self._collectives.setdefault(seq, _Collective(kind))
+        if coll.kind != kind:
+            raise EmulationError(f"emulated collective {seq}: rank {rank} calls {kind}, another rank {coll.kind}; "
+                                 "every rank must issue the same collectives in the same order")
+        coll.parts[rank] = part
+        if len(coll.parts) == self.world:
+            complete(coll.parts)
+            coll.done = True
+            del self._collectives[seq]
+            self._changed()
+        return _Work(self, lambda: coll.done, kind)
+
+    def all_to_all_single(self, rank: int, recv: torch.Tensor, send: torch.Tensor, in_split: list[int] | None,
+                          out_split: list[int] | None, async_op: bool = False) -> _Work | None:
+        """``torch.distributed.all_to_all_single`` semantics on rows: ``out_split[d]`` rows of ``send`` go to
+        rank ``d``, ``in_split[s]`` rows of ``recv`` come from rank ``s`` (None: equal splits)."""
+        world = self.world
+        out_split = list(out_split) if out_split is not None else [send.shape[0] // world] * world
+        in_split = list(in_split) if in_split is not None else [recv.shape[0] // world] * world
+        row = send.element_size() * math.prod(send.shape[1:])
+        sent = row * sum(c for d, c in enumerate(out_split) if d != rank)
+        if sent:
+            self.traffic[rank].calls.append(("a2a", sent))
+
+        def complete(parts: dict[int, tuple]) -> None:
+            starts = {s: [0, *itertools.accumulate(parts[s][3])] for s in range(world)}
+            for r in range(world):
+                r_recv, _, r_in, _ = parts[r]
+                pieces = []
+                for s in range(world):
+                    _, s_send, _, s_out = parts[s]
+                    if r_in[s] != s_out[r]:
+                        raise EmulationError(f"emulated all_to_all: rank {s} sends {s_out[r]} rows to rank {r}, "
+                                             f"which expects {r_in[s]}")
+                    if r_in[s]:
+                        pieces.append(s_send[starts[s][r]:starts[s][r + 1]])
+                if pieces:  # one copy per receiver
+                    torch.cat(pieces, out=r_recv.view(-1, *pieces[0].shape[1:]))
+
+        work = self._join(rank, "all_to_all", (recv, send, in_split, out_split), complete)
+        return work if async_op else work.wait() and None
+
+    def all_gather(self, rank: int, tensors: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        def complete(parts: dict[int, tuple]) -> None:
+            for r in range(self.world):
+                for s in range(self.world):
+                    parts[r][0][s].copy_(parts[s][1])
+
+        self._join(rank, "all_gather", (tensors, tensor), complete).wait()
+
+    def all_reduce(self, rank: int, tensor: torch.Tensor, op: str = "sum") -> None:
+        """In-place reduction over the ranks; ``op`` is ``sum``, ``max`` or ``min``."""
+        def complete(parts: dict[int, tuple]) -> None:
+            stacked = torch.stack([parts[s][0] for s in range(self.world)])
+            reduced = {"sum": stacked.sum(0), "max": stacked.amax(0), "min": stacked.amin(0)}[op]
+            for s in range(self.world):
+                parts[s][0].copy_(reduced)
+
+        self._join(rank, f"all_reduce_{op}", (tensor,), complete).wait()
+
+    def barrier(self, rank: int) -> None:
+        self._join(rank, "barrier", (), lambda parts: None).wait()
+
+
+class EmulatedGroup:
+    """One rank's handle on an :class:`EmulationHub`: what ``comm`` functions receive as ``group``."""
+
+    def __init__(self, hub: EmulationHub, rank: int) -> None:
+        self.hub = hub
+        self.rank = rank
+
+    @property
+    def world(self) -> int:
+        return self.hub.world
+
+    def size(self) -> int:
+        return self.hub.world
+
+    def post(self, sends, recvs, what: str) -> list[_Work]:
+        return self.hub.post(self.rank, sends, recvs, what)
+
+    def all_to_all_single(self, recv, send, in_split=None, out_split=None, async_op: bool = False):
+        return self.hub.all_to_all_single(self.rank, recv, send, in_split, out_split, async_op)
+
+    def all_gather(self, tensors: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        self.hub.all_gather(self.rank, tensors, tensor)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+        self.hub.all_reduce(self.rank, tensor, op)
+
+    def barrier(self) -> None:
+        self.hub.barrier(self.rank)
+
+    def __repr__(self) -> str:
+        return f"<EmulatedGroup rank {self.rank} of {self.world}>"

@@ -1,0 +1,163 @@
+"""One sequence-parallel step of W ranks emulated on one device, every rank's kernel time measured.
+
+Why: whether the work of W ranks is balanced in kernel time (and what a schedule costs in bytes) needs
+the W ranks' kernel calls, not W devices. :func:`emulate_step` runs every rank's share of one
+forward+backward, as one thread per rank over an :class:`~hf_longctx.comm.emulated.EmulatedGroup`:
+the same plan, checks, schedule, kernels and merges as a real run, with transfers replaced by local
+copies. Each rank's kernel calls are timed (:class:`~.timing.KernelTimer`) and its bytes counted, and
+a communication model (:mod:`hf_longctx.comm.links`) predicts the step time of a real group.
+
+A rank's forward and backward are the backend's ``forward``/``backward`` called as the core-attention
+op calls them (not through autograd: on a GPU, autograd runs every rank's backward on one device
+thread, where ranks waiting for each other would deadlock).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+
+from ..backends import default_strategy
+from ..backends.api import check_group_agrees, make_run_context, resolve_backend
+from ..benchmarking import FORWARD_BACKWARD_FACTOR
+from ..comm.emulated import EmulatedGroup, EmulationHub
+from ..comm.links import LINKS, transfer_seconds
+from ..kernels import observe_kernels
+from ..layout import PackedBatch, ShardPlan, shard_plan
+from .timing import KernelTimer
+
+
+@dataclass
+class RankStep:
+    """One emulated rank: kernel seconds (median over the timed repetitions), calls, bytes sent."""
+
+    rank: int
+    forward_s: float
+    backward_s: float
+    kernel_calls: int
+    traffic: list[tuple[str, int]]
+    results: tuple[torch.Tensor, ...] | None = None  # (out, dq, dk, dv) of the local rows, when kept
+
+    @property
+    def kernel_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    @property
+    def sent_bytes(self) -> int:
+        return sum(b for _, b in self.traffic)
+
+    @property
+    def transfer_s(self) -> float:
+        """Seconds this rank's sends take on the measured links (:data:`~hf_longctx.comm.links.LINKS`)."""
+        return transfer_seconds(self.traffic)
+
+
+@dataclass
+class EmulatedStep:
+    """Every rank of one emulated step, and what it predicts for a real group of ``world`` devices."""
+
+    backend: str
+    world: int
+    strategy: str
+    flops: float  # forward+backward attention FLOPs of the whole batch
+    device: str
+    ranks: list[RankStep] = field(default_factory=list)
+
+    @property
+    def kernel_s(self) -> list[float]:
+        return [r.kernel_s for r in self.ranks]
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean of the ranks' kernel seconds (1.0: perfectly balanced)."""
+        mean = statistics.fmean(self.kernel_s)
+        return max(self.kernel_s) / mean if mean > 0 else 1.0
+
+    @property
+    def sent_bytes(self) -> list[int]:
+        return [r.sent_bytes for r in self.ranks]
+
+    @property
+    def predicted_step_s(self) -> float:
+        """Slowest rank's kernels plus the slowest rank's transfers (no overlap: an upper bound)."""
+        return max(self.kernel_s) + max(r.transfer_s for r in self.ranks)
+
+    @property
+    def predicted_overlapped_s(self) -> float:
+        """The slowest rank if its transfers hid perfectly behind its kernels (a lower bound)."""
+        return max(max(r.kernel_s, r.transfer_s) for r in self.ranks)
+
+    @property
+    def tflops_per_device(self) -> float:
+        """Predicted per-device TFLOP/s of a real group: FLOPs / world / :attr:`predicted_step_s`."""
+        t = self.predicted_step_s
+        return self.flops / self.world / t / 1e12 if t > 0 else math.nan
+
+
+def step_flops(batch: PackedBatch, heads: int, head_dim: int) -> float:
+    """Forward+backward FLOPs of causal attention over ``batch`` (4 * D * H per visible pair, x3.5)."""
+    return FORWARD_BACKWARD_FACTOR * 4.0 * head_dim * heads * batch.causal_pairs()
+
+
+def _rank_step(group: EmulatedGroup, plan: ShardPlan, backend: str, tensors, options, kernel: str, keep: bool):
+    rank, world = group.rank, group.world
+    q, k, v, dout = tensors
+    if q.device.type == "cuda":
+        torch.cuda.set_device(q.device)  # the device is per thread
+    idx = plan.local_indices(rank).to(q.device)
+    ql, kl, vl, dl = (t.index_select(0, idx) for t in (q, k, v, dout))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    with torch.no_grad():
+        check_group_agrees(ql, kl, vl, plan, backend, group, rank, world, True)
+        name = resolve_backend(ql, kl, vl, plan, backend, group, rank, world, scale, kernel, options)
+        run = make_run_context(plan, name, group, rank, world, scale, kernel, options)
+        out, lse = run.forward_fn(run, ql, kl, vl)
+        dq, dk, dv = run.backward_fn(run, dl, ql, kl, vl, out, lse)
+    return (out, dq, dk, dv) if keep else None
+
+
+def emulate_step(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ...], backend: str, *,
+                 strategy: str | None = None, options: dict | None = None, kernel: str = "auto", warmup: int = 0,
+                 reps: int = 1, keep_results: bool = False, timeout_s: float = 600.0) -> EmulatedStep:
+    """Run ``world`` ranks of ``backend`` on ``batch`` (forward + backward) on the device of ``tensors``.
+
+    ``tensors`` are the GLOBAL packed ``(q, k, v, dout)``; every rank takes its rows from them as a real
+    rank would. ``warmup`` untimed steps come first (kernels compile, plans fill their caches), then
+    ``reps`` timed ones; each rank's kernel seconds are its median over those. ``keep_results`` keeps
+    every rank's ``(out, dq, dk, dv)`` of the last step (in ``RankStep.results``, local row order).
+    Traffic is that of the last step.
+    """
+    q = tensors[0]
+    strategy = strategy or default_strategy(backend)
+    plan = shard_plan(batch, world, strategy)
+    per_rank: list[list[tuple[float, float]]] = [[] for _ in range(world)]
+    calls = [0] * world
+    results: list = [None] * world
+    traffic: list[list[tuple[str, int]]] = [[] for _ in range(world)]
+    for i in range(warmup + reps):
+        hub = EmulationHub(world, timeout_s)
+        timer = KernelTimer(hub, q.device)
+        last = i == warmup + reps - 1
+        with observe_kernels(timer):
+            results = hub.run(lambda g, keep=keep_results and last: _rank_step(g, plan, backend, tensors, options,
+                                                                               kernel, keep))
+        if i < warmup:
+            continue
+        seconds = timer.seconds()
+        for r in range(world):
+            per_rank[r].append((seconds.get((r, "forward"), 0.0), seconds.get((r, "backward"), 0.0)))
+            calls[r] = timer.calls.get((r, "forward"), 0) + timer.calls.get((r, "backward"), 0)
+            traffic[r] = list(hub.traffic[r].calls)
+    step = EmulatedStep(backend, world, strategy, step_flops(batch, q.shape[1], q.shape[2]), str(q.device))
+    for r in range(world):
+        step.ranks.append(RankStep(r, statistics.median(f for f, _ in per_rank[r]),
+                                   statistics.median(b for _, b in per_rank[r]), calls[r], traffic[r], results[r]))
+    return step
+
+
+def link_sources() -> list[str]:
+    """Where the bandwidths of the communication model come from, one line per collective kind."""
+    return [f"{kind}: {curve.source}" for kind, curve in LINKS.items()]

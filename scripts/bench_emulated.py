@@ -1,0 +1,260 @@
+"""Per-rank kernel balance of every backend at W = 4..64 ranks, emulated on one GPU, in one call.
+
+Each configuration runs the W ranks' shares of one forward+backward step on one device (same plans,
+schedules, kernels and merges as a real run; transfers as local copies; see
+:mod:`hf_longctx.emulation`), measures each rank's kernel time and counts its bytes, and predicts the
+step time of a real group from the measured link bandwidths of the design document's section 7
+(reference numbers: NCCL sendrecv and all_to_all per rank on 4x H200). CAD runs five ways: balanced
+on FLOPs at eps 0.1 (the default), on the kernel's profiled cost at eps 0.1 and 0.01 (also with 32-row
+shards), and on the profiled cost with eps chosen by predicted step time; for the profiled runs the
+schedule's predicted per-server cost is compared with the emulated per-server kernel time. One CAD
+eps sweep is measured end to end. Every number is marked "emulated on one GPU".
+
+    python scripts/bench_emulated.py --out <file>.md         # GPU, about 8 minutes
+    python scripts/bench_emulated.py --quick --out <file>.md # CPU smoke run, tiny sizes
+
+Configurations run in order (mix, then W, then backend); each mix gets its share of ``--budget-s``
+(time a mix leaves unused carries over), and the configurations left out are listed in the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from hf_longctx.backends.cad.cost_model import ProfiledCostModel
+from hf_longctx.backends.cad.eps import EPS_CANDIDATES, a2a_bandwidth, candidate, choose_eps
+from hf_longctx.backends.cad.profiled import ProfileBudget, SegmentShape, profiled_cost_model
+from hf_longctx.backends.cad.runtime import cad_schedule
+from hf_longctx.benchmarking import table_header, table_row
+from hf_longctx.emulation import EmulatedStep, emulate_step, link_sources
+from hf_longctx.emulation.choose import choose_from_steps
+from hf_longctx.emulation.workloads import doc_lengths
+from hf_longctx.layout import PackedBatch, shard_plan
+
+MiB = float(1 << 20)
+
+
+def parse_ints(text: str) -> list[int]:
+    out = []
+    for x in text.split(","):
+        x = x.strip().lower()
+        out.append(int(x[:-1]) * 1024 if x.endswith("k") else int(x))
+    return out
+
+
+def global_tensors(total: int, shape: SegmentShape, device: torch.device, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    return tuple(torch.randn(total, h, shape.head_dim, generator=g, device=device, dtype=shape.dtype)
+                 for h in (shape.heads, shape.kv_heads, shape.kv_heads, shape.heads))
+
+
+def variants(backends: list[str], profiled) -> list[tuple[str, str, dict | None]]:
+    """(label, backend, options) of every run of one configuration; the first is ``auto``'s default."""
+    out = []
+    for b in backends:
+        if b == "cad":
+            out.append(("cad flops eps0.1", "cad", {"cost_model": "flops", "eps": 0.1}))
+            out.append(("cad profiled eps0.1", "cad", {"cost_model": profiled, "eps": 0.1}))
+            out.append(("cad profiled eps0.01", "cad", {"cost_model": profiled, "eps": 0.01}))
+            # finer shards: at W = 64 and 256K tokens a rank holds 4K rows, and 128-row shards bound the balance
+            out.append(("cad profiled eps0.01 shard32", "cad", {"cost_model": profiled, "eps": 0.01, "min_shard": 32}))
+            out.append(("cad profiled eps auto", "cad", {"cost_model": profiled, "eps": "auto"}))
+        else:
+            out.append((b, b, None))
+    return out
+
+
+def predicted_vs_emulated(step: EmulatedStep, batch: PackedBatch, options: dict) -> tuple[float, float]:
+    """For a CAD run on a profiled model (milliseconds): (largest |predicted - emulated| / emulated over
+    servers, eps used)."""
+    sched = cad_schedule(shard_plan(batch, step.world, "cad"), options)
+    errs = [abs(p * 1e-3 - m) / m for p, m in zip(sched.loads.tolist(), step.kernel_s) if m > 0]
+    return (max(errs) if errs else math.nan), sched.eps
+
+
+def tokens_label(total: int) -> str:
+    return f"{total // 1024}K" if total >= 1024 else str(total)
+
+
+def row(mix, total, batch, world, label, step: EmulatedStep, extra: str) -> str:
+    sent = step.sent_bytes
+    return table_row([mix, tokens_label(total), batch.num_docs, world, label, f"{step.imbalance:.3f}",
+                      f"{max(step.kernel_s) * 1e3:.2f}", f"{statistics.fmean(step.kernel_s) * 1e3:.2f}",
+                      f"{max(sent) / MiB:.1f}", f"{statistics.fmean(sent) / MiB:.1f}",
+                      f"{step.predicted_step_s * 1e3:.2f}", f"{step.predicted_overlapped_s * 1e3:.2f}",
+                      f"{step.tflops_per_device:.0f}", extra])
+
+
+COLUMNS = ["mix", "tokens", "docs", "W", "backend", "max/mean kernel", "max kernel ms", "mean kernel ms",
+           "max MiB sent/rank", "mean MiB sent/rank", "pred. step ms (no overlap)", "pred. step ms (overlap)",
+           "pred. TFLOP/s/GPU", "notes"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="markdown file the tables are written to")
+    p.add_argument("--worlds", default="4,8,16,64")
+    p.add_argument("--mixes", default="prolong,pretrain,sft")
+    p.add_argument("--tokens", default="prolong:256k,pretrain:256k,sft:128k",
+                   help="tokens per rank-group for each mix (mix:tokens, comma separated)")
+    p.add_argument("--backends", default="ring,zigzag,distfa,tasp,cad,ulysses")
+    p.add_argument("--kernel", default="auto")
+    p.add_argument("--warmup", type=int, default=0, help="untimed steps per configuration (a warm-up pass of "
+                   "every backend at the smallest W runs first anyway)")
+    p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--eps-sweep", default="prolong:16", help="mix:W at which CAD's eps sweep is measured")
+    p.add_argument("--skip", default="tasp:64",
+                   help="backend:W pairs not run (tasp at W=64 makes ~3000 kernel calls per rank and step: 63 rings x "
+                        "63 hops; alone it needs minutes: run it with --worlds 64 --backends tasp --skip ''")
+    p.add_argument("--budget-s", type=float, default=420.0, help="start no configuration after this many seconds")
+    p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes, reference kernel")
+    args = p.parse_args(argv)
+    t_start = time.perf_counter()
+    if args.quick:
+        device = torch.device("cpu")
+        shape = SegmentShape(heads=4, kv_heads=2, head_dim=16, dtype=torch.float32)
+        args.kernel = "reference" if args.kernel == "auto" else args.kernel
+        if args.tokens == p.get_default("tokens"):
+            args.tokens = "prolong:512,pretrain:512,sft:512"
+        if args.worlds == p.get_default("worlds"):
+            args.worlds = "2,4"
+        if args.eps_sweep == p.get_default("eps_sweep"):
+            args.eps_sweep = "prolong:4"
+        grid = dict(q_lens=(16, 64, 256), kv_lens=(16, 64, 256, 1024),
+                    budget=ProfileBudget(min_tokens=256, max_kv_tokens=4096, max_pairs=65536, warmup=0, reps=1))
+        profiled, source = profiled_cost_model(args.kernel, device, shape, **grid)
+    else:
+        if not torch.cuda.is_available():
+            print("bench_emulated.py needs a CUDA device (or --quick for the CPU smoke run)", file=sys.stderr)
+            return 2
+        device = torch.device("cuda", torch.cuda.current_device())
+        shape = SegmentShape()
+        profiled, source = profiled_cost_model(args.kernel, device, shape)
+    print(f"cost model: {source}", flush=True)
+    worlds = parse_ints(args.worlds)
+    mixes = args.mixes.split(",")
+    tokens = {m: parse_ints(t)[0] for m, t in (x.split(":") for x in args.tokens.split(","))}
+    backends = args.backends.split(",")
+    runs = variants(backends, profiled)
+    skip = set(filter(None, args.skip.split(",")))
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+    def emulate(batch, w, tensors, backend, options):
+        return emulate_step(batch, w, tensors, backend, options=options, kernel=args.kernel, warmup=args.warmup,
+                            reps=args.reps)
+
+    # warm-up: every backend once at the smallest W (kernels compile per configuration, not per shape)
+    warm = PackedBatch.from_doc_lens(doc_lengths(mixes[0], min(tokens[mixes[0]], 32768), seed=1))
+    warm_tensors = global_tensors(warm.num_tokens, shape, device, seed=1)
+    for _, backend, options in runs:
+        try:
+            emulate(warm, min(worlds), warm_tensors, backend, options)
+        except Exception as exc:  # noqa: BLE001 - reported in its row later
+            print(f"warm-up {backend}: {type(exc).__name__}: {exc}", flush=True)
+    del warm_tensors
+
+    rows, skipped, choices, sweep_rows = [], [], [], []
+    sweep_mix, sweep_w = args.eps_sweep.split(":")
+    for i_mix, mix in enumerate(mixes):
+        deadline = args.budget_s * (i_mix + 1) / len(mixes)  # each mix gets its share; unused time carries over
+        total = tokens[mix]
+        batch = PackedBatch.from_doc_lens(doc_lengths(mix, total, seed=0))
+        tensors = global_tensors(total, shape, device, seed=total)
+        for w in worlds:
+            steps: dict[str, EmulatedStep] = {}
+            for label, backend, options in runs:
+                if f"{backend}:{w}" in skip:
+                    skipped.append(f"{mix} W={w} {label} (--skip)")
+                    continue
+                if time.perf_counter() - t_start > deadline:
+                    skipped.append(f"{mix} W={w} {label}")
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    step = emulate(batch, w, tensors, backend, options)
+                except Exception as exc:  # noqa: BLE001 - one call measures everything; report and go on
+                    rows.append(table_row([mix, tokens_label(total), batch.num_docs, w, label] + ["-"] * 8
+                                          + [f"{type(exc).__name__}: {str(exc)[:120]}"]))
+                    print(rows[-1], flush=True)
+                    continue
+                steps[label] = step
+                extra = ""
+                if backend == "cad" and options and options.get("cost_model") is profiled \
+                        and isinstance(profiled, ProfiledCostModel):
+                    err, eps = predicted_vs_emulated(step, batch, options)
+                    extra = f"eps {eps:g}; predicted vs emulated per-server time: max err {err * 100:.1f}%"
+                extra += f" ({time.perf_counter() - t0:.1f} s)"
+                rows.append(row(mix, total, batch, w, label, step, extra.strip()))
+                print(rows[-1], flush=True)
+            if steps:
+                choice = choose_from_steps(steps)
+                choices.append(f"- {mix} {tokens_label(total)}, W={w}: auto (emulated) -> {choice.reason}")
+                print(choices[-1], flush=True)
+            if mix == sweep_mix and str(w) == sweep_w and "cad" in backends \
+                    and time.perf_counter() - t_start <= args.budget_s:
+                sweep_rows += eps_sweep(batch, w, tensors, profiled, emulate, mix, total)
+        del tensors
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    elapsed = time.perf_counter() - t_start
+    lines = [f"# Sequence-parallel backends, emulated on one GPU ({device_name})", "",
+             f"Every number below is **emulated on one GPU**: the W ranks of one forward+backward step run on one "
+             f"{device_name} with the real plans, schedules, kernels ({args.kernel}) and merges; transfers are local "
+             "copies. Kernel times are measured per rank (CUDA events around each kernel call, ranks never "
+             "interleaved); bytes are counted per rank. Predicted step = slowest rank's kernels + slowest rank's "
+             "transfers (no overlap; 'overlap' = the larger of the two per rank). Predicted TFLOP/s/GPU = causal "
+             f"attention FLOPs (fwd+bwd, x3.5) / W / predicted step. Heads {shape.heads}, KV heads "
+             f"{shape.kv_heads}, head dim {shape.head_dim}, {str(shape.dtype).removeprefix('torch.')}.", "",
+             f"CAD cost model: {source}.", "",
+             "Link bandwidths of the communication model (within one NVLink node; W > 8 assumes the same "
+             "per-rank bandwidth, which a multi-node group does not have):", ""]
+    lines += [f"- {s}" for s in link_sources()]
+    lines += ["", table_header(COLUMNS), *rows, "", "## auto on emulated times", "", *choices]
+    if sweep_rows:
+        lines += ["", f"## CAD eps sweep ({sweep_mix}, W={sweep_w}, profiled cost), emulated on one GPU", "",
+                  table_header(["eps", "max/mean kernel", "max kernel ms", "max MiB sent/rank", "pred. step ms",
+                                "schedule's own prediction ms", "notes"]), *sweep_rows]
+    if skipped:
+        lines += ["", f"Not run (--skip, or the time budget of {args.budget_s:.0f} s spent): " + ", ".join(skipped)]
+    lines += ["", f"Total {elapsed:.0f} s; torch {torch.__version__}; command: python scripts/bench_emulated.py "
+              + " ".join(sys.argv[1:] if argv is None else argv)]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+def eps_sweep(batch, w, tensors, profiled, emulate, mix, total) -> list[str]:
+    """CAD at every candidate eps on the profiled model: measured step vs the schedule's own prediction,
+    and which eps the rule picks (from the schedules) against which the emulation finds fastest."""
+    plan = shard_plan(batch, w, "cad")
+    measured, cands = {}, []
+    for eps in EPS_CANDIDATES:
+        options = {"cost_model": profiled, "eps": eps}
+        measured[eps] = emulate(batch, w, tensors, "cad", options)
+        cands.append(candidate(cad_schedule(plan, options), profiled))
+    bandwidth = a2a_bandwidth(max(c.max_bytes for c in cands))
+    rule = choose_eps(cands, bandwidth).eps
+    best = min(measured, key=lambda e: (measured[e].predicted_step_s, -e))
+    out = []
+    for c in cands:
+        s = measured[c.eps]
+        notes = "; ".join(x for x in ("rule's choice" if c.eps == rule else "",
+                                      "fastest emulated" if c.eps == best else "") if x)
+        out.append(table_row([f"{c.eps:g}", f"{s.imbalance:.3f}", f"{max(s.kernel_s) * 1e3:.2f}",
+                              f"{max(s.sent_bytes) / MiB:.1f}", f"{s.predicted_step_s * 1e3:.2f}",
+                              f"{c.step_seconds(bandwidth) * 1e3:.2f}", notes]))
+        print(out[-1], flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""W ranks emulated on one device: the same backend code, so outputs and gradients equal one device.
+
+Every backend the emulation measures runs on an in-process group of W = 2, 3, 4 ranks (random packed
+documents, GQA, float64 and float32) and each rank's output and q/k/v gradient rows are checked
+against the fp64 reference kernel on the whole sequence. The transport itself is checked on its own:
+matching, byte counts, a failing rank and a transfer nobody answers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_backends import make_problem, reference
+
+from hf_longctx.backends import sequence_parallel_attention
+from hf_longctx.comm.emulated import EmulationError, EmulationHub
+from hf_longctx.comm.links import LINKS, MB, transfer_seconds
+from hf_longctx.emulation import emulate_step
+from hf_longctx.layout import shard_plan
+
+BACKENDS = ("ring", "zigzag", "distfa", "tasp", "cad", "ulysses")
+
+
+def _tolerance(dtype):
+    return dict(rtol=1e-9, atol=1e-9) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_emulated_backends_match_single_device(world, dtype):
+    for seed in range(2):
+        batch, q, k, v, dout = make_problem(seed * 13 + world, world, dtype)
+        want = reference(batch, q, k, v, dout)
+        for backend in BACKENDS:
+            step = emulate_step(batch, world, (q, k, v, dout), backend, kernel="reference", keep_results=True)
+            plan = shard_plan(batch, world, step.strategy)
+            assert len(step.ranks) == world
+            for r in step.ranks:
+                idx = plan.local_indices(r.rank)
+                for name, got, ref in zip(("out", "dq", "dk", "dv"), r.results, want):
+                    torch.testing.assert_close(got, ref[idx], **_tolerance(dtype),
+                                               msg=lambda m, w=f"{backend} W={world} rank {r.rank} {name}": f"{w}: {m}")
+            assert sum(r.kernel_calls for r in step.ranks) > 0
+            assert all(t >= 0 for t in step.kernel_s) and step.imbalance >= 1.0
+            assert step.predicted_step_s >= step.predicted_overlapped_s > 0
+
+
+def test_autograd_path_through_the_op_on_an_emulated_group():
+    """``sequence_parallel_attention`` + ``backward`` (the op, autograd) on emulated ranks (CPU autograd runs
+    in the calling thread)."""
+    world = 3
+    batch, q, k, v, dout = make_problem(5, world, torch.float64)
+    want = reference(batch, q, k, v, dout)
+    for backend in BACKENDS:
+        plan = shard_plan(batch, world, "cad" if backend == "cad" else
+                          "zigzag" if backend == "zigzag" else "contiguous")
+
+        def rank_fn(group, plan=plan, backend=backend):
+            idx = plan.local_indices(group.rank)
+            ql, kl, vl = (t[idx].clone().requires_grad_() for t in (q, k, v))
+            out = sequence_parallel_attention(ql, kl, vl, plan=plan, backend=backend, group=group,
+                                              kernel="reference")
+            out.backward(dout[idx])
+            return idx, out.detach(), ql.grad, kl.grad, vl.grad
+
+        for idx, *got in EmulationHub(world).run(rank_fn):
+            for g, ref in zip(got, want):
+                torch.testing.assert_close(g, ref[idx], **_tolerance(torch.float64))
+
+
+def test_point_to_point_matches_by_tag_and_counts_bytes():
+    hub = EmulationHub(2)
+
+    def rank_fn(group):
+        me, other = group.rank, 1 - group.rank
+        sends = [(other, torch.full((3,), float(me)), 7), (other, torch.full((2,), 10.0 + me), 8)]
+        bufs = [torch.empty(2), torch.empty(3)]
+        works = group.post(sends, [(other, bufs[0], 8), (other, bufs[1], 7)], "test")
+        for w in works:
+            w.wait()
+        return [b.tolist() for b in bufs]
+
+    got = hub.run(rank_fn)
+    assert got[0] == [[11.0, 11.0], [1.0, 1.0, 1.0]]
+    assert got[1] == [[10.0, 10.0], [0.0, 0.0, 0.0]]
+    assert hub.traffic[0].calls == [("p2p", 20)]
+
+
+def test_all_to_all_moves_rows_and_counts_only_remote_bytes():
+    hub = EmulationHub(3)
+
+    def rank_fn(group):
+        r = group.rank
+        send = torch.arange(6, dtype=torch.float32).view(6, 1) + 100 * r  # rows 2d, 2d+1 go to rank d
+        recv = torch.empty(6, 1)
+        group.all_to_all_single(recv, send, [2, 2, 2], [2, 2, 2])
+        return recv.view(-1).tolist()
+
+    got = hub.run(rank_fn)
+    assert got[1] == [2.0, 3.0, 102.0, 103.0, 202.0, 203.0]
+    assert all(t.calls == [("a2a", 16)] for t in hub.traffic)
+
+
+def test_a_failing_rank_stops_its_peers_and_an_unanswered_receive_times_out():
+    def fails(group):
+        if group.rank == 0:
+            raise ValueError("rank 0 broke")
+        group.barrier()
+
+    with pytest.raises(ValueError, match="rank 0 broke"):
+        EmulationHub(2).run(fails)
+
+    def waits(group):
+        for w in group.post([], [(1 - group.rank, torch.empty(1), 0)], "lonely receive"):
+            w.wait()
+
+    with pytest.raises(EmulationError, match="lonely receive"):
+        EmulationHub(2, timeout_s=0.5).run(waits)
+
+
+def test_link_model_uses_the_measured_figures_and_interpolates_between_them():
+    assert LINKS["p2p"].at(64 * MB) == pytest.approx(114e9)
+    assert LINKS["a2a"].at(256 * MB) == pytest.approx(148e9)
+    assert LINKS["p2p"].at(1 * MB) == pytest.approx(71e9)  # held at the smallest measured size
+    assert 71e9 < LINKS["p2p"].at(32 * MB) < 114e9
+    assert transfer_seconds([("p2p", 64 * MB), ("a2a", 16 * MB)]) == pytest.approx(64 * MB / 114e9 + 16 * MB / 87e9)
+
+
+def test_auto_decides_from_emulated_steps_and_says_why():
+    from hf_longctx.backends.auto import AUTO, _decision_key, auto_decisions, reset_auto_decisions
+    from hf_longctx.emulation.choose import decide_auto
+
+    world = 3
+    batch, q, k, v, dout = make_problem(9, world, torch.float64)
+    plan = shard_plan(batch, world, "zigzag")
+    idx = plan.local_indices(0)
+    reset_auto_decisions()
+    try:
+        choice = decide_auto(batch, world, (q, k, v, dout), strategy="zigzag", kernel="reference", q_local=q[idx],
+                             k_local=k[idx])
+        assert choice.backend in ("zigzag", "tasp") and set(choice.predicted_s) == {"zigzag", "tasp"}
+        assert "predicted" in choice.reason and "ms/step" in choice.reason
+        (row,) = auto_decisions()
+        assert row["backend"] == choice.backend and row["reason"].startswith("emulated on one device")
+        assert AUTO.verdicts.get(_decision_key(q[idx], k[idx], plan, None)) == choice.backend
+    finally:
+        reset_auto_decisions()
