@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..backends import default_strategy
-from ..backends.api import check_group_agrees, make_run_context, resolve_backend
+from ..backends.api import RankCall, check_group_agrees, make_run_context, resolve_backend
 from ..benchmarking import FORWARD_BACKWARD_FACTOR
 from ..comm.emulated import EmulatedGroup, EmulationHub
 from ..comm.links import LINKS, transfer_seconds
@@ -111,9 +111,10 @@ def _rank_step(group: EmulatedGroup, plan: ShardPlan, backend: str, tensors, opt
     ql, kl, vl, dl = (t.index_select(0, idx) for t in (q, k, v, dout))
     scale = 1.0 / math.sqrt(q.shape[-1])
     with torch.no_grad():
-        check_group_agrees(ql, kl, vl, plan, backend, group, rank, world, True)
-        name = resolve_backend(ql, kl, vl, plan, backend, group, rank, world, scale, kernel, options)
-        run = make_run_context(plan, name, group, rank, world, scale, kernel, options)
+        call = RankCall(ql, kl, vl, plan, backend, group, rank, world, causal=True, scale=scale, kernel=kernel,
+                        options=dict(options or {}))
+        check_group_agrees(call)
+        run = make_run_context(call, resolve_backend(call))
         out, lse = run.forward_fn(run, ql, kl, vl)
         dq, dk, dv = run.backward_fn(run, dl, ql, kl, vl, out, lse)
     return (out, dq, dk, dv) if keep else None

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ...kernels import attention_backward, attention_forward, select_kernel
+from ...kernels import attention_backward, attention_forward, kernel_call, select_kernel
 from .cost_model import PAIRS, CostModel, FlopsCostModel, ProfiledCostModel
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,8 @@ def time_segments(q_len: int, kv_len: int, copies: int, kernel: str, shape: Segm
 def resolved_kernel(kernel: str, shape: SegmentShape, device: torch.device) -> str:
     """The kernel ``kernel`` ('auto' or a name) runs for a server's fused batch of causal segments."""
     q = torch.empty(256, shape.heads, shape.head_dim, device=device, dtype=shape.dtype)
-    return select_kernel(kernel, q, q[:, : shape.kv_heads], [0, 128, 256], [0, 128, 256], True)
+    kv = q[:, : shape.kv_heads]
+    return select_kernel(kernel, kernel_call(q, kv, kv, [0, 128, 256], [0, 128, 256], 128, 128, causal=True))
 
 
 def profile_segment_costs(kernel: str = "auto", device: torch.device | str = "cuda",
