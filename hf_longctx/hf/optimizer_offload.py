@@ -126,8 +126,17 @@ def _host_offload_class():
             square = torch.linalg.vector_norm(p.grad, dtype=torch.float32).square()
             self._sum_of_squares = square if self._sum_of_squares is None else self._sum_of_squares + square
 
+        @property
+        def param_groups(self) -> list[dict]:
+            """The groups the optimizers step with now. torchao's own list keeps the on-GPU optimizer's groups
+            as first built, which ``load_state_dict`` replaces (accelerate round-trips the state when it
+            prepares the optimizer): an LR scheduler then set the learning rate on groups nobody reads."""
+            on_gpu = self.d_opt.param_groups if self.d_opt is not None else []
+            return on_gpu + [g for optimizer in self.optim_dict.values() for g in optimizer.param_groups]
+
         def _on_gpu_grads(self) -> list[torch.Tensor]:
-            return [p.grad for g in self.d_param_groups for p in g["params"] if p.grad is not None]
+            groups = self.d_opt.param_groups if self.d_opt is not None else []
+            return [p.grad for g in groups for p in g["params"] if p.grad is not None]
 
         @torch.no_grad()
         def step(self, closure=None):

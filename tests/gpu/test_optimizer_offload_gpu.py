@@ -100,3 +100,15 @@ def test_trainer_with_host_adamw_trains_like_the_trainers_adamw(tmp_path):
     assert len(losses) == len(norms) == 3
     assert losses == pytest.approx(ref_losses, rel=1e-4)
     assert norms == pytest.approx(ref_norms, rel=1e-3)
+
+
+def test_a_scheduler_reaches_every_group_after_a_state_round_trip():
+    """accelerate round-trips the optimizer's state when it prepares it; the LR scheduler must still set the
+    learning rate the optimizers read (the small parameters' on-GPU AdamW included)."""
+    opt = HostOffloadAdamW(_model().parameters(), lr=1e-3)
+    opt.load_state_dict(opt.state_dict())
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)
+    assert opt.d_opt is not None
+    offloaded = [g["lr"] for o in opt.optim_dict.values() for g in o.param_groups]
+    read = [g["lr"] for g in opt.d_opt.param_groups] + offloaded
+    assert read and all(lr == pytest.approx(5e-4) for lr in read)
