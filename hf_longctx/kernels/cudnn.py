@@ -68,9 +68,9 @@ def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-# cuDNN takes fewer KV heads than query heads natively in forward (checked on H200, torch 2.11). Its backward
-# gets repeated KV heads: with fewer KV heads it ran, then crashed the process (a segmentation fault, no
-# Python error to fall back from) on a later call of another shape in the same process (H200, torch 2.11).
+# cuDNN takes fewer KV heads than query heads natively in forward (checked on H200, torch 2.11); its
+# backward is tried natively once and falls back to repeated KV heads if this build rejects it.
+_native_gqa_backward: bool | None = None
 
 
 def _covers(starts: list[int], length: int, total: int) -> bool:
@@ -124,6 +124,7 @@ def backward(call: KernelCall, dout: torch.Tensor, out: torch.Tensor, lse: torch
     tq, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
+    global _native_gqa_backward
     dq = dk = dv = None
     seed = torch.zeros((), dtype=torch.long, device=q.device)
     groups = segment_groups(cu_q, cu_k)
@@ -135,9 +136,21 @@ def backward(call: KernelCall, dout: torch.Tensor, out: torch.Tensor, lse: torch
         args = (_dense(dout, qs, lq), _dense(q, qs, lq))
         rest = (_dense(out, qs, lq), lse_dense, seed, seed, None, None, None, lq, lk, 0.0, causal)
         kd, vd = _dense(k, ks, lk), _dense(v, ks, lk)
-        grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            *args, _expand_kv(kd, g), _expand_kv(vd, g), *rest, scale=scale
-        )
+        grads = None
+        if g == 1 or _native_gqa_backward is not False:
+            try:
+                grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(*args, kd, vd, *rest, scale=scale)
+                if grads[1].shape[1] != kd.shape[1]:
+                    raise RuntimeError("cuDNN returned key gradients for repeated heads")
+                _native_gqa_backward = True
+            except RuntimeError:
+                if g == 1:
+                    raise
+                _native_gqa_backward = False
+        if grads is None:
+            grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                *args, _expand_kv(kd, g), _expand_kv(vd, g), *rest, scale=scale
+            )
         gq, gk, gv = grads
         if gk.shape[1] != hkv:
             gk = gk.view(b, hkv, g, lk, d).sum(2)
