@@ -105,9 +105,11 @@ def time_segments(q_len: int, kv_len: int, copies: int, kernel: str, shape: Segm
 
 def resolved_kernel(kernel: str, shape: SegmentShape, device: torch.device) -> str:
     """The kernel ``kernel`` ('auto' or a name) runs for a server's fused batch of causal segments."""
-    q = torch.empty(256, shape.heads, shape.head_dim, device=device, dtype=shape.dtype)
-    kv = q[:, : shape.kv_heads]
-    return select_kernel(kernel, kernel_call(q, kv, kv, [0, 128, 256], [0, 128, 256], 128, 128, causal=True))
+    # a server's batch holds task segments whose queries are fewer than their keys (a query shard and its causal
+    # prefix): the kernel must serve those, not only square segments
+    q = torch.empty(128, shape.heads, shape.head_dim, device=device, dtype=shape.dtype)
+    kv = torch.empty(384, shape.kv_heads, shape.head_dim, device=device, dtype=shape.dtype)
+    return select_kernel(kernel, kernel_call(q, kv, kv, [0, 64, 128], [0, 128, 384], 64, 256, causal=True))
 
 
 def profile_segment_costs(kernel: str = "auto", device: torch.device | str = "cuda",
