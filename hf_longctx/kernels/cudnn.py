@@ -51,10 +51,6 @@ def supports(call: KernelCall) -> str | None:
         return f"cudnn runs one dense call per distinct segment shape; {len(groups)} shapes is too many"
     if causal and any(lq != lk for lq, lk in groups):
         return "cudnn causal masking is top-left aligned; segments with q_len != k_len need torch_flash"
-    if any(lq != lk for lq, lk in groups):
-        # unmasked blocks with fewer queries than keys (TASP's partial blocks under a sliding window) crashed
-        # the process in cuDNN's backward (a segmentation fault; H200, torch 2.11, cuDNN 9.19)
-        return "cudnn's dense backward crashes on segments with q_len != k_len; torch_flash serves them"
     return None
 
 
