@@ -390,3 +390,20 @@ def test_a_plan_with_adamw_on_the_host_refuses_an_optimizer_on_the_gpu():
         check_optimizer_place(plan, gpu_adamw)
     check_optimizer_place(plan, None)  # no optimizer yet (the script builds the right one)
     assert optimizer_offload_reason("cpu") is not None  # torchao's offload needs a CUDA device
+
+
+def test_fused_ops_key_is_checked_and_honoured(monkeypatch):
+    from hf_longctx.hf.config import ConfigError, LongContextConfig
+
+    with pytest.raises(ValueError, match="did you mean 'liger'"):
+        LongContextConfig(fused_ops="ligre")
+    monkeypatch.setattr("hf_longctx.hf.fused_ops.liger_installed", lambda: False)
+    with pytest.raises(ValueError, match="pip install 'hf_longctx\\[liger\\]'"):
+        LongContextConfig(fused_ops="liger")
+    model = _tiny(2)
+    assert not plan_for_training(model, LongContextConfig(memory="auto", fused_ops="off", seq_len=64)).fused_ops
+    # liger where its kernels cannot run: said before any step, naming the way out
+    monkeypatch.setattr("hf_longctx.hf.fused_ops.liger_installed", lambda: True)
+    monkeypatch.setattr("hf_longctx.hf.fused_ops.uses_fused_norms", lambda model: False)
+    with pytest.raises(ConfigError, match="need a CUDA GPU; set fused_ops: auto or off"):
+        plan_for_training(model, LongContextConfig(memory="auto", fused_ops="liger", seq_len=64))

@@ -113,6 +113,11 @@ class LongContextCallback(TrainerCallback):
             self._memory = plan.apply(model)  # before the input hook, as below
             checkpointing = self._memory.checkpointing
         else:
+            if cfg.fused_ops == "liger":  # under memory: auto the plan switches them on
+                from .fused_ops import enable_fused_ops, uses_fused_norms
+
+                if not uses_fused_norms(model):
+                    enable_fused_ops(model, swiglu=not cfg.tiled_mlp)
             # before the input hook: its output hook must run after the tiled loss's
             self._memory = enable_memory_options(model, checkpointing, cfg.offload_checkpoints and
                                                  checkpointing != "none", cfg.tiled_loss, cfg.tiled_mlp)
@@ -125,7 +130,7 @@ class LongContextCallback(TrainerCallback):
         self.hook.average_in_group = sp > 1 and not getattr(args, "average_tokens_across_devices", True)
         self.summary = {"backend": impl[len(PREFIX):], "attn_implementation": impl, "sp_size": sp,
                         "dp_size": world // sp, "checkpointing": checkpointing, "kernel": cfg.kernel,
-                        "tiled_loss": cfg.tiled_loss, "tiled_mlp": cfg.tiled_mlp,
+                        "tiled_loss": cfg.tiled_loss, "tiled_mlp": cfg.tiled_mlp, "fused_ops": cfg.fused_ops,
                         "offload_checkpoints": cfg.offload_checkpoints and checkpointing != "none",
                         "kernels_available": available_kernels(args.device)}
         if fsdp_shards is not None:

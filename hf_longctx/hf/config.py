@@ -26,6 +26,7 @@ from .backend_names import backend_from_name
 from .launcher import launcher_config_file, launcher_num_processes
 from .settings import (
     CHECKPOINTING_MODES,
+    FUSED_OPS_MODES,
     MEMORY_MODES,
     MOE_DISPATCHES,
     WHOLE_NUMBER_RANGES,
@@ -37,6 +38,7 @@ from .settings import (
 
 __all__ = [
     "CHECKPOINTING_MODES",
+    "FUSED_OPS_MODES",
     "MEMORY_MODES",
     "MOE_DISPATCHES",
     "PACKAGE_ENVIRONMENT",

@@ -23,8 +23,6 @@ import importlib.util
 
 import torch
 
-FUSED_OPS_MODES = ("auto", "liger", "off")
-
 
 def liger_installed() -> bool:
     """Whether Liger-Kernel can be imported (``pip install hf_longctx[liger]``)."""

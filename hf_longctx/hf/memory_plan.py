@@ -1078,10 +1078,17 @@ def plan_for_training(model, cfg, args=None, *, tokens_per_gpu: int | None = Non
     on_gpu = device.type == "cuda" if device is not None else _cuda_available()
     if not fsdp:
         precision = precision_of(model, zero) if hasattr(model, "parameters") else precision
-    if fused_ops is None:
-        from .fused_ops import fused_ops_available, uses_fused_norms
+    from .fused_ops import fused_ops_available, fused_ops_reason, uses_fused_norms
 
-        already = hasattr(model, "parameters") and uses_fused_norms(model)
+    already = hasattr(model, "parameters") and uses_fused_norms(model)  # the Trainer's use_liger_kernel
+    if fused_ops is None and cfg.fused_ops == "liger":
+        reason = fused_ops_reason(device) if on_gpu else "Liger-Kernel's Triton kernels need a CUDA GPU"
+        if reason:
+            raise ConfigError(f"fused_ops: liger, but {reason}; set fused_ops: auto or off")
+        fused_ops = True
+    elif fused_ops is None and cfg.fused_ops == "off":
+        fused_ops = already  # what the model runs is what the plan must count
+    elif fused_ops is None:
         fused_ops = already or (on_gpu and fused_ops_available(device))
     from .optimizer_offload import check_optimizer_place, host_optimizer_of, optimizer_offload_available
 

@@ -20,6 +20,7 @@ class ConfigError(ValueError):
 CHECKPOINTING_MODES = ("none", "layer", "recompute_aware")
 MOE_DISPATCHES = ("allgather", "all_to_all")
 MEMORY_MODES = ("manual", "auto")
+FUSED_OPS_MODES = ("auto", "liger", "off")
 
 
 # The least valid value of each whole-number setting, and what that value means. Nothing below it is
@@ -58,6 +59,7 @@ class LongContextConfig:
     moe_dispatch: str = "allgather"  # how tokens reach their experts: allgather or all_to_all
     expert_tp_size: int = 1  # ranks splitting each expert's intermediate dimension (expert tensor parallel)
     memory: str = "manual"  # auto: a memory plan picks per-layer checkpointing, offload and tiling (hf.memory_plan)
+    fused_ops: str = "auto"  # Liger's RMSNorm/RoPE/SwiGLU: auto (memory: auto uses them where they run), liger, off
 
     def __post_init__(self):
         object.__setattr__(self, "backend", backend_from_name(self.backend))
@@ -77,6 +79,16 @@ class LongContextConfig:
             hint = difflib.get_close_matches(str(self.memory), MEMORY_MODES, n=1, cutoff=0.5)
             raise ValueError(f"unknown memory {self.memory!r}" + (f"; did you mean {hint[0]!r}?" if hint else "")
                              + f" (choose one of {', '.join(MEMORY_MODES)})")
+        if self.fused_ops not in FUSED_OPS_MODES:
+            hint = difflib.get_close_matches(str(self.fused_ops), FUSED_OPS_MODES, n=1, cutoff=0.5)
+            raise ValueError(f"unknown fused_ops {self.fused_ops!r}" + (f"; did you mean {hint[0]!r}?" if hint else "")
+                             + f" (choose one of {', '.join(FUSED_OPS_MODES)})")
+        if self.fused_ops == "liger":
+            from .fused_ops import liger_installed
+
+            if not liger_installed():
+                raise ValueError("fused_ops: liger needs Liger-Kernel: pip install 'hf_longctx[liger]' (GPU only), "
+                                 "or set fused_ops: auto or off")
         if self.moe_dispatch not in MOE_DISPATCHES:
             raise ValueError(f"unknown moe_dispatch {self.moe_dispatch!r}; choose one of {MOE_DISPATCHES}")
         if self.expert_tp_size > 1 and self.moe_dispatch != "allgather":
