@@ -12,6 +12,12 @@ eps sweep is measured end to end. Every number is marked "emulated on one GPU".
 
     python scripts/bench_emulated.py --out <file>.md         # GPU, about 8 minutes
     python scripts/bench_emulated.py --quick --out <file>.md # CPU smoke run, tiny sizes
+    python scripts/bench_emulated.py --kernel torch_flash --mixes pretrain --out <file>.md  # one mix per process
+
+Without FlashAttention-4, name ``--kernel torch_flash``: ``auto`` then picks the dense cuDNN kernel for
+equal-length groups, which builds a graph per shape inside the timed calls. On an H200 one process that
+ran ProLong at W = 4..64 and then started the next mix ran out of GPU memory (memory retained across
+configurations, cause not found yet): run one mix per process.
 
 Configurations run in order (mix, then W, then backend); each mix gets its share of ``--budget-s``
 (time a mix leaves unused carries over), and the configurations left out are listed in the output.
