@@ -23,38 +23,32 @@ import importlib.util
 
 import torch
 
+from .checkpointing import _decoder_layers
+
 
 def liger_installed() -> bool:
     """Whether Liger-Kernel can be imported (``pip install hf_longctx[liger]``)."""
     return importlib.util.find_spec("liger_kernel") is not None
 
 
-def fused_ops_available(device: torch.device | str | None = None) -> bool:
-    """Liger-Kernel is installed and ``device`` (default: the current one) is a CUDA GPU its Triton kernels run on."""
-    if device is None:
-        on_gpu = torch.cuda.is_available()
-    else:
-        on_gpu = torch.device(device).type == "cuda"
-    return on_gpu and liger_installed()
-
-
 def fused_ops_reason(device: torch.device | str | None = None) -> str | None:
-    """Why Liger's fused ops cannot run here, or None."""
+    """Why Liger's fused ops cannot run on ``device`` (default: the current one), or None."""
     if not liger_installed():
         return "Liger-Kernel is not installed (pip install 'hf_longctx[liger]', or liger-kernel)"
-    if not fused_ops_available(device):
+    on_gpu = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    if not on_gpu:
         return "Liger-Kernel's Triton kernels need a CUDA GPU"
     return None
 
 
-def _decoder_layers(model: torch.nn.Module):
-    base = getattr(model, getattr(model, "base_model_prefix", ""), model)
-    return getattr(base, "layers", None) or []
+def fused_ops_available(device: torch.device | str | None = None) -> bool:
+    """Liger-Kernel is installed and ``device`` is a CUDA GPU its Triton kernels run on."""
+    return fused_ops_reason(device) is None
 
 
 def uses_fused_norms(model: torch.nn.Module) -> bool:
     """Whether every decoder layer's norms already run Liger's RMSNorm (patched by us or by the Trainer)."""
-    layers = list(_decoder_layers(model))
+    layers = _decoder_layers(model)
     if not layers or not liger_installed():
         return False
     from liger_kernel.transformers.rms_norm import LigerRMSNorm

@@ -1082,7 +1082,7 @@ def plan_for_training(model, cfg, args=None, *, tokens_per_gpu: int | None = Non
 
     already = hasattr(model, "parameters") and uses_fused_norms(model)  # the Trainer's use_liger_kernel
     if fused_ops is None and cfg.fused_ops == "liger":
-        reason = fused_ops_reason(device) if on_gpu else "Liger-Kernel's Triton kernels need a CUDA GPU"
+        reason = fused_ops_reason(device if on_gpu else "cpu")
         if reason:
             raise ConfigError(f"fused_ops: liger, but {reason}; set fused_ops: auto or off")
         fused_ops = True

@@ -161,12 +161,6 @@ def _host_offload_class():
     return _CLASS
 
 
-def is_host_offload_optimizer(optimizer) -> bool:
-    """Whether ``optimizer`` (or the optimizer an accelerate wrapper holds) keeps AdamW on the host."""
-    inner = getattr(optimizer, "optimizer", optimizer)
-    return bool(getattr(inner, "is_host_offload", False) or getattr(optimizer, "is_host_offload", False))
-
-
 def host_optimizer_of(optimizer):
     """The :class:`HostOffloadAdamW` instance behind ``optimizer`` (an accelerate wrapper or itself), or None."""
     for candidate in (optimizer, getattr(optimizer, "optimizer", None)):
