@@ -145,9 +145,9 @@ def worker(rank, world, args):
     phase_peaks: dict[str, float] = {}
 
     def phase_peak(name: str) -> None:
-        """The GPU peak of the phase that just ended (GiB), for the memory model's calibration; then a new phase."""
+        """The GPU peak of the phase that just ended (GiB), for the memory model's calibration; then a new phase.
+        The allocator counts at allocation, on the host: no device synchronisation inside the timed step."""
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
             phase_peaks[name] = max(phase_peaks.get(name, 0.0), torch.cuda.max_memory_allocated(device) / 2**30)
             torch.cuda.reset_peak_memory_stats(device)
     memory_plan = None
