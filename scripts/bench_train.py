@@ -180,6 +180,10 @@ def worker(rank, world, args):
         opt = memory_plan.make_optimizer(params, lr=args.lr)
     else:
         opt = torch.optim.AdamW(params, lr=args.lr, fused=device.type == "cuda" and not args.zero and not peer)
+    if not args.zero and not args.fsdp and not peer:
+        from hf_longctx.hf.optimizer_states import allocate_optimizer_states
+
+        allocate_optimizer_states(opt)  # a timed first step then holds AdamW's states, as every later step does
     total = args.seq * world
     packed, batch = packed_batch(total, model.config.vocab_size, args.mix, args.seed, device,
                                  learnable=bool(args.curve))
@@ -249,8 +253,20 @@ def worker(rank, world, args):
         return
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    probe = None
+    if args.layer_peaks and device.type == "cuda":
+        from hf_longctx.hf.memory_probe import LayerPeakProbe
+
+        probe = LayerPeakProbe(model, device)
+        probe.__enter__()
     ms = timed_slowest_rank(step, args.steps, device, warmup=args.warmup)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    layer_peaks = None
+    if probe is not None:  # the probe's windows split the phases: a phase's peak is also its layers' peak
+        probe.__exit__(None, None, None)
+        layer_peaks = probe.peaks.gib()
+        phase_peaks["forward and loss"] = max(phase_peaks.get("forward and loss", 0.0), *layer_peaks["forward"])
+        phase_peaks["backward"] = max(phase_peaks.get("backward", 0.0), *layer_peaks["backward"])
     if phase_peaks:
         peak = max(peak, *phase_peaks.values())
     peak_t = torch.tensor([peak], device=device)
@@ -274,7 +290,14 @@ def worker(rank, world, args):
     }
     if memory_plan is not None:
         result.update(memory="auto", predicted_gib=memory_plan.gpu_peak / 2**30,
-                      predicted_host_gib=memory_plan.host_peak / 2**30, plan=memory_plan.summary())
+                      predicted_host_gib=memory_plan.host_peak / 2**30, plan=memory_plan.summary(),
+                      predicted_phase=memory_plan.gpu_phase)
+    if layer_peaks is not None:
+        result["layer_peak_gib"] = layer_peaks
+        if memory_plan is not None:
+            result["predicted_layer_gib"] = {
+                "forward": [round(b / 2**30, 2) for b in memory_plan.layer_forward_peak],
+                "backward": [round(b / 2**30, 2) for b in memory_plan.layer_backward_peak]}
     if rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
         if args.json_out:
@@ -374,6 +397,9 @@ def main() -> int:
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage (0: plain)")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard per decoder layer and root) over all GPUs")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layer-peaks", action="store_true",
+                   help="report each decoder layer's GPU peak in forward and in backward (the memory model's check, "
+                        "layer by layer; with --memory auto beside the plan's prediction)")
     p.add_argument("--search", action="store_true", help="find the largest --seq that fits")
     p.add_argument("--max-seq", type=int, default=1 << 23)
     p.add_argument("--bisect", type=int, default=2, help="bisection rounds after the first failure")

@@ -274,6 +274,15 @@ def test_window_must_be_a_positive_int(window):
         attention_forward(q, q, q, [0, 4], [0, 4], 4, 4, window=window)
 
 
+def test_cudnn_declines_single_token_segments():
+    """cuDNN's dense backward crashes the process on a rerun of a single-token graph: such calls never reach it."""
+    from hf_longctx.kernels import cudnn, kernel_call
+
+    q = torch.randn(9, 2, 8)
+    assert "single-token" in cudnn.supports(kernel_call(q, q, q, [0, 1, 9], [0, 1, 9], 8, 8))
+    assert "single-token" in cudnn.supports(kernel_call(q[:1], q, q, [0, 1], [0, 9], 1, 9, causal=False))
+
+
 def test_cudnn_declines_a_window_and_torch_flash_takes_it():
     from hf_longctx.kernels import cudnn, kernel_call, torch_flash
 

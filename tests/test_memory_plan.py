@@ -407,3 +407,36 @@ def test_fused_ops_key_is_checked_and_honoured(monkeypatch):
     monkeypatch.setattr("hf_longctx.hf.fused_ops.uses_fused_norms", lambda model: False)
     with pytest.raises(ConfigError, match="need a CUDA GPU; set fused_ops: auto or off"):
         plan_for_training(model, LongContextConfig(memory="auto", fused_ops="liger", seq_len=64))
+
+
+# --- the probe that checks the model layer by layer --------------------------------------------
+
+def test_layer_peak_probe_opens_one_window_per_layer_and_pass(monkeypatch):
+    """Each layer's forward window is read once per step (a checkpoint's recompute in backward is part of the
+    layer's backward window, not a second forward), and each layer's backward window closes at the gradient
+    of its input: last layer first."""
+    from hf_longctx.hf import memory_probe
+
+    clock = iter(range(1, 10**6))  # the allocator's "peak" grows with every read: the order of the reads
+    monkeypatch.setattr(memory_probe.torch.cuda, "max_memory_allocated", lambda device=None: next(clock))
+    monkeypatch.setattr(memory_probe.torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    model = _tiny(3, dtype=torch.float32)
+    model.train()
+    enable_per_layer_checkpointing(model, ["layer", "recompute_aware", "none"])
+    with memory_probe.LayerPeakProbe(model, torch.device("cpu")) as probe:
+        model(**_batch(32)).loss.backward()
+    forward, backward = probe.peaks.forward, probe.peaks.backward
+    assert forward == sorted(forward) and all(f > 0 for f in forward)
+    assert backward == sorted(backward, reverse=True) and min(backward) > max(forward)
+
+
+def test_the_plan_predicts_each_layer_and_its_worst_backward_is_the_backward_phase():
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8)
+    plan = plan_memory(cfg, 256 * 1024, gpu_bytes=140 * GiB, host_bytes=125 * GiB, fused_ops=True)
+    assert len(plan.layer_forward_peak) == len(plan.layer_backward_peak) == 32
+    phases = MemoryModel(plan.shape, plan.tokens_per_gpu, tiled_loss=plan.tiled_loss, tiled_mlp=plan.tiled_mlp,
+                         fused_ops=True).gpu_phases(plan.layers)
+    backward = next(items for name, items in phases.items() if name.startswith("backward"))
+    assert max(plan.layer_backward_peak) == sum(backward.values())
+    assert plan.layer_forward_peak[-1] == sum(phases["forward"].values())

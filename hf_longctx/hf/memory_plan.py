@@ -115,9 +115,30 @@ FUSED_NORM_KEPT_INPUTS = 2
 """Per layer, the inputs a fused RMSNorm (Liger) keeps for backward: the layer's input and the residual sum
 before the MLP (transformers' norm keeps its float32 upcast instead). Measured on an H100 (tiny Llama,
 bf16): a layer without checkpointing keeps exactly this model's bytes. Each fused norm also keeps its
-output (the next projection's input) and a float32 rsqrt per token, and its backward writes dX over dY
-(no float32 temporaries). Under checkpointing the layer's input is the checkpoint itself: counted twice,
-which leaves ``a h`` per token of margin in the recomputed layer."""
+output (the next projection's input) and a float32 rsqrt per token. Under checkpointing the layer's input
+is the checkpoint itself: counted twice, which leaves ``a h`` per token of margin in the recomputed layer.
+
+What the fused norm does not change, measured layer by layer (``memory_probe``) on an H100 at 64K and 192K
+tokens and an H200 at 512K (8B shape): the peak of a layer's forward (the same with either norm) and the
+temporaries of a layer's backward (Liger's backward needs as much as transformers' float32 ones there).
+A layer's backward with the fused norm needs 35 KiB per token less than with transformers' (8B shape): the
+float32 upcasts it does not keep."""
+
+FORWARD_ATTENTION_TRANSIENT_HIDDEN = 13
+"""Per token, in units of ``a h``: what a checkpointed layer's forward holds at its attention part (its input,
+the norm's output, q, k and v before and after the rotary embedding and in the kernel's layout, the attention
+output and the projection after it). Measured layer by layer (``memory_probe``) on an H100 at 64K and 192K
+tokens and on an H200 at 512K, 8B shape, with either norm: 101 KiB per token (12.6 ``a h``)."""
+
+MLP_FORWARD_HIDDEN_TENSORS = 4
+"""T x h tensors alive during a checkpointed layer's MLP forward besides its intermediates: the layer's input,
+the residual sum, the MLP's input and its output (measured with Liger's SwiGLU at 192K: 4 ``a h`` + 3 ``a I``
+per token, exactly)."""
+
+FUSED_MLP_GRAD_INTERMEDIATES = 1
+"""Liger's SwiGLU backward writes d(gate) and d(up) over its saved gate(x) and up(x): of the MLP's gradients
+only d(product) is a new T x I tensor (measured at 192K tokens on an H100, 8B shape: the un-fused count of
+3 over-predicted a layer's backward by 13.7 GiB)."""
 
 LSE_BYTES = 4
 """Per head per token: the core attention's log-sum-exp is float32."""
@@ -384,16 +405,17 @@ class MemoryModel:
         a, h, q, kv, inter = p.activation, s.hidden, s.q_dim, s.kv_dim, s.intermediate
         mlp_chunk = min(self.tiled_mlp, T) if self.tiled_mlp else 0
         attention_out = a * q + LSE_BYTES * s.heads
+        unfused_norm = (NORM_UPCAST_BYTES + NORM_SAVED_ACTIVATIONS * a) * h + NORM_RSQRT_BYTES
         if self.fused_ops:  # Liger's RMSNorm: output, rsqrt, and the one input nothing else keeps
             norm = a * h + NORM_RSQRT_BYTES
             norms = NORMS_PER_LAYER * norm + FUSED_NORM_KEPT_INPUTS * a * h
-            norm_temps = 0
         else:
-            norm = (NORM_UPCAST_BYTES + NORM_SAVED_ACTIVATIONS * a) * h + NORM_RSQRT_BYTES
+            norm = unfused_norm
             norms = NORMS_PER_LAYER * norm
-            norm_temps = NORM_BACKWARD_FP32_TEMPS * 4 * h
+        norm_temps = NORM_BACKWARD_FP32_TEMPS * 4 * h  # measured: the same with Liger's norm
         saved_rest = norms + a * (q + 2 * kv) + attention_out
         kept_intermediates = FUSED_MLP_SAVED_INTERMEDIATES if self.fused_ops else MLP_SAVED_INTERMEDIATES
+        grad_intermediates = FUSED_MLP_GRAD_INTERMEDIATES if self.fused_ops else MLP_GRAD_INTERMEDIATES
         saved_mlp = 0 if mlp_chunk else kept_intermediates * a * inter
         sp = SEQUENCE_PARALLEL_KV_BUFFERS * a * 2 * kv + 4 * 2 * kv if self.sp_size > 1 else 0
         residual = RESIDUAL_GRAD_TENSORS * a * h
@@ -402,18 +424,24 @@ class MemoryModel:
         attention_phase = T * (residual + norm_temps + a * (q + 2 * kv)
                                + ATTENTION_DQ_ACCUMULATOR_BYTES * q + a * q + sp)
         chunk = mlp_chunk * (MLP_SAVED_INTERMEDIATES + MLP_GRAD_INTERMEDIATES) * a * inter
-        mlp_grads = T * (residual + (0 if mlp_chunk else MLP_GRAD_INTERMEDIATES * a * inter)) + chunk
+        mlp_grads = T * (residual + (0 if mlp_chunk else grad_intermediates * a * inter)) + chunk
         self.saved_layer = T * (saved_rest + saved_mlp)  # a layer without checkpointing keeps this
         self.checkpoint = {"none": self.saved_layer, "layer": T * a * h, "recompute_aware": T * (a * h + attention_out)}
         self.host_checkpoint = {"none": 0, "layer": _pow2(T * a * h),
                                 "recompute_aware": _pow2(T * a * h) + _pow2(T * a * q) + _pow2(T * LSE_BYTES * s.heads)}
         recomputed = {"none": 0, "layer": T * saved_rest, "recompute_aware": T * (saved_rest - attention_out)}
-        # the post-attention norm's tensors are freed before attention's backward; counted only for the fused norm,
-        # measured at 512K on an H200 (transformers' norm was calibrated with them kept)
-        attention_phase -= T * (FUSED_NORM_KEPT_INPUTS // 2 * a * h + norm) if self.fused_ops else 0
         self.backward_work = {m: recomputed[m] + max(attention_phase, mlp_grads + (T * saved_mlp if m != "none" else 0))
                               for m in CHECKPOINTING_CHOICES}
-        self.forward_work = self.saved_layer + T * (a * h + sp) + chunk
+        # forward of one layer. A checkpointed layer frees what it does not keep as it goes: its peak is the
+        # larger of its attention part and its MLP part (the layer's input, the residual sum, the MLP's input and
+        # output, and the MLP's intermediates of a chunk or of every token). A layer without checkpointing keeps
+        # everything it saves; its peak is the un-fused size (a fused norm lowers no forward peak: measured).
+        mlp_rows = mlp_chunk or T
+        transient = max(T * (FORWARD_ATTENTION_TRANSIENT_HIDDEN * a * h + sp),
+                        T * MLP_FORWARD_HIDDEN_TENSORS * a * h + mlp_rows * kept_intermediates * a * inter)
+        forward_saved = self.saved_layer + (T * NORMS_PER_LAYER * (unfused_norm - norm) if self.fused_ops else 0)
+        kept_whole = forward_saved + T * (a * h + sp) + mlp_chunk * kept_intermediates * a * inter
+        self.forward_work = {"none": max(transient, kept_whole), "layer": transient, "recompute_aware": transient}
         loss_chunk = min(self.tiled_loss, T) if self.tiled_loss else T
         self.loss_work = (T * (a * h + norm + a * h)  # final hidden, the final norm's tensors, d(hidden)
                           + loss_chunk * s.vocab * (2 * a + LOGIT_BYTES_BEYOND_ACTIVATION))
@@ -451,46 +479,52 @@ class MemoryModel:
         return {"weights": self.weights, "optimizer": self.optimizer_gpu, "buffers": self.buffers,
                 "inputs": self.always}
 
-    def gpu_phases(self, layers: Sequence[LayerChoice]) -> dict[str, dict[str, int]]:
-        """Itemised GPU bytes of each phase of a step ({phase: {item: bytes}})."""
+    def layer_items(self, layers: Sequence[LayerChoice]) -> tuple[list[dict[str, int]], list[dict[str, int]]]:
+        """Itemised GPU bytes while each layer runs forward and while it runs backward (index = layer); what
+        :class:`~.memory_probe.LayerPeakProbe` measures, window by window."""
         L = len(layers)
         resident = [0 if c.offload else self.checkpoint[c.checkpointing] for c in layers]
-        ckpt_kept = sum(r for r, c in zip(resident, layers) if c.checkpointing != "none")
-        activations = sum(r for r, c in zip(resident, layers) if c.checkpointing == "none")
         offloaded = [self.checkpoint[c.checkpointing] if c.offload else 0 for c in layers]
         in_flight = OFFLOAD_IN_FLIGHT_LAYERS * max(offloaded, default=0)
         static = self._static()
-        phases = {}
-        if L:
-            last_none = layers[-1].checkpointing == "none"  # the last layer's own tensors are its working set
-            phases["forward"] = {**static, "checkpoints": ckpt_kept - (0 if last_none else resident[-1]),
-                                 "activations": activations - (resident[-1] if last_none else 0),
-                                 "layer working set": self.forward_work, "offload in flight": in_flight}
-        phases["loss"] = {**static, "checkpoints": ckpt_kept, "activations": activations,
-                          "grads": self.grad_head, "logits and loss": self.loss_work}
-        # backward of layer l: checkpoints and activations of the layers below, gradients of those above
         below_ckpt = below_act = 0
-        prefix = []
+        prefix = []  # checkpoints and activations the layers below a layer keep
         for r, c in zip(resident, layers):
             prefix.append((below_ckpt, below_act))
             if c.checkpointing == "none":
                 below_act += r
             else:
                 below_ckpt += r
-        worst = None
-        for i in range(L - 1, -1, -1):
-            c = layers[i]
+        forward, backward = [], []
+        for i, c in enumerate(layers):
+            ckpt, act = prefix[i]
+            forward.append({**static, "checkpoints": ckpt, "activations": act,
+                            "layer working set": self.forward_work[c.checkpointing], "offload in flight": in_flight})
             prev_offloaded = i > 0 and layers[i - 1].offload
             work = self.backward_work[c.checkpointing] + self.checkpoint[c.checkpointing]
-            items = {**static, "checkpoints": prefix[i][0], "activations": prefix[i][1],
-                     "grads": self.grad_head + (L - i) * self.grad_layer, "layer working set": work,
-                     "offload in flight": offloaded[i - 1] if prev_offloaded and c.offload else 0}
-            if worst is None or sum(items.values()) > sum(worst[1].values()):
-                worst = (i, items)
-        if worst is not None:
-            phases[f"backward (layer {worst[0]})"] = worst[1]
-        phases["optimizer step"] = {**static, "grads": self.grad_head + L * self.grad_layer + self.grad_embedding,
-                                    "optimizer step": self.optimizer_step_temp}
+            backward.append({**static, "checkpoints": ckpt, "activations": act,
+                             "grads": self.grad_head + (L - i) * self.grad_layer, "layer working set": work,
+                             "offload in flight": offloaded[i - 1] if prev_offloaded and c.offload else 0})
+        return forward, backward
+
+    def gpu_phases(self, layers: Sequence[LayerChoice]) -> dict[str, dict[str, int]]:
+        """Itemised GPU bytes of each phase of a step ({phase: {item: bytes}}): the last layer's forward, the
+        loss, the backward of the layer that needs most, the optimizer step."""
+        resident = [0 if c.offload else self.checkpoint[c.checkpointing] for c in layers]
+        ckpt_kept = sum(r for r, c in zip(resident, layers) if c.checkpointing != "none")
+        activations = sum(r for r, c in zip(resident, layers) if c.checkpointing == "none")
+        static = self._static()
+        forward, backward = self.layer_items(layers)
+        phases = {}
+        if layers:
+            phases["forward"] = forward[-1]
+        phases["loss"] = {**static, "checkpoints": ckpt_kept, "activations": activations,
+                          "grads": self.grad_head, "logits and loss": self.loss_work}
+        if backward:
+            worst = max(range(len(backward) - 1, -1, -1), key=lambda i: sum(backward[i].values()))
+            phases[f"backward (layer {worst})"] = backward[worst]
+        phases["optimizer step"] = {**static, "grads": self.grad_head + len(layers) * self.grad_layer
+                                    + self.grad_embedding, "optimizer step": self.optimizer_step_temp}
         return phases
 
     def gpu_peak(self, layers: Sequence[LayerChoice]) -> tuple[int, str, dict[str, int]]:
@@ -588,6 +622,9 @@ class MemoryPlan:
     fused_ops: bool = False  # Liger's RMSNorm, RoPE and (untiled) SwiGLU (hf.fused_ops)
     layer_gpu: list[int] = field(default_factory=list)  # per layer, bytes kept on the GPU between the passes
     layer_host: list[int] = field(default_factory=list)  # per layer, pinned host bytes
+    # per layer, predicted GPU bytes while it runs forward / backward (what memory_probe.LayerPeakProbe measures)
+    layer_forward_peak: list[int] = field(default_factory=list)
+    layer_backward_peak: list[int] = field(default_factory=list)
 
     @property
     def checkpointing(self) -> str:
@@ -892,6 +929,7 @@ def plan_memory(config, tokens_per_gpu: int, sp_size: int = 1, gpu_bytes: int | 
     cost, layers, model = best
     peak, phase, items = model.gpu_peak(layers)
     host = model.host_items(layers)
+    forward, backward = model.layer_items(layers)
     return MemoryPlan(shape=shape, tokens_per_gpu=tokens, sp_size=sp_size, layers=tuple(layers),
                       tiled_loss=model.tiled_loss, tiled_mlp=model.tiled_mlp, optimizer_on_host=model.optimizer_on_host,
                       fused_ops=model.fused_ops,
@@ -899,7 +937,9 @@ def plan_memory(config, tokens_per_gpu: int, sp_size: int = 1, gpu_bytes: int | 
                       host_peak=sum(host.values()), host_items=host, host_total=host_total,
                       step_factor=(costs.base + cost) / costs.base,
                       layer_gpu=[0 if c.offload else model.checkpoint[c.checkpointing] for c in layers],
-                      layer_host=[model.host_checkpoint[c.checkpointing] if c.offload else 0 for c in layers])
+                      layer_host=[model.host_checkpoint[c.checkpointing] if c.offload else 0 for c in layers],
+                      layer_forward_peak=[sum(it.values()) for it in forward],
+                      layer_backward_peak=[sum(it.values()) for it in backward])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,6 +22,9 @@ name = "cudnn"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 128
 MAX_GROUPS = 4
+# cuDNN's dense backward (torch 2.11, cuDNN 9.19, H100 and H200) crashes the process with a segmentation
+# fault when a graph for single-token segments is run a second time; those calls go to torch_flash.
+MIN_SEGMENT_LEN = 2
 
 
 def segment_groups(cu_q: tuple[int, ...], cu_k: tuple[int, ...]) -> dict[tuple[int, int], list[int]]:
@@ -39,6 +42,10 @@ def supports(call: KernelCall) -> str | None:
     q, causal = call.q, call.causal
     if call.window is not None:
         return "cudnn's dense SDPA path takes no sliding window; torch_flash or the reference kernel serve it"
+    groups = segment_groups(call.cu_seqlens_q, call.cu_seqlens_k)
+    if any(lq < MIN_SEGMENT_LEN or lk < MIN_SEGMENT_LEN for lq, lk in groups):
+        return ("cudnn's dense backward crashes on single-token segments (torch 2.11, cuDNN 9.19); "
+                "torch_flash serves them")
     problem = gpu_input_problem("cudnn", q, SUPPORTED_DTYPES, MAX_HEAD_DIM)
     if problem:
         return problem
@@ -46,7 +53,6 @@ def supports(call: KernelCall) -> str | None:
         return "cuDNN is not available in this torch build"
     if not hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
         return "this torch build has no aten._scaled_dot_product_cudnn_attention"
-    groups = segment_groups(call.cu_seqlens_q, call.cu_seqlens_k)
     if len(groups) > MAX_GROUPS:
         return f"cudnn runs one dense call per distinct segment shape; {len(groups)} shapes is too many"
     if causal and any(lq != lk for lq, lk in groups):

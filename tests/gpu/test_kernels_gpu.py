@@ -163,6 +163,33 @@ def test_cudnn_varlen_builds_a_bounded_number_of_graphs():
     assert built <= 100, f"{built} graphs for 200 batches"
 
 
+@pytest.mark.parametrize("hkv", [8, 2])
+def test_cudnn_short_segments_are_exact_on_every_call(hkv):
+    """The dense cuDNN kernel serves runs of short documents (two tokens and up) exactly, also when the same
+    graph runs again; single-token segments go to another kernel (cuDNN's graph for them crashes the
+    process when it runs a second time)."""
+    for length in (2, 3, 4, 5, 7, 8, 16, 33):
+        lens = [length] * 3 + [64]
+        cu = cumulative(lens)
+        g = torch.Generator(device="cpu").manual_seed(length)
+        q, dout = (torch.randn(sum(lens), 8, 128, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+        k, v = (torch.randn(sum(lens), hkv, 128, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+        ref_out, _, ref_grads = _reference(q, k, v, dout, cu, cu, True)
+        for _ in range(2):
+            out, lse = attention_forward(q, k, v, cu, cu, 64, 64, kernel="cudnn")
+            grads = attention_backward(dout, q, k, v, out, lse, cu, cu, 64, 64, kernel="cudnn")
+            torch.cuda.synchronize()
+            assert rel_err(out, ref_out) < TOL, length
+            for got, want in zip(grads, ref_grads):
+                assert rel_err(got, want) < TOL, length
+    one = cumulative([1, 1, 64])
+    q = torch.randn(66, 8, 128, device=DEVICE, dtype=torch.bfloat16)
+    call = kernel_call(q, q[:, :hkv], q[:, :hkv], one, one, 64, 64)
+    with pytest.raises(ValueError, match="single-token"):
+        select_kernel("cudnn", call)
+    assert select_kernel("auto", call) != "cudnn"
+
+
 @pytest.mark.parametrize("window", [None, 300])
 @pytest.mark.parametrize("backend", sorted(set(backend_names()) - {"auto"}))
 def test_every_backend_at_world_size_one_on_the_gpu(backend, window):

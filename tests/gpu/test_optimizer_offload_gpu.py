@@ -54,6 +54,33 @@ def test_host_adamw_steps_like_adamw_on_the_gpu(max_grad_norm):
         assert norm > max_grad_norm  # the clip did act
 
 
+@pytest.mark.parametrize("on_host", [False, True])
+def test_states_allocated_before_the_first_step_change_no_step(on_host):
+    """A benchmark that times the first step allocates AdamW's states first (on the GPU or on the host):
+    the training that follows is the training without it, bit for bit."""
+    from hf_longctx.hf.optimizer_states import allocate_optimizer_states
+
+    def make(model):
+        if on_host:
+            return HostOffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+
+    fresh, early = _model(), _model()
+    fresh_opt, early_opt = make(fresh), make(early)
+    before = torch.cuda.memory_allocated()
+    allocate_optimizer_states(early_opt)
+    states_bytes = sum(p.numel() * p.element_size() for p in early.parameters()) * 2
+    grown = torch.cuda.memory_allocated() - before
+    assert grown < states_bytes // 4 if on_host else grown >= states_bytes
+    for step in range(3):
+        for model, opt in ((fresh, fresh_opt), (early, early_opt)):
+            _loss(model, step).backward()
+            opt.step()
+            opt.zero_grad()
+        for a, b in zip(fresh.parameters(), early.parameters()):
+            assert torch.equal(a, b), f"step {step}"
+
+
 def test_gradient_accumulation_is_refused():
     model = _model()
     opt = HostOffloadAdamW(model.parameters(), lr=1e-3)
