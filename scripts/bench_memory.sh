@@ -15,7 +15,10 @@ export PYTHONPATH=${PYTHONPATH:-}:$PWD
 PY=${PY:-python3}
 STEPS=${STEPS:-2}
 WARMUP=${WARMUP:-1}  # 0 at sizes whose step takes minutes: the one step is timed, first-call costs included
-train() { $PY scripts/bench_train.py --gpus 1 --backend local --layers 32 --steps "$STEPS" --warmup "$WARMUP" "$@" 2>&1 \
+# (AdamW's states are allocated before it, so its memory is every step's). LAYER_PEAKS=1: each decoder
+# layer's measured peak beside the plan's prediction, the memory model's check layer by layer.
+PEAKS=${LAYER_PEAKS:+--layer-peaks}
+train() { $PY scripts/bench_train.py --gpus 1 --backend local --layers 32 --steps "$STEPS" --warmup "$WARMUP" $PEAKS "$@" 2>&1 \
   | grep -E "^(RESULT|memory plan|  )|Error|error:|out of memory" | tail -14; }
 
 case "${1:-}" in

@@ -3,7 +3,9 @@ and per-layer checkpointing with partial offload (exact gradients)."""
 
 from __future__ import annotations
 
+import json
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -330,21 +332,25 @@ def test_host_memory_is_capped_by_the_cgroup_and_can_be_set(monkeypatch):
     assert memory_plan.host_memory_bytes() == 125 * 2**30
 
 
-def test_fused_ops_keep_less_per_layer_and_take_one_h200_to_512k():
-    """Liger's RMSNorm keeps its input, its output and a float32 rsqrt (60 KiB less per
-    token in a layer's backward for the 8B shape): 512K tokens then fit one H200 with 125 GiB of host memory."""
+def test_fused_ops_keep_less_per_layer_and_take_one_h200_to_448k():
+    """Liger's RMSNorm keeps no float32 upcast: a layer's backward needs 8 bytes per hidden element less (32 KiB
+    per token for the 8B shape; 35 measured). With it one H200 with 125 GiB of host memory trains 448K tokens
+    a step; 512K does not fit (its step peak, AdamW's states included, is over the GPU's memory)."""
     shape = ModelShape.from_config(LLAMA3_8B)
-    plain, fused = MemoryModel(shape, 512 * K), MemoryModel(shape, 512 * K, fused_ops=True)
-    h, a = shape.hidden, 2
-    # the norms, and one MLP intermediate (act(gate) is recomputed by the fused SwiGLU)
-    assert plain.saved_layer - fused.saved_layer == 512 * K * (2 * (4 + 2 * a) * h - 4 * a * h + a * shape.intermediate)
-    assert plain.backward_work["layer"] - fused.backward_work["layer"] == 512 * K * 60 * 1024  # 32 of them temporaries
+    plain = MemoryModel(shape, 512 * K, tiled_mlp=16384)
+    fused = MemoryModel(shape, 512 * K, tiled_mlp=16384, fused_ops=True)
+    assert plain.backward_work["layer"] - fused.backward_work["layer"] == 512 * K * 8 * shape.hidden
+    for mode in ("layer", "recompute_aware"):  # measured: the fused norm lowers no checkpointed layer's forward peak
+        assert fused.forward_work[mode] == plain.forward_work[mode]
     assert fused.checkpoint["layer"] == plain.checkpoint["layer"]  # the layer input is what a checkpoint keeps
-    plan = plan_memory(LLAMA3_8B, 512 * K, gpu_bytes=H200_GPU, host_bytes=HOST, fused_ops=True)
+    plan = plan_memory(LLAMA3_8B, 448 * K, gpu_bytes=H200_GPU, host_bytes=HOST, fused_ops=True)
     assert plan.fused_ops and plan.gpu_peak <= plan.gpu_usable and plan.host_peak <= HOST
     assert "fused ops Liger" in str(plan)
+    with pytest.raises(MemoryPlanError, match="do not fit"):
+        plan_memory(LLAMA3_8B, 512 * K, gpu_bytes=H200_GPU, host_bytes=HOST, fused_ops=True,
+                    allow_optimizer_on_host=True)
     with pytest.raises(MemoryPlanError):
-        plan_memory(LLAMA3_8B, 512 * K, gpu_bytes=H200_GPU, host_bytes=HOST, fused_ops=False)
+        plan_memory(LLAMA3_8B, 448 * K, gpu_bytes=H200_GPU, host_bytes=HOST, fused_ops=False)
 
 
 def test_fused_ops_are_refused_where_liger_cannot_run():
@@ -358,25 +364,42 @@ def test_fused_ops_are_refused_where_liger_cannot_run():
     assert not plan.fused_ops and "fused ops off" in str(plan)
 
 
-def test_the_fused_model_against_its_gpu_measurements():
-    """bench/RESULTS.md (Liger's fused ops): the plans that ran, their measured peaks. The model stays within a few
-    percent where the peak is the loss (128K) and above the measurement at 512K, where it is 12% too cautious."""
+def test_the_model_against_its_gpu_measurements_layer_by_layer():
+    """tests/memory_measurements.json: the GPU peak of every decoder layer's forward and backward, measured on an
+    H100 and an H200 (2 and 32 layers, 64K to 512K tokens, both norms, tiled and fused MLPs, AdamW on the GPU and
+    on the host). The model never predicts less than was measured, and at most 10% more for a layer's backward
+    (the phase that sets the step's peak) and 17% more for its forward (AdamW's states, absent in those first
+    steps, added to the measurement)."""
+    data = json.loads((Path(__file__).parent / "memory_measurements.json").read_text())
+    for run in data["runs"]:
+        layers = [LayerChoice(mode, offload) for count, mode, offload in run["layers"] for _ in range(count)]
+        shape = ModelShape.from_config(LlamaConfig(**{**LLAMA3_8B.to_dict(), "num_hidden_layers": len(layers)}))
+        model = MemoryModel(shape, run["tokens"], tiled_loss=run["tiled_loss"], tiled_mlp=run["tiled_mlp"],
+                            fused_ops=run["fused_ops"], optimizer_on_host=run["optimizer_on_host"])
+        missing = 0 if run["optimizer_states_allocated"] else model.optimizer_gpu / GiB
+        forward, backward = model.layer_items(layers)
+        for name, predicted, high in (("forward", forward, 1.17), ("backward", backward, 1.10)):
+            for i, (items, measured) in enumerate(zip(predicted, run["layer_peak_gib"][name])):
+                ratio = (sum(items.values()) / GiB) / (measured + missing)
+                assert 1.0 <= ratio <= high, (run["command"], name, i, ratio)
+
+
+def test_the_model_against_whole_steps_measured_after_a_warm_up_step():
+    """bench/RESULTS.md, steps timed after a first one (AdamW's states present): the step's peak within 1%."""
     shape = ModelShape.from_config(LLAMA3_8B)
 
     def layout(*runs):
         return [LayerChoice(mode, offload) for count, mode, offload in runs for _ in range(count)]
 
-    runs = [  # tokens, tiled loss, tiled MLP, layers, measured GiB, allowed model/measured
+    runs = [  # tokens, tiled loss, tiled MLP, layers, measured GiB (H200 at 128K, H100 at 112K)
         (128 * K, 8192, 0, layout((22, "recompute_aware", True), (7, "recompute_aware", False), (3, "none", False)),
-         125.9, (0.98, 1.02)),
-        (512 * K, 8192, 16384, layout((4, "recompute_aware", True), (21, "layer", True), (6, "layer", False),
-                                      (1, "none", False)), 107.1, (1.0, 1.15)),
-        (112 * K, 2048, 16384, layout((25, "layer", True), (4, "layer", False), (3, "none", False)), 75.4, (0.9, 1.0)),
+         125.9),
+        (112 * K, 2048, 16384, layout((25, "layer", True), (4, "layer", False), (3, "none", False)), 75.4),
     ]
-    for tokens, loss, mlp, layers, measured, (low, high) in runs:
+    for tokens, loss, mlp, layers, measured in runs:
         model = MemoryModel(shape, tokens, tiled_loss=loss, tiled_mlp=mlp, fused_ops=True)
         peak = model.gpu_peak(layers)[0] / GiB
-        assert low * measured <= peak <= high * measured, (tokens, peak, measured)
+        assert 0.99 * measured <= peak <= 1.01 * measured, (tokens, peak, measured)
 
 
 def test_a_plan_with_adamw_on_the_host_refuses_an_optimizer_on_the_gpu():

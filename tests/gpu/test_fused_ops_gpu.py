@@ -1,7 +1,7 @@
 """Liger-Kernel's fused ops on the GPU: they keep what the memory model says, and they train like transformers' own.
 
-The memory planner reaches 512K tokens on one H200 because Liger's RMSNorm, RoPE and SwiGLU keep
-less for backward than transformers' modules (hf_longctx.hf.fused_ops). Here a tiny Llama patched
+The memory planner reaches longer contexts with Liger's RMSNorm, RoPE and SwiGLU, which keep less for
+backward than transformers' modules (hf_longctx.hf.fused_ops). Here a tiny Llama patched
 by :func:`enable_fused_ops` keeps, per decoder layer, exactly the bytes :class:`MemoryModel` predicts
 with ``fused_ops=True``; and a Trainer run with ``use_liger_kernel=True`` (TRL's flag is the same
 TrainingArguments field) and the long-context callback gives the losses and gradient norms of the
