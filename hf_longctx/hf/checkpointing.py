@@ -12,6 +12,7 @@ recompute-aware, its attention output) waits in pinned host memory instead (see 
 
 from __future__ import annotations
 
+import weakref
 from functools import partial
 
 import torch
@@ -78,10 +79,94 @@ def _decoder_layers(model) -> list:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
+def _plain_forward(module):
+    """``module``'s forward without transformers' checkpointing wrapper (hooks stay outside, as transformers has it)."""
+    forward = type(module).forward
+    return partial(getattr(forward, "__wrapped__", forward), module)
+
+
+class _GroupOutput:
+    """The output of a group's checkpoint, waiting for the calls of the group's other layers to pass it on."""
+
+    def __init__(self):
+        self.output = None
+        self.expected: list = []  # the members still to be called, in order
+
+    def hand_over(self, output, members) -> None:
+        self.output, self.expected = output, list(members)
+
+    def take(self, member, hidden):
+        """What ``member``'s call returns: the group's output, handed on unchanged, once per member and in order."""
+        if not self.expected or self.expected[0] is not member or hidden is not self.output:
+            raise RuntimeError(
+                "group checkpointing: a decoder layer inside a checkpointed group was called, but not right after "
+                "the layers before it in its group with their output; the decoder must call its layers in "
+                "model order, once each per forward")
+        self.expected.pop(0)
+        if not self.expected:
+            self.output = None  # the last member's call: nothing stays referenced here
+        return hidden
+
+
+class _GroupCheckpoint:
+    """The checkpoint function of a group's first layer: its own forward and those of the group's other layers run
+    as ONE checkpoint segment, so the group's input is all that waits for backward.
+
+    Backward recomputes the whole group and then back-propagates it, holding the recomputed tensors of the
+    group's lower layers while the upper ones are differentiated: memory traded for ``k`` times fewer checkpoints.
+    The decoder loop is untouched: it then calls the other layers, which return the group's output (see
+    :class:`_GroupMember`).
+    """
+
+    def __init__(self, checkpoint_function, members, handover: _GroupOutput):
+        self.checkpoint_function, self.members, self.handover = checkpoint_function, list(members), handover
+
+    def __call__(self, function, *args):
+        keywords = function.keywords  # what the decoder passed to the first layer: the same for every layer
+
+        def run(*inputs):
+            hidden = function(*inputs)
+            for member in self.members:
+                hidden = _plain_forward(member)(hidden, **keywords)
+            return hidden
+
+        output = self.checkpoint_function(run, *args)
+        self.handover.hand_over(output, self.members)
+        return output
+
+
+class _GroupMember:
+    """The checkpoint function of a layer inside a group: its forward ran in the group's checkpoint already."""
+
+    def __init__(self, member, handover: _GroupOutput):
+        self.member, self.handover = weakref.ref(member), handover
+
+    def __call__(self, function, hidden, *args):
+        return self.handover.take(self.member(), hidden)
+
+
+def _parse_choices(layers) -> list[tuple[str, bool]]:
+    """``(mode, offload)`` per layer from strings or pairs, checked (groups: :func:`.settings.group_heads`)."""
+    from .settings import GROUP_MODE, PER_LAYER_MODES, group_heads
+
+    choices = [(c, False) if isinstance(c, str) else (c[0], bool(c[1])) for c in layers]
+    for mode, offload in choices:
+        if mode not in PER_LAYER_MODES:
+            raise ValueError(f"unknown checkpointing {mode!r}; choose one of {PER_LAYER_MODES}")
+        if offload and mode == "none":
+            raise ValueError("a layer without checkpointing has no checkpoint to offload")
+        if offload and mode == GROUP_MODE:
+            raise ValueError("a 'group' layer has no checkpoint of its own: offload its group's first layer")
+    group_heads([mode for mode, _ in choices])
+    return choices
+
+
 def enable_per_layer_checkpointing(model, layers) -> None:
     """Checkpoint each decoder layer its own way: ``layers[i]`` is ``(mode, offload)`` for layer ``i``.
 
-    ``mode``: ``none`` (the layer keeps its activations), ``layer`` or ``recompute_aware``;
+    ``mode``: ``none`` (the layer keeps its activations), ``layer``, ``recompute_aware``, or ``group``: the
+    layer joins the checkpoint of the ``layer`` layer below it (``layer``, ``group``, ``group``: one checkpoint
+    for three layers, k times fewer checkpoints for a larger backward working set);
     ``offload``: that layer's checkpoint waits in pinned host memory (one
     :class:`~hf_longctx.hf.offload.CheckpointOffloader` serves every offloaded layer, so the copies
     of those layers keep their side streams and the next offloaded layer is prefetched in backward).
@@ -90,14 +175,9 @@ def enable_per_layer_checkpointing(model, layers) -> None:
     """
     from torch.utils.checkpoint import checkpoint
 
-    from .settings import CHECKPOINTING_MODES
+    from .settings import GROUP_MODE, group_heads
 
-    choices = [(c, False) if isinstance(c, str) else (c[0], bool(c[1])) for c in layers]
-    for mode, offload in choices:
-        if mode not in CHECKPOINTING_MODES:
-            raise ValueError(f"unknown checkpointing {mode!r}; choose one of {CHECKPOINTING_MODES}")
-        if offload and mode == "none":
-            raise ValueError("a layer without checkpointing has no checkpoint to offload")
+    choices = _parse_choices(layers)
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(model).__name__} does not support gradient checkpointing")
     decoder = _decoder_layers(model)
@@ -112,10 +192,18 @@ def enable_per_layer_checkpointing(model, layers) -> None:
         from .offload import CheckpointOffloader
 
         offloader = model._hf_longctx_offloader = CheckpointOffloader(keep_attention_outputs=None)
-    for module, (mode, offload) in zip(decoder, choices):
+    heads = group_heads([mode for mode, _ in choices])
+    handover = _GroupOutput()
+    for i, (module, (mode, offload)) in enumerate(zip(decoder, choices)):
         kwargs = recompute_aware_checkpointing_kwargs() if mode == "recompute_aware" else {"use_reentrant": False}
         module.gradient_checkpointing = mode != "none"
-        module._gradient_checkpointing_func = partial(offloader if offload else checkpoint, **kwargs)
+        function = partial(offloader if offload else checkpoint, **kwargs)
+        members = [decoder[j] for j in range(i + 1, len(decoder)) if heads[j] == i]
+        if mode == GROUP_MODE:
+            function = _GroupMember(module, handover)
+        elif members:
+            function = _GroupCheckpoint(function, members, handover)
+        module._gradient_checkpointing_func = function
 
 
 def checkpointing_argument() -> str:

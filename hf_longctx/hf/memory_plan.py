@@ -29,6 +29,11 @@ Per layer (per token):
   freed, the norms' and attention's (``2 a h + 2 x 4 h + a (q + 2 kv) + 4 q + a q``: residual-stream
   gradients, float32 norm temporaries, dq/dk/dv, the kernel's float32 dq accumulator, d(out)).
 
+* ``group`` (a run of ``k`` layers under ONE checkpoint, its first layer's ``a h``): ``k`` times fewer checkpoints;
+  the backward of the group's ``p``-th layer (from 0) also holds the recomputed tensors of the ``p`` layers below
+  it in the group, ``saved`` each. The planner groups layers (2-4 a group) only where nothing fits without
+  groups; a grouped layer costs what a layer-checkpointed one does (one recompute).
+
 Phases of a step (GPU): the last layer's forward; the loss (every kept checkpoint, the final hidden
 states and the logits: ``T x V x (2 a + 8)`` for the logits, their float32 copy, its gradient and
 the gradient cast back, or one chunk's with the tiled loss); each layer's backward (the checkpoints of the layers
@@ -86,7 +91,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from .settings import ConfigError
+from .settings import GROUP_MODE, ConfigError, group_heads
 
 if TYPE_CHECKING:
     import torch
@@ -360,8 +365,8 @@ def pinned_parameter_bytes(shape: ModelShape, bytes_per_element: int) -> int:
 class LayerChoice(NamedTuple):
     """How one decoder layer keeps what its backward needs."""
 
-    checkpointing: str  # none, recompute_aware or layer
-    offload: bool = False  # the checkpoint waits in pinned host memory
+    checkpointing: str  # none, recompute_aware, layer, or group (inside the checkpoint of the layer layer below)
+    offload: bool = False  # the checkpoint waits in pinned host memory (a group's: its first layer's flag)
 
 
 def _pow2(n: int) -> int:
@@ -426,12 +431,18 @@ class MemoryModel:
         chunk = mlp_chunk * (MLP_SAVED_INTERMEDIATES + MLP_GRAD_INTERMEDIATES) * a * inter
         mlp_grads = T * (residual + (0 if mlp_chunk else grad_intermediates * a * inter)) + chunk
         self.saved_layer = T * (saved_rest + saved_mlp)  # a layer without checkpointing keeps this
-        self.checkpoint = {"none": self.saved_layer, "layer": T * a * h, "recompute_aware": T * (a * h + attention_out)}
+        self.checkpoint = {"none": self.saved_layer, "layer": T * a * h, "recompute_aware": T * (a * h + attention_out),
+                           GROUP_MODE: 0}  # a group's one checkpoint is its first layer's
         self.host_checkpoint = {"none": 0, "layer": _pow2(T * a * h),
-                                "recompute_aware": _pow2(T * a * h) + _pow2(T * a * q) + _pow2(T * LSE_BYTES * s.heads)}
+                                "recompute_aware": _pow2(T * a * h) + _pow2(T * a * q) + _pow2(T * LSE_BYTES * s.heads),
+                                GROUP_MODE: 0}
         recomputed = {"none": 0, "layer": T * saved_rest, "recompute_aware": T * (saved_rest - attention_out)}
         self.backward_work = {m: recomputed[m] + max(attention_phase, mlp_grads + (T * saved_mlp if m != "none" else 0))
                               for m in CHECKPOINTING_CHOICES}
+        # a group's layer is back-propagated as a layer-checkpointed one, while the recomputed tensors of the
+        # group's layers below it wait for their own backward: each holds what a layer without checkpointing keeps
+        self.backward_work[GROUP_MODE] = self.backward_work["layer"]
+        self.group_held = self.saved_layer
         # forward of one layer. A checkpointed layer frees what it does not keep as it goes: its peak is the
         # larger of its attention part and its MLP part (the layer's input, the residual sum, the MLP's input and
         # output, and the MLP's intermediates of a chunk or of every token). A layer without checkpointing keeps
@@ -441,7 +452,8 @@ class MemoryModel:
                         T * MLP_FORWARD_HIDDEN_TENSORS * a * h + mlp_rows * kept_intermediates * a * inter)
         forward_saved = self.saved_layer + (T * NORMS_PER_LAYER * (unfused_norm - norm) if self.fused_ops else 0)
         kept_whole = forward_saved + T * (a * h + sp) + mlp_chunk * kept_intermediates * a * inter
-        self.forward_work = {"none": max(transient, kept_whole), "layer": transient, "recompute_aware": transient}
+        self.forward_work = {"none": max(transient, kept_whole), "layer": transient, "recompute_aware": transient,
+                             GROUP_MODE: transient}
         loss_chunk = min(self.tiled_loss, T) if self.tiled_loss else T
         self.loss_work = (T * (a * h + norm + a * h)  # final hidden, the final norm's tensors, d(hidden)
                           + loss_chunk * s.vocab * (2 * a + LOGIT_BYTES_BEYOND_ACTIVATION))
@@ -482,7 +494,6 @@ class MemoryModel:
     def layer_items(self, layers: Sequence[LayerChoice]) -> tuple[list[dict[str, int]], list[dict[str, int]]]:
         """Itemised GPU bytes while each layer runs forward and while it runs backward (index = layer); what
         :class:`~.memory_probe.LayerPeakProbe` measures, window by window."""
-        L = len(layers)
         resident = [0 if c.offload else self.checkpoint[c.checkpointing] for c in layers]
         offloaded = [self.checkpoint[c.checkpointing] if c.offload else 0 for c in layers]
         in_flight = OFFLOAD_IN_FLIGHT_LAYERS * max(offloaded, default=0)
@@ -495,17 +506,30 @@ class MemoryModel:
                 below_act += r
             else:
                 below_ckpt += r
+        heads = group_heads([c.checkpointing for c in layers])
         forward, backward = [], []
         for i, c in enumerate(layers):
             ckpt, act = prefix[i]
             forward.append({**static, "checkpoints": ckpt, "activations": act,
                             "layer working set": self.forward_work[c.checkpointing], "offload in flight": in_flight})
-            prev_offloaded = i > 0 and layers[i - 1].offload
-            work = self.backward_work[c.checkpointing] + self.checkpoint[c.checkpointing]
-            backward.append({**static, "checkpoints": ckpt, "activations": act,
-                             "grads": self.grad_head + (L - i) * self.grad_layer, "layer working set": work,
-                             "offload in flight": offloaded[i - 1] if prev_offloaded and c.offload else 0})
+            backward.append(self._backward_items(layers, i, heads[i], prefix[heads[i]], offloaded, static))
         return forward, backward
+
+    def _backward_items(self, layers, i: int, g: int, below: tuple[int, int], offloaded: list[int],
+                        static: dict[str, int]) -> dict[str, int]:
+        """GPU bytes while layer ``i`` runs backward; ``g``: the first layer of its checkpoint (``i`` unless grouped).
+
+        The checkpoint of the group (restored from the host or kept) is part of the working set; the layers of the
+        group below ``i`` hold their recomputed tensors (:attr:`group_held` each) until their own backward; in
+        flight: the checkpoint below the group, prefetched once the group's own is restored (both offloaded).
+        """
+        ckpt, act = below
+        work = (self.backward_work[layers[i].checkpointing] + (i - g) * self.group_held
+                + self.checkpoint[layers[g].checkpointing])
+        prefetch = g > 0 and layers[g - 1].offload and layers[g].offload
+        return {**static, "checkpoints": ckpt, "activations": act,
+                "grads": self.grad_head + (len(layers) - i) * self.grad_layer, "layer working set": work,
+                "offload in flight": offloaded[g - 1] if prefetch else 0}
 
     def gpu_phases(self, layers: Sequence[LayerChoice]) -> dict[str, dict[str, int]]:
         """Itemised GPU bytes of each phase of a step ({phase: {item: bytes}}): the last layer's forward, the
@@ -569,7 +593,8 @@ class _Costs:
         self.optimizer_host = seconds * GPU_FLOPS / max(1, tokens)
 
     def checkpointing(self, mode: str) -> float:
-        return {"none": 0.0, "layer": self.layer_forward, "recompute_aware": self.matmul}[mode]
+        return {"none": 0.0, "layer": self.layer_forward, "recompute_aware": self.matmul,
+                GROUP_MODE: self.layer_forward}[mode]
 
     def offload(self, mode: str) -> float:
         exposed = max(0.0, 2 * self._copy_flops[mode] - self.layer_forward)  # copies out and back, hidden by compute
@@ -628,8 +653,10 @@ class MemoryPlan:
 
     @property
     def checkpointing(self) -> str:
-        """The most common checkpointing mode among the checkpointed layers ("none" if none is)."""
-        modes = [c.checkpointing for c in self.layers if c.checkpointing != "none"]
+        """The most common checkpointing mode among the checkpointed layers ("none" if none is; a group is layer
+        checkpointing)."""
+        modes = ["layer" if c.checkpointing == GROUP_MODE else c.checkpointing for c in self.layers
+                 if c.checkpointing != "none"]
         return max(set(modes), key=modes.count) if modes else "none"
 
     @property
@@ -681,6 +708,24 @@ class MemoryPlan:
                 runs.append((i, i, c))
         return runs
 
+    def checkpoint_runs(self) -> list[tuple[int, int, LayerChoice, int]]:
+        """Runs of consecutive checkpoints made alike: (first layer, last layer, choice, layers per checkpoint); a
+        run of groups is one run, not alternating ``layer`` and ``group`` layers."""
+        heads = group_heads([c.checkpointing for c in self.layers])
+        units: list[list] = []  # [first, last, choice, size] per checkpoint (or per layer without one)
+        for i, c in enumerate(self.layers):
+            if heads[i] != i:
+                units[-1][1], units[-1][3] = i, units[-1][3] + 1
+            else:
+                units.append([i, i, c, 1])
+        runs: list[tuple[int, int, LayerChoice, int]] = []
+        for first, last, c, size in units:
+            if runs and runs[-1][2:] == (c, size):
+                runs[-1] = (runs[-1][0], last, c, size)
+            else:
+                runs.append((first, last, c, size))
+        return runs
+
     def summary(self) -> dict:
         """The plan in a few JSON-friendly keys (for logs)."""
         return {"memory": "auto", "checkpointed_layers": self.checkpointed_layers,
@@ -697,11 +742,12 @@ class MemoryPlan:
                 f"GPU {_gib(self.gpu_peak)} of {_gib(self.gpu_usable)} GiB usable (peak: {self.gpu_phase}), "
                 f"host {_gib(self.host_peak)} of {_gib(self.host_total)} GiB; "
                 f"step ~x{self.step_factor:.2f} of no checkpointing")
-        rows = [f"  {'layers':<8}{'checkpointing':<17}{'kept on':<9}{'GPU GiB':>9}{'host GiB':>10}"]
-        for first, last, c in self.groups():
+        rows = [f"  {'layers':<8}{'checkpointing':<21}{'kept on':<9}{'GPU GiB':>9}{'host GiB':>10}"]
+        for first, last, c, size in self.checkpoint_runs():
             span = f"{first}" if first == last else f"{first}-{last}"
+            mode = c.checkpointing if size == 1 else f"{c.checkpointing}, groups of {size}"
             where = "-" if c.checkpointing == "none" else ("host" if c.offload else "GPU")
-            rows.append(f"  {span:<8}{c.checkpointing:<17}{where:<9}{_gib(sum(self.layer_gpu[first:last + 1])):>9}"
+            rows.append(f"  {span:<8}{mode:<21}{where:<9}{_gib(sum(self.layer_gpu[first:last + 1])):>9}"
                         f"{_gib(sum(self.layer_host[first:last + 1])):>10}")
         other = ", ".join(f"{k} {_gib(v)}" for k, v in self.gpu_items.items()
                           if k not in ("checkpoints", "activations") and v)
@@ -775,13 +821,34 @@ def usable_gpu_bytes(total: int) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def _layout(L: int, n_none: int, n_layer: int, n_off: int, allow: tuple[str, ...]) -> list[LayerChoice]:
-    """Per-layer choices from counts: offloaded layers first (their copies have the most time to hide),
-    recompute-aware before layer checkpointing within each, non-checkpointed layers last (their
-    activations are used, and freed, first in backward)."""
+class Grouping(NamedTuple):
+    """``count`` checkpoints of ``size`` consecutive layers each (``size`` 1: no groups)."""
+
+    size: int = 1
+    count: int = 0
+
+    @property
+    def layers(self) -> int:
+        return self.size * self.count if self.size > 1 else 0
+
+
+NO_GROUPS = Grouping()
+
+GROUP_SIZES = (2, 3, 4)
+"""Layers per group the planner tries, smallest first, and only where nothing fits without groups: a group's
+backward holds the recomputed tensors of its lower layers (more memory in flight, no fewer FLOPs)."""
+
+
+def _layout(L: int, n_none: int, n_layer: int, n_off: int, allow: tuple[str, ...],
+            grouping: Grouping = NO_GROUPS) -> list[LayerChoice]:
+    """Per-layer choices from counts: offloaded checkpoints first (their copies have the most time to hide),
+    groups (``n_layer`` counts their layers) before recompute-aware before layer checkpointing, non-checkpointed
+    layers last (their activations are used, and freed, first in backward)."""
     n_ckpt = L - n_none
-    modes = ["recompute_aware"] * (n_ckpt - n_layer) + ["layer"] * n_layer
-    return [LayerChoice(m, i < n_off) for i, m in enumerate(modes)] + [LayerChoice("none")] * n_none
+    units = [["layer"] + [GROUP_MODE] * (grouping.size - 1)] * grouping.count if grouping.layers else []
+    units += [["recompute_aware"]] * (n_ckpt - n_layer) + [["layer"]] * (n_layer - grouping.layers)
+    return ([LayerChoice(m, i < n_off and m != GROUP_MODE) for i, unit in enumerate(units) for m in unit]
+            + [LayerChoice("none")] * n_none)
 
 
 @dataclass
@@ -793,9 +860,14 @@ class _Budget:
 class _Search:
     """Finds the cheapest per-layer layout for one global choice (tiles, optimizer place)."""
 
-    def __init__(self, model: MemoryModel, costs: _Costs, budget: _Budget, modes: tuple[str, ...], allow_offload: bool):
+    def __init__(self, model: MemoryModel, costs: _Costs, budget: _Budget, modes: tuple[str, ...], allow_offload: bool,
+                 grouping: Grouping = NO_GROUPS):
         self.model, self.costs, self.budget, self.modes, self.allow_offload = model, costs, budget, modes, allow_offload
         self.L = model.shape.layers
+        self.grouping = grouping
+
+    def _layout(self, n_none: int, n_layer: int, n_off: int) -> list[LayerChoice]:
+        return _layout(self.L, n_none, n_layer, n_off, self.modes, self.grouping)
 
     def fits(self, layers) -> bool:
         return (self.model.gpu_peak(layers)[0] <= self.budget.gpu
@@ -804,10 +876,10 @@ class _Search:
     def min_offload(self, n_none: int, n_layer: int) -> int | None:
         """Fewest offloaded layers that fit (None: nothing fits with these counts)."""
         n_ckpt = self.L - n_none
-        top = n_ckpt if self.allow_offload else 0
+        top = n_ckpt - self.grouping.layers + self.grouping.count if self.allow_offload else 0  # checkpoints
 
         def gpu_ok(k):
-            return self.model.gpu_peak(_layout(self.L, n_none, n_layer, k, self.modes))[0] <= self.budget.gpu
+            return self.model.gpu_peak(self._layout(n_none, n_layer, k))[0] <= self.budget.gpu
 
         if not gpu_ok(top):
             return None
@@ -818,7 +890,7 @@ class _Search:
                 hi = mid
             else:
                 lo = mid + 1
-        layers = _layout(self.L, n_none, n_layer, lo, self.modes)
+        layers = self._layout(n_none, n_layer, lo)
         return lo if sum(self.model.host_items(layers).values()) <= self.budget.host else None
 
     def best(self, bound: float, fixed: float) -> tuple[float, list[LayerChoice]] | None:
@@ -827,13 +899,18 @@ class _Search:
         none_ok = "none" in self.modes
         ra_ok, layer_ok = "recompute_aware" in self.modes, "layer" in self.modes
         ckpt_cost = self.costs.checkpointing("recompute_aware" if ra_ok else "layer")
+        if (ra_ok or layer_ok) and self.min_offload(0, self.L if layer_ok else 0) is None:
+            return None  # not even the layout needing the least memory fits
         for n_ckpt in range(0 if none_ok else self.L, self.L + 1):
             if fixed + n_ckpt * ckpt_cost >= (best[0] if best else bound):
                 break
             n_none = self.L - n_ckpt
+            grouped = self.grouping.layers
+            if grouped > n_ckpt or (grouped and not layer_ok):
+                continue
             # fewest layer-checkpointed layers that fit (more of them: less memory)
             if ra_ok and layer_ok:
-                candidates = range(0, n_ckpt + 1)
+                candidates = range(grouped, n_ckpt + 1)
             else:
                 candidates = [0] if ra_ok else [n_ckpt]
             found = None
@@ -847,11 +924,29 @@ class _Search:
                 else:
                     lo = mid + 1
             n_off = self.min_offload(n_none, lo)
-            found = _layout(self.L, n_none, lo, n_off, self.modes)
+            found = self._layout(n_none, lo, n_off)
             cost = self.costs.plan(found, self.model.tiled_loss, self.model.tiled_mlp, self.model.optimizer_on_host)
             if cost < (best[0] if best else bound):
                 best = (cost, found)
         return best
+
+
+def _cheapest(models: list[MemoryModel], costs: _Costs, budget: _Budget, modes: tuple[str, ...], allow_offload: bool,
+              groupings: list[Grouping]) -> tuple[float, list[LayerChoice], MemoryModel] | None:
+    """The cheapest fitting (cost, layers, model) over the global choices and ``groupings``; at equal cost the
+    earlier model (untiled first, optimizer on the GPU first) and the earlier grouping (fewer layers held) win."""
+    best = None
+    for model in models:
+        fixed = costs.tiling(model.tiled_loss, model.tiled_mlp, model.shape.layers)
+        fixed += costs.optimizer_host if model.optimizer_on_host else 0.0
+        for grouping in groupings:
+            if best is not None and fixed >= best[0]:
+                break
+            found = _Search(model, costs, budget, modes, allow_offload, grouping).best(best[0] if best else math.inf,
+                                                                                    fixed)
+            if found is not None:
+                best = (found[0], found[1], model)
+    return best
 
 
 def _precision_for(precision: str | None, zero_stage: int) -> str:
@@ -865,7 +960,7 @@ def plan_memory(config, tokens_per_gpu: int, sp_size: int = 1, gpu_bytes: int | 
                 tiled_loss: int | None = None, tiled_mlp: int | None = None,
                 host_overhead_bytes: int | None = None, processes_per_host: int = 1,
                 attention_context: float | None = None, fused_ops: bool | None = None,
-                optimizer_on_host: bool | None = None) -> MemoryPlan:
+                optimizer_on_host: bool | None = None, allow_groups: bool = True) -> MemoryPlan:
     """The fastest memory plan for ``tokens_per_gpu`` tokens per GPU that fits the GPU and the host.
 
     ``config``: a transformers config (or a :class:`ModelShape`). ``gpu_bytes``: the GPU's total
@@ -881,6 +976,7 @@ def plan_memory(config, tokens_per_gpu: int, sp_size: int = 1, gpu_bytes: int | 
     whole context). ``fused_ops``: the model runs Liger's fused RMSNorm/RoPE/SwiGLU (:mod:`.fused_ops`), which
     keeps less per layer; None: wherever they can run here. ``optimizer_on_host``: where AdamW is (an optimizer
     that already exists); None lets the plan choose (the host only with ``allow_optimizer_on_host``).
+    ``allow_groups``: where nothing fits otherwise, checkpoint groups of 2-4 layers as one (:data:`GROUP_SIZES`).
     Raises :class:`MemoryPlanError` naming the shortfall and what would fit.
     """
     shape = config if isinstance(config, ModelShape) else ModelShape.from_config(config)
@@ -911,18 +1007,13 @@ def plan_memory(config, tokens_per_gpu: int, sp_size: int = 1, gpu_bytes: int | 
     else:
         places = [False, True] if allow_optimizer_on_host else [False]
     costs = _Costs(shape, tokens, sp_size, attention_context, PRECISIONS[settings["precision"]], zero_stage, world)
-    best = None
-    for on_host in places:
-        for loss in loss_options:
-            for mlp in mlp_options:
-                model = MemoryModel(shape, tokens, tiled_loss=loss, tiled_mlp=mlp, optimizer_on_host=on_host,
-                                    **settings)
-                fixed = costs.tiling(loss, mlp, shape.layers) + (costs.optimizer_host if on_host else 0.0)
-                if best is not None and fixed >= best[0]:
-                    continue
-                found = _Search(model, costs, budget, modes, allow_offload).best(best[0] if best else math.inf, fixed)
-                if found is not None:
-                    best = (found[0], found[1], model)
+    models = [MemoryModel(shape, tokens, tiled_loss=loss, tiled_mlp=mlp, optimizer_on_host=on_host, **settings)
+              for on_host in places for loss in loss_options for mlp in mlp_options]
+    best = _cheapest(models, costs, budget, modes, allow_offload, [NO_GROUPS])
+    # groups only where nothing fits without them; not under ZeRO-3/FSDP, whose hooks gather each layer's weights
+    if best is None and allow_groups and "layer" in modes and zero_stage != 3:
+        groupings = [Grouping(k, n) for k in GROUP_SIZES for n in range(1, shape.layers // k + 1)]
+        best = _cheapest(models, costs, budget, modes, allow_offload, groupings)
     if best is None:
         raise MemoryPlanError(_no_fit_message(shape, tokens, gpu_total, host_total, modes, allow_offload,
                                               allow_optimizer_on_host, tiled_loss, tiled_mlp, settings))

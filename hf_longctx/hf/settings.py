@@ -18,6 +18,10 @@ class ConfigError(ValueError):
 
 
 CHECKPOINTING_MODES = ("none", "layer", "recompute_aware")
+GROUP_MODE = "group"
+"""Per-layer mode of a decoder layer recomputed inside the checkpoint of the ``layer`` layer below it (see
+:func:`group_heads`); a whole model cannot be set to it."""
+PER_LAYER_MODES = (*CHECKPOINTING_MODES, GROUP_MODE)
 MOE_DISPATCHES = ("allgather", "all_to_all")
 MEMORY_MODES = ("manual", "auto")
 FUSED_OPS_MODES = ("auto", "liger", "off")
@@ -142,6 +146,27 @@ class LongContextConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def group_heads(modes) -> list[int]:
+    """For each layer, the index of the layer whose checkpoint covers it: its own, or for a ``group`` layer that of
+    the ``layer`` layer starting its group (``layer``, ``group``, ``group`` is one checkpoint of three layers).
+
+    Checked here, so that the execution and the memory model agree on what a group is: a group starts at a
+    ``layer`` layer (recompute-aware keeps attention outputs per layer, which one checkpoint of several layers
+    does not) and its members carry no offload of their own (the group's one checkpoint is its first layer's).
+    """
+    heads: list[int] = []
+    for i, mode in enumerate(modes):
+        if mode != GROUP_MODE:
+            heads.append(i)
+            continue
+        head = heads[i - 1] if i else None
+        if head is None or modes[head] != "layer":
+            raise ValueError(f"layer {i} is 'group' but no 'layer' layer starts its group (a group is a 'layer' "
+                             "layer followed by 'group' layers)")
+        heads.append(head)
+    return heads
 
 
 def _check_kernel(kernel: str) -> None:
