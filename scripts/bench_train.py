@@ -19,6 +19,7 @@ fresh process so an out-of-memory error leaves nothing behind.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -258,12 +259,11 @@ def worker(rank, world, args):
         from hf_longctx.hf.memory_probe import LayerPeakProbe
 
         probe = LayerPeakProbe(model, device)
-        probe.__enter__()
-    ms = timed_slowest_rank(step, args.steps, device, warmup=args.warmup)
+    with probe or contextlib.nullcontext():
+        ms = timed_slowest_rank(step, args.steps, device, warmup=args.warmup)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     layer_peaks = None
     if probe is not None:  # the probe's windows split the phases: a phase's peak is also its layers' peak
-        probe.__exit__(None, None, None)
         layer_peaks = probe.peaks.gib()
         phase_peaks["forward and loss"] = max(phase_peaks.get("forward and loss", 0.0), *layer_peaks["forward"])
         phase_peaks["backward"] = max(phase_peaks.get("backward", 0.0), *layer_peaks["backward"])

@@ -435,10 +435,13 @@ def test_fused_ops_key_is_checked_and_honoured(monkeypatch):
 
 # --- the probe that checks the model layer by layer --------------------------------------------
 
-def test_layer_peak_probe_opens_one_window_per_layer_and_pass(monkeypatch):
-    """Each layer's forward window is read once per step (a checkpoint's recompute in backward is part of the
-    layer's backward window, not a second forward), and each layer's backward window closes at the gradient
-    of its input: last layer first."""
+@pytest.mark.parametrize("outer_checkpoint", [False, True])
+def test_layer_peak_probe_opens_one_window_per_layer_and_pass(monkeypatch, outer_checkpoint):
+    """Each layer's forward window is read in the forward pass only (a checkpoint whose recompute calls the layers
+    again in backward, here one around the whole model, is part of the backward windows, not a second forward),
+    and each layer's backward window closes at the gradient of its input: last layer first."""
+    from torch.utils.checkpoint import checkpoint
+
     from hf_longctx.hf import memory_probe
 
     clock = iter(range(1, 10**6))  # the allocator's "peak" grows with every read: the order of the reads
@@ -447,11 +450,18 @@ def test_layer_peak_probe_opens_one_window_per_layer_and_pass(monkeypatch):
     model = _tiny(3, dtype=torch.float32)
     model.train()
     enable_per_layer_checkpointing(model, ["layer", "recompute_aware", "none"])
+    batch = _batch(32)
     with memory_probe.LayerPeakProbe(model, torch.device("cpu")) as probe:
-        model(**_batch(32)).loss.backward()
+        if outer_checkpoint:
+            loss = checkpoint(lambda ids, pos: model(input_ids=ids, position_ids=pos).logits.float().square().mean(),
+                              batch["input_ids"], batch["position_ids"], use_reentrant=False)
+        else:
+            loss = model(**batch).loss
+        forward_ended = next(clock)
+        loss.backward()
     forward, backward = probe.peaks.forward, probe.peaks.backward
-    assert forward == sorted(forward) and all(f > 0 for f in forward)
-    assert backward == sorted(backward, reverse=True) and min(backward) > max(forward)
+    assert forward == sorted(forward) and all(0 < f < forward_ended for f in forward)
+    assert backward == sorted(backward, reverse=True) and min(backward) > forward_ended
 
 
 def test_the_plan_predicts_each_layer_and_its_worst_backward_is_the_backward_phase():

@@ -698,16 +698,6 @@ class MemoryPlan:
             return HostOffloadAdamW(params, lr=lr, **adamw)
         return torch.optim.AdamW(params, lr=lr, fused=torch.cuda.is_available(), **adamw)
 
-    def groups(self) -> list[tuple[int, int, LayerChoice]]:
-        """Runs of consecutive layers with the same choice: (first, last, choice)."""
-        runs: list[tuple[int, int, LayerChoice]] = []
-        for i, c in enumerate(self.layers):
-            if runs and runs[-1][2] == c:
-                runs[-1] = (runs[-1][0], i, c)
-            else:
-                runs.append((i, i, c))
-        return runs
-
     def checkpoint_runs(self) -> list[tuple[int, int, LayerChoice, int]]:
         """Runs of consecutive checkpoints made alike: (first layer, last layer, choice, layers per checkpoint); a
         run of groups is one run, not alternating ``layer`` and ``group`` layers."""
@@ -839,8 +829,7 @@ GROUP_SIZES = (2, 3, 4)
 backward holds the recomputed tensors of its lower layers (more memory in flight, no fewer FLOPs)."""
 
 
-def _layout(L: int, n_none: int, n_layer: int, n_off: int, allow: tuple[str, ...],
-            grouping: Grouping = NO_GROUPS) -> list[LayerChoice]:
+def _layout(L: int, n_none: int, n_layer: int, n_off: int, grouping: Grouping = NO_GROUPS) -> list[LayerChoice]:
     """Per-layer choices from counts: offloaded checkpoints first (their copies have the most time to hide),
     groups (``n_layer`` counts their layers) before recompute-aware before layer checkpointing, non-checkpointed
     layers last (their activations are used, and freed, first in backward)."""
@@ -867,7 +856,7 @@ class _Search:
         self.grouping = grouping
 
     def _layout(self, n_none: int, n_layer: int, n_off: int) -> list[LayerChoice]:
-        return _layout(self.L, n_none, n_layer, n_off, self.modes, self.grouping)
+        return _layout(self.L, n_none, n_layer, n_off, self.grouping)
 
     def fits(self, layers) -> bool:
         return (self.model.gpu_peak(layers)[0] <= self.budget.gpu
@@ -1056,12 +1045,12 @@ def _least_memory(shape, tokens, gpu_total, host_total, modes, allow_offload, on
         lo, hi = 0, L
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if sum(model.host_items(_layout(L, n_none, n_layer, mid, modes)).values()) <= host_total:
+            if sum(model.host_items(_layout(L, n_none, n_layer, mid)).values()) <= host_total:
                 lo = mid
             else:
                 hi = mid - 1
         n_off = lo
-    layers = _layout(L, n_none, n_layer, n_off, modes)
+    layers = _layout(L, n_none, n_layer, n_off)
     gpu = model.gpu_peak(layers)[0]
     host = sum(model.host_items(layers).values())
     return gpu <= usable_gpu_bytes(gpu_total) and host <= host_total, gpu, host, model, layers
@@ -1110,7 +1099,7 @@ def _no_fit_message(shape, tokens, gpu_total, host_total, modes, allow_offload, 
     if lo > 0:
         hints.append(f"a shorter context: at most {lo} tokens per GPU fit here ({lo * sp} tokens over sp_size {sp})")
     if allow_offload and gpu > usable:
-        full = sum(model.host_items(_layout(shape.layers, 0, shape.layers, shape.layers, modes)).values())
+        full = sum(model.host_items(_layout(shape.layers, 0, shape.layers, shape.layers)).values())
         if off < shape.layers and full > host_total:
             full_fits = _least_memory(shape, tokens, gpu_total, full, modes, allow_offload, allow_opt, tiled_loss,
                                       tiled_mlp, settings)[0]

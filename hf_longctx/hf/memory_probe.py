@@ -9,7 +9,9 @@ reads the allocator's peak at every decoder layer's boundary, in both passes, an
 
 The allocator's counters live on the host, so no device synchronisation is added: the peaks are those of
 the allocations the host issued, which is what the allocator can satisfy or not. Recomputed forwards inside
-backward are not forward windows (they belong to the backward window of their layer).
+backward are not forward windows (they belong to the backward window of their layer). Under group
+checkpointing a group's layers run forward and back-propagate inside its first layer's windows (the group's
+input is the tensor whose gradient closes them): the windows of the others stay (nearly) empty.
 """
 
 from __future__ import annotations
