@@ -11,7 +11,9 @@ packed documents from a ProLong-style length mix. Prints tokens/s, MFU (6 x para
 causal attention FLOPs, over the GPUs' dense bf16 peak), peak memory per GPU, and the share of the
 step spent in core attention (core attention timed alone on the same shapes, times the layers).
 Memory options are each optional: ``--checkpointing``, ``--tiled-loss``, ``--tiled-mlp``.
-``--zero N`` (DeepSpeed) or ``--fsdp`` (FSDP2) shard the weights over the GPUs.
+``--zero N`` (DeepSpeed) or ``--fsdp`` (FSDP2) shard the weights over the GPUs. ``--optimizer host`` keeps
+AdamW's states in host memory with torchao (one process), ``--optimizer deepspeed`` with DeepSpeed's
+ZeRO-Offload (the two compared in bench/RESULTS.md); ``--memory auto`` lets the planner choose.
 ``--search`` doubles ``--seq`` until a step runs out of memory, then bisects; each try runs in a
 fresh process so an out-of-memory error leaves nothing behind.
 """
@@ -179,9 +181,15 @@ def worker(rank, world, args):
     params = [p for p in model.parameters() if p.requires_grad]
     if memory_plan is not None and memory_plan.optimizer_on_host:  # torchao's offload optimizer (one process)
         opt = memory_plan.make_optimizer(params, lr=args.lr)
+    elif args.optimizer == "host":  # the same by hand
+        from hf_longctx.hf.optimizer_offload import HostOffloadAdamW
+
+        opt = HostOffloadAdamW(params, lr=args.lr)
+    elif args.optimizer == "deepspeed":  # DeepSpeed builds its own CPU Adam from the config below
+        opt = None
     else:
         opt = torch.optim.AdamW(params, lr=args.lr, fused=device.type == "cuda" and not args.zero and not peer)
-    if not args.zero and not args.fsdp and not peer:
+    if not args.zero and not args.fsdp and not peer and opt is not None:
         from hf_longctx.hf.optimizer_states import allocate_optimizer_states
 
         allocate_optimizer_states(opt)  # a timed first step then holds AdamW's states, as every later step does
@@ -215,10 +223,13 @@ def worker(rank, world, args):
     elif args.zero:  # DeepSpeed ZeRO shards gradients / optimizer states (and parameters at stage 3)
         import deepspeed
 
-        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config={
-            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-            "bf16": {"enabled": device.type == "cuda"}, "zero_optimization": {"stage": args.zero},
-        })
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                  "bf16": {"enabled": device.type == "cuda"}, "zero_optimization": {"stage": args.zero}}
+        if opt is None:  # ZeRO-Offload: fp32 master weights, gradients and Adam's states in pinned host memory
+            config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+            config["optimizer"] = {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}}
+        engine, opt, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config,
+                                               model_parameters=params if opt is None else None)
 
         def step():
             # each rank's loss is its share and ZeRO averages over the ranks: scale to get the sum
@@ -280,7 +291,9 @@ def worker(rank, world, args):
         "layers": model.config.num_hidden_layers, "checkpointing": args.checkpointing,
         "tiled_loss": args.tiled_loss, "tiled_mlp": args.tiled_mlp, "zero": args.zero, "fsdp": args.fsdp,
         "offload": args.offload, "fused_ops": args.fused_ops,
-        "optimizer_on_host": bool(memory_plan is not None and memory_plan.optimizer_on_host), "docs": packed.num_docs,
+        "optimizer_on_host": bool(memory_plan is not None and memory_plan.optimizer_on_host) or args.optimizer != "gpu",
+        "optimizer": "host" if memory_plan is not None and memory_plan.optimizer_on_host else args.optimizer,
+        "docs": packed.num_docs,
         "longest_doc": max(packed.doc_lens), "step_s": ms / 1e3, "tokens_per_s": total / (ms / 1e3),
         "mfu": training_mfu(model.config, flops_per_token, total, packed.causal_pairs(), ms / 1e3, world,
                             peak_flops(device)),
@@ -395,6 +408,9 @@ def main() -> int:
                    help="auto: the memory planner picks checkpointing, offload and tiling (the options above are "
                         "ignored) and the result shows its predicted peaks beside the measured ones")
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage (0: plain)")
+    p.add_argument("--optimizer", default="gpu", choices=["gpu", "host", "deepspeed"],
+                   help="where AdamW's states live: gpu (torch AdamW), host (torchao's offload optimizer, one "
+                        "process), deepspeed (ZeRO-Offload: DeepSpeed's CPU Adam; ZeRO-2 unless --zero names a stage)")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard per decoder layer and root) over all GPUs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layer-peaks", action="store_true",
@@ -425,6 +441,13 @@ def main() -> int:
             p.error("torch_cp shards with FSDP2 itself; --zero and --tiled-mlp do not apply")
     if args.fsdp and (args.zero or args.backend == "torch_cp"):
         p.error("--fsdp shards the weights itself: not with --zero or torch_cp")
+    if args.optimizer != "gpu" and (args.memory == "auto" or args.fsdp or args.backend == "torch_cp"):
+        p.error("--optimizer names where AdamW lives by hand: not with --memory auto (the plan decides), "
+                "--fsdp or torch_cp")
+    if args.optimizer == "host" and (args.zero or args.gpus > 1):
+        p.error("--optimizer host serves one process without ZeRO; with several GPUs or ZeRO name deepspeed")
+    if args.optimizer == "deepspeed" and not args.zero:
+        args.zero = 2  # ZeRO-Offload needs a ZeRO stage; 2 keeps the bf16 weights whole on the GPU
     if args.search:
         return search(args)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

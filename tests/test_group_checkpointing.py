@@ -110,6 +110,21 @@ def test_one_h200_trains_512k_only_with_groups():
     assert 1.2 < plan.step_factor < 1.4  # a group recomputes each layer once, as layer checkpointing
 
 
+def test_the_shortfall_message_counts_what_groups_fit():
+    """Past the longest plan, the hint's shorter context is the longest one group checkpointing fits (to 1K
+    tokens), not the layer-by-layer bound, and the length it names does fit."""
+    kwargs = dict(gpu_bytes=int(139.8 * GiB), host_bytes=125 * GiB, fused_ops=True, allow_optimizer_on_host=True)
+    with pytest.raises(MemoryPlanError) as err:
+        plan_memory(LLAMA3_8B, 576 * K, **kwargs)
+    text = str(err.value)
+    assert "with group checkpointing" in text
+    longest = int(text.split("at most ", 1)[1].split(" ", 1)[0])
+    assert 512 * K <= longest < 576 * K
+    plan_memory(LLAMA3_8B, longest, **kwargs)
+    with pytest.raises(MemoryPlanError):
+        plan_memory(LLAMA3_8B, longest + 1024, **kwargs)
+
+
 def test_groups_only_where_nothing_fits_without_them():
     plan = plan_memory(LLAMA3_8B, 128 * K, gpu_bytes=int(139.8 * GiB), host_bytes=HOST, fused_ops=True)
     assert "group" not in {c.checkpointing for c in plan.layers}

@@ -368,7 +368,7 @@ def test_fused_ops_are_refused_where_liger_cannot_run():
 def test_the_model_against_its_gpu_measurements_layer_by_layer():
     """tests/memory_measurements.json: the GPU peak of every decoder layer's forward and backward, measured on an
     H100 and an H200 (2 and 32 layers, 64K to 512K tokens, both norms, tiled and fused MLPs, AdamW on the GPU and
-    on the host). The model never predicts less than was measured, and at most 10% more for a layer's backward
+    on the host, checkpoint groups of 2: a group's windows are its first layer's). The model never predicts less than was measured, and at most 10% more for a layer's backward
     (the phase that sets the step's peak) and 17% more for its forward (AdamW's states, absent in those first
     steps, added to the measurement)."""
     data = json.loads((Path(__file__).parent / "memory_measurements.json").read_text())
@@ -380,8 +380,13 @@ def test_the_model_against_its_gpu_measurements_layer_by_layer():
         missing = 0 if run["optimizer_states_allocated"] else model.optimizer_gpu / GiB
         forward, backward = model.layer_items(layers)
         for name, predicted, high in (("forward", forward, 1.17), ("backward", backward, 1.10)):
-            for i, (items, measured) in enumerate(zip(predicted, run["layer_peak_gib"][name])):
-                ratio = (sum(items.values()) / GiB) / (measured + missing)
+            predicted = [sum(items.values()) / GiB for items in predicted]
+            for i, measured in enumerate(run["layer_peak_gib"][name]):
+                if layers[i].checkpointing == "group":  # measured inside its group's first layer's window
+                    assert measured == 0.0, (run["command"], name, i)
+                    continue
+                end = next((j for j in range(i + 1, len(layers)) if layers[j].checkpointing != "group"), len(layers))
+                ratio = max(predicted[i:end]) / (measured + missing)
                 assert 1.0 <= ratio <= high, (run["command"], name, i, ratio)
 
 

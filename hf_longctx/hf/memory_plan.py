@@ -986,26 +986,39 @@ def plan_memory(config, tokens_per_gpu: int, sp_size: int = 1, gpu_bytes: int | 
                     world=world, processes_per_host=processes_per_host, host_overhead_bytes=host_overhead_bytes,
                     fused_ops=bool(fused_ops))
     budget = _Budget(usable_gpu_bytes(gpu_total), host_total)
-    loss_options = [tiled_loss] if tiled_loss is not None else [0, *[c for c in LOSS_CHUNKS if c < tokens]]
-    mlp_options = [tiled_mlp] if tiled_mlp is not None else [0, *[c for c in MLP_CHUNKS if c < tokens]]
-    if zero_stage == 3:  # the chunked backward reads weights ZeRO-3 has freed (see tiled_mlp)
-        mlp_options = [0]
     if optimizer_on_host is not None:
         places = [bool(optimizer_on_host)]
         allow_optimizer_on_host = bool(optimizer_on_host)
     else:
         places = [False, True] if allow_optimizer_on_host else [False]
-    costs = _Costs(shape, tokens, sp_size, attention_context, PRECISIONS[settings["precision"]], zero_stage, world)
-    models = [MemoryModel(shape, tokens, tiled_loss=loss, tiled_mlp=mlp, optimizer_on_host=on_host, **settings)
-              for on_host in places for loss in loss_options for mlp in mlp_options]
-    best = _cheapest(models, costs, budget, modes, allow_offload, [NO_GROUPS])
     # groups only where nothing fits without them; not under ZeRO-3/FSDP, whose hooks gather each layer's weights
-    if best is None and allow_groups and "layer" in modes and zero_stage != 3:
-        groupings = [Grouping(k, n) for k in GROUP_SIZES for n in range(1, shape.layers // k + 1)]
-        best = _cheapest(models, costs, budget, modes, allow_offload, groupings)
+    group = allow_groups and "layer" in modes and zero_stage != 3
+    groupings = [Grouping(k, n) for k in GROUP_SIZES for n in range(1, shape.layers // k + 1)] if group else []
+
+    def cheapest(t: int, any_fit: bool = False):
+        """The cheapest plan for ``t`` tokens, or None. ``any_fit``: only whether one fits, so only the
+        finest tiles (the least memory) are tried."""
+        loss_options = [tiled_loss] if tiled_loss is not None else [0, *[c for c in LOSS_CHUNKS if c < t]]
+        mlp_options = [tiled_mlp] if tiled_mlp is not None else [0, *[c for c in MLP_CHUNKS if c < t]]
+        if any_fit:
+            loss_options, mlp_options = loss_options[-1:], mlp_options[-1:]
+        if zero_stage == 3:  # the chunked backward reads weights ZeRO-3 has freed (see tiled_mlp)
+            mlp_options = [0]
+        costs = _Costs(shape, t, sp_size, attention_context, PRECISIONS[settings["precision"]], zero_stage, world)
+        models = [MemoryModel(shape, t, tiled_loss=loss, tiled_mlp=mlp, optimizer_on_host=on_host, **settings)
+                  for on_host in places for loss in loss_options for mlp in mlp_options]
+        best = _cheapest(models, costs, budget, modes, allow_offload, [NO_GROUPS])
+        if best is None and groupings:
+            best = _cheapest(models, costs, budget, modes, allow_offload, groupings)
+        return best, costs
+
+    best, costs = cheapest(tokens)
     if best is None:
-        raise MemoryPlanError(_no_fit_message(shape, tokens, gpu_total, host_total, modes, allow_offload,
-                                              allow_optimizer_on_host, tiled_loss, tiled_mlp, settings))
+        message = _no_fit_message(shape, tokens, gpu_total, host_total, modes, allow_offload, allow_optimizer_on_host,
+                                  tiled_loss, tiled_mlp, settings)
+        if groupings:  # the message's bounds leave groups out: the longest context they allow, to 1K tokens
+            message = _with_grouped_bound(message, tokens, sp_size, lambda t: cheapest(t, any_fit=True)[0] is not None)
+        raise MemoryPlanError(message)
     cost, layers, model = best
     peak, phase, items = model.gpu_peak(layers)
     host = model.host_items(layers)
@@ -1025,6 +1038,39 @@ def plan_memory(config, tokens_per_gpu: int, sp_size: int = 1, gpu_bytes: int | 
 # ---------------------------------------------------------------------------------------------
 # When nothing fits: the shortfall and what would fit.
 # ---------------------------------------------------------------------------------------------
+
+
+_SHORTER = "a shorter context: at most "
+
+
+def _with_grouped_bound(message: str, tokens: int, sp: int, fits) -> str:
+    """``message`` with its shorter-context hint raised to what group checkpointing allows.
+
+    The hint's bisection prices layer-by-layer layouts only (cheap); groups can fit more tokens, so the
+    longest length ``fits`` accepts is searched above it, in steps of 1024 tokens (each try is a full
+    plan search, a fraction of a second)."""
+    step = 1024
+    start = message.find(_SHORTER)
+    known = int(message[start + len(_SHORTER):].split(" ", 1)[0]) if start >= 0 else 0
+    lo, hi = known // step, (tokens - 1) // step  # in units of ``step``: lo fits (or is 0), hi may not
+    if hi <= lo or not fits(max(1, (lo + 1) * step)):
+        return message
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid * step):
+            lo = mid
+        else:
+            hi = mid - 1
+    longest = lo * step
+    hint = (f"{_SHORTER}{longest} tokens per GPU fit here with group checkpointing ({longest * sp} tokens over "
+            f"sp_size {sp})")
+    if start < 0:
+        head, sep, rest = message.partition(". Would fit: ")
+        if rest.startswith("none found"):
+            return f"{head}. Would fit: {hint}"
+        return f"{head}. Would fit: {rest}; or {hint}"
+    end = message.find("; or ", start)
+    return message[:start] + hint + (message[end:] if end >= 0 else "")
 
 
 def _least_memory(shape, tokens, gpu_total, host_total, modes, allow_offload, on_host, tiled_loss, tiled_mlp,
