@@ -368,9 +368,10 @@ def test_fused_ops_are_refused_where_liger_cannot_run():
 def test_the_model_against_its_gpu_measurements_layer_by_layer():
     """tests/memory_measurements.json: the GPU peak of every decoder layer's forward and backward, measured on an
     H100 and an H200 (2 and 32 layers, 64K to 512K tokens, both norms, tiled and fused MLPs, AdamW on the GPU and
-    on the host, checkpoint groups of 2: a group's windows are its first layer's). The model never predicts less than was measured, and at most 10% more for a layer's backward
-    (the phase that sets the step's peak) and 17% more for its forward (AdamW's states, absent in those first
-    steps, added to the measurement)."""
+    on the host, checkpoint groups of 2: a group's windows are its first layer's). The model never predicts less
+    than was measured, and at most 10% more for a layer's backward (the phase that sets the step's peak) and 17%
+    more for its forward (AdamW's states, absent in the first steps measured before they were allocated, added to
+    the measurement)."""
     data = json.loads((Path(__file__).parent / "memory_measurements.json").read_text())
     for run in data["runs"]:
         layers = [LayerChoice(mode, offload) for count, mode, offload in run["layers"] for _ in range(count)]
