@@ -18,7 +18,7 @@ else:
     ATTENTION_IMPLEMENTATIONS = []
 
 
-_SUBPACKAGES = ("backends", "comm", "data", "hf", "kernels", "layout", "moe")
+_SUBPACKAGES = ("backends", "comm", "data", "emulation", "hf", "kernels", "layout", "moe")
 
 
 def __getattr__(name: str):
