@@ -15,9 +15,24 @@ eps sweep is measured end to end. Every number is marked "emulated on one GPU".
     python scripts/bench_emulated.py --kernel torch_flash --mixes pretrain --out <file>.md  # one mix per process
 
 Without FlashAttention-4, name ``--kernel torch_flash``: ``auto`` then picks the dense cuDNN kernel for
-equal-length groups, which builds a graph per shape inside the timed calls. On an H200 one process that
-ran ProLong at W = 4..64 and then started the next mix ran out of GPU memory (memory retained across
-configurations, cause not found yet): run one mix per process.
+equal-length groups, which builds a graph per shape inside the timed calls.
+
+Repetitions: every configuration runs ``--warmup`` untimed steps, then ``--reps`` timed ones (default
+2), and each rank's kernel time is the lower median of its timed steps (with 2: the smaller), so a
+first-call outlier (one run showed distfa at W=16 with max/mean 8.3 where its neighbours had 1.7-2.2)
+does not reach the tables.
+
+GPU memory: on an H200 one process that ran ProLong at W = 4..64 and then started the next mix once ran
+out of GPU memory. Every shard plan referred to itself (a reference cycle), so a configuration's plan,
+with the device index tensors its backends cache on it, outlived the configuration until the garbage
+collector's next full pass; and every emulated step started one new thread per rank, in which torch's
+cuDNN attention builds graphs that it leaks at thread exit. Plans now free with their last user, rank
+threads are reused, and memory is released between configurations; the output lists the device's
+memory after every W (allocated, reserved and free), so growth would show. (On an H200 with
+torch_flash it stayed at the 5 GiB of the global tensors from ProLong W=4 through Pretrain W=64.)
+One configuration alone can still exceed the device: CAD on ProLong at W=64 holds the gathered key
+rows of all 64 ranks at once and ran out of memory on an H200 in four of its five variants; such a
+row reports the error and the run goes on.
 
 Configurations run in order (mix, then W, then backend); each mix gets its share of ``--budget-s``
 (time a mix leaves unused carries over), and the configurations left out are listed in the output.
@@ -39,7 +54,7 @@ from hf_longctx.backends.cad.eps import EPS_CANDIDATES, a2a_bandwidth, candidate
 from hf_longctx.backends.cad.profiled import ProfileBudget, SegmentShape, profiled_cost_model
 from hf_longctx.backends.cad.runtime import cad_schedule
 from hf_longctx.benchmarking import table_header, table_row
-from hf_longctx.emulation import EmulatedStep, emulate_step, link_sources
+from hf_longctx.emulation import EmulatedStep, device_memory, emulate_step, link_sources, release_memory
 from hf_longctx.emulation.choose import choose_from_steps
 from hf_longctx.emulation.workloads import doc_lengths
 from hf_longctx.layout import PackedBatch, shard_plan
@@ -85,6 +100,14 @@ def predicted_vs_emulated(step: EmulatedStep, batch: PackedBatch, options: dict)
     return (max(errs) if errs else math.nan), sched.eps
 
 
+def segment_terms(model) -> str:
+    """What the profiled model charges a segment beyond its rows (see ProfiledCostModel), for the header."""
+    if not isinstance(model, ProfiledCostModel):
+        return ""
+    tile = f", partial tiles of {model.tile} priced whole" if model.tile else ""
+    return f"; {model.segment_cost:.4f} {model.units} per segment on top of its rows{tile}"
+
+
 def tokens_label(total: int) -> str:
     return f"{total // 1024}K" if total >= 1024 else str(total)
 
@@ -114,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernel", default="auto")
     p.add_argument("--warmup", type=int, default=0, help="untimed steps per configuration (a warm-up pass of "
                    "every backend at the smallest W runs first anyway)")
-    p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--reps", type=int, default=2, help="timed steps per configuration; each rank's kernel time is "
+                   "the lower median over them (with 2: the smaller)")
     p.add_argument("--eps-sweep", default="prolong:16", help="mix:W at which CAD's eps sweep is measured")
     p.add_argument("--skip", default="tasp:64",
                    help="backend:W pairs not run (tasp at W=64 makes ~3000 kernel calls per rank and step: 63 rings x "
@@ -166,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"warm-up {backend}: {type(exc).__name__}: {exc}", flush=True)
     del warm_tensors
 
-    rows, skipped, choices, sweep_rows = [], [], [], []
+    release_memory(device)
+    rows, skipped, choices, sweep_rows, memory = [], [], [], [], []
     sweep_mix, sweep_w = args.eps_sweep.split(":")
     for i_mix, mix in enumerate(mixes):
         deadline = args.budget_s * (i_mix + 1) / len(mixes)  # each mix gets its share; unused time carries over
@@ -206,20 +231,25 @@ def main(argv: list[str] | None = None) -> int:
             if mix == sweep_mix and str(w) == sweep_w and "cad" in backends \
                     and time.perf_counter() - t_start <= args.budget_s:
                 sweep_rows += eps_sweep(batch, w, tensors, profiled, emulate, mix, total)
+            del steps
+            release_memory(device)
+            memory.append(f"- after {mix} W={w}: {device_memory(device)}")
+            print(memory[-1], flush=True)
         del tensors
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_memory(device)
 
     elapsed = time.perf_counter() - t_start
     lines = [f"# Sequence-parallel backends, emulated on one GPU ({device_name})", "",
              f"Every number below is **emulated on one GPU**: the W ranks of one forward+backward step run on one "
              f"{device_name} with the real plans, schedules, kernels ({args.kernel}) and merges; transfers are local "
              "copies. Kernel times are measured per rank (CUDA events around each kernel call, ranks never "
-             "interleaved); bytes are counted per rank. Predicted step = slowest rank's kernels + slowest rank's "
-             "transfers (no overlap; 'overlap' = the larger of the two per rank). Predicted TFLOP/s/GPU = causal "
+             f"interleaved), {args.warmup} untimed and {args.reps} timed steps per configuration, each rank's kernel "
+             "time the lower median over the timed steps (of 2: the smaller); bytes are counted per rank. "
+             "Predicted step = slowest rank's kernels + slowest rank's transfers (no overlap; 'overlap' = the larger "
+             "of the two per rank). Predicted TFLOP/s/GPU = causal "
              f"attention FLOPs (fwd+bwd, x3.5) / W / predicted step. Heads {shape.heads}, KV heads "
              f"{shape.kv_heads}, head dim {shape.head_dim}, {str(shape.dtype).removeprefix('torch.')}.", "",
-             f"CAD cost model: {source}.", "",
+             f"CAD cost model: {source}{segment_terms(profiled)}.", "",
              "Link bandwidths of the communication model (within one NVLink node; W > 8 assumes the same "
              "per-rank bandwidth, which a multi-node group does not have):", ""]
     lines += [f"- {s}" for s in link_sources()]
@@ -228,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         lines += ["", f"## CAD eps sweep ({sweep_mix}, W={sweep_w}, profiled cost), emulated on one GPU", "",
                   table_header(["eps", "max/mean kernel", "max kernel ms", "max MiB sent/rank", "pred. step ms",
                                 "schedule's own prediction ms", "notes"]), *sweep_rows]
+    lines += ["", "## Device memory between configurations", "", *memory]
     if skipped:
         lines += ["", f"Not run (--skip, or the time budget of {args.budget_s:.0f} s spent): " + ", ".join(skipped)]
     lines += ["", f"Total {elapsed:.0f} s; torch {torch.__version__}; command: python scripts/bench_emulated.py "

@@ -9,11 +9,17 @@ fused batch, without the launch overhead of a lone small call. Cells whose causa
 the same row with the most work, scaled by FLOPs (such cells are compute bound), and listed in
 ``meta.extrapolated``.
 
-Kernel: ``torch_flash`` by default, because that is what an attention server's fused batch runs:
-``auto`` takes cuDNN only for causal segments with q_len == kv_len and at most a few distinct shapes,
-which a batch of CA-tasks never is. Profiling a lone shape with ``auto`` would time q_len == kv_len
-cells on cuDNN (about 1.7x faster) and all others on torch_flash, a jump on the diagonal that no
-interpolation between grid points represents.
+What a segment costs whatever its size (``segment_cost`` in the JSON): a batch of equal segments is
+timed whole and with every segment cut in two (same query rows, keys and visible pairs; one more
+segment per cut, as CAD's splits make them), and the difference per cut is the term (median over a
+few key lengths; ``meta.segment_cost_samples`` lists them). The grid then holds what the rows cost and
+every segment pays the term on top. ``tile`` (``--tile``, 128 on a GPU) prices partial kernel tiles as
+full ones. See :class:`hf_longctx.backends.cad.cost_model.ProfiledCostModel`.
+
+Kernel: ``auto`` (default) resolves to the kernel an attention server's fused batch runs: segments
+with fewer queries than keys, which rules out cuDNN's dense path (it takes only q_len == kv_len
+causal segments of a few distinct shapes), so without FlashAttention-4 it is ``torch_flash``. The
+kernel that ran is recorded in ``meta.kernel``.
 
 Run on the GPU machine:
 
@@ -21,22 +27,20 @@ Run on the GPU machine:
 
 then ``ProfiledCostModel.load("cad_profile.json")`` and pass it to
 ``hf_longctx.backends.cad.scheduler.schedule(..., cost_model=...)``. ``--mode fwd`` times the
-forward only; the default ``fwd+bwd`` is what a training step pays.
+forward only; the default ``fwd+bwd`` is what a training step pays. ``--device cpu`` runs the same
+measurements on the CPU (reference kernel, tiny sizes: a smoke run, not a profile to schedule on).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import torch
 
-from hf_longctx.backends.cad.cost_model import FlopsCostModel, ProfiledCostModel
-from hf_longctx.benchmarking import timed
-from hf_longctx.kernels import attention_backward, attention_forward, kernel_call, select_kernel
+from hf_longctx.backends.cad.profiled import ProfileBudget, SegmentShape, default_tile, profile_segment_costs
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def sizes(text: str) -> list[int]:
@@ -45,26 +49,6 @@ def sizes(text: str) -> list[int]:
         x = x.strip().lower()
         out.append(int(x[:-1]) * 1024 if x.endswith("k") else int(x))
     return sorted(set(out))
-
-
-def time_cell(q_len, kv_len, args, dtype) -> tuple[float, int]:
-    """Milliseconds per segment of a packed batch of identical (q_len, kv_len) segments, and the copies."""
-    copies = max(1, min(args.min_tokens // q_len, args.max_kv_tokens // kv_len))
-    dev = "cuda"
-    g = torch.Generator(device=dev).manual_seed(q_len * 7 + kv_len)
-    q = torch.randn(copies * q_len, args.heads, args.head_dim, device=dev, dtype=dtype, generator=g)
-    k = torch.randn(copies * kv_len, args.kv_heads, args.head_dim, device=dev, dtype=dtype, generator=g)
-    v = torch.randn_like(k)
-    cu_q = torch.arange(copies + 1, device=dev, dtype=torch.int32) * q_len
-    cu_k = torch.arange(copies + 1, device=dev, dtype=torch.int32) * kv_len
-    dout = torch.randn_like(q) if args.mode == "fwd+bwd" else None
-
-    def step():
-        out, lse = attention_forward(q, k, v, cu_q, cu_k, q_len, kv_len, causal=True, kernel=args.kernel)
-        if dout is not None:
-            attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, q_len, kv_len, causal=True, kernel=args.kernel)
-
-    return timed(step, args.reps, warmup=args.warmup) / copies, copies
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,55 +60,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--kernel", default="auto",
-                   help="kernel for attention_forward/backward; 'auto' profiles the kernel training will run")
+                   help="kernel for attention_forward/backward; 'auto' profiles the kernel a server's batch runs")
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (a smoke run of the measurements)")
     p.add_argument("--mode", choices=["fwd", "fwd+bwd"], default="fwd+bwd")
     p.add_argument("--min-tokens", type=int, default=65536, help="query rows per timed batch (at least)")
     p.add_argument("--max-kv-tokens", type=int, default=1 << 21, help="keys per timed batch (at most)")
     p.add_argument("--max-pairs", type=float, default=float(1 << 36),
                    help="largest visible (query, key) pairs of a measured cell; larger cells are extrapolated")
+    p.add_argument("--tile", type=int, default=None,
+                   help="kernel tile that partial tiles are rounded up to (default: 128 on a GPU, 0 on the CPU)")
+    p.add_argument("--no-segment-cost", action="store_true", help="do not measure the per-segment term")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default="cad_profile.json")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("profile_cad.py needs a CUDA device", file=sys.stderr)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("profile_cad.py needs a CUDA device (or --device cpu for a smoke run)", file=sys.stderr)
         return 2
-    dtype = DTYPES[args.dtype]
-    pairs = FlopsCostModel(flops_per_pair=1.0)
-    table = [[float("nan")] * len(args.kv_lens) for _ in args.q_lens]
-    t0 = time.perf_counter()
-    for i, ql in enumerate(args.q_lens):
-        for j, kl in enumerate(args.kv_lens):
-            if pairs.cost(ql, kl) > args.max_pairs:
-                continue
-            ms, copies = time_cell(ql, kl, args, dtype)
-            table[i][j] = ms
-            work = 4 * args.heads * args.head_dim * pairs.cost(ql, kl) * (3.5 if args.mode == "fwd+bwd" else 1.0)
-            print(f"q {ql:>7} kv {kl:>7} x{copies:<4} {ms:10.4f} ms/segment  {work / ms / 1e9:8.1f} TFLOP/s",
-                  flush=True)
-    extrapolated = []
-    for i, ql in enumerate(args.q_lens):
-        done = [j for j in range(len(args.kv_lens)) if table[i][j] == table[i][j]]
-        src_i = i
-        if not done:  # borrow the rate of the nearest row with a measurement
-            rows = [r for r in range(len(args.q_lens)) if any(x == x for x in table[r])]
-            src_i = min(rows, key=lambda r: abs(r - i))
-            done = [j for j in range(len(args.kv_lens)) if table[src_i][j] == table[src_i][j]]
-        ref = max(done, key=lambda j: pairs.cost(args.q_lens[src_i], args.kv_lens[j]))
-        rate = table[src_i][ref] / max(pairs.cost(args.q_lens[src_i], args.kv_lens[ref]), 1.0)
-        for j, kl in enumerate(args.kv_lens):
-            if table[i][j] != table[i][j]:
-                table[i][j] = rate * pairs.cost(ql, kl)
-                extrapolated.append([ql, kl])
-    probe = torch.empty(args.q_lens[-1], args.heads, args.head_dim, device="cuda", dtype=DTYPES[args.dtype])
-    kv, n = probe[:, : args.kv_heads], len(probe)
-    ran = select_kernel(args.kernel, kernel_call(probe, kv, kv, [0, n], [0, n], n, n))
-    model = ProfiledCostModel.from_grid(args.q_lens, args.kv_lens, table, units="ms")
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "heads": args.heads,
-            "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": args.dtype, "kernel": ran,
-            "mode": args.mode, "extrapolated": extrapolated, "seconds": round(time.perf_counter() - t0, 1)}
+    kernel = "reference" if device.type == "cpu" and args.kernel == "auto" else args.kernel
+    shape = SegmentShape(args.heads, args.kv_heads, args.head_dim, DTYPES[args.dtype])
+    budget = ProfileBudget(min_tokens=args.min_tokens, max_kv_tokens=args.max_kv_tokens, max_pairs=args.max_pairs,
+                           max_batch_pairs=float(1 << 62), warmup=args.warmup, reps=args.reps)
+    tile = default_tile(device) if args.tile is None else args.tile
+    model, meta = profile_segment_costs(kernel, device, shape, args.q_lens, args.kv_lens, budget, mode=args.mode,
+                                        tile=tile, segment_cost=not args.no_segment_cost,
+                                        report=lambda line: print(line, flush=True))
     model.save(args.out, **meta)
-    print(f"wrote {args.out}: {len(args.q_lens)} x {len(args.kv_lens)} grid, {len(extrapolated)} cells extrapolated")
+    print(f"wrote {args.out}: {len(args.q_lens)} x {len(args.kv_lens)} grid, {len(meta['extrapolated'])} cells "
+          f"extrapolated, {model.segment_cost:.5f} ms per segment, tile {model.tile}, kernel {meta['kernel']}")
     return 0
 
 

@@ -10,6 +10,8 @@ from hf_longctx.backends.cad.cost_model import FlopsCostModel, ProfiledCostModel
 from hf_longctx.backends.cad.eps import EpsCandidate, choose_eps, sweep_eps
 from hf_longctx.backends.cad.profiled import ProfileBudget, SegmentShape, profiled_cost_model
 from hf_longctx.backends.cad.runtime import cad_schedule
+from hf_longctx.backends.cad.scheduler import verify_schedule
+from hf_longctx.backends.cad.tasks import docs_per_rank
 from hf_longctx.emulation import emulate_step
 from hf_longctx.layout import shard_plan
 
@@ -77,14 +79,91 @@ def test_profiled_string_makes_every_rank_schedule_on_one_table(tmp_path, monkey
     import hf_longctx.backends.cad.runtime as runtime
     from hf_longctx.comm.emulated import EmulationHub
 
-    base = ProfiledCostModel.from_grid((16, 64), (16, 64), [[1.0, 2.0], [3.0, 4.0]], interpolate="rate")
+    base = ProfiledCostModel.from_grid((16, 64), (16, 64), [[1.0, 2.0], [3.0, 4.0]], interpolate="rate",
+                                       segment_cost=0.25, tile=16)
     monkeypatch.setattr(runtime, "_profiled", lambda kernel: base)
 
     def per_rank(group):
-        if group.rank == 1:  # a rank whose device measured one cell slower
+        if group.rank == 1:  # a rank whose device measured one cell and the per-segment term slower
             monkeypatch.setattr(runtime, "_profiled", lambda kernel: ProfiledCostModel.from_grid(
-                (16, 64), (16, 64), [[1.0, 2.5], [3.0, 4.0]], interpolate="rate"))
+                (16, 64), (16, 64), [[1.0, 2.5], [3.0, 4.0]], interpolate="rate", segment_cost=0.5, tile=16))
         return runtime.agreed_profile("reference", group)
 
-    models = EmulationHub(3).run(per_rank)
-    assert all(m.table == ((1.0, 2.5), (3.0, 4.0)) for m in models)
+    cached = dict(runtime._AGREED)
+    for _ in range(2):  # a new group each time: measured and agreed again, never taken from another group
+        models = EmulationHub(3).run(per_rank)
+        assert all(m.table == ((1.0, 2.5), (3.0, 4.0)) and m.segment_cost == 0.5 and m.tile == 16 for m in models)
+        monkeypatch.setattr(runtime, "_profiled", lambda kernel: base)
+    assert runtime._AGREED == cached  # emulated groups keep theirs on their hub, freed with it
+
+
+def _fake_clock(call_ms: float, per_segment_ms: float, per_pair_ms: float):
+    """A stand-in for the profiler's clock: a fused call costs ``call_ms``, each segment ``per_segment_ms`` and each
+    visible (query, key) pair ``per_pair_ms``."""
+    from hf_longctx.backends.cad.cost_model import PAIRS
+
+    def run_ms(step, device):
+        return call_ms + sum(per_segment_ms + per_pair_ms * PAIRS.cost(q, k) for q, k in step.shapes)
+
+    return run_ms
+
+
+def test_profiler_fits_the_per_segment_term_from_cut_batches(tmp_path, monkeypatch):
+    """On a clock with a known per-segment cost the profiler recovers it, the grid keeps the rows' cost, and the
+    model prices shapes far from the grid (where a per-pair rate alone misses the term) right."""
+    import hf_longctx.backends.cad.profiled as profiled
+    from hf_longctx.backends.cad.cost_model import PAIRS
+
+    monkeypatch.setattr(profiled, "_run_ms", _fake_clock(call_ms=0.005, per_segment_ms=0.02, per_pair_ms=1e-6))
+    budget = ProfileBudget(min_tokens=256, max_kv_tokens=4096, max_pairs=1 << 16, warmup=0, reps=1)
+    model, meta = profiled.profile_segment_costs("reference", "cpu", SHAPE, (16, 64, 256), (16, 64, 256, 1024),
+                                                 budget, tile=16)
+    assert model.segment_cost == pytest.approx(0.02, rel=1e-6) and model.tile == 16
+    samples = meta["segment_cost_samples"]
+    assert len(samples) == 3 and all(ms == pytest.approx(0.02) for *_, ms in samples)
+    truth = [(16, 16), (16, 1024), (64, 700), (1, 1000), (3, 40)]
+    for q, k in truth:
+        exact = 0.02 + 1e-6 * PAIRS.cost(-(-q // 16) * 16, -(-k // 16) * 16)
+        assert model.cost(q, k) == pytest.approx(exact, rel=0.05), (q, k)
+    # without the term, a short segment is priced at the grid's per-pair rate: far too cheap
+    flat, _ = profiled.profile_segment_costs("reference", "cpu", SHAPE, (16, 64, 256), (16, 64, 256, 1024), budget,
+                                             tile=0, segment_cost=False)
+    assert flat.segment_cost == 0.0 and flat.cost(1, 1000) < 0.5 * model.cost(1, 1000)
+
+
+def test_a_cached_profile_without_the_segment_term_is_measured_again(tmp_path, monkeypatch):
+    import json
+
+    import hf_longctx.backends.cad.profiled as profiled
+
+    monkeypatch.setenv("HF_LONGCTX_CACHE", str(tmp_path))
+    monkeypatch.setattr(profiled, "_run_ms", _fake_clock(call_ms=0.0, per_segment_ms=0.01, per_pair_ms=1e-6))
+    model, source = profiled_cost_model("reference", "cpu", SHAPE, **TINY)
+    path = next((tmp_path / "cad_cost").glob("*.json"))
+    assert "now" in source and model.segment_cost == pytest.approx(0.01, rel=1e-6)
+    doc = json.loads(path.read_text())
+    del doc["segment_cost"], doc["tile"]  # as written before the term existed
+    path.write_text(json.dumps(doc))
+    again, source = profiled_cost_model("reference", "cpu", SHAPE, **TINY)
+    assert "now" in source and again.segment_cost == pytest.approx(0.01, rel=1e-6)
+    assert "segment_cost" in json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_cad_with_a_segment_term_and_tiles_stays_exact(world):
+    from hf_longctx.backends.cad.cost_model import PAIRS
+
+    grid = (16, 64, 256, 1024)
+    model = ProfiledCostModel.from_grid(grid, grid, [[0.3 + 1e-4 * PAIRS.cost(q, k) for k in grid] for q in grid],
+                                        interpolate="rate", segment_cost=0.3, tile=16)
+    batch, q, k, v, dout = make_problem(21 + world, world, torch.float64)
+    want = reference(batch, q, k, v, dout)
+    for options in ({"cost_model": model, "eps": 0.0, "min_shard": 4}, {"cost_model": model, "eps": "auto"}):
+        step = emulate_step(batch, world, (q, k, v, dout), "cad", options=options, kernel="reference",
+                            keep_results=True)
+        plan = shard_plan(batch, world, "cad")
+        verify_schedule(docs_per_rank(plan), cad_schedule(plan, options), model)  # every row once, loads priced
+        for r in step.ranks:
+            idx = plan.local_indices(r.rank)
+            for got, ref in zip(r.results, want):
+                torch.testing.assert_close(got, ref[idx], rtol=1e-9, atol=1e-9)

@@ -327,3 +327,141 @@ def test_scheduler_balances_windowed_cost_and_covers_every_row():
     assert sched.converged and sched.imbalance <= 1.05 + 1e-9
     assert sched.loads.sum() == pytest.approx(model.cost_array(*np.array(
         [(n, o + n) for n, o in zip(*parse_docs(docs)[:2])]).T).sum())
+
+
+# ---------------------------------------------------------------- per-segment cost and kernel tiles
+
+
+def flat_model(segment_cost: float = 0.0, tile: int = 0, rate: float = 1e-6) -> ProfiledCostModel:
+    """Constant cost per visible pair plus ``segment_cost`` per segment: rows are exactly additive, so any
+    difference a cut makes is the segment term."""
+    grid = [128, 512, 2048, 8192, 32768, 131072]
+    table = [[segment_cost + rate * PAIRS.cost(q, k) for k in grid] for q in grid]
+    return ProfiledCostModel.from_grid(grid, grid, table, interpolate="rate", segment_cost=segment_cost, tile=tile)
+
+
+@pytest.mark.parametrize("interpolate", ["time", "rate"])
+def test_segment_cost_is_paid_once_per_segment_and_grid_points_stay_exact(interpolate):
+    base = grid_model()
+    m = ProfiledCostModel.from_grid(base.q_lens, base.kv_lens, base.table, interpolate=interpolate,
+                                    segment_cost=0.005)
+    qq, kk = np.meshgrid(m.q_lens, m.kv_lens, indexing="ij")
+    assert np.allclose(m.cost_array(qq, kk), np.asarray(m.table), rtol=1e-12)
+    assert m.cost(0, 100) == 0.0 and m.cost_array(np.array([0]), np.array([100]))[0] == 0.0
+    # off the grid, the rows' part is what the model without the term gives for (table - term)
+    rows_only = ProfiledCostModel.from_grid(m.q_lens, m.kv_lens, [[v - 0.005 for v in r] for r in m.table],
+                                            interpolate=interpolate)
+    for q, k in [(3, 5), (100, 3000), (700, 700), (3000, 60000), (9000, 100000)]:
+        assert m.cost(q, k) == pytest.approx(0.005 + rows_only.cost(q, k), rel=1e-12)
+        assert m.cost_array(np.array([q]), np.array([k]))[0] == pytest.approx(m.cost(q, k), rel=1e-12)
+
+
+@given(length=st.integers(2, 20000), offset=st.integers(0, 20000), data=st.data())
+@settings(max_examples=60, deadline=None)
+def test_cutting_a_segment_costs_exactly_one_segment_term(length, offset, data):
+    m = flat_model(segment_cost=0.25)
+    cut = data.draw(st.integers(1, length - 1))
+    whole = query_rows_cost(m, length, offset, 0, length)
+    parts = query_rows_cost(m, length, offset, 0, cut) + query_rows_cost(m, length, offset, cut, length)
+    assert parts - whole == pytest.approx(0.25, rel=1e-6)
+    additive = flat_model()
+    parts0 = query_rows_cost(additive, length, offset, 0, cut) + query_rows_cost(additive, length, offset, cut, length)
+    assert parts0 == pytest.approx(query_rows_cost(additive, length, offset, 0, length), rel=1e-9)
+
+
+def test_tile_prices_partial_tiles_like_full_ones():
+    m = flat_model(tile=128)
+    plain = flat_model()
+    assert m.cost(1, 1) == pytest.approx(plain.cost(128, 128))
+    assert m.cost(129, 1000) == pytest.approx(plain.cost(256, 1024))
+    assert m.cost(256, 1024) == pytest.approx(plain.cost(256, 1024))  # whole tiles: unchanged
+    shapes = np.array([(1, 1), (5, 300), (129, 1000), (4096, 8191), (0, 50)])
+    np.testing.assert_allclose(m.cost_array(shapes[:, 0], shapes[:, 1]), [m.cost(q, k) for q, k in shapes])
+    with pytest.raises(ValueError, match="multiple"):
+        ProfiledCostModel.from_grid([100, 256], [128], [[1.0], [2.0]], tile=128)
+    with pytest.raises(ValueError, match="segment_cost"):
+        ProfiledCostModel.from_grid([128], [128], [[1.0]], segment_cost=-1.0)
+
+
+def test_profile_json_without_the_new_fields_loads_as_no_extra_term(tmp_path):
+    import json
+
+    m = grid_model()
+    old = tmp_path / "old.json"  # what profiles written before the per-segment term hold
+    old.write_text(json.dumps({"q_lens": list(m.q_lens), "kv_lens": list(m.kv_lens),
+                               "cost": [list(r) for r in m.table], "units": "ms", "meta": {}}))
+    for interpolate in ("time", "rate"):
+        loaded = ProfiledCostModel.load(old, interpolate=interpolate)
+        assert loaded.segment_cost == 0.0 and loaded.tile == 0
+        ref = ProfiledCostModel.from_grid(m.q_lens, m.kv_lens, m.table, interpolate=interpolate)
+        assert loaded == ref
+        assert [loaded.cost(q, k) for q, k in [(7, 900), (3000, 60000)]] == [ref.cost(q, k)
+                                                                             for q, k in [(7, 900), (3000, 60000)]]
+    new = tmp_path / "new.json"
+    with_terms = flat_model(segment_cost=0.125, tile=128)
+    with_terms.save(new)
+    assert ProfiledCostModel.load(new, interpolate="rate") == with_terms
+
+
+def test_windowed_model_pays_the_segment_term_whole():
+    from hf_longctx.backends.cad.cost_model import WindowedCostModel, segment_overhead
+
+    m = flat_model(segment_cost=0.5)
+    win = WindowedCostModel(m, 256)
+    assert segment_overhead(win) == 0.5 and segment_overhead(FlopsCostModel()) == 0.0
+    rows = WindowedCostModel(flat_model(), 256)
+    for q, k in [(1, 1), (100, 5000), (3000, 3000)]:
+        assert win.cost(q, k) == pytest.approx(0.5 + rows.cost(q, k), rel=1e-9)
+    assert win.cost(0, 10) == 0.0
+    qs, ks = np.array([0, 1, 100, 3000]), np.array([10, 1, 5000, 3000])
+    np.testing.assert_allclose(win.cost_array(qs, ks), [win.cost(q, k) for q, k in zip(qs, ks)])
+    # a window no shorter than the keys hides nothing: the base model's price
+    assert WindowedCostModel(m, 10**6).cost(700, 900) == pytest.approx(m.cost(700, 900), rel=1e-12)
+
+
+def _prolong_docs(ranks: int, tokens_per_rank: int, seed: int = 1):
+    lengths = synthetic_doc_lengths("prolong", ranks * tokens_per_rank, seed=seed, max_doc_len=ranks * tokens_per_rank)
+    return contiguous_layout(lengths, ranks, tokens_per_rank)
+
+
+@pytest.mark.parametrize("ranks, eps, min_shard", [(4, 0.1, 128), (16, 0.01, 32), (16, 0.1, 128)])
+def test_scheduler_charges_every_split_its_segment_term(ranks, eps, min_shard):
+    """With rows exactly additive, the final loads exceed the unsplit total by one term per extra task: every
+    cut the schedule made paid for its segment, none was charged twice."""
+    docs = _prolong_docs(ranks, 16384)
+    seg = flat_model(segment_cost=0.2).cost(128, 16384) * 0.01  # 1% of a 128-row shard over 16K keys
+    model = flat_model(segment_cost=seg)
+    sched = schedule(docs, ranks, eps=eps, cost_model=model, min_shard=min_shard)
+    verify_schedule(docs, sched, model)  # every row once; loads are the tasks priced one by one
+    items = len(parse_docs(docs)[0])
+    extra = len(sched.task_server) - items
+    assert extra > 0  # the layout needs splits
+    assert sched.loads.sum() == pytest.approx(sched.initial_loads.sum() + extra * seg, rel=1e-9)
+    # the target follows what is computed; balance holds against it
+    assert sched.imbalance <= 1 + eps + 0.02
+
+
+def test_a_split_whose_segment_terms_outweigh_its_rows_is_not_made():
+    docs = [[8192], [256], [256], [256]]
+    cheap = schedule(docs, 4, eps=0.05, cost_model=flat_model())
+    assert len(cheap.task_server) > 4  # without the term the long document is cut
+    dear = flat_model(segment_cost=flat_model().cost(8192, 8192))  # a segment term larger than the whole document
+    sched = schedule(docs, 4, eps=0.05, cost_model=dear)
+    verify_schedule(docs, sched, dear)
+    assert len(sched.task_server) == 4 and sched.loads.max() == pytest.approx(dear.cost(8192, 8192))
+
+
+def test_flops_and_term_free_profiles_ignore_the_segment_machinery():
+    """Without a segment term the scheduler takes the same decisions as a model that never had the fields."""
+    docs = _prolong_docs(8, 8192, seed=4)
+    grid = [128, 512, 2048, 8192, 32768, 131072]
+    table = [[1e-9 * PAIRS.cost(q, k) * (1 + 3000 / (q + k)) for k in grid] for q in grid]
+    plain = ProfiledCostModel(tuple(map(float, grid)), tuple(map(float, grid)),
+                              tuple(tuple(r) for r in table), "ms", "rate")
+    explicit = ProfiledCostModel.from_grid(grid, grid, table, interpolate="rate", segment_cost=0.0, tile=0)
+    for model in (FlopsCostModel(), plain):
+        a = schedule(docs, 8, eps=0.01, cost_model=model, min_shard=32)
+        b = schedule(docs, 8, eps=0.01, cost_model=explicit if model is plain else FlopsCostModel(), min_shard=32)
+        for name in ("task_owner", "task_piece", "task_q_start", "task_q_end", "task_server", "loads"):
+            assert np.array_equal(getattr(a, name), getattr(b, name)), name
+        assert a.target == b.target and a.num_moves == b.num_moves

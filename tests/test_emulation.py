@@ -145,3 +145,150 @@ def test_auto_decides_from_emulated_steps_and_says_why():
         assert AUTO.verdicts.get(_decision_key(q[idx], k[idx], plan, None)) == choice.backend
     finally:
         reset_auto_decisions()
+
+
+# ---------------------------------------------------------------- repetitions
+
+
+def test_median_rep_is_the_lower_median_of_the_totals():
+    from hf_longctx.emulation import median_rep
+
+    assert median_rep([(1.0, 2.0)]) == (1.0, 2.0)
+    assert median_rep([(5.0, 5.0), (1.0, 2.0)]) == (1.0, 2.0)  # of two, the smaller: one outlier dropped
+    assert median_rep([(9.0, 9.0), (1.0, 1.0), (2.0, 1.0)]) == (2.0, 1.0)
+    # forward and backward of one repetition (not the medians of each, 0.5 and 0.5)
+    assert median_rep([(0.5, 0.5), (0.1, 2.0), (0.9, 0.2)]) == (0.9, 0.2)
+    assert median_rep([]) == (0.0, 0.0)
+
+
+def test_each_rank_reports_the_median_of_its_timed_repetitions():
+    """A timer that reports scripted seconds per step: warm-up steps are dropped, each rank gets the lower median of
+    the timed ones, and a first-call outlier does not reach the result."""
+    from hf_longctx.emulation.timing import KernelTimer
+
+    world = 3
+    # seconds per step (warm-up first), per rank: (forward, backward)
+    script = [[(50.0, 50.0)] * world,  # warm-up: ignored
+              [(8.0, 9.0), (1.0, 2.0), (3.0, 3.0)],  # rank 0 has a first-call outlier here
+              [(1.0, 1.0), (1.5, 2.0), (3.0, 4.0)],
+              [(1.0, 2.0), (1.0, 1.0), (2.0, 3.0)]]
+    steps = iter(script)
+
+    class ScriptedTimer(KernelTimer):
+        def __init__(self, hub, device):
+            super().__init__(hub, device)
+            self.values = next(steps)
+
+        def seconds(self):
+            out = {}
+            for r, (f, b) in enumerate(self.values):
+                out[r, "forward"], out[r, "backward"] = f, b
+            return out
+
+    batch, q, k, v, dout = make_problem(2, world, torch.float64)
+    step = emulate_step(batch, world, (q, k, v, dout), "ring", kernel="reference", warmup=1, reps=3,
+                        make_timer=ScriptedTimer)
+    assert [(r.forward_s, r.backward_s) for r in step.ranks] == [(1.0, 2.0), (1.0, 2.0), (3.0, 3.0)]
+    assert next(steps, None) is None
+    with pytest.raises(ValueError, match="reps"):
+        emulate_step(batch, world, (q, k, v, dout), "ring", kernel="reference", reps=0)
+
+
+# ---------------------------------------------------------------- nothing kept across configurations
+
+
+@pytest.fixture
+def no_gc():
+    """Freed means freed by reference counting: the collector does not run during the test."""
+    import gc
+
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_emulated_step_frees_its_plan_and_caches_when_it_returns(backend, no_gc, monkeypatch):
+    """The plan of a step holds what its backend cached (schedules, device index tensors): it must go when the
+    step does, not at the collector's next full pass (a plan that referred to itself kept every configuration's
+    caches of a benchmark alive)."""
+    import weakref
+
+    import hf_longctx.emulation.runner as runner
+
+    plans = []
+    real = runner.shard_plan
+
+    def spy(*args, **kwargs):
+        plan = real(*args, **kwargs)
+        plans.append(weakref.ref(plan))
+        return plan
+
+    monkeypatch.setattr(runner, "shard_plan", spy)
+    world = 3
+    batch, q, k, v, dout = make_problem(4, world, torch.float32)
+    step = emulate_step(batch, world, (q, k, v, dout), backend, kernel="reference", warmup=1, reps=2,
+                        keep_results=True)
+    results = [weakref.ref(t) for r in step.ranks for t in r.results]
+    assert plans and all(p() is None for p in plans)
+    del step
+    assert all(t() is None for t in results)
+
+
+def test_a_failed_run_leaves_nothing_referenced(no_gc):
+    """A rank's exception carries its frames (and their tensors) in its traceback: once the caller drops the
+    exception, they must be freed without the collector (no cycle through the hub)."""
+    import weakref
+
+    refs = []
+
+    def rank_fn(group):
+        big = torch.ones(1000)
+        refs.append(weakref.ref(big))
+        if group.rank == 1:
+            raise ValueError("rank 1 broke")
+        group.barrier()
+
+    hub = EmulationHub(3)
+    with pytest.raises(ValueError, match="rank 1 broke"):
+        hub.run(rank_fn)
+    assert refs and all(r() is None for r in refs)
+
+    def unanswered(group):  # a send nobody receives stays with the hub until the run ends, not longer
+        t = torch.ones(10)
+        refs.append(weakref.ref(t))
+        if group.rank == 0:
+            group.post([(1, t, 5)], [], "never received")
+
+    refs.clear()
+    hub = EmulationHub(2)
+    hub.run(unanswered)
+    assert refs and all(r() is None for r in refs)
+
+
+def test_ranks_run_on_reused_threads():
+    """Rank r of every hub runs on the same thread, so libraries' per-thread state (cuDNN's graph caches) is
+    built once per rank, not per step and leaked at every thread's exit."""
+    import threading
+
+    from hf_longctx.comm.emulated import rank_threads
+
+    def ident(group):
+        return threading.get_ident()
+
+    first = EmulationHub(4).run(ident)
+    alive = threading.active_count()
+    for world in (2, 4, 3, 4):
+        got = EmulationHub(world).run(ident)
+        assert got == first[:world]
+    assert threading.active_count() == alive
+    assert [t.ident for t in rank_threads()[:4]] == first
+
+    def nested(group):  # a hub run from inside another gets threads of its own
+        return EmulationHub(2).run(ident) if group.rank == 0 else None
+
+    inner = EmulationHub(2).run(nested)[0]
+    assert not set(inner) & set(first)

@@ -206,3 +206,26 @@ def test_windowed_block_out_of_reach_has_no_pairs_and_window_views_are_cached():
     for bad in (0, -2, 2.0, True):
         with pytest.raises(ValueError, match="sliding window"):
             base.with_window(bad)
+
+
+def test_plans_and_their_window_views_are_freed_without_the_garbage_collector():
+    """Device tensors cached on a plan go with it: no reference cycle runs through a plan or its views."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        base = shard_plan(PackedBatch.from_doc_lens([24, 9]), 3, "contiguous")
+        view = base.with_window(4)
+        exchange_plan(view, 2, 1)
+        refs = [weakref.ref(base), weakref.ref(view)]
+        del base, view
+        assert [r() for r in refs] == [None, None]
+        # a view that outlives its unwindowed plan still finds one (an equal plan that holds the view)
+        view = shard_plan(PackedBatch.from_doc_lens([24, 9]), 3, "contiguous").with_window(4)
+        again = view.with_window(None)
+        assert again.window is None and again.slots == view.slots and again.with_window(4) is view
+        assert view.with_window(7).window == 7 and view.with_window(4) is view
+    finally:
+        gc.enable()

@@ -106,6 +106,9 @@ def check_group_agrees(call: RankCall) -> None:
 
     ``call.plan`` is the plan the backend will run (its window view under a sliding window), so ranks
     that disagree on the window stop here too. A plan that passed once for a group is not checked again.
+    The plan remembers the group object itself, not its ``id``: a group created after another was freed may
+    get the same ``id``, and a rank that took the old group's pass for its own would skip the all_gather its
+    peers make (emulated groups come and go with every emulated step).
     """
     q, k, plan, backend, rank, world = call.q, call.k, call.plan, call.backend, call.rank, call.world
     problem = _local_problem(call)
@@ -113,7 +116,7 @@ def check_group_agrees(call: RankCall) -> None:
         if problem:
             raise ValueError(f"hf_longctx {backend}: {problem}")
         return
-    key = ("validated", backend, id(call.group), q.shape[1:], k.shape[1:], q.dtype, plan.window)
+    key = ("validated", backend, call.group, q.shape[1:], k.shape[1:], q.dtype, plan.window)
     if problem is None and plan.has_cached(key):
         return
     backend_code = int.from_bytes(hashlib.blake2b(backend.encode(), digest_size=4).digest(), "little")

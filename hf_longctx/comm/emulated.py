@@ -11,12 +11,22 @@ and gives it up only while it waits for a peer. So one rank's device work is nev
 another's on the device stream (events around a kernel call time exactly that call), package state
 needs no locks, and a run is deterministic. The hub counts what each rank sends to other ranks, by
 collective kind, for a communication model (:mod:`hf_longctx.emulation.comm_model`).
+
+Rank threads are kept and reused: rank ``r`` of every hub runs on the same long-lived thread (a new
+one only where that thread is busy, e.g. a hub run from inside another). Libraries keep per-thread
+state that a new thread builds again and an ended thread may never give back: torch's cuDNN
+attention keeps its execution graphs in per-thread caches that it leaks at thread exit on purpose
+(to avoid teardown races), so a thread per rank and step would build every graph again each step and
+keep all of them. Reused threads build a graph once per rank and shape. Nothing of a run stays
+referenced once it returns (or raises): no reference cycle runs through the hub, so a run's tensors
+are freed as soon as the caller drops them, without waiting for the garbage collector.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -75,8 +85,69 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     dst.view(-1).copy_(src.reshape(-1))
 
 
+class _Worker:
+    """A daemon thread that runs the jobs handed to it one after another (``once``: a single job, then it ends)."""
+
+    def __init__(self, name: str, once: bool = False) -> None:
+        self.busy = False
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._once = once
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job, done = self._jobs.get()
+            try:
+                job()
+            finally:
+                del job  # hold nothing of a finished run while waiting for the next
+                done.set()
+            if self._once:
+                return
+
+    def submit(self, job: Callable[[], None]) -> threading.Event:
+        done = threading.Event()
+        self._jobs.put((job, done))
+        return done
+
+
+_POOL: list[_Worker] = []  # _POOL[r] runs rank r of every hub, unless busy
+_POOL_LOCK = threading.Lock()
+
+
+def _acquire_workers(world: int) -> list[_Worker]:
+    with _POOL_LOCK:
+        while len(_POOL) < world:
+            _POOL.append(_Worker(f"emulated-rank-{len(_POOL)}"))
+        workers = []
+        for r in range(world):
+            w = _POOL[r]
+            if w.busy:  # a hub running inside another (or beside it, from another thread): a thread of its own
+                w = _Worker(f"emulated-rank-{r}-extra", once=True)
+            w.busy = True
+            workers.append(w)
+        return workers
+
+
+def _release_workers(workers: list[_Worker]) -> None:
+    with _POOL_LOCK:
+        for w in workers:
+            w.busy = False
+
+
+def rank_threads() -> list[threading.Thread]:
+    """The long-lived threads that run emulated ranks (rank r on the r-th), for checks and diagnostics."""
+    with _POOL_LOCK:
+        return [w.thread for w in _POOL]
+
+
 class EmulationHub:
-    """Shared state of one emulated group of ``world`` ranks; :meth:`run` runs a function on every rank."""
+    """Shared state of one emulated group of ``world`` ranks; :meth:`run` runs a function on every rank.
+
+    ``cache``: state the package keeps per group for the hub's lifetime (freed with it, unlike a module-level
+    dict keyed by ``id(group)``, whose keys a later group may reuse).
+    """
 
     def __init__(self, world: int, timeout_s: float = 600.0) -> None:
         if world < 1:
@@ -91,16 +162,17 @@ class EmulationHub:
         self._p2p: dict[tuple[int, int, int], deque[_Message]] = {}
         self._seq = [0] * world
         self._collectives: dict[int, _Collective] = {}
-        self.groups = [EmulatedGroup(self, r) for r in range(world)]
         self.local = threading.local()  # ``rank`` of the running thread, for observers (kernel timers)
+        self.cache: dict = {}
 
     # ------------------------------------------------------------------ running the ranks
 
     def run(self, fn: Callable[[EmulatedGroup], Any]) -> list[Any]:
         """``fn(group)`` on every rank (one thread each, one running at a time); their results by rank.
 
-        The first exception of any rank is raised here once every thread has stopped (the others stop at
-        their next wait with an :class:`EmulationError`).
+        The first exception of any rank is raised here once every rank has stopped (the others stop at
+        their next wait with an :class:`EmulationError`). Ranks run on reused threads (see the module
+        docstring); when this returns or raises, the hub holds nothing of the run but its traffic.
         """
         results: list[Any] = [None] * self.world
         errors: list[BaseException | None] = [None] * self.world
@@ -109,24 +181,36 @@ class EmulationHub:
             with self.lock:
                 self.local.rank = rank
                 try:
-                    results[rank] = fn(self.groups[rank])
+                    results[rank] = fn(EmulatedGroup(self, rank))
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller below
                     errors[rank] = exc
                     if self.failed is None:
                         self.failed = exc
                     for cond in self._wakeup:
                         cond.notify()
+                finally:
+                    self.local.rank = None
 
-        threads = [threading.Thread(target=body, args=(r,), name=f"emulated-rank-{r}", daemon=True)
-                   for r in range(self.world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        workers = _acquire_workers(self.world)
+        try:
+            done = [w.submit(lambda r=r: body(r)) for r, w in enumerate(workers)]
+            for d in done:
+                d.wait()
+        finally:
+            _release_workers(workers)
         first = next((e for e in errors if e is not None and not isinstance(e, EmulationError)), None)
         first = first or next((e for e in errors if e is not None), None)
+        # an exception's traceback holds the ranks' frames (their tensors): nothing here may point back at it,
+        # or frames, exception and hub form a cycle that only the garbage collector frees
+        errors.clear()
+        self.failed = None
+        self._p2p.clear()  # sends nobody received, collectives some rank never joined: their tensors
+        self._collectives.clear()
         if first is not None:
-            raise first
+            try:
+                raise first
+            finally:
+                first = None
         return results
 
     def current_rank(self) -> int | None:

@@ -1,5 +1,15 @@
 """W sequence-parallel ranks emulated on one device: per-rank kernel time, bytes, predicted step time."""
 
-from .runner import EmulatedStep, RankStep, emulate_step, link_sources, step_flops
+from .runner import (
+    EmulatedStep,
+    RankStep,
+    device_memory,
+    emulate_step,
+    link_sources,
+    median_rep,
+    release_memory,
+    step_flops,
+)
 
-__all__ = ["EmulatedStep", "RankStep", "emulate_step", "link_sources", "step_flops"]
+__all__ = ["EmulatedStep", "RankStep", "device_memory", "emulate_step", "link_sources", "median_rep",
+           "release_memory", "step_flops"]

@@ -10,12 +10,25 @@ a communication model (:mod:`hf_longctx.comm.links`) predicts the step time of a
 A rank's forward and backward are the backend's ``forward``/``backward`` called as the core-attention
 op calls them (not through autograd: on a GPU, autograd runs every rank's backward on one device
 thread, where ranks waiting for each other would deadlock).
+
+Repetitions. A single measurement lets first-call costs through (an allocator growing, a graph built
+for a new shape: host work that leaves the device idle between a call's events), so a configuration
+runs ``warmup`` untimed steps and then ``reps`` timed ones, and each rank's kernel time is the lower
+median over the timed steps of its forward+backward seconds: the middle one of an odd count, the
+smaller of two, so that one outlier among two repetitions is dropped rather than averaged in.
+
+Memory. Nothing of a step outlives :func:`emulate_step` but what it returns (per-rank seconds,
+traffic, and the results when kept): the plan with its cached schedules and device index tensors, the
+ranks' tensors and the hub are freed when it returns or raises. :func:`release_memory` returns the
+allocator's cached blocks to the device between configurations.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -32,7 +45,8 @@ from .timing import KernelTimer
 
 @dataclass
 class RankStep:
-    """One emulated rank: kernel seconds (median over the timed repetitions), calls, bytes sent."""
+    """One emulated rank: kernel seconds (the lower median over the timed repetitions, see the module
+    docstring), calls, bytes sent."""
 
     rank: int
     forward_s: float
@@ -120,17 +134,29 @@ def _rank_step(group: EmulatedGroup, plan: ShardPlan, backend: str, tensors, opt
     return (out, dq, dk, dv) if keep else None
 
 
+def median_rep(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """The (forward, backward) seconds of the repetition whose sum is the lower median (ties: the earlier)."""
+    if not samples:
+        return 0.0, 0.0
+    order = sorted(range(len(samples)), key=lambda i: (samples[i][0] + samples[i][1], i))
+    return samples[order[(len(samples) - 1) // 2]]
+
+
 def emulate_step(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ...], backend: str, *,
                  strategy: str | None = None, options: dict | None = None, kernel: str = "auto", warmup: int = 0,
-                 reps: int = 1, keep_results: bool = False, timeout_s: float = 600.0) -> EmulatedStep:
+                 reps: int = 1, keep_results: bool = False, timeout_s: float = 600.0,
+                 make_timer: Callable[[EmulationHub, torch.device], KernelTimer] = KernelTimer) -> EmulatedStep:
     """Run ``world`` ranks of ``backend`` on ``batch`` (forward + backward) on the device of ``tensors``.
 
     ``tensors`` are the GLOBAL packed ``(q, k, v, dout)``; every rank takes its rows from them as a real
     rank would. ``warmup`` untimed steps come first (kernels compile, plans fill their caches), then
-    ``reps`` timed ones; each rank's kernel seconds are its median over those. ``keep_results`` keeps
-    every rank's ``(out, dq, dk, dv)`` of the last step (in ``RankStep.results``, local row order).
-    Traffic is that of the last step.
+    ``reps`` timed ones; each rank's kernel seconds are those of the repetition whose forward+backward is
+    the lower median over them (:func:`median_rep`). ``keep_results`` keeps every rank's ``(out, dq, dk, dv)``
+    of the last step (in ``RankStep.results``, local row order). Traffic and kernel calls are those of the
+    last step. ``make_timer(hub, device)`` builds each step's kernel timer (:class:`~.timing.KernelTimer`).
     """
+    if reps < 1 or warmup < 0:
+        raise ValueError(f"need reps >= 1 and warmup >= 0, got reps={reps}, warmup={warmup}")
     q = tensors[0]
     strategy = strategy or default_strategy(backend)
     plan = shard_plan(batch, world, strategy)
@@ -140,7 +166,7 @@ def emulate_step(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ..
     traffic: list[list[tuple[str, int]]] = [[] for _ in range(world)]
     for i in range(warmup + reps):
         hub = EmulationHub(world, timeout_s)
-        timer = KernelTimer(hub, q.device)
+        timer = make_timer(hub, q.device)
         last = i == warmup + reps - 1
         with observe_kernels(timer):
             results = hub.run(lambda g, keep=keep_results and last: _rank_step(g, plan, backend, tensors, options,
@@ -154,9 +180,28 @@ def emulate_step(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ..
             traffic[r] = list(hub.traffic[r].calls)
     step = EmulatedStep(backend, world, strategy, step_flops(batch, q.shape[1], q.shape[2]), str(q.device))
     for r in range(world):
-        step.ranks.append(RankStep(r, statistics.median(f for f, _ in per_rank[r]),
-                                   statistics.median(b for _, b in per_rank[r]), calls[r], traffic[r], results[r]))
+        forward_s, backward_s = median_rep(per_rank[r])
+        step.ranks.append(RankStep(r, forward_s, backward_s, calls[r], traffic[r], results[r]))
     return step
+
+
+def release_memory(device: torch.device | str | None = None) -> None:
+    """Free what finished configurations left: collect garbage (objects only a cycle keeps, e.g. an exception
+    caught with its traceback's frames), then return the CUDA allocator's cached blocks to the device."""
+    gc.collect()
+    if (device is None or torch.device(device).type == "cuda") and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def device_memory(device: torch.device) -> str:
+    """One line on ``device``'s memory: allocated and reserved by torch's allocator, and free on the device
+    (memory taken outside the allocator, e.g. by libraries' own caches, shows as free shrinking alone)."""
+    if device.type != "cuda":
+        return "CPU (no device memory)"
+    free, total = torch.cuda.mem_get_info(device)
+    gib = float(1 << 30)
+    return (f"allocated {torch.cuda.memory_allocated(device) / gib:.2f} GiB, reserved "
+            f"{torch.cuda.memory_reserved(device) / gib:.2f} GiB, free {free / gib:.2f} of {total / gib:.2f} GiB")
 
 
 def link_sources() -> list[str]:

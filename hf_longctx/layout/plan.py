@@ -24,6 +24,7 @@ pieces round-robin across documents, so ranks end up within a couple of tokens o
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from functools import cached_property
@@ -102,6 +103,10 @@ class ShardPlan:
 
     ``window``: the sliding window of the attention this plan serves (transformers' ``sliding_window``:
     position p sees positions p - window + 1 .. p), or None for plain causal attention.
+
+    No reference cycle runs through a plan (a window view reaches its unwindowed plan through a weak
+    reference), so a plan and everything cached on it, device tensors included, are freed as soon as
+    the last user drops it, not at the garbage collector's next full pass.
     """
 
     def __init__(self, batch: PackedBatch, world_size: int, strategy: str, slots: tuple[tuple[Slot, ...], ...]):
@@ -111,7 +116,18 @@ class ShardPlan:
         self.slots = slots
         self.window: int | None = None  # set on the views of :meth:`with_window`
         self._cache: dict = {}
-        self._unwindowed = self
+        self._base: weakref.ReferenceType[ShardPlan] | None = None  # a window view's unwindowed plan
+
+    @property
+    def _unwindowed(self) -> ShardPlan:
+        if self._base is None:
+            return self
+        base = self._base()
+        if base is None:  # the unwindowed plan was dropped while this view lives on: an equal one that holds it
+            base = ShardPlan(self.batch, self.world_size, self.strategy, self.slots)
+            base._cache[("window", self.window)] = self
+            self._base = weakref.ref(base)
+        return base
 
     def with_window(self, window: int | None) -> ShardPlan:
         """This placement under a sliding window of ``window`` positions (None: no window).
@@ -130,7 +146,7 @@ class ShardPlan:
 
         def build() -> ShardPlan:
             view = ShardPlan(base.batch, base.world_size, base.strategy, base.slots)
-            view.window, view._unwindowed = window, base
+            view.window, view._base = window, weakref.ref(base)
             return view
 
         return base.cached(("window", window), build)

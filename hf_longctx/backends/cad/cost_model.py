@@ -10,7 +10,15 @@ measured kernel times are interchangeable.
   visible (query, key) pairs; forward FLOPs are ``4 * heads * head_dim`` per pair (QK^T and PV).
 - :class:`ProfiledCostModel` interpolates measured kernel times on a (q_len, kv_len) grid
   bilinearly (written by ``scripts/profile_cad.py``), which captures what FLOPs miss: short
-  segments run below peak throughput.
+  segments run below peak throughput. Optionally it also charges what a segment costs inside a
+  fused batch whatever its size (``segment_cost``) and prices partial kernel tiles like full ones
+  (``tile``): the two terms that make a measured cost non-additive over rows.
+
+Additivity. FLOPs (and visible pairs, also under a sliding window) are additive over query rows: a
+segment cut in two costs what it cost whole. The scheduler's splits use that (a ring's cost from
+its rows alone). A per-segment term breaks it on purpose: a cut adds one segment and costs one
+``segment_cost`` more; :func:`segment_overhead` gives the term so that callers that cut segments
+charge it once per segment they create, and nothing else.
 
 Both offer a scalar ``cost(q_len, kv_len)`` in plain Python (the scheduler's inner loop prices a
 few candidates per move, where numpy's per-call overhead would dominate) and a vectorised
@@ -38,6 +46,7 @@ __all__ = [
     "TokenBytes",
     "WindowedCostModel",
     "query_rows_cost",
+    "segment_overhead",
 ]
 
 
@@ -87,8 +96,10 @@ class WindowedCostModel:
 
     Row ``i`` of a bottom-right causal segment sees ``min(window, kv_len - q_len + i + 1)`` keys. The
     kernel reads at most ``q_len + window - 1`` keys of the segment, so the base model prices that
-    shape, scaled by the share of its pairs the window leaves visible (exact for FLOPs). Costs stay
-    additive over rows, which the scheduler's splits rely on.
+    shape, scaled by the share of its pairs the window leaves visible (exact for FLOPs). The base
+    model's per-segment term (:func:`segment_overhead`) is paid whole, not scaled: a segment costs it
+    whatever the window hides. Costs stay additive over rows apart from that term (none for FLOPs),
+    which the scheduler's splits charge per segment they create.
     """
 
     base: CostModel
@@ -103,6 +114,10 @@ class WindowedCostModel:
             return 0.0
         kv_read = min(kv_len, q_len + self.window - 1)
         full = PAIRS.cost(q_len, kv_read)
+        fixed = segment_overhead(self.base)
+        if fixed:
+            share = float(self._visible(q_len, kv_len)) / full if full else 0.0
+            return fixed + (self.base.cost(q_len, kv_read) - fixed) * share
         return self.base.cost(q_len, kv_read) * float(self._visible(q_len, kv_len)) / full if full else 0.0
 
     def cost_array(self, q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
@@ -111,7 +126,18 @@ class WindowedCostModel:
         kv_read = np.minimum(kv, q + self.window - 1)
         full = PAIRS.cost_array(q, kv_read)
         share = np.divide(self._visible(np.clip(q, 0, None), kv), full, out=np.zeros_like(full), where=full > 0)
+        fixed = segment_overhead(self.base)
+        if fixed:
+            return np.where(q > 0, fixed + (self.base.cost_array(q, kv_read) - fixed) * share, 0.0)
         return np.where(q > 0, self.base.cost_array(q, kv_read) * share, 0.0)
+
+
+def segment_overhead(model: CostModel) -> float:
+    """What ``model`` charges every non-empty segment whatever its rows (``ProfiledCostModel.segment_cost``;
+    0 for FLOPs and pairs). Cutting a segment in two leaves the rows' cost and adds this once."""
+    if isinstance(model, WindowedCostModel):
+        return segment_overhead(model.base)
+    return float(getattr(model, "segment_cost", 0.0))
 
 
 def query_rows_cost(model: CostModel, length: int, offset: int, q_start: int, q_end: int) -> float:
@@ -148,6 +174,32 @@ class ProfiledCostModel:
     ``interpolate="rate"`` interpolates cost per visible (query, key) pair instead and multiplies by the
     exact pair count: still exact on grid points, and faithful between them wherever throughput varies
     slowly (the compute-bound regime long documents live in).
+
+    What a segment costs beyond its rows' work. A server runs its tasks as segments of one fused
+    varlen call, and the grid interpolates work, which is additive over rows; two effects are not:
+
+    - ``segment_cost``: paid once by every non-empty segment, whatever its size (its tiles' set-up
+      and write-out, per-segment bookkeeping of the call). Interpolating per pair spreads it over the
+      pairs of the grid shapes, so a segment much smaller than the smallest grid shape, or a segment
+      cut into many small ones, is priced far too cheap. Here the grid holds ``table - segment_cost``
+      (what the rows cost) and every segment pays ``segment_cost`` on top: grid points stay exact, and
+      cutting a segment in two adds exactly one ``segment_cost`` (see :func:`segment_overhead`).
+    - ``tile``: the kernel computes whole tiles of ``tile`` query rows by ``tile`` keys, so a partial
+      tile costs like a full one. With ``tile > 0`` a segment is priced at its query rows and keys
+      rounded up to multiples of ``tile`` (the shape the kernel effectively computes); grid lengths
+      must then be multiples of ``tile``, so that grid points stay exact.
+
+    Not modelled: what a segment costs depending on the *other* segments of its batch. Varlen kernels size
+    their grid by the batch's longest segment, so a short segment fused with a long one costs about
+    1.2 us per 1K keys of the longest segment more than alone (torch_flash on an H200, forward+backward,
+    mostly the backward: 40 us beside a 32K-key segment, 155-220 us beside a 128K-key one). That is a
+    property of a server's whole batch, not of a segment, and the scheduler's per-task prices cannot
+    carry it.
+
+    Both default to 0 ("no extra term"): the model then prices exactly as before they existed, and a
+    JSON file without them loads as such. ``scripts/profile_cad.py`` (and
+    :func:`~.profiled.profile_segment_costs`) measure ``segment_cost`` as the time one more segment
+    adds to a fused batch of the same rows.
     """
 
     q_lens: tuple[float, ...]
@@ -155,6 +207,8 @@ class ProfiledCostModel:
     table: tuple[tuple[float, ...], ...]
     units: str = "ms"
     interpolate: str = "time"
+    segment_cost: float = 0.0
+    tile: int = 0
 
     def __post_init__(self) -> None:
         for name, axis in (("q_lens", self.q_lens), ("kv_lens", self.kv_lens)):
@@ -166,31 +220,45 @@ class ProfiledCostModel:
             raise ValueError("table holds a non-finite cost")
         if self.interpolate not in ("time", "rate"):
             raise ValueError("interpolate must be 'time' or 'rate'")
+        if not (math.isfinite(self.segment_cost) and self.segment_cost >= 0):
+            raise ValueError(f"segment_cost must be finite and >= 0, got {self.segment_cost!r}")
+        if isinstance(self.tile, bool) or not isinstance(self.tile, int) or self.tile < 0:
+            raise ValueError(f"tile must be an int >= 0 (0: no rounding), got {self.tile!r}")
+        if self.tile and any(x % self.tile for x in (*self.q_lens, *self.kv_lens)):
+            raise ValueError(f"with tile {self.tile}, every grid length must be a multiple of it")
         grid = self.table
+        if self.segment_cost:
+            grid = tuple(tuple(v - self.segment_cost for v in row) for row in grid)
         if self.interpolate == "rate":
             grid = tuple(tuple(v / PAIRS.cost(int(q), int(k)) for k, v in zip(self.kv_lens, row))
-                         for q, row in zip(self.q_lens, self.table))
+                         for q, row in zip(self.q_lens, grid))
         object.__setattr__(self, "_grid", grid)
 
     @classmethod
-    def from_grid(cls, q_lens, kv_lens, table, units: str = "ms", interpolate: str = "time") -> ProfiledCostModel:
+    def from_grid(cls, q_lens, kv_lens, table, units: str = "ms", interpolate: str = "time",
+                  segment_cost: float = 0.0, tile: int = 0) -> ProfiledCostModel:
         return cls(tuple(float(x) for x in q_lens), tuple(float(x) for x in kv_lens),
-                   tuple(tuple(float(v) for v in row) for row in table), units, interpolate)
+                   tuple(tuple(float(v) for v in row) for row in table), units, interpolate, float(segment_cost),
+                   int(tile))
 
     @classmethod
     def load(cls, path: str | Path, interpolate: str = "time") -> ProfiledCostModel:
-        """Read the JSON written by ``scripts/profile_cad.py``: ``{"q_lens", "kv_lens", "cost", "units"}``."""
+        """Read the JSON written by ``scripts/profile_cad.py``: ``{"q_lens", "kv_lens", "cost", "units"}`` and,
+        from profiles that measured them, ``"segment_cost"`` and ``"tile"`` (absent: 0, no extra term)."""
         data = json.loads(Path(path).read_text())
-        return cls.from_grid(data["q_lens"], data["kv_lens"], data["cost"], data.get("units", "ms"), interpolate)
+        return cls.from_grid(data["q_lens"], data["kv_lens"], data["cost"], data.get("units", "ms"), interpolate,
+                             data.get("segment_cost", 0.0), data.get("tile", 0))
 
     def save(self, path: str | Path, **meta) -> None:
         doc = {"q_lens": list(self.q_lens), "kv_lens": list(self.kv_lens), "cost": [list(r) for r in self.table],
-               "units": self.units, "meta": meta}
+               "units": self.units, "segment_cost": self.segment_cost, "tile": self.tile, "meta": meta}
         Path(path).write_text(json.dumps(doc, indent=1))
 
     def cost(self, q_len: int, kv_len: int) -> float:
         if q_len <= 0:
             return 0.0
+        if self.tile:
+            q_len, kv_len = _round_up(q_len, self.tile), _round_up(kv_len, self.tile)
         i, u = _axis_weights(self.q_lens, float(q_len))
         j, w = _axis_weights(self.kv_lens, float(kv_len))
         t = self._grid
@@ -200,12 +268,16 @@ class ProfiledCostModel:
              + u * ((1 - w) * t[i1][j] + w * t[i1][j1]))
         if self.interpolate == "rate":
             v *= PAIRS.cost(q_len, kv_len)
+        if self.segment_cost:
+            return self.segment_cost + max(v, 0.0)
         return max(v, 0.0)
 
     def cost_array(self, q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
         q = np.asarray(q_len, dtype=np.float64)
         kv = np.asarray(kv_len, dtype=np.float64)
         t = np.asarray(self._grid, dtype=np.float64)
+        if self.tile:
+            q, kv = np.ceil(q / self.tile) * self.tile, np.ceil(kv / self.tile) * self.tile
 
         def weights(grid: tuple[float, ...], x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             g = np.asarray(grid)
@@ -220,7 +292,13 @@ class ProfiledCostModel:
         v = (1 - u) * ((1 - w) * t[i, j] + w * t[i, j1]) + u * ((1 - w) * t[i1, j] + w * t[i1, j1])
         if self.interpolate == "rate":
             v = v * PAIRS.cost_array(q, kv)
+        if self.segment_cost:
+            return np.where(q > 0, self.segment_cost + np.maximum(v, 0.0), 0.0)
         return np.where(q > 0, np.maximum(v, 0.0), 0.0)
+
+
+def _round_up(n: int, tile: int) -> int:
+    return -(-int(n) // tile) * tile
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,13 @@ schedule balanced in FLOPs is not balanced in time. :func:`profiled_cost_model` 
 timed as CA-tasks run on a server (many segments fused in one varlen call), read from
 ``~/.cache/hf_longctx/cad_cost/`` (``HF_LONGCTX_CACHE`` moves the root) or profiled and written
 there on first use. Where profiling cannot run, the FLOPs model stands in (and says so).
+
+Besides the grid, the profile holds what a segment costs in a fused batch whatever its size
+(``segment_cost``, see :class:`~.cost_model.ProfiledCostModel`), measured by :func:`time_cut`: a
+batch of equal segments timed whole and with every segment cut in two (the same query rows, keys
+and visible pairs, one more segment per cut, as the scheduler's splits make them), the difference
+per cut. On a GPU the profile also records the kernel tile (:data:`GPU_TILE`) that partial tiles
+are rounded up to. A cached profile from before these terms existed is measured again.
 """
 
 from __future__ import annotations
@@ -15,7 +22,9 @@ import json
 import logging
 import os
 import re
+import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +37,12 @@ log = logging.getLogger(__name__)
 
 DEFAULT_Q_LENS = (128, 512, 2048, 8192, 32768, 131072)
 DEFAULT_KV_LENS = (128, 512, 2048, 8192, 32768, 131072, 524288)
+# Query rows and keys a GPU attention kernel computes as one tile (FlashAttention 2-4 and cuDNN at head dim
+# 128: 128-row query tiles, 64-128-key tiles): a partial tile costs about what a full one does.
+GPU_TILE = 128
+# Key lengths (in multiples of the cut segment's rows) at which the per-segment cost is measured.
+CUT_KV_FACTORS = (1, 2, 8)
+MODES = ("fwd", "fwd+bwd")
 
 
 @dataclass(frozen=True)
@@ -51,6 +66,7 @@ class ProfileBudget:
     max_batch_pairs: float = float(1 << 31)  # visible pairs of one timed batch (bounds the copies)
     warmup: int = 1
     reps: int = 3
+    cut_batch_factor: int = 4  # the per-segment measurement's batches hold this many times min_tokens query rows
 
 
 def cache_dir() -> Path:
@@ -77,30 +93,88 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_segments(q_len: int, kv_len: int, copies: int, kernel: str, shape: SegmentShape, device: torch.device,
-                  budget: ProfileBudget) -> float:
-    """Milliseconds of forward+backward of ``copies`` identical segments in one varlen call, per segment."""
-    g = torch.Generator(device=device).manual_seed(q_len * 7 + kv_len)
-    q = torch.randn(copies * q_len, shape.heads, shape.head_dim, device=device, dtype=shape.dtype, generator=g)
-    k = torch.randn(copies * kv_len, shape.kv_heads, shape.head_dim, device=device, dtype=shape.dtype, generator=g)
-    v, dout = torch.randn_like(k), torch.randn_like(q)
-    cu_q = [i * q_len for i in range(copies + 1)]
-    cu_k = [i * kv_len for i in range(copies + 1)]
+def _segment_step(shapes: Sequence[tuple[int, int]], kernel: str, shape: SegmentShape, device: torch.device,
+                  seed: int, mode: str = "fwd+bwd") -> Callable[[], None]:
+    """One fused varlen call (forward, and backward for ``fwd+bwd``) over segments of the given (q_len, kv_len),
+    laid out back to back, each with keys of its own (as a server's gathered batch holds them)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    cu_q, cu_k = [0], [0]
+    for ql, kl in shapes:
+        cu_q.append(cu_q[-1] + ql)
+        cu_k.append(cu_k[-1] + kl)
+    max_q, max_k = max(ql for ql, _ in shapes), max(kl for _, kl in shapes)
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(cu_q[-1], shape.heads, shape.head_dim, device=device, dtype=shape.dtype, generator=g)
+    k = torch.randn(cu_k[-1], shape.kv_heads, shape.head_dim, device=device, dtype=shape.dtype, generator=g)
+    v = torch.randn_like(k)
+    dout = torch.randn_like(q) if mode == "fwd+bwd" else None
 
     def step() -> None:
-        out, lse = attention_forward(q, k, v, cu_q, cu_k, q_len, kv_len, causal=True, kernel=kernel)
-        attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, q_len, kv_len, causal=True, kernel=kernel)
+        out, lse = attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, kernel=kernel)
+        if dout is not None:
+            attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=True, kernel=kernel)
 
+    step.shapes = list(shapes)  # what the call computes, for whoever reads the timings
+    return step
+
+
+def _run_ms(step: Callable[[], None], device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    step()
+    _sync(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def time_segments(q_len: int, kv_len: int, copies: int, kernel: str, shape: SegmentShape, device: torch.device,
+                  budget: ProfileBudget, mode: str = "fwd+bwd") -> float:
+    """Milliseconds of ``copies`` identical segments in one varlen call (forward+backward, or ``mode``), per
+    segment: the median over ``budget.reps`` after ``budget.warmup`` untimed calls."""
+    step = _segment_step([(q_len, kv_len)] * copies, kernel, shape, device, q_len * 7 + kv_len, mode)
     for _ in range(budget.warmup):
         step()
-    times = []
-    for _ in range(budget.reps):
-        _sync(device)
-        t0 = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2] * 1e3 / copies
+    return statistics.median(_run_ms(step, device) for _ in range(budget.reps)) / copies
+
+
+def time_cut(q_len: int, kv_len: int, copies: int, kernel: str, shape: SegmentShape, device: torch.device,
+             budget: ProfileBudget, mode: str = "fwd+bwd") -> float:
+    """Milliseconds one more segment adds to a fused batch that computes the same rows: ``copies`` segments of
+    ``q_len`` rows over ``kv_len`` keys, timed whole and with every segment cut into its first and last
+    ``q_len / 2`` query rows (over ``kv_len - q_len / 2`` and ``kv_len`` keys, bottom-right causal: the same
+    visible pairs), the difference of the two medians per cut. Each batch is one call, so a call's own overhead
+    cancels in the difference; the two are timed alternately, so drifts of the clock hit both alike. May come
+    out negative by noise where the term is small."""
+    half = q_len // 2
+    if half < 1 or kv_len < q_len:
+        raise ValueError(f"a cut needs q_len >= 2 rows and kv_len >= q_len, got ({q_len}, {kv_len})")
+    seed = q_len * 7 + kv_len
+    whole = _segment_step([(q_len, kv_len)] * copies, kernel, shape, device, seed, mode)
+    cut = _segment_step([(half, kv_len - (q_len - half)), (q_len - half, kv_len)] * copies, kernel, shape, device,
+                        seed + 1, mode)
+    for _ in range(max(budget.warmup, 1)):  # the cut batch's shapes are new to the kernel: always warm them
+        whole()
+        cut()
+    t_whole, t_cut = [], []
+    for _ in range(max(budget.reps, 3)):
+        t_whole.append(_run_ms(whole, device))
+        t_cut.append(_run_ms(cut, device))
+    return (statistics.median(t_cut) - statistics.median(t_whole)) / copies
+
+
+def measure_segment_cost(kernel: str, shape: SegmentShape, device: torch.device, budget: ProfileBudget, unit: int,
+                         mode: str = "fwd+bwd") -> tuple[float, list[list[float]]]:
+    """(per-segment cost in ms, samples ``[q_len, kv_len, copies, ms]``): :func:`time_cut` on segments of
+    ``2 * unit`` rows (``unit``: the kernel tile, so both halves are whole tiles and the cut adds no tile
+    rounding) over ``CUT_KV_FACTORS`` times as many keys; the median of the samples, at least 0."""
+    q_len = 2 * unit
+    samples = []
+    for factor in CUT_KV_FACTORS:
+        kv_len = q_len * factor
+        copies = max(1, min(budget.cut_batch_factor * budget.min_tokens // q_len,
+                            budget.max_kv_tokens // (2 * kv_len)))
+        samples.append([q_len, kv_len, copies, time_cut(q_len, kv_len, copies, kernel, shape, device, budget, mode)])
+    return max(0.0, statistics.median(ms for *_, ms in samples)), samples
 
 
 def resolved_kernel(kernel: str, shape: SegmentShape, device: torch.device) -> str:
@@ -112,38 +186,73 @@ def resolved_kernel(kernel: str, shape: SegmentShape, device: torch.device) -> s
     return select_kernel(kernel, kernel_call(q, kv, kv, [0, 64, 128], [0, 128, 384], 64, 256, causal=True))
 
 
+def default_tile(device: torch.device) -> int:
+    """The tile partial tiles are rounded up to: :data:`GPU_TILE` on a GPU, none on the CPU (the reference
+    kernel computes only the rows and keys it is given)."""
+    return GPU_TILE if torch.device(device).type == "cuda" else 0
+
+
 def profile_segment_costs(kernel: str = "auto", device: torch.device | str = "cuda",
                           shape: SegmentShape = SegmentShape(), q_lens=DEFAULT_Q_LENS, kv_lens=DEFAULT_KV_LENS,
-                          budget: ProfileBudget = ProfileBudget()) -> tuple[ProfiledCostModel, dict]:
+                          budget: ProfileBudget = ProfileBudget(), *, mode: str = "fwd+bwd", tile: int | None = None,
+                          segment_cost: bool = True, report: Callable[[str], None] | None = None,
+                          ) -> tuple[ProfiledCostModel, dict]:
     """Measure the (q_len, kv_len) grid on ``device``; (model in ms, metadata). Cells with q_len > kv_len
-    and cells over ``budget.max_pairs`` are priced at a measured cell's rate per visible pair."""
+    and cells over ``budget.max_pairs`` are priced at a measured cell's rate per visible pair.
+
+    ``segment_cost`` (default on): also measure what one more segment costs (:func:`measure_segment_cost`, on
+    segments of two tiles, or of twice the smallest grid length without a tile), kept no larger than the
+    cheapest grid cell (the grid then holds what the rows cost; see :class:`~.cost_model.ProfiledCostModel`).
+    ``tile``: partial tiles priced as full ones (None: :func:`default_tile`; grid lengths must be multiples).
+    ``report`` receives one line per measured cell.
+    """
     device = torch.device(device)
+    tile = default_tile(device) if tile is None else int(tile)
+    if tile and any(int(x) % tile for x in (*q_lens, *kv_lens)):
+        raise ValueError(f"with tile {tile} every grid length must be a multiple of it (or pass tile=0)")
     name = resolved_kernel(kernel, shape, device)
     t0 = time.perf_counter()
+    factor = 3.5 if mode == "fwd+bwd" else 1.0
     table = [[float("nan")] * len(kv_lens) for _ in q_lens]
     for i, ql in enumerate(q_lens):
         for j, kl in enumerate(kv_lens):
             if ql <= kl and PAIRS.cost(ql, kl) <= budget.max_pairs:
                 copies = max(1, min(budget.min_tokens // ql, budget.max_kv_tokens // kl,
                                     int(budget.max_batch_pairs // PAIRS.cost(ql, kl))))
-                table[i][j] = time_segments(ql, kl, copies, name, shape, device, budget)
-    extrapolated = []
+                table[i][j] = time_segments(ql, kl, copies, name, shape, device, budget, mode)
+                if report is not None:
+                    work = 4 * shape.heads * shape.head_dim * PAIRS.cost(ql, kl) * factor
+                    report(f"q {ql:>7} kv {kl:>7} x{copies:<4} {table[i][j]:10.4f} ms/segment  "
+                           f"{work / table[i][j] / 1e9:8.1f} TFLOP/s")
     measured = [(i, j) for i in range(len(q_lens)) for j in range(len(kv_lens)) if table[i][j] == table[i][j]]
     if not measured:
         raise ValueError("no grid cell fits the profiling budget; raise max_pairs or add smaller lengths")
+    per_segment, samples = 0.0, []
+    if segment_cost:
+        unit = tile or int(min(q_lens))
+        per_segment, samples = measure_segment_cost(name, shape, device, budget, unit, mode)
+        # the grid keeps what the rows cost: no measured cell may cost less than the term it pays on top
+        per_segment = min(per_segment, min(table[i][j] for i, j in measured))
+        if report is not None:
+            report(f"per segment {per_segment:.5f} ms (cuts: " + ", ".join(
+                f"q {q} kv {k} x{c}: {ms:.5f}" for q, k, c, ms in samples) + ")")
+    extrapolated = []
     for i, ql in enumerate(q_lens):
         row = [j for j in range(len(kv_lens)) if table[i][j] == table[i][j]]
         ref_i, ref_j = ((i, max(row, key=lambda j: kv_lens[j])) if row else
                         min(measured, key=lambda c: (abs(c[0] - i), -kv_lens[c[1]])))
-        rate = table[ref_i][ref_j] / PAIRS.cost(q_lens[ref_i], kv_lens[ref_j])
+        # the rows' cost scales with their pairs; the per-segment term does not
+        rate = (table[ref_i][ref_j] - per_segment) / PAIRS.cost(q_lens[ref_i], kv_lens[ref_j])
         for j, kl in enumerate(kv_lens):
             if table[i][j] != table[i][j]:
-                table[i][j] = rate * PAIRS.cost(ql, kl)
+                table[i][j] = per_segment + rate * PAIRS.cost(ql, kl)
                 extrapolated.append([ql, kl])
-    model = ProfiledCostModel.from_grid(q_lens, kv_lens, table, units="ms", interpolate="rate")
+    model = ProfiledCostModel.from_grid(q_lens, kv_lens, table, units="ms", interpolate="rate",
+                                        segment_cost=per_segment, tile=tile)
     meta = {"device": device_name(device), "kernel": name, "torch": torch.__version__, "heads": shape.heads,
             "kv_heads": shape.kv_heads, "head_dim": shape.head_dim, "dtype": str(shape.dtype),
-            "mode": "fwd+bwd", "extrapolated": extrapolated, "seconds": round(time.perf_counter() - t0, 1)}
+            "mode": mode, "extrapolated": extrapolated, "segment_cost_samples": samples,
+            "seconds": round(time.perf_counter() - t0, 1)}
     return model, meta
 
 
@@ -167,7 +276,9 @@ def profiled_cost_model(kernel: str = "auto", device: torch.device | str | None 
         path = cache_path(device, name, shape)
         if path.exists():
             data = json.loads(path.read_text())
-            if list(data["q_lens"]) == list(q_lens) and list(data["kv_lens"]) == list(kv_lens):
+            # a profile written before the per-segment term existed lacks it: measured again
+            if (list(data["q_lens"]) == list(q_lens) and list(data["kv_lens"]) == list(kv_lens)
+                    and "segment_cost" in data):
                 return ProfiledCostModel.load(path, interpolate="rate"), f"profiled {name} ({path})"
         if not profile_if_missing:
             return FlopsCostModel(4.0 * shape.heads * shape.head_dim), f"FLOPs (no profile at {path})"

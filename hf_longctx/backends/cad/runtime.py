@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from ...comm.collectives import all_reduce_max, collective_device, is_distributed
+from ...comm.emulated import EmulatedGroup
 from ...comm.gather import GatherPlan, Run
 from ...kernels import accumulation_dtype, attention_backward, attention_forward
 from ...layout import ShardPlan
@@ -123,23 +124,32 @@ def _profiled(kernel: str) -> CostModel:
     return profiled_cost_model(kernel)[0]
 
 
-_AGREED: dict[tuple[str, int], CostModel] = {}
+_AGREED: dict[tuple[str, object], CostModel] = {}
 
 
 def agreed_profile(kernel: str, group) -> CostModel:
     """The profiled cost model of ``kernel``, identical on every rank of ``group``: each rank profiles (or
     reads) its own device, then every cell takes the largest rank's value (one all_reduce), because ranks
-    that schedule on different costs would disagree on who serves what. Kept per kernel and group."""
-    key = (kernel, id(group))
-    model = _AGREED.get(key)
+    that schedule on different costs would disagree on who serves what (the per-segment term and the tile
+    too). Kept per kernel and group (the group object, not its ``id``, which a later group may reuse and then
+    skip the all_reduce its peers make); an emulated group's on its hub, so that it is freed with it."""
+    if isinstance(group, EmulatedGroup):
+        store, key = group.hub.cache, ("cad_agreed_profile", kernel, group.rank)
+    else:
+        store, key = _AGREED, (kernel, group)
+    model = store.get(key)
     if model is None:
         model = _profiled(kernel)
         if isinstance(model, ProfiledCostModel) and is_distributed(group):
-            table = torch.tensor(model.table, dtype=torch.float64, device=collective_device(group))
-            all_reduce_max(table, group)
-            model = ProfiledCostModel.from_grid(model.q_lens, model.kv_lens, table.tolist(), model.units,
-                                                model.interpolate)
-        _AGREED[key] = model
+            values = [*(v for row in model.table for v in row), model.segment_cost, float(model.tile)]
+            agreed = torch.tensor(values, dtype=torch.float64, device=collective_device(group))
+            all_reduce_max(agreed, group)
+            *cells, segment_cost, tile = agreed.tolist()
+            width = len(model.kv_lens)
+            table = [cells[i:i + width] for i in range(0, len(cells), width)]
+            model = ProfiledCostModel.from_grid(model.q_lens, model.kv_lens, table, model.units, model.interpolate,
+                                                segment_cost, int(tile))
+        store[key] = model
     return model
 
 

@@ -26,6 +26,14 @@ cost is linear in ``k`` (the shard for a given ``dF`` is found in one Newton ste
 and the estimate a profiled model gives per token stays accurate. The rows left behind stay one
 contiguous run, which the source computes in place.
 
+Per-segment cost. A profiled model may charge every segment a fixed ``segment_cost`` on top of its
+rows (:class:`~.cost_model.ProfiledCostModel`): a ring then costs its receiver two segment terms
+more than the source sheds (the source's remainder stays one segment). The ring's size is solved on
+its rows alone (the cap less the two terms), moves are ranked by what the source sheds, and each
+ring raises the target ``F`` by ``2 * segment_cost / num_servers``, so that ``F`` stays the mean of
+what the servers will compute. Final loads are the tasks priced one by one (adjacent shards merged
+into one task pay one term). With FLOPs (no such term) every step is as if the term did not exist.
+
 Bytes. A task computed on a server other than its token owner's rank moves its query rows there,
 its KV prefix (offset tokens plus piece rows ``[0, q_end)``) unless that server already received it
 for another task of the same piece, and its output rows plus log-sum-exp back. Offset tokens live on
@@ -46,7 +54,7 @@ from functools import cached_property
 
 import numpy as np
 
-from .cost_model import CostModel, FlopsCostModel, TokenBytes
+from .cost_model import CostModel, FlopsCostModel, TokenBytes, segment_overhead
 from .tasks import CadTask
 
 __all__ = ["CadSchedule", "CadTask", "parse_docs", "schedule", "verify_schedule"]
@@ -72,7 +80,7 @@ class CadSchedule:
     task_server: np.ndarray
     loads: np.ndarray  # cost per server
     initial_loads: np.ndarray  # cost per server before balancing (every rank serves its own documents)
-    target: float  # F = total / num_servers
+    target: float  # F = total / num_servers (with a per-segment cost term: grown by the terms the splits added)
     bytes_per_rank: np.ndarray  # bytes of the tasks of each token owner
     bytes_per_server: np.ndarray  # the same bytes, by the server that computes the task
     num_moves: int
@@ -166,8 +174,10 @@ class _Balancer:
         loads = np.bincount(self.home, weights=item_cost, minlength=num_servers).astype(np.float64)
         self.initial_loads = loads.copy()
         self.target = float(loads.sum()) / num_servers
+        self.eps = eps
         self.tol = eps * self.target
         self.min_move = min_move_frac * self.target
+        self.seg = segment_overhead(cost_model)  # what every segment costs on top of its rows (a cut adds one)
         self.loads = loads.tolist()
         self.version = [0] * num_servers
         self.length, self.off, self.rank = length, off, rank
@@ -245,18 +255,24 @@ class _Balancer:
         return cost(k, o + lo + k) + cost(k, o + hi)
 
     def _evaluate(self, i: int, f_item: float, dst: int, cap: float, slack: float):
-        """Best move of item ``i`` to ``dst``: (dF, bytes, k, overshoot) or None.
+        """Best move of item ``i`` to ``dst``: (dF, bytes, k, overshoot, gain) or None.
 
         ``k`` is the ring's chunk size, -1 for the whole remainder. The move shifts at most ``cap``
         (the source's surplus and the receiver's deficit) when it can; failing that, a whole item or
         a ``min_shard`` ring of cost up to ``slack`` (half the gap between the two loads, so the
         larger of the two still falls) is an *overshoot* move, used when granularity leaves
         no exact one (e.g. ``eps = 0``).
+
+        Per-segment cost (:func:`~.cost_model.segment_overhead`, 0 for FLOPs): a ring is two new
+        segments, so it costs the receiver its rows plus two segment terms while the source sheds only
+        the rows (its remainder stays one segment). ``dF`` is what the receiver takes on; ``gain``, what
+        the source sheds, ranks the moves (a whole item: both are its cost).
         """
         L, o, r = self._info(i)
         span = self.span.get(i)
         lo, hi = (span[0], span[1]) if span else (0, L)
         over = False
+        fixed = 2 * self.seg  # a ring's two new segments
         if f_item <= cap:
             df, rows, k = f_item, hi - lo, -1
         else:
@@ -267,19 +283,21 @@ class _Balancer:
                 unit = self.pair_flops * (2 * o + lo + hi + 1)
                 k = min(int(cap / unit), kmax)
                 c = k * unit
-            elif kmax >= ms:
-                k = int(cap * (hi - lo) / (2.0 * f_item))  # rows cost the piece average
+            elif kmax >= ms and (not fixed or cap > fixed):
+                # the ring's rows must fit in what its two segment terms leave of ``cap``
+                room = cap - fixed
+                k = int(room * (hi - lo) / (2.0 * (f_item - self.seg)))  # rows cost the piece average
                 k = min(max(k, 1), kmax)
                 c = self._ring_cost(o, lo, hi, k)
-                if c > 0:  # one Newton step on the (nearly) linear ring cost
-                    k = min(int(k * cap / c), kmax)
+                if c > fixed:  # one Newton step on the (nearly) linear ring cost
+                    k = min(int(k * room / (c - fixed)), kmax)
                 for _ in range(4):
                     if k < ms:
                         break
                     c = self._ring_cost(o, lo, hi, k)
                     if c <= cap:
                         break
-                    k = min(k - 1, int(k * cap / c))
+                    k = min(k - 1, int(k * room / (c - fixed)))
                 else:
                     k = 0
             if k >= ms:
@@ -290,12 +308,13 @@ class _Balancer:
                 df, rows, k, over = f_item, hi - lo, -1, True
             else:
                 return None
-        if df < self.min_move or df <= 0:
+        gain = df - fixed if k > 0 else df
+        if gain < self.min_move or gain <= 0:
             return None
         if k > 0 and not self.pair_flops:
-            # a measured cost need not be additive (kernel paths differ by shape): skip splits that make
-            # the source shed much less than the receiver takes on
-            if f_item - self.cm.cost(hi - lo - 2 * k, o + hi - k) < 0.5 * df:
+            # a measured cost need not be additive over rows (kernel paths differ by shape): skip splits that
+            # make the source shed much less than the receiver takes on, beyond the two segment terms a ring adds
+            if f_item - self.cm.cost(hi - lo - 2 * k, o + hi - k) < 0.5 * gain:
                 return None
         if r == dst:
             nbytes = 0.0
@@ -303,7 +322,7 @@ class _Balancer:
             have = self.shipped.get((i, dst), -1)
             kv_extra = (o + hi) if have < 0 else max(0, hi - have)
             nbytes = rows * self.q_out_bytes + kv_extra * self.tb.kv
-        return df, nbytes, k, over
+        return df, nbytes, k, over, gain
 
     def _best(self, dst: int, sources: list[int]):
         best, best_key = None, None
@@ -324,9 +343,9 @@ class _Balancer:
                 res = self._evaluate(i, f_item, dst, cap, slack)
                 if res is None:
                     continue
-                df, nbytes, k, over = res
-                ratio = df / nbytes if nbytes > 0 else float("inf")
-                key = (not over, ratio, df)
+                df, nbytes, k, over, gain = res
+                ratio = gain / nbytes if nbytes > 0 else float("inf")
+                key = (not over, ratio, gain)
                 if best_key is None or key > best_key:
                     best_key, best = key, (s, i, f_item, df, nbytes, k)
         return best, (best_key[1] if best_key else 0.0)
@@ -353,6 +372,9 @@ class _Balancer:
             released = f_item - new_cost
         key = (i, dst)
         self.shipped[key] = max(self.shipped.get(key, -1), end)
+        if k >= 0 and self.seg:  # the ring added two segments: the target is the mean of what is now computed
+            self.target += 2 * self.seg / self.n
+            self.tol = self.eps * self.target
         self._update(s, -released)
         self._update(dst, df)
         self.num_moves += 1
