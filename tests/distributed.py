@@ -34,9 +34,6 @@ def _worker(rank, world, init_file, timeout_s, fn, args, outside_backends=()):
                             timeout=timedelta(seconds=timeout_s))
     try:
         fn(rank, world, *args)
-        # every rank done with its collectives before any tears gloo down: a rank that left early has
-        # aborted its peer's process under load ("terminate called without an active exception")
-        dist.barrier()
     finally:
         dist.destroy_process_group()
 
