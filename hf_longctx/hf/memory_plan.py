@@ -1014,11 +1014,9 @@ def plan_memory(config, tokens_per_gpu: int, sp_size: int = 1, gpu_bytes: int | 
 
     best, costs = cheapest(tokens)
     if best is None:
-        message = _no_fit_message(shape, tokens, gpu_total, host_total, modes, allow_offload, allow_optimizer_on_host,
-                                  tiled_loss, tiled_mlp, settings)
-        if groupings:  # the message's bounds leave groups out: the longest context they allow, to 1K tokens
-            message = _with_grouped_bound(message, tokens, sp_size, lambda t: cheapest(t, any_fit=True)[0] is not None)
-        raise MemoryPlanError(message)
+        grouped_fits = (lambda t: cheapest(t, any_fit=True)[0] is not None) if groupings else None
+        raise MemoryPlanError(_no_fit_message(shape, tokens, gpu_total, host_total, modes, allow_offload,
+                                              allow_optimizer_on_host, tiled_loss, tiled_mlp, settings, grouped_fits))
     cost, layers, model = best
     peak, phase, items = model.gpu_peak(layers)
     host = model.host_items(layers)
@@ -1040,37 +1038,20 @@ def plan_memory(config, tokens_per_gpu: int, sp_size: int = 1, gpu_bytes: int | 
 # ---------------------------------------------------------------------------------------------
 
 
-_SHORTER = "a shorter context: at most "
-
-
-def _with_grouped_bound(message: str, tokens: int, sp: int, fits) -> str:
-    """``message`` with its shorter-context hint raised to what group checkpointing allows.
-
-    The hint's bisection prices layer-by-layer layouts only (cheap); groups can fit more tokens, so the
-    longest length ``fits`` accepts is searched above it, in steps of 1024 tokens (each try is a full
-    plan search, a fraction of a second)."""
+def _longest_grouped(known: int, tokens: int, fits) -> int:
+    """The longest length below ``tokens`` that ``fits`` (group checkpointing allowed) accepts, at least
+    ``known`` (what fits layer by layer), searched in steps of 1024 tokens: each try is a full plan search."""
     step = 1024
-    start = message.find(_SHORTER)
-    known = int(message[start + len(_SHORTER):].split(" ", 1)[0]) if start >= 0 else 0
     lo, hi = known // step, (tokens - 1) // step  # in units of ``step``: lo fits (or is 0), hi may not
     if hi <= lo or not fits(max(1, (lo + 1) * step)):
-        return message
+        return known
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if fits(mid * step):
             lo = mid
         else:
             hi = mid - 1
-    longest = lo * step
-    hint = (f"{_SHORTER}{longest} tokens per GPU fit here with group checkpointing ({longest * sp} tokens over "
-            f"sp_size {sp})")
-    if start < 0:
-        head, sep, rest = message.partition(". Would fit: ")
-        if rest.startswith("none found"):
-            return f"{head}. Would fit: {hint}"
-        return f"{head}. Would fit: {rest}; or {hint}"
-    end = message.find("; or ", start)
-    return message[:start] + hint + (message[end:] if end >= 0 else "")
+    return lo * step
 
 
 def _least_memory(shape, tokens, gpu_total, host_total, modes, allow_offload, on_host, tiled_loss, tiled_mlp,
@@ -1103,7 +1084,10 @@ def _least_memory(shape, tokens, gpu_total, host_total, modes, allow_offload, on
 
 
 def _no_fit_message(shape, tokens, gpu_total, host_total, modes, allow_offload, allow_opt, tiled_loss, tiled_mlp,
-                    settings) -> str:
+                    settings, grouped_fits=None) -> str:
+    """The shortfall and what would fit. The bounds price layer-by-layer layouts (cheap to bisect);
+    ``grouped_fits(tokens)``, where group checkpointing is allowed, raises the shorter-context bound to
+    what groups fit."""
     sp, world = settings["sp_size"], settings["world"]
 
     def fits(t, sp_size=sp, world_size=world, host=host_total, on_host=allow_opt, **changes):
@@ -1142,7 +1126,11 @@ def _no_fit_message(shape, tokens, gpu_total, host_total, modes, allow_offload, 
             lo = mid
         else:
             hi = mid - 1
-    if lo > 0:
+    grouped = _longest_grouped(lo, tokens, grouped_fits) if grouped_fits is not None else lo
+    if grouped > lo:
+        hints.append(f"a shorter context: at most {grouped} tokens per GPU fit here with group checkpointing "
+                     f"({grouped * sp} tokens over sp_size {sp})")
+    elif lo > 0:
         hints.append(f"a shorter context: at most {lo} tokens per GPU fit here ({lo * sp} tokens over sp_size {sp})")
     if allow_offload and gpu > usable:
         full = sum(model.host_items(_layout(shape.layers, 0, shape.layers, shape.layers)).values())
