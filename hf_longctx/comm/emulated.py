@@ -290,6 +290,9 @@ class EmulationHub:
         if len(coll.parts) == self.world:
             complete(coll.parts)
             coll.done = True
+            # every rank's work handle keeps ``coll``: drop the ranks' buffers now, or the send buffers of all W
+            # ranks stay alive until the last rank lets go of its handle (W times what one device would hold)
+            coll.parts.clear()
             del self._collectives[seq]
             self._changed()
         return _Work(self, lambda: coll.done, kind)

@@ -172,6 +172,7 @@ class GatherPlan:
                 work.wait()
             for i, r in zip(idx, _unpack(recv, [tensors[i] for i in idx])):
                 received[i] = r
+        pending.parts = []  # the receive buffers live on only in what is returned (a caller keeps ``pending``)
         out = []
         for t, r in zip(tensors, received):
             if r is None or r.shape[0] == 0:
@@ -226,6 +227,7 @@ class GatherPlan:
                     locals_[i].index_add_(0, self.send_index, r)
                 else:
                     locals_[i].index_copy_(0, self.send_index, r)
+        pending.parts = []
 
 
 def _mask(runs: Sequence[Run], holder: int, rows: int) -> np.ndarray:

@@ -48,11 +48,11 @@ class KernelCall:
 
     @cached_property
     def cu_seqlens_q_device(self) -> torch.Tensor:
-        return _int32_on(self.cu_seqlens_q, self.q.device)
+        return int32_on(self.cu_seqlens_q, self.q.device)
 
     @cached_property
     def cu_seqlens_k_device(self) -> torch.Tensor:
-        return _int32_on(self.cu_seqlens_k, self.q.device)
+        return int32_on(self.cu_seqlens_k, self.q.device)
 
     @property
     def num_segments(self) -> int:
@@ -69,8 +69,13 @@ class KernelCall:
                 bucket(self.num_segments), bucket(longest))
 
 
-def _int32_on(cu: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True)
+def int32_on(cu: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``cu`` as int32 on ``device``. To a GPU through pinned host memory: a copy from pageable memory makes the
+    host wait for the device's stream to drain first, so every kernel call would stall the launch queue."""
+    host = torch.tensor(cu, dtype=torch.int32)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @runtime_checkable

@@ -29,7 +29,7 @@ import os
 import torch
 
 from .buckets import bucket, lse_runs, padded_segments
-from .contract import KernelCall
+from .contract import KernelCall, int32_on
 from .validate import gpu_input_problem
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -118,7 +118,7 @@ def _mask_args(cu_q: list[int], cu_k: list[int], causal: bool, window: int | Non
 
 
 def _device_cu(cu: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True)
+    return int32_on(tuple(cu), device)
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:

@@ -39,6 +39,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from ...kernels.calls import CallTerms
+
 __all__ = [
     "CostModel",
     "FlopsCostModel",
@@ -189,17 +191,22 @@ class ProfiledCostModel:
       rounded up to multiples of ``tile`` (the shape the kernel effectively computes); grid lengths
       must then be multiples of ``tile``, so that grid points stay exact.
 
-    Not modelled: what a segment costs depending on the *other* segments of its batch. Varlen kernels size
-    their grid by the batch's longest segment, so a short segment fused with a long one costs about
+    Not in a segment's price: what it costs depending on the *other* segments of its call. Varlen kernels
+    size their grid by the call's longest segment, so a short segment fused with a long one costs about
     1.2 us per 1K keys of the longest segment more than alone (torch_flash on an H200, forward+backward,
     mostly the backward: 40 us beside a 32K-key segment, 155-220 us beside a 128K-key one). That is a
-    property of a server's whole batch, not of a segment, and the scheduler's per-task prices cannot
-    carry it.
+    property of a call, not of a segment; the runtime avoids most of it by cutting a server's batch into
+    calls of similar segments (the call terms below).
 
     Both default to 0 ("no extra term"): the model then prices exactly as before they existed, and a
     JSON file without them loads as such. ``scripts/profile_cad.py`` (and
     :func:`~.profiled.profile_segment_costs`) measure ``segment_cost`` as the time one more segment
     adds to a fused batch of the same rows.
+
+    What a *call* costs beyond its segments (``call_cost``, ``q_tile_cost``, ``k_tile_cost``; see
+    :class:`~hf_longctx.kernels.calls.CallTerms`, :attr:`call_terms`): the batch-level effect above, priced
+    so that the runtime can cut a server's batch into calls that avoid it (:func:`~.runtime.server_costs`
+    adds what the calls still cost to a server's predicted time).
     """
 
     q_lens: tuple[float, ...]
@@ -209,6 +216,9 @@ class ProfiledCostModel:
     interpolate: str = "time"
     segment_cost: float = 0.0
     tile: int = 0
+    call_cost: float = 0.0
+    q_tile_cost: float = 0.0
+    k_tile_cost: float = 0.0
 
     def __post_init__(self) -> None:
         for name, axis in (("q_lens", self.q_lens), ("kv_lens", self.kv_lens)):
@@ -222,6 +232,10 @@ class ProfiledCostModel:
             raise ValueError("interpolate must be 'time' or 'rate'")
         if not (math.isfinite(self.segment_cost) and self.segment_cost >= 0):
             raise ValueError(f"segment_cost must be finite and >= 0, got {self.segment_cost!r}")
+        for name in ("call_cost", "q_tile_cost", "k_tile_cost"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
         if isinstance(self.tile, bool) or not isinstance(self.tile, int) or self.tile < 0:
             raise ValueError(f"tile must be an int >= 0 (0: no rounding), got {self.tile!r}")
         if self.tile and any(x % self.tile for x in (*self.q_lens, *self.kv_lens)):
@@ -236,23 +250,35 @@ class ProfiledCostModel:
 
     @classmethod
     def from_grid(cls, q_lens, kv_lens, table, units: str = "ms", interpolate: str = "time",
-                  segment_cost: float = 0.0, tile: int = 0) -> ProfiledCostModel:
+                  segment_cost: float = 0.0, tile: int = 0, call_cost: float = 0.0, q_tile_cost: float = 0.0,
+                  k_tile_cost: float = 0.0) -> ProfiledCostModel:
         return cls(tuple(float(x) for x in q_lens), tuple(float(x) for x in kv_lens),
                    tuple(tuple(float(v) for v in row) for row in table), units, interpolate, float(segment_cost),
-                   int(tile))
+                   int(tile), float(call_cost), float(q_tile_cost), float(k_tile_cost))
 
     @classmethod
     def load(cls, path: str | Path, interpolate: str = "time") -> ProfiledCostModel:
         """Read the JSON written by ``scripts/profile_cad.py``: ``{"q_lens", "kv_lens", "cost", "units"}`` and,
-        from profiles that measured them, ``"segment_cost"`` and ``"tile"`` (absent: 0, no extra term)."""
+        from profiles that measured them, ``"segment_cost"``, ``"tile"`` and the call terms (absent: 0, no
+        extra term)."""
         data = json.loads(Path(path).read_text())
         return cls.from_grid(data["q_lens"], data["kv_lens"], data["cost"], data.get("units", "ms"), interpolate,
-                             data.get("segment_cost", 0.0), data.get("tile", 0))
+                             data.get("segment_cost", 0.0), data.get("tile", 0), data.get("call_cost", 0.0),
+                             data.get("q_tile_cost", 0.0), data.get("k_tile_cost", 0.0))
 
     def save(self, path: str | Path, **meta) -> None:
         doc = {"q_lens": list(self.q_lens), "kv_lens": list(self.kv_lens), "cost": [list(r) for r in self.table],
-               "units": self.units, "segment_cost": self.segment_cost, "tile": self.tile, "meta": meta}
+               "units": self.units, "segment_cost": self.segment_cost, "tile": self.tile,
+               "call_cost": self.call_cost, "q_tile_cost": self.q_tile_cost, "k_tile_cost": self.k_tile_cost,
+               "meta": meta}
         Path(path).write_text(json.dumps(doc, indent=1))
+
+    @property
+    def call_terms(self) -> CallTerms | None:
+        """The call terms (:class:`~hf_longctx.kernels.calls.CallTerms`) this profile measured; None if none."""
+        if not (self.call_cost or self.q_tile_cost or self.k_tile_cost):
+            return None
+        return CallTerms(self.call_cost, self.q_tile_cost, self.k_tile_cost, self.tile or 128, self.units)
 
     def cost(self, q_len: int, kv_len: int) -> float:
         if q_len <= 0:

@@ -13,7 +13,9 @@ Besides the grid, the profile holds what a segment costs in a fused batch whatev
 batch of equal segments timed whole and with every segment cut in two (the same query rows, keys
 and visible pairs, one more segment per cut, as the scheduler's splits make them), the difference
 per cut. On a GPU the profile also records the kernel tile (:data:`GPU_TILE`) that partial tiles
-are rounded up to. A cached profile from before these terms existed is measured again.
+are rounded up to, and what a kernel call costs beyond its segments (:func:`measure_call_terms`), by which
+the runtime cuts a server's batch into calls. A cached profile from before these terms existed is measured
+again.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pathlib import Path
 import torch
 
 from ...kernels import attention_backward, attention_forward, kernel_call, select_kernel
+from ...kernels.calls import CallTerms
 from .cost_model import PAIRS, CostModel, FlopsCostModel, ProfiledCostModel
 
 log = logging.getLogger(__name__)
@@ -177,6 +180,51 @@ def measure_segment_cost(kernel: str, shape: SegmentShape, device: torch.device,
     return max(0.0, statistics.median(ms for *_, ms in samples)), samples
 
 
+# shapes of the call-term measurement: short segments of one tile fused beside one long segment
+CALL_SHORT_SEGMENTS = 64
+CALL_LONG_KEYS = 32768  # a (tile, 32K) segment: surplus key tiles for its short neighbours, few query tiles
+CALL_LONG_SQUARE = 8192  # an (8K, 8K) segment: surplus query tiles (and key tiles, priced by the first)
+
+
+def _time_call(shapes: Sequence[tuple[int, int]], kernel: str, shape: SegmentShape, device: torch.device,
+               budget: ProfileBudget, mode: str, seed: int) -> float:
+    """Milliseconds of one varlen call over ``shapes``: the median of at least 5 after a warm-up call."""
+    step = _segment_step(shapes, kernel, shape, device, seed, mode)
+    for _ in range(max(budget.warmup, 1)):
+        step()
+    return statistics.median(_run_ms(step, device) for _ in range(max(budget.reps, 5)))
+
+
+def measure_call_terms(kernel: str, shape: SegmentShape, device: torch.device, budget: ProfileBudget, tile: int,
+                       mode: str = "fwd+bwd") -> tuple[CallTerms, dict]:
+    """What a varlen call costs beyond its segments (:class:`~hf_longctx.kernels.calls.CallTerms`), in ms.
+
+    With ``n`` short segments ``s`` (one tile square): a call of one ``s`` and a call of ``n`` give the fixed
+    cost per call and the cost of ``s`` inside a batch. ``n`` of them beside one ``(tile, 32K)`` segment cost
+    more than the two alone by the surplus key tiles, ``n * (32K / tile - 1)`` of them; beside an ``(8K, 8K)``
+    segment by as many surplus query and key tiles, the key tiles priced by the first. Each term is at least 0.
+    """
+    n, unit = CALL_SHORT_SEGMENTS, tile
+    small = (unit, unit)
+    t_one = _time_call([small], kernel, shape, device, budget, mode, 11)
+    t_many = _time_call([small] * n, kernel, shape, device, budget, mode, 12)
+    call = max(0.0, (n * t_one - t_many) / (n - 1))
+    per_small = max(0.0, t_one - call)
+    long_k = (unit, CALL_LONG_KEYS)
+    t_lk = _time_call([long_k], kernel, shape, device, budget, mode, 13)
+    t_mix_k = _time_call([long_k] + [small] * n, kernel, shape, device, budget, mode, 14)
+    surplus_k = n * (CALL_LONG_KEYS // unit - 1)
+    k_tile = max(0.0, (t_mix_k - t_lk - n * per_small) / surplus_k)
+    long_q = (CALL_LONG_SQUARE, CALL_LONG_SQUARE)
+    t_lq = _time_call([long_q], kernel, shape, device, budget, mode, 15)
+    t_mix_q = _time_call([long_q] + [small] * n, kernel, shape, device, budget, mode, 16)
+    surplus_q = n * (CALL_LONG_SQUARE // unit - 1)
+    q_tile = max(0.0, (t_mix_q - t_lq - n * per_small - surplus_q * k_tile) / surplus_q)
+    samples = {"one_short_ms": t_one, f"{n}_short_ms": t_many, "long_keys_ms": t_lk, "long_keys_beside_ms": t_mix_k,
+               "long_square_ms": t_lq, "long_square_beside_ms": t_mix_q}
+    return CallTerms(call, q_tile, k_tile, unit, "ms"), samples
+
+
 def resolved_kernel(kernel: str, shape: SegmentShape, device: torch.device) -> str:
     """The kernel ``kernel`` ('auto' or a name) runs for a server's fused batch of causal segments."""
     # a server's batch holds task segments whose queries are fewer than their keys (a query shard and its causal
@@ -195,8 +243,8 @@ def default_tile(device: torch.device) -> int:
 def profile_segment_costs(kernel: str = "auto", device: torch.device | str = "cuda",
                           shape: SegmentShape = SegmentShape(), q_lens=DEFAULT_Q_LENS, kv_lens=DEFAULT_KV_LENS,
                           budget: ProfileBudget = ProfileBudget(), *, mode: str = "fwd+bwd", tile: int | None = None,
-                          segment_cost: bool = True, report: Callable[[str], None] | None = None,
-                          ) -> tuple[ProfiledCostModel, dict]:
+                          segment_cost: bool = True, call_terms: bool = True,
+                          report: Callable[[str], None] | None = None) -> tuple[ProfiledCostModel, dict]:
     """Measure the (q_len, kv_len) grid on ``device``; (model in ms, metadata). Cells with q_len > kv_len
     and cells over ``budget.max_pairs`` are priced at a measured cell's rate per visible pair.
 
@@ -204,6 +252,8 @@ def profile_segment_costs(kernel: str = "auto", device: torch.device | str = "cu
     segments of two tiles, or of twice the smallest grid length without a tile), kept no larger than the
     cheapest grid cell (the grid then holds what the rows cost; see :class:`~.cost_model.ProfiledCostModel`).
     ``tile``: partial tiles priced as full ones (None: :func:`default_tile`; grid lengths must be multiples).
+    ``call_terms`` (default on, on a GPU): also measure what a call costs beyond its segments
+    (:func:`measure_call_terms`), which the runtime uses to cut a server's batch into calls.
     ``report`` receives one line per measured cell.
     """
     device = torch.device(device)
@@ -247,11 +297,19 @@ def profile_segment_costs(kernel: str = "auto", device: torch.device | str = "cu
             if table[i][j] != table[i][j]:
                 table[i][j] = per_segment + rate * PAIRS.cost(ql, kl)
                 extrapolated.append([ql, kl])
+    terms, call_samples = CallTerms(), {}
+    if call_terms and device.type == "cuda":
+        terms, call_samples = measure_call_terms(name, shape, device, budget, tile or GPU_TILE, mode)
+        if report is not None:
+            report(f"per call {terms.call:.5f} ms, per surplus query tile {terms.q_tile * 1e3:.3f} us, per surplus "
+                   f"key tile {terms.k_tile * 1e3:.3f} us ({call_samples})")
     model = ProfiledCostModel.from_grid(q_lens, kv_lens, table, units="ms", interpolate="rate",
-                                        segment_cost=per_segment, tile=tile)
+                                        segment_cost=per_segment, tile=tile, call_cost=terms.call,
+                                        q_tile_cost=terms.q_tile, k_tile_cost=terms.k_tile)
     meta = {"device": device_name(device), "kernel": name, "torch": torch.__version__, "heads": shape.heads,
             "kv_heads": shape.kv_heads, "head_dim": shape.head_dim, "dtype": str(shape.dtype),
             "mode": mode, "extrapolated": extrapolated, "segment_cost_samples": samples,
+            "call_term_samples": call_samples,
             "seconds": round(time.perf_counter() - t0, 1)}
     return model, meta
 
@@ -276,9 +334,9 @@ def profiled_cost_model(kernel: str = "auto", device: torch.device | str | None 
         path = cache_path(device, name, shape)
         if path.exists():
             data = json.loads(path.read_text())
-            # a profile written before the per-segment term existed lacks it: measured again
+            # a profile written before the per-segment term or the call terms existed lacks them: measured again
             if (list(data["q_lens"]) == list(q_lens) and list(data["kv_lens"]) == list(kv_lens)
-                    and "segment_cost" in data):
+                    and "segment_cost" in data and "call_cost" in data):
                 return ProfiledCostModel.load(path, interpolate="rate"), f"profiled {name} ({path})"
         if not profile_if_missing:
             return FlopsCostModel(4.0 * shape.heads * shape.head_dim), f"FLOPs (no profile at {path})"

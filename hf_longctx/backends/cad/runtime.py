@@ -33,16 +33,18 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ...comm.collectives import all_reduce_max, collective_device, is_distributed
 from ...comm.emulated import EmulatedGroup
 from ...comm.gather import GatherPlan, Run
-from ...kernels import accumulation_dtype, attention_backward, attention_forward
+from ...kernels import accumulation_dtype
+from ...kernels.calls import CallTerms, backward_in_calls, call_order, calls_overhead, forward_in_calls, plan_calls
 from ...layout import ShardPlan
 from ..contract import Backend
 from ..engine import RunContext
-from .cost_model import CostModel, FlopsCostModel, ProfiledCostModel, WindowedCostModel
+from .cost_model import CostModel, FlopsCostModel, ProfiledCostModel, WindowedCostModel, query_rows_cost
 from .eps import sweep_eps
 from .pingpong import pingpong_split
 from .profiled import profiled_cost_model
@@ -61,14 +63,29 @@ class NanoBatch:
     cu_k: list[int]
     max_q: int
     max_k: int
+    calls: list[tuple[int, int]] = None  # segment runs, one kernel call each (see hf_longctx.kernels.calls)
+
+    def __post_init__(self) -> None:
+        if self.calls is None:
+            self.calls = [(0, len(self.cu_q) - 1)] if len(self.cu_q) > 1 else []
 
 
-def build_nano_batch(plan: ShardPlan, tasks: Sequence[CadTask], rank: int) -> NanoBatch:
+def _segment_order(plan: ShardPlan, t: CadTask) -> tuple:
+    """Where task ``t``'s segment goes in its server's batch: by server, then longest keys first, then longest
+    queries (:func:`~hf_longctx.kernels.calls.call_order`: runs of similar segments become kernel calls)."""
+    piece = all_pieces(plan)[t.owner][t.piece][0]
+    keys = piece.start + t.q_end - key_start(plan, piece, t.q_start)
+    return t.server, -keys, -(t.q_end - t.q_start), *task_key(plan, t)
+
+
+def build_nano_batch(plan: ShardPlan, tasks: Sequence[CadTask], rank: int, terms: CallTerms | None = None
+                     ) -> NanoBatch:
     """Gathers of one nano-batch (``tasks`` of all servers) for ``rank``.
 
     Per server and task: the query rows (one run at the owner) and the key rows, the document's prefix
     up to the task's last query row (one run per holder piece). :class:`GatherPlan` turns these into
-    unique-row transfers; the varlen kernel sees one segment per task (bottom-right causal).
+    unique-row transfers; the varlen kernel sees one segment per task (bottom-right causal), longest keys
+    first, cut into kernel calls by ``terms`` (:func:`~hf_longctx.kernels.calls.plan_calls`; None: one call).
     """
     world = plan.world_size
     pieces = all_pieces(plan)
@@ -77,7 +94,7 @@ def build_nano_batch(plan: ShardPlan, tasks: Sequence[CadTask], rank: int) -> Na
     kv_runs: list[list[Run]] = [[] for _ in range(world)]
     mine = []
     cu_q, cu_k, max_q, max_k = [0], [0], 1, 1
-    for t in sorted((t for t in tasks if t.q_end > t.q_start), key=lambda t: (t.server, *task_key(plan, t))):
+    for t in sorted((t for t in tasks if t.q_end > t.q_start), key=lambda t: _segment_order(plan, t)):
         piece, local = pieces[t.owner][t.piece]
         q_runs[t.server].append((t.owner, local + t.q_start, local + t.q_end))
         # keys: the document up to the last query row, from where the window of the first one starts
@@ -98,11 +115,14 @@ def build_nano_batch(plan: ShardPlan, tasks: Sequence[CadTask], rank: int) -> Na
             cu_k.append(cu_k[-1] + n_k)
             max_q, max_k = max(max_q, n_q), max(max_k, n_k)
     rows = plan.token_counts
-    return NanoBatch(mine, GatherPlan(q_runs, rank, rows), GatherPlan(kv_runs, rank, rows), cu_q, cu_k, max_q, max_k)
+    q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
+    k_lens = [b - a for a, b in zip(cu_k, cu_k[1:])]
+    return NanoBatch(mine, GatherPlan(q_runs, rank, rows), GatherPlan(kv_runs, rank, rows), cu_q, cu_k, max_q, max_k,
+                     plan_calls(q_lens, k_lens, terms))
 
 
-def nano_batches(plan: ShardPlan, tasks: Sequence[CadTask], rank: int, pingpong: bool, device: torch.device
-                ) -> list[NanoBatch]:
+def nano_batches(plan: ShardPlan, tasks: Sequence[CadTask], rank: int, pingpong: bool, device: torch.device,
+                 terms: CallTerms | None = None) -> list[NanoBatch]:
     """The nano-batches of ``rank`` (two balanced halves with ping-pong, else one), cached on the plan."""
     key = tuple(tasks)
 
@@ -110,13 +130,43 @@ def nano_batches(plan: ShardPlan, tasks: Sequence[CadTask], rank: int, pingpong:
         groups = plan.cached(("cad_pingpong", key), lambda: pingpong_split(plan, tasks)) if pingpong else [list(tasks)]
         out = []
         for g in groups:
-            nb = build_nano_batch(plan, g, rank)
+            nb = build_nano_batch(plan, g, rank, terms)
             nb.q.to(device)
             nb.kv.to(device)
             out.append(nb)
         return out
 
-    return plan.cached(("cad_nano", key, rank, pingpong, str(device)), build)
+    return plan.cached(("cad_nano", key, rank, pingpong, str(device), terms), build)
+
+
+# What a varlen call costs beyond its segments on a GPU when no profile says (torch's flash kernel on an H200,
+# forward+backward, 32 heads of 128, bf16; see hf_longctx.kernels.calls): enough to cut off short segments
+# that would sit beside a long one.
+DEFAULT_GPU_CALL_TERMS = CallTerms(call=0.03, q_tile=1.6e-4, k_tile=1.6e-4, tile=128)
+
+
+def call_terms_for(options: dict, model: CostModel, device: torch.device) -> CallTerms | None:
+    """How a server cuts its batch into kernel calls: ``options["call_terms"]`` when given (a
+    :class:`~hf_longctx.kernels.calls.CallTerms`, or None / ``"none"``: always one call), else the profiled
+    cost model's measured terms, else :data:`DEFAULT_GPU_CALL_TERMS` on a GPU and one call elsewhere (the CPU
+    kernels compute only the rows they are given)."""
+    if "call_terms" in options:
+        spec = options["call_terms"]
+        if spec is None or spec == "none":
+            return None
+        if not isinstance(spec, CallTerms):
+            raise ValueError(f"cad call_terms must be a CallTerms, None or 'none', got {spec!r}")
+        return spec
+    base = model.base if isinstance(model, WindowedCostModel) else model
+    terms = base.call_terms if isinstance(base, ProfiledCostModel) else None
+    if terms is not None:
+        return terms
+    return DEFAULT_GPU_CALL_TERMS if torch.device(device).type == "cuda" else None
+
+
+def _batches(ctx: RunContext, device: torch.device) -> list[NanoBatch]:
+    terms = call_terms_for(ctx.options, cost_model_for(ctx.plan, ctx.options), device)
+    return nano_batches(ctx.plan, ctx.options["tasks"], ctx.rank, ctx.options.get("pingpong", True), device, terms)
 
 
 @functools.cache
@@ -130,9 +180,10 @@ _AGREED: dict[tuple[str, object], CostModel] = {}
 def agreed_profile(kernel: str, group) -> CostModel:
     """The profiled cost model of ``kernel``, identical on every rank of ``group``: each rank profiles (or
     reads) its own device, then every cell takes the largest rank's value (one all_reduce), because ranks
-    that schedule on different costs would disagree on who serves what (the per-segment term and the tile
-    too). Kept per kernel and group (the group object, not its ``id``, which a later group may reuse and then
-    skip the all_reduce its peers make); an emulated group's on its hub, so that it is freed with it."""
+    that schedule on different costs would disagree on who serves what (the per-segment term, the tile and
+    the call terms too). Kept per kernel and group (the group object, not its ``id``, which a later group may
+    reuse and then skip the all_reduce its peers make); an emulated group's on its hub, so that it is freed
+    with it."""
     if isinstance(group, EmulatedGroup):
         store, key = group.hub.cache, ("cad_agreed_profile", kernel, group.rank)
     else:
@@ -141,14 +192,15 @@ def agreed_profile(kernel: str, group) -> CostModel:
     if model is None:
         model = _profiled(kernel)
         if isinstance(model, ProfiledCostModel) and is_distributed(group):
-            values = [*(v for row in model.table for v in row), model.segment_cost, float(model.tile)]
+            values = [*(v for row in model.table for v in row), model.segment_cost, float(model.tile),
+                      model.call_cost, model.q_tile_cost, model.k_tile_cost]
             agreed = torch.tensor(values, dtype=torch.float64, device=collective_device(group))
             all_reduce_max(agreed, group)
-            *cells, segment_cost, tile = agreed.tolist()
+            *cells, segment_cost, tile, call_cost, q_tile_cost, k_tile_cost = agreed.tolist()
             width = len(model.kv_lens)
             table = [cells[i:i + width] for i in range(0, len(cells), width)]
             model = ProfiledCostModel.from_grid(model.q_lens, model.kv_lens, table, model.units, model.interpolate,
-                                                segment_cost, int(tile))
+                                                segment_cost, int(tile), call_cost, q_tile_cost, k_tile_cost)
         store[key] = model
     return model
 
@@ -185,6 +237,38 @@ def cad_schedule(plan: ShardPlan, options: dict) -> CadSchedule:
     return plan.cached(("cad_schedule", eps, model, tuple(sorted(knobs.items()))), build)
 
 
+def server_costs(plan: ShardPlan, options: dict, device: torch.device | str | None = None) -> np.ndarray:
+    """Predicted cost of each server's kernel calls under ``options`` (the cost model's units): every segment it
+    computes priced alone (ping-pong's halves as the runtime cuts them), plus what its calls add beyond their
+    segments (:func:`~hf_longctx.kernels.calls.calls_overhead`, under the call terms the runtime on ``device``
+    uses; default: CUDA when there is one). The schedule's own loads omit the call terms and ping-pong's cuts."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = cost_model_for(plan, options)
+    terms = call_terms_for(options, model, torch.device(device))
+    tasks = prepare(plan, options)["tasks"]
+    groups = pingpong_split(plan, tasks) if options.get("pingpong", True) else [list(tasks)]
+    pieces = all_pieces(plan)
+    costs = np.zeros(plan.world_size)
+    for group in groups:
+        shapes: dict[int, list[tuple[int, int]]] = {}
+        for t in group:
+            if t.q_end <= t.q_start:
+                continue
+            piece = pieces[t.owner][t.piece][0]
+            offset = piece.start - plan.batch.doc_starts[piece.doc]
+            costs[t.server] += query_rows_cost(model, piece.length, offset, t.q_start, t.q_end)
+            keys = piece.start + t.q_end - key_start(plan, piece, t.q_start)
+            shapes.setdefault(t.server, []).append((t.q_end - t.q_start, keys))
+        if terms is None:
+            continue
+        for server, seg in shapes.items():
+            order = call_order([q for q, _ in seg], [k for _, k in seg])
+            q_lens, k_lens = [seg[i][0] for i in order], [seg[i][1] for i in order]
+            costs[server] += calls_overhead(q_lens, k_lens, plan_calls(q_lens, k_lens, terms), terms)
+    return costs
+
+
 def prepare(plan: ShardPlan, options: dict) -> dict:
     """Runner hook: schedule the plan's documents onto servers (cached per plan, so per sliding window,
     eps and cost model)."""
@@ -218,7 +302,7 @@ def run_forward(ctx: RunContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     All fetches are posted first (nano-batch 1's transfers run while nano-batch 0 computes); results of
     local tasks are written in place, the others return with one all_to_all per nano-batch.
     """
-    nbs = nano_batches(ctx.plan, ctx.options["tasks"], ctx.rank, ctx.options.get("pingpong", True), q.device)
+    nbs = _batches(ctx, q.device)
     acc = accumulation_dtype(q.dtype)
     out = torch.zeros_like(q)
     lse_rows = torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
@@ -228,8 +312,8 @@ def run_forward(ctx: RunContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         (qb,) = nb.q.gather(pq, [q])
         kb, vb = nb.kv.gather(pkv, [k, v])
         if nb.tasks:
-            ob, lb = attention_forward(qb, kb, vb, nb.cu_q, nb.cu_k, nb.max_q, nb.max_k, causal=True,
-                                       softmax_scale=ctx.scale, kernel=ctx.kernel, window=ctx.plan.window)
+            ob, lb = forward_in_calls(qb, kb, vb, nb.cu_q, nb.cu_k, nb.calls, causal=True, softmax_scale=ctx.scale,
+                                      kernel=ctx.kernel, window=ctx.plan.window)
             lb = _lse_rows(lb.to(acc))
         else:
             ob, lb = _no_rows(q), _no_rows(lse_rows)
@@ -248,7 +332,7 @@ def run_backward(ctx: RunContext, dout: torch.Tensor, q: torch.Tensor, k: torch.
     remote rows (then once more at the holder, across servers), directly in dk/dv for local rows.
     """
     acc = accumulation_dtype(q.dtype)
-    nbs = nano_batches(ctx.plan, ctx.options["tasks"], ctx.rank, ctx.options.get("pingpong", True), q.device)
+    nbs = _batches(ctx, q.device)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
@@ -259,9 +343,9 @@ def run_backward(ctx: RunContext, dout: torch.Tensor, q: torch.Tensor, k: torch.
         qb, ob, db, lb = nb.q.gather(pq, q_side)
         kb, vb = nb.kv.gather(pkv, [k, v])
         if nb.tasks:
-            gq, gk, gv = attention_backward(db, qb, kb, vb, ob, lb.t().contiguous(), nb.cu_q, nb.cu_k, nb.max_q,
-                                            nb.max_k, causal=True, softmax_scale=ctx.scale, kernel=ctx.kernel,
-                                            window=ctx.plan.window)
+            gq, gk, gv = backward_in_calls(db, qb, kb, vb, ob, lb.t().contiguous(), nb.cu_q, nb.cu_k, nb.calls,
+                                           causal=True, softmax_scale=ctx.scale, kernel=ctx.kernel,
+                                           window=ctx.plan.window)
             gq, gk, gv = gq.to(acc), gk.to(acc), gv.to(acc)
         else:
             gq, gk, gv = _no_rows(q, acc), _no_rows(k, acc), _no_rows(v, acc)
