@@ -1,0 +1,144 @@
+"""CAD servers that cut their batch into several kernel calls compute the same attention as one device.
+
+A CAD server runs its tasks of a nano-batch as varlen segments sorted longest keys first; under the
+``call_terms`` option (:class:`~hf_longctx.kernels.calls.CallTerms`) it cuts them into contiguous runs, one
+kernel call each. With free calls and priced tiles every run holds segments of equal tile counts, so a
+batch mixing one long document with many short ones really is cut; outputs and q/k/v gradients of every
+emulated rank must still equal the fp64 reference kernel over the whole batch. :func:`server_costs`
+predicts each server's kernel cost: the scheduler's loads plus what the calls add beyond their segments.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_longctx.backends.cad.cost_model import FlopsCostModel
+from hf_longctx.backends.cad.runtime import (
+    DEFAULT_GPU_CALL_TERMS,
+    cad_schedule,
+    call_terms_for,
+    cost_model_for,
+    nano_batches,
+    prepare,
+    server_costs,
+)
+from hf_longctx.emulation import emulate_step
+from hf_longctx.kernels import attention_backward, attention_forward
+from hf_longctx.kernels.calls import CallTerms, calls_overhead
+from hf_longctx.layout import PackedBatch, shard_plan
+
+DOC_LENS = [700, 40, 33, 90, 12, 64, 300, 25]  # one long document among short ones
+CUT_EVERYWHERE = CallTerms(call=0.0, q_tile=1.0, k_tile=1.0, tile=16)  # calls free, every surplus tile priced
+OPTIONS = {"call_terms": CUT_EVERYWHERE, "eps": 0.0, "min_shard": 16}
+CPU = torch.device("cpu")
+TOL = dict(rtol=1e-9, atol=1e-9)
+
+
+def make_tensors(batch: PackedBatch, seed: int = 0, hq: int = 4, hkv: int = 2, d: int = 16):
+    """Global packed fp64 (q, k, v, dout) of ``batch`` with grouped-query heads."""
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(batch.num_tokens, h, d, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv, hq))
+
+
+def single_device(batch: PackedBatch, q, k, v, dout):
+    """(out, dq, dk, dv) of one reference kernel call over the whole batch, one segment per document."""
+    cu = batch.cu_seqlens.tolist()
+    out, lse = attention_forward(q, k, v, cu, cu, batch.max_seqlen, batch.max_seqlen, kernel="reference")
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, cu, cu, batch.max_seqlen, batch.max_seqlen,
+                                    kernel="reference")
+    return out, dq, dk, dv
+
+
+def server_batches(plan, options):
+    """Every rank's nano-batches as the runtime builds them on the CPU under ``options``."""
+    tasks = prepare(plan, options)["tasks"]
+    terms = call_terms_for(options, cost_model_for(plan, options), CPU)
+    return [nano_batches(plan, tasks, r, options.get("pingpong", True), CPU, terms) for r in range(plan.world_size)]
+
+
+def segment_lens(nb):
+    return [b - a for a, b in zip(nb.cu_q, nb.cu_q[1:])], [b - a for a, b in zip(nb.cu_k, nb.cu_k[1:])]
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_cad_with_batches_cut_into_calls_matches_one_device(world):
+    batch = PackedBatch.from_doc_lens(DOC_LENS)
+    q, k, v, dout = make_tensors(batch, seed=world)
+    want = single_device(batch, q, k, v, dout)
+    plan = shard_plan(batch, world, "cad")
+
+    batches = server_batches(plan, OPTIONS)
+    assert any(len(nb.calls) > 1 for nbs in batches for nb in nbs), "no server cut its batch: the test tests nothing"
+
+    step = emulate_step(batch, world, (q, k, v, dout), "cad", options=OPTIONS, kernel="reference",
+                        keep_results=True)
+    assert len(step.ranks) == world
+    for r in step.ranks:
+        idx = plan.local_indices(r.rank)
+        for name, got, ref in zip(("out", "dq", "dk", "dv"), r.results, want):
+            torch.testing.assert_close(got, ref[idx], **TOL,
+                                       msg=lambda m, w=f"W={world} rank {r.rank} {name}": f"{w}: {m}")
+        # one forward and one backward kernel call per run of every nano-batch that has tasks
+        assert r.kernel_calls == 2 * sum(len(nb.calls) for nb in batches[r.rank] if nb.tasks), r.rank
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_free_calls_leave_every_run_without_surplus_tiles(world):
+    plan = shard_plan(PackedBatch.from_doc_lens(DOC_LENS), world, "cad")
+    tile = CUT_EVERYWHERE.tile
+    for nbs in server_batches(plan, OPTIONS):
+        for nb in nbs:
+            q_lens, k_lens = segment_lens(nb)
+            assert [s for run in nb.calls for s in range(*run)] == list(range(len(q_lens)))
+            assert k_lens == sorted(k_lens, reverse=True)  # longest keys first
+            for a, b in nb.calls:
+                assert len({(-(-nq // tile), -(-nk // tile)) for nq, nk in zip(q_lens[a:b], k_lens[a:b])}) == 1
+
+
+def test_a_cpu_server_runs_one_call_per_batch_by_default():
+    plan = shard_plan(PackedBatch.from_doc_lens(DOC_LENS), 3, "cad")
+    for options in ({"eps": 0.0, "min_shard": 16}, {**OPTIONS, "call_terms": None},
+                    {**OPTIONS, "call_terms": "none"}):
+        for nbs in server_batches(plan, options):
+            for nb in nbs:
+                assert nb.calls == ([(0, len(nb.tasks))] if nb.tasks else []), options
+
+
+def test_call_terms_for_reads_the_option_then_the_device():
+    model = FlopsCostModel()
+    assert call_terms_for({"call_terms": CUT_EVERYWHERE}, model, CPU) is CUT_EVERYWHERE
+    assert call_terms_for({"call_terms": None}, model, torch.device("cuda")) is None
+    assert call_terms_for({"call_terms": "none"}, model, torch.device("cuda")) is None
+    assert call_terms_for({}, model, CPU) is None
+    assert call_terms_for({}, model, torch.device("cuda")) == DEFAULT_GPU_CALL_TERMS
+    with pytest.raises(ValueError, match="call_terms"):
+        call_terms_for({"call_terms": "fast"}, model, CPU)
+
+
+@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("pingpong", [True, False])
+def test_server_costs_are_the_schedule_loads_plus_what_calls_add(world, pingpong):
+    plan = shard_plan(PackedBatch.from_doc_lens(DOC_LENS), world, "cad")
+    base = {"eps": 0.0, "min_shard": 16, "pingpong": pingpong}
+    plain = server_costs(plan, {**base, "call_terms": None}, "cpu")
+    assert plain.shape == (world,) and (plain >= 0).all()
+    # FLOPs add up over row cuts: without call terms, ping-pong's halves cost what the scheduler balanced
+    assert plain == pytest.approx(cad_schedule(plan, base).loads, rel=1e-9)
+    # free calls cut where surplus tiles would cost: nothing added
+    assert server_costs(plan, {**base, "call_terms": CUT_EVERYWHERE}, "cpu") == pytest.approx(plain, rel=1e-9)
+
+    # a call price alone: one call per nano-batch that has tasks, each adding its price
+    fixed = {**base, "call_terms": CallTerms(call=5.0)}
+    extra = server_costs(plan, fixed, "cpu") - plain
+    calls = [sum(1 for nb in nbs if nb.tasks) for nbs in server_batches(plan, fixed)]
+    assert extra == pytest.approx([5.0 * n for n in calls], abs=1e-4)
+    assert all(n > 0 for n in calls) and (extra > 0).all()
+
+    # call and tile prices: what the runtime's own cuts add, nano-batch by nano-batch
+    terms = CallTerms(call=0.5, q_tile=0.01, k_tile=0.02, tile=16)
+    priced = {**base, "call_terms": terms}
+    added = [sum(calls_overhead(*segment_lens(nb), nb.calls, terms) for nb in nbs if nb.tasks)
+             for nbs in server_batches(plan, priced)]
+    assert server_costs(plan, priced, "cpu") - plain == pytest.approx(added, abs=1e-4)
+    assert all(a >= 0.5 for a in added)
