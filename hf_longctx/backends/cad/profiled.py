@@ -122,6 +122,12 @@ def _segment_step(shapes: Sequence[tuple[int, int]], kernel: str, shape: Segment
     return step
 
 
+def _release(device: torch.device) -> None:
+    """Give a measured cell's blocks back to the device, so that the next, larger one finds them."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _run_ms(step: Callable[[], None], device: torch.device) -> float:
     _sync(device)
     t0 = time.perf_counter()
@@ -269,7 +275,14 @@ def profile_segment_costs(kernel: str = "auto", device: torch.device | str = "cu
             if ql <= kl and PAIRS.cost(ql, kl) <= budget.max_pairs:
                 copies = max(1, min(budget.min_tokens // ql, budget.max_kv_tokens // kl,
                                     int(budget.max_batch_pairs // PAIRS.cost(ql, kl))))
-                table[i][j] = time_segments(ql, kl, copies, name, shape, device, budget, mode)
+                try:
+                    table[i][j] = time_segments(ql, kl, copies, name, shape, device, budget, mode)
+                except torch.cuda.OutOfMemoryError:  # a smaller device (an H100 beside the global tensors of a
+                    _release(device)  # benchmark): the cell is priced like those too large to measure
+                    if report is not None:
+                        report(f"q {ql:>7} kv {kl:>7} x{copies:<4} out of memory: extrapolated")
+                    continue
+                _release(device)
                 if report is not None:
                     work = 4 * shape.heads * shape.head_dim * PAIRS.cost(ql, kl) * factor
                     report(f"q {ql:>7} kv {kl:>7} x{copies:<4} {table[i][j]:10.4f} ms/segment  "

@@ -424,8 +424,10 @@ class _Balancer:
         which coarse items (a piece whose smallest cut is a sizeable share of ``F``) cause when servers hold
         few thousand rows. Here the busiest server offers each of its items to the ``receivers`` least loaded
         servers, sized to even the pair out (or overshoot up to most of their gap), and each shard it received
-        whole; the move that leaves the pair's larger load smallest is taken, if it is below the busiest load. Every move lowers that pair's
-        maximum, so the loop ends; it stops when the busiest server can give nothing (or at ``max_moves``).
+        whole; the move that leaves the pair's larger load smallest is taken, if it is below the busiest load.
+        Where no single move helps, a chain of two may (:meth:`_chain`). Every move lowers the busiest load of
+        the servers it touches, so the loop ends; it stops when the busiest server can give nothing (or at
+        ``max_moves``).
         """
         while self.num_moves < self.max_moves:
             loads = self.loads
@@ -435,7 +437,8 @@ class _Balancer:
             best, best_peak = None, loads[s] * (1 - 1e-6)
             # passing shards on and chains are priced without their bytes: only when moves need not pay for them
             shards = [] if self.min_gain > 0 else [
-                (j, self.cm.cost(b - a, self._info(i)[1] + b)) for j, (i, srv, a, b) in enumerate(self.moved) if srv == s]
+                (j, self.cm.cost(b - a, self._info(i)[1] + b))
+                for j, (i, srv, a, b) in enumerate(self.moved) if srv == s]
             for dst in sorted(range(self.n), key=loads.__getitem__)[:receivers]:
                 gap = loads[s] - loads[dst]
                 if dst == s or gap <= 0:
