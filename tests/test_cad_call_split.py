@@ -13,9 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_longctx.backends.cad.cost_model import FlopsCostModel
+from hf_longctx.backends.cad.cost_model import FlopsCostModel, ProfiledCostModel, WindowedCostModel
 from hf_longctx.backends.cad.runtime import (
-    DEFAULT_GPU_CALL_TERMS,
     cad_schedule,
     call_terms_for,
     cost_model_for,
@@ -111,7 +110,12 @@ def test_call_terms_for_reads_the_option_then_the_device():
     assert call_terms_for({"call_terms": None}, model, torch.device("cuda")) is None
     assert call_terms_for({"call_terms": "none"}, model, torch.device("cuda")) is None
     assert call_terms_for({}, model, CPU) is None
-    assert call_terms_for({}, model, torch.device("cuda")) == DEFAULT_GPU_CALL_TERMS
+    # without a profile's measured terms nothing is guessed, on a GPU either: one call
+    assert call_terms_for({}, model, torch.device("cuda")) is None
+    profiled = ProfiledCostModel.from_grid([128, 1024], [128, 1024], [[0.01, 0.05], [0.05, 0.2]], tile=128,
+                                           call_cost=0.25, k_tile_cost=2e-4)
+    assert call_terms_for({}, profiled, torch.device("cuda")) == profiled.call_terms
+    assert call_terms_for({}, WindowedCostModel(profiled, 64), CPU) == profiled.call_terms
     with pytest.raises(ValueError, match="call_terms"):
         call_terms_for({"call_terms": "fast"}, model, CPU)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +12,10 @@ from hypothesis import strategies as st
 
 from hf_longctx.backends.cad.cost_model import FlopsCostModel, ProfiledCostModel, TokenBytes, query_rows_cost
 from hf_longctx.backends.cad.scheduler import parse_docs, schedule, verify_schedule
+from hf_longctx.backends.cad.tasks import docs_per_rank
 from hf_longctx.data.synthetic_lengths import synthetic_doc_lengths
+from hf_longctx.emulation.workloads import doc_lengths
+from hf_longctx.layout import PackedBatch, shard_plan
 
 PAIRS = FlopsCostModel(flops_per_pair=1.0)
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -464,3 +468,38 @@ def test_flops_and_term_free_profiles_ignore_the_segment_machinery():
         for name in ("task_owner", "task_piece", "task_q_start", "task_q_end", "task_server", "loads"):
             assert np.array_equal(getattr(a, name), getattr(b, name)), name
         assert a.target == b.target and a.num_moves == b.num_moves
+
+
+# ---------------------------------------------------------------- scheduler: measured kernel time
+
+# torch's flash kernel profiled on an H200 (scripts/profile_cad.py): 128-row segments over long prefixes run at
+# ~55% of the throughput of 2K-row ones, and every partial tile of 128 rows costs a whole one
+H200_PROFILE = Path(__file__).with_name("h200_torch_flash_profile.json")
+
+
+@pytest.mark.parametrize("mix,tokens,world", [("pretrain", 256 << 10, 16), ("prolong", 256 << 10, 16),
+                                              ("sft", 128 << 10, 16), ("prolong", 512 << 10, 16),
+                                              ("pretrain", 512 << 10, 64)])
+def test_measured_kernel_time_balances_within_2_percent_on_servers_of_a_few_thousand_rows(mix, tokens, world):
+    """The cuts that balance FLOPs are coarse in time when a server holds 8K-16K rows: a ring's two thin
+    segments cost the receiver up to twice what its rows cost inside their piece. The scheduler cuts a piece's
+    first rows alone where no ring fits, and then lowers the busiest server by single moves and chains of two;
+    without those, these batches stayed at 1.05-1.7 x the mean."""
+    model = ProfiledCostModel.load(H200_PROFILE, interpolate="rate")
+    batch = PackedBatch.from_doc_lens(doc_lengths(mix, tokens, seed=0))
+    docs = docs_per_rank(shard_plan(batch, world, "cad"))
+    sched = schedule(docs, world, eps=0.01, cost_model=model)
+    verify_schedule(docs, sched, model)
+    assert sched.imbalance <= 1.02, (mix, world, sched.imbalance)
+
+
+def test_a_piece_sheds_its_first_rows_alone_where_no_ring_fits():
+    """Half the gap between the two servers is 3M pairs; the smallest ring of this piece (128 rows at each end,
+    ~20K keys each) costs 5.2M. Its first 149 rows alone cost 3M: one move, one new segment, one KV prefix
+    shipped (two rings each way would balance too, at six tasks and twice the bytes)."""
+    docs = [[(600, 20000)], [3520]]
+    sched = schedule(docs, 2, eps=0.01, cost_model=PAIRS, min_shard=128)
+    verify_schedule(docs, sched, PAIRS)
+    tasks = sorted((t.owner, t.q_start, t.q_end, t.server) for t in sched.tasks)
+    assert tasks == [(0, 0, 149, 1), (0, 149, 600, 0), (1, 0, 3520, 1)]
+    assert sched.imbalance == pytest.approx(1.0, abs=1e-3)
