@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from ...benchmarking import queue_ahead
 from ...kernels import attention_backward, attention_forward, kernel_call, select_kernel
 from ...kernels.calls import CallTerms
 from .cost_model import PAIRS, CostModel, FlopsCostModel, ProfiledCostModel
@@ -46,6 +47,8 @@ GPU_TILE = 128
 # Key lengths (in multiples of the cut segment's rows) at which the per-segment cost is measured.
 CUT_KV_FACTORS = (1, 2, 8)
 MODES = ("fwd", "fwd+bwd")
+# how cells are timed (kept in a profile's metadata; a profile timed otherwise is measured again)
+TIMING = "device events, stream queued ahead"
 
 
 @dataclass(frozen=True)
@@ -129,10 +132,20 @@ def _release(device: torch.device) -> None:
 
 
 def _run_ms(step: Callable[[], None], device: torch.device) -> float:
-    _sync(device)
+    """Milliseconds of ``step``: its device time on a GPU (events, the stream kept busy while the host enqueues,
+    as the emulation times kernel calls: see :func:`~hf_longctx.benchmarking.queue_ahead`), wall time on the
+    CPU."""
+    if device.type == "cuda":
+        _sync(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        queue_ahead()
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
     t0 = time.perf_counter()
     step()
-    _sync(device)
     return (time.perf_counter() - t0) * 1e3
 
 
@@ -322,7 +335,7 @@ def profile_segment_costs(kernel: str = "auto", device: torch.device | str = "cu
     meta = {"device": device_name(device), "kernel": name, "torch": torch.__version__, "heads": shape.heads,
             "kv_heads": shape.kv_heads, "head_dim": shape.head_dim, "dtype": str(shape.dtype),
             "mode": mode, "extrapolated": extrapolated, "segment_cost_samples": samples,
-            "call_term_samples": call_samples,
+            "call_term_samples": call_samples, "timing": TIMING,
             "seconds": round(time.perf_counter() - t0, 1)}
     return model, meta
 
@@ -347,9 +360,10 @@ def profiled_cost_model(kernel: str = "auto", device: torch.device | str | None 
         path = cache_path(device, name, shape)
         if path.exists():
             data = json.loads(path.read_text())
-            # a profile written before the per-segment term or the call terms existed lacks them: measured again
+            # a profile written before the per-segment term, the call terms or device timing: measured again
             if (list(data["q_lens"]) == list(q_lens) and list(data["kv_lens"]) == list(kv_lens)
-                    and "segment_cost" in data and "call_cost" in data):
+                    and "segment_cost" in data and "call_cost" in data
+                    and data.get("meta", {}).get("timing") == TIMING):
                 return ProfiledCostModel.load(path, interpolate="rate"), f"profiled {name} ({path})"
         if not profile_if_missing:
             return FlopsCostModel(4.0 * shape.heads * shape.head_dim), f"FLOPs (no profile at {path})"
