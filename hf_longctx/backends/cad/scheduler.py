@@ -87,6 +87,7 @@ class CadSchedule:
     num_moves: int
     converged: bool  # every server within eps * target
     eps: float
+    offsets: np.ndarray | None = None  # fixed cost per server beyond its tasks, in ``loads`` (``server_offsets``)
     stats: dict = field(default_factory=dict)
 
     @property
@@ -161,7 +162,7 @@ class _Balancer:
     """Mutable state of one scheduling run; :func:`schedule` wraps it in a pure function."""
 
     def __init__(self, length, off, rank, num_servers, cost_model, tb, eps, min_shard, search_width,
-                 min_move_frac, min_gain_per_byte, max_moves, overshoot=0.5):
+                 min_move_frac, min_gain_per_byte, max_moves, overshoot=0.5, offsets=None):
         self.n = num_servers
         self.overshoot = overshoot  # an overshoot move may cost up to this share of the gap between the two loads
         self.cm = cost_model
@@ -174,6 +175,8 @@ class _Balancer:
         item_cost = cost_model.cost_array(length, off + length) if len(length) else np.zeros(0)
         self.item_cost = item_cost
         loads = np.bincount(self.home, weights=item_cost, minlength=num_servers).astype(np.float64)
+        if offsets is not None:
+            loads = loads + offsets
         self.initial_loads = loads.copy()
         self.target = float(loads.sum()) / num_servers
         self.eps = eps
@@ -584,6 +587,7 @@ def schedule(
     min_move_frac: float = 1e-4,
     min_gain_per_byte: float = 0.0,
     max_moves: int | None = None,
+    server_offsets: Sequence[float] | None = None,
 ) -> CadSchedule:
     """Assign every query row of every document to an attention server, balancing attention cost.
 
@@ -604,6 +608,8 @@ def schedule(
         min_move_frac: moves smaller than this fraction of ``F`` are not worth a transfer.
         min_gain_per_byte: a move must shift at least this much cost per byte sent (0: any move).
         max_moves: safety cap on moves (default ``50 * num_servers + 1000``).
+        server_offsets: a cost per server on top of its tasks (>= 0; e.g. what the runtime's cuts of its
+            tasks add, see ``runtime.cad_schedule``), balanced with them and included in ``loads``.
     """
     n_ranks = len(docs_per_rank)
     n = n_ranks if num_servers is None else int(num_servers)
@@ -614,9 +620,15 @@ def schedule(
     cm = cost_model if cost_model is not None else FlopsCostModel()
     tb = token_bytes if token_bytes is not None else TokenBytes()
     length, off, rank, doc = parse_docs(docs_per_rank)
+    offsets = None
+    if server_offsets is not None:
+        offsets = np.asarray(server_offsets, dtype=np.float64)
+        if offsets.shape != (n,) or not np.all(np.isfinite(offsets)) or offsets.min() < 0:
+            raise ValueError(f"server_offsets must hold {n} finite costs >= 0, one per server")
+
     def balance(overshoot: float) -> tuple[_Balancer, bool]:
         bal = _Balancer(length, off, rank, n, cm, tb, eps, min_shard, search_width, min_move_frac,
-                        min_gain_per_byte, max_moves if max_moves is not None else 50 * n + 1000, overshoot)
+                        min_gain_per_byte, max_moves if max_moves is not None else 50 * n + 1000, overshoot, offsets)
         converged = bal.run()
         if not converged:
             bal.refine()
@@ -652,12 +664,14 @@ def schedule(
     if not isinstance(cm, FlopsCostModel):  # merged shards may cost less than their parts: price the tasks
         costs = cm.cost_array(task_q_end - task_q_start, off[np.concatenate([keep, mi])] + task_q_end)
         loads = np.bincount(task_server, weights=costs, minlength=n)
+        if offsets is not None:
+            loads = loads + offsets
     per_rank, per_server = _bytes(off, rank, n_ranks, n, tb, keep, lo[keep], hi[keep], moved)
     return CadSchedule(
         task_owner=task_owner, task_piece=task_piece, task_q_start=task_q_start, task_q_end=task_q_end,
         task_server=task_server, loads=loads, initial_loads=bal.initial_loads,
         target=bal.target, bytes_per_rank=per_rank, bytes_per_server=per_server, num_moves=bal.num_moves,
-        converged=converged, eps=eps,
+        converged=converged, eps=eps, offsets=offsets if offsets is not None else np.zeros(n),
         stats={"items": len(length), "sources_indexed": len(bal._sorted), "retired_servers": len(bal.retired_dst),
                "retired_sources": len(bal.retired_src)},
     )
@@ -685,5 +699,7 @@ def verify_schedule(docs_per_rank: Sequence[Sequence[DocItem]], sched: CadSchedu
     cm = cost_model if cost_model is not None else FlopsCostModel()
     costs = cm.cost_array(sched.task_q_end - sched.task_q_start, off[item] + sched.task_q_end)
     loads = np.bincount(sched.task_server, weights=costs, minlength=sched.num_servers)
+    if sched.offsets is not None:
+        loads = loads + sched.offsets
     assert np.allclose(loads, sched.loads, rtol=rtol, atol=rtol * max(float(loads.max(initial=0)), 1.0)), \
         "server loads differ from the summed task costs"
