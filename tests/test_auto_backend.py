@@ -84,3 +84,19 @@ def test_candidates_follow_the_placement():
     assert auto.candidates_for(shard_plan(batch, 3, "contiguous")) == ["ring", "distfa", "tasp"]
     with pytest.raises(ValueError, match="no candidate for plan strategy 'cad'"):
         auto.candidates_for(shard_plan(batch, 3, "cad"))
+
+
+def test_a_verdict_dies_with_its_group():
+    """A later group may take a freed group's address: keyed by ``id``, it would inherit the verdict on some ranks
+    and time the candidates on others, which then wait in collectives their peers never issue."""
+    from hf_longctx.comm.emulated import EmulatedGroup, EmulationHub
+
+    q, k = torch.zeros(8, 4, 16), torch.zeros(8, 2, 16)
+    plan = shard_plan(PackedBatch.from_doc_lens([8]), 2, "contiguous")
+    hub = EmulationHub(2)
+    group = EmulatedGroup(hub, 0)
+    key = auto._decision_key(q, k, plan, group)
+    assert key == auto._decision_key(q, k, plan, group)  # the same live group: the same verdict
+    del group
+    for _ in range(8):  # whether or not the allocator hands the address out again
+        assert key != auto._decision_key(q, k, plan, EmulatedGroup(hub, 0))

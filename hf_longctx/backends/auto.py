@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -125,8 +126,20 @@ def _size_bucket(tokens: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, tokens))))
 
 
+def _group_key(group) -> object:
+    """The group in a verdict's key: a weak reference where the group takes one (a verdict must not outlive its
+    group and pass to a later group at the same address, whose ranks would then disagree on whether to time the
+    candidates and deadlock in the collectives), else the group itself."""
+    if group is None:
+        return None
+    try:
+        return weakref.ref(group)
+    except TypeError:
+        return group
+
+
 def _decision_key(q: torch.Tensor, k: torch.Tensor, plan: ShardPlan, group: dist.ProcessGroup | None) -> tuple:
-    return (id(group), plan.world_size, plan.strategy, _size_bucket(plan.batch.num_tokens), plan.window,
+    return (_group_key(group), plan.world_size, plan.strategy, _size_bucket(plan.batch.num_tokens), plan.window,
             tuple(q.shape[1:]), tuple(k.shape[1:]), q.dtype, q.device.type)
 
 
