@@ -36,10 +36,14 @@ def queue_ahead() -> None:
     torch.cuda._sleep(HOST_AHEAD_CYCLES)
 
 
-def _one_run_ms(fn: Callable[[], object], cuda: bool) -> float:
+def one_run_ms(fn: Callable[[], object], cuda: bool, ahead: bool = False) -> float:
+    """Milliseconds of one ``fn()``: CUDA events around it (``ahead``: after :func:`queue_ahead`, so they time
+    the device's work alone), the host clock on the CPU."""
     if cuda:
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if ahead:
+            queue_ahead()
         start.record()
         fn()
         end.record()
@@ -55,7 +59,7 @@ def timed(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
     for _ in range(warmup):
         fn()
     cuda = torch.cuda.is_available()
-    return statistics.median(_one_run_ms(fn, cuda) for _ in range(reps))
+    return statistics.median(one_run_ms(fn, cuda) for _ in range(reps))
 
 
 def timed_slowest_rank(fn: Callable[[], object], reps: int, device: torch.device, warmup: int = 1,
@@ -70,7 +74,7 @@ def timed_slowest_rank(fn: Callable[[], object], reps: int, device: torch.device
     times = []
     for _ in range(reps):
         dist.barrier(group=group)
-        t = torch.tensor([_one_run_ms(fn, device.type == "cuda")], device=device)
+        t = torch.tensor([one_run_ms(fn, device.type == "cuda")], device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         times.append(t.item())
     return statistics.median(times)

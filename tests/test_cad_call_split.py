@@ -52,7 +52,7 @@ def single_device(batch: PackedBatch, q, k, v, dout):
 def server_batches(plan, options):
     """Every rank's nano-batches as the runtime builds them on the CPU under ``options``."""
     tasks = prepare(plan, options)["tasks"]
-    terms = call_terms_for(options, cost_model_for(plan, options), CPU)
+    terms = call_terms_for(options, cost_model_for(plan, options))
     return [nano_batches(plan, tasks, r, options.get("pingpong", True), CPU, terms) for r in range(plan.world_size)]
 
 
@@ -104,20 +104,19 @@ def test_a_cpu_server_runs_one_call_per_batch_by_default():
                 assert nb.calls == ([(0, len(nb.tasks))] if nb.tasks else []), options
 
 
-def test_call_terms_for_reads_the_option_then_the_device():
+def test_call_terms_come_from_the_option_then_the_profile():
     model = FlopsCostModel()
-    assert call_terms_for({"call_terms": CUT_EVERYWHERE}, model, CPU) is CUT_EVERYWHERE
-    assert call_terms_for({"call_terms": None}, model, torch.device("cuda")) is None
-    assert call_terms_for({"call_terms": "none"}, model, torch.device("cuda")) is None
-    assert call_terms_for({}, model, CPU) is None
-    # without a profile's measured terms nothing is guessed, on a GPU either: one call
-    assert call_terms_for({}, model, torch.device("cuda")) is None
+    assert call_terms_for({"call_terms": CUT_EVERYWHERE}, model) is CUT_EVERYWHERE
+    assert call_terms_for({"call_terms": None}, model) is None
+    assert call_terms_for({"call_terms": "none"}, model) is None
+    # without a profile's measured terms nothing is guessed: one call
+    assert call_terms_for({}, model) is None
     profiled = ProfiledCostModel.from_grid([128, 1024], [128, 1024], [[0.01, 0.05], [0.05, 0.2]], tile=128,
                                            call_cost=0.25, k_tile_cost=2e-4)
-    assert call_terms_for({}, profiled, torch.device("cuda")) == profiled.call_terms
-    assert call_terms_for({}, WindowedCostModel(profiled, 64), CPU) == profiled.call_terms
+    assert call_terms_for({}, profiled) == profiled.call_terms
+    assert call_terms_for({}, WindowedCostModel(profiled, 64)) == profiled.call_terms
     with pytest.raises(ValueError, match="call_terms"):
-        call_terms_for({"call_terms": "fast"}, model, CPU)
+        call_terms_for({"call_terms": "fast"}, model)
 
 
 @pytest.mark.parametrize("world", [3, 4])
@@ -125,16 +124,16 @@ def test_call_terms_for_reads_the_option_then_the_device():
 def test_server_costs_are_the_schedule_loads_plus_what_calls_add(world, pingpong):
     plan = shard_plan(PackedBatch.from_doc_lens(DOC_LENS), world, "cad")
     base = {"eps": 0.0, "min_shard": 16, "pingpong": pingpong}
-    plain = server_costs(plan, {**base, "call_terms": None}, "cpu")
+    plain = server_costs(plan, {**base, "call_terms": None})
     assert plain.shape == (world,) and (plain >= 0).all()
     # FLOPs add up over row cuts: without call terms, ping-pong's halves cost what the scheduler balanced
     assert plain == pytest.approx(cad_schedule(plan, base).loads, rel=1e-9)
     # free calls cut where surplus tiles would cost: nothing added
-    assert server_costs(plan, {**base, "call_terms": CUT_EVERYWHERE}, "cpu") == pytest.approx(plain, rel=1e-9)
+    assert server_costs(plan, {**base, "call_terms": CUT_EVERYWHERE}) == pytest.approx(plain, rel=1e-9)
 
     # a call price alone: one call per nano-batch that has tasks, each adding its price
     fixed = {**base, "call_terms": CallTerms(call=5.0)}
-    extra = server_costs(plan, fixed, "cpu") - plain
+    extra = server_costs(plan, fixed) - plain
     calls = [sum(1 for nb in nbs if nb.tasks) for nbs in server_batches(plan, fixed)]
     assert extra == pytest.approx([5.0 * n for n in calls], abs=1e-4)
     assert all(n > 0 for n in calls) and (extra > 0).all()
@@ -144,5 +143,5 @@ def test_server_costs_are_the_schedule_loads_plus_what_calls_add(world, pingpong
     priced = {**base, "call_terms": terms}
     added = [sum(calls_overhead(*segment_lens(nb), nb.calls, terms) for nb in nbs if nb.tasks)
              for nbs in server_batches(plan, priced)]
-    assert server_costs(plan, priced, "cpu") - plain == pytest.approx(added, abs=1e-4)
+    assert server_costs(plan, priced) - plain == pytest.approx(added, abs=1e-4)
     assert all(a >= 0.5 for a in added)

@@ -27,7 +27,7 @@ import torch
 
 __all__ = ["CallTerms", "backward_in_calls", "call_order", "calls_overhead", "forward_in_calls", "plan_calls"]
 
-Run = tuple[int, int]  # segments [first, end) of one kernel call
+CallRange = tuple[int, int]  # segments [first, end) of one kernel call
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def _run_overhead(qt: Sequence[int], kt: Sequence[int], a: int, b: int, terms: C
     return terms.call + terms.q_tile * sum(mq - x for x in qt[a:b]) + terms.k_tile * sum(mk - x for x in kt[a:b])
 
 
-def calls_overhead(q_lens: Sequence[int], k_lens: Sequence[int], runs: Sequence[Run], terms: CallTerms) -> float:
+def calls_overhead(q_lens: Sequence[int], k_lens: Sequence[int], runs: Sequence[CallRange], terms: CallTerms) -> float:
     """What ``runs`` cost beyond their segments' own work: per call, ``terms.call`` plus every segment's surplus
     tiles under the call's longest segment."""
     qt = [_tiles(n, terms.tile) for n in q_lens]
@@ -84,7 +84,7 @@ def call_order(q_lens: Sequence[int], k_lens: Sequence[int]) -> list[int]:
     return sorted(range(len(k_lens)), key=lambda i: (-int(k_lens[i]), -int(q_lens[i])))
 
 
-def plan_calls(q_lens: Sequence[int], k_lens: Sequence[int], terms: CallTerms | None) -> list[Run]:
+def plan_calls(q_lens: Sequence[int], k_lens: Sequence[int], terms: CallTerms | None) -> list[CallRange]:
     """The cheapest cut of segments, given in :func:`call_order`, into contiguous runs (one kernel call each).
 
     Exact over contiguous cuts: a dynamic program over blocks of segments with equal tile counts (which one
@@ -134,7 +134,7 @@ def _longest(cu: Sequence[int], a: int, b: int) -> int:
 
 
 def forward_in_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Sequence[int], cu_k: Sequence[int],
-                     runs: Sequence[Run], **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+                     runs: Sequence[CallRange], **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the packed segments, one :func:`~hf_longctx.kernels.attention_forward` call per run.
 
     ``runs`` must cover the segments in order (as :func:`plan_calls` returns them); ``kwargs`` go to every call.
@@ -154,7 +154,7 @@ def forward_in_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Se
 
 
 def backward_in_calls(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                      lse: torch.Tensor, cu_q: Sequence[int], cu_k: Sequence[int], runs: Sequence[Run], **kwargs
+                      lse: torch.Tensor, cu_q: Sequence[int], cu_k: Sequence[int], runs: Sequence[CallRange], **kwargs
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of the packed segments, one :func:`~hf_longctx.kernels.attention_backward` call per run."""
     from . import attention_backward

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ...benchmarking import queue_ahead
+from ...benchmarking import one_run_ms
 from ...kernels import attention_backward, attention_forward, kernel_call, select_kernel
 from ...kernels.calls import CallTerms
 from .cost_model import PAIRS, CostModel, FlopsCostModel, ProfiledCostModel
@@ -94,11 +94,6 @@ def cache_path(device: torch.device, kernel: str, shape: SegmentShape) -> Path:
                           f"d{shape.head_dim}-{dtype}.json")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _segment_step(shapes: Sequence[tuple[int, int]], kernel: str, shape: SegmentShape, device: torch.device,
                   seed: int, mode: str = "fwd+bwd") -> Callable[[], None]:
     """One fused varlen call (forward, and backward for ``fwd+bwd``) over segments of the given (q_len, kv_len),
@@ -132,31 +127,26 @@ def _release(device: torch.device) -> None:
 
 
 def _run_ms(step: Callable[[], None], device: torch.device) -> float:
-    """Milliseconds of ``step``: its device time on a GPU (events, the stream kept busy while the host enqueues,
-    as the emulation times kernel calls: see :func:`~hf_longctx.benchmarking.queue_ahead`), wall time on the
-    CPU."""
-    if device.type == "cuda":
-        _sync(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        queue_ahead()
-        start.record()
+    """Milliseconds of ``step``: its device time on a GPU (the stream kept busy while the host enqueues, as the
+    emulation times kernel calls: see :func:`~hf_longctx.benchmarking.queue_ahead`), wall time on the CPU."""
+    return one_run_ms(step, device.type == "cuda", ahead=True)
+
+
+def _time_call(shapes: Sequence[tuple[int, int]], kernel: str, shape: SegmentShape, device: torch.device,
+               mode: str, seed: int, warmup: int, reps: int) -> float:
+    """Milliseconds of one varlen call over ``shapes``: the median of ``reps`` after ``warmup`` untimed calls."""
+    step = _segment_step(shapes, kernel, shape, device, seed, mode)
+    for _ in range(warmup):
         step()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    step()
-    return (time.perf_counter() - t0) * 1e3
+    return statistics.median(_run_ms(step, device) for _ in range(reps))
 
 
 def time_segments(q_len: int, kv_len: int, copies: int, kernel: str, shape: SegmentShape, device: torch.device,
                   budget: ProfileBudget, mode: str = "fwd+bwd") -> float:
     """Milliseconds of ``copies`` identical segments in one varlen call (forward+backward, or ``mode``), per
     segment: the median over ``budget.reps`` after ``budget.warmup`` untimed calls."""
-    step = _segment_step([(q_len, kv_len)] * copies, kernel, shape, device, q_len * 7 + kv_len, mode)
-    for _ in range(budget.warmup):
-        step()
-    return statistics.median(_run_ms(step, device) for _ in range(budget.reps)) / copies
+    return _time_call([(q_len, kv_len)] * copies, kernel, shape, device, mode, q_len * 7 + kv_len, budget.warmup,
+                      budget.reps) / copies
 
 
 def time_cut(q_len: int, kv_len: int, copies: int, kernel: str, shape: SegmentShape, device: torch.device,
@@ -205,15 +195,6 @@ CALL_LONG_KEYS = 32768  # a (tile, 32K) segment: surplus key tiles for its short
 CALL_LONG_SQUARE = 8192  # an (8K, 8K) segment: surplus query tiles (and key tiles, priced by the first)
 
 
-def _time_call(shapes: Sequence[tuple[int, int]], kernel: str, shape: SegmentShape, device: torch.device,
-               budget: ProfileBudget, mode: str, seed: int) -> float:
-    """Milliseconds of one varlen call over ``shapes``: the median of at least 5 after a warm-up call."""
-    step = _segment_step(shapes, kernel, shape, device, seed, mode)
-    for _ in range(max(budget.warmup, 1)):
-        step()
-    return statistics.median(_run_ms(step, device) for _ in range(max(budget.reps, 5)))
-
-
 def measure_call_terms(kernel: str, shape: SegmentShape, device: torch.device, budget: ProfileBudget, tile: int,
                        mode: str = "fwd+bwd") -> tuple[CallTerms, dict]:
     """What a varlen call costs beyond its segments (:class:`~hf_longctx.kernels.calls.CallTerms`), in ms.
@@ -225,18 +206,22 @@ def measure_call_terms(kernel: str, shape: SegmentShape, device: torch.device, b
     """
     n, unit = CALL_SHORT_SEGMENTS, tile
     small = (unit, unit)
-    t_one = _time_call([small], kernel, shape, device, budget, mode, 11)
-    t_many = _time_call([small] * n, kernel, shape, device, budget, mode, 12)
+
+    def timed_call(shapes: list[tuple[int, int]], seed: int) -> float:  # at least 5 reps: differences of calls
+        return _time_call(shapes, kernel, shape, device, mode, seed, max(budget.warmup, 1), max(budget.reps, 5))
+
+    t_one = timed_call([small], 11)
+    t_many = timed_call([small] * n, 12)
     call = max(0.0, (n * t_one - t_many) / (n - 1))
     per_small = max(0.0, t_one - call)
     long_k = (unit, CALL_LONG_KEYS)
-    t_lk = _time_call([long_k], kernel, shape, device, budget, mode, 13)
-    t_mix_k = _time_call([long_k] + [small] * n, kernel, shape, device, budget, mode, 14)
+    t_lk = timed_call([long_k], 13)
+    t_mix_k = timed_call([long_k] + [small] * n, 14)
     surplus_k = n * (CALL_LONG_KEYS // unit - 1)
     k_tile = max(0.0, (t_mix_k - t_lk - n * per_small) / surplus_k)
     long_q = (CALL_LONG_SQUARE, CALL_LONG_SQUARE)
-    t_lq = _time_call([long_q], kernel, shape, device, budget, mode, 15)
-    t_mix_q = _time_call([long_q] + [small] * n, kernel, shape, device, budget, mode, 16)
+    t_lq = timed_call([long_q], 15)
+    t_mix_q = timed_call([long_q] + [small] * n, 16)
     surplus_q = n * (CALL_LONG_SQUARE // unit - 1)
     q_tile = max(0.0, (t_mix_q - t_lq - n * per_small - surplus_q * k_tile) / surplus_q)
     samples = {"one_short_ms": t_one, f"{n}_short_ms": t_many, "long_keys_ms": t_lk, "long_keys_beside_ms": t_mix_k,

@@ -50,7 +50,6 @@ from .cost_model import (
     ProfiledCostModel,
     WindowedCostModel,
     query_rows_cost,
-    segment_overhead,
 )
 from .eps import sweep_eps
 from .pingpong import pingpong_split
@@ -68,21 +67,20 @@ class NanoBatch:
     kv: GatherPlan
     cu_q: list[int]
     cu_k: list[int]
-    max_q: int
-    max_k: int
-    calls: list[tuple[int, int]] = None  # segment runs, one kernel call each (see hf_longctx.kernels.calls)
+    calls: list[tuple[int, int]]  # segment ranges, one kernel call each (see hf_longctx.kernels.calls)
 
-    def __post_init__(self) -> None:
-        if self.calls is None:
-            self.calls = [(0, len(self.cu_q) - 1)] if len(self.cu_q) > 1 else []
+
+def _segment_shape(plan: ShardPlan, t: CadTask) -> tuple[int, int]:
+    """(query rows, keys) of task ``t``'s kernel segment: its rows and the keys they reach."""
+    piece = all_pieces(plan)[t.owner][t.piece][0]
+    return t.q_end - t.q_start, piece.start + t.q_end - key_start(plan, piece, t.q_start)
 
 
 def _segment_order(plan: ShardPlan, t: CadTask) -> tuple:
     """Where task ``t``'s segment goes in its server's batch: by server, then longest keys first, then longest
     queries (:func:`~hf_longctx.kernels.calls.call_order`: runs of similar segments become kernel calls)."""
-    piece = all_pieces(plan)[t.owner][t.piece][0]
-    keys = piece.start + t.q_end - key_start(plan, piece, t.q_start)
-    return t.server, -keys, -(t.q_end - t.q_start), *task_key(plan, t)
+    rows, keys = _segment_shape(plan, t)
+    return t.server, -keys, -rows, *task_key(plan, t)
 
 
 def build_nano_batch(plan: ShardPlan, tasks: Sequence[CadTask], rank: int, terms: CallTerms | None = None
@@ -100,7 +98,7 @@ def build_nano_batch(plan: ShardPlan, tasks: Sequence[CadTask], rank: int, terms
     q_runs: list[list[Run]] = [[] for _ in range(world)]
     kv_runs: list[list[Run]] = [[] for _ in range(world)]
     mine = []
-    cu_q, cu_k, max_q, max_k = [0], [0], 1, 1
+    cu_q, cu_k = [0], [0]
     for t in sorted((t for t in tasks if t.q_end > t.q_start), key=lambda t: _segment_order(plan, t)):
         piece, local = pieces[t.owner][t.piece]
         q_runs[t.server].append((t.owner, local + t.q_start, local + t.q_end))
@@ -120,11 +118,10 @@ def build_nano_batch(plan: ShardPlan, tasks: Sequence[CadTask], rank: int, terms
             mine.append(t)
             cu_q.append(cu_q[-1] + n_q)
             cu_k.append(cu_k[-1] + n_k)
-            max_q, max_k = max(max_q, n_q), max(max_k, n_k)
     rows = plan.token_counts
     q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
     k_lens = [b - a for a, b in zip(cu_k, cu_k[1:])]
-    return NanoBatch(mine, GatherPlan(q_runs, rank, rows), GatherPlan(kv_runs, rank, rows), cu_q, cu_k, max_q, max_k,
+    return NanoBatch(mine, GatherPlan(q_runs, rank, rows), GatherPlan(kv_runs, rank, rows), cu_q, cu_k,
                      plan_calls(q_lens, k_lens, terms))
 
 
@@ -146,13 +143,13 @@ def nano_batches(plan: ShardPlan, tasks: Sequence[CadTask], rank: int, pingpong:
     return plan.cached(("cad_nano", key, rank, pingpong, str(device), terms), build)
 
 
-def call_terms_for(options: dict, model: CostModel, device: torch.device) -> CallTerms | None:
+def call_terms_for(options: dict, model: CostModel) -> CallTerms | None:
     """How a server cuts its batch into kernel calls: ``options["call_terms"]`` when given (a
     :class:`~hf_longctx.kernels.calls.CallTerms`, or None / ``"none"``: always one call), else the profiled
     cost model's measured terms, else one call. No default guesses the terms: what a call costs on its own is
     mostly the host's dispatch (0.25 ms per forward+backward measured on an H200's host, 1.0 ms on an H100's),
-    so cutting on a guess can cost more than the surplus tiles it saves; the CPU kernels compute only the rows
-    they are given. ``device`` is where the kernels run (kept for terms that depend on it)."""
+    so cutting on a guess can cost more than the surplus tiles it saves (and the CPU kernels compute only the
+    rows they are given)."""
     if "call_terms" in options:
         spec = options["call_terms"]
         if spec is None or spec == "none":
@@ -160,13 +157,16 @@ def call_terms_for(options: dict, model: CostModel, device: torch.device) -> Cal
         if not isinstance(spec, CallTerms):
             raise ValueError(f"cad call_terms must be a CallTerms, None or 'none', got {spec!r}")
         return spec
-    base = model.base if isinstance(model, WindowedCostModel) else model
-    terms = base.call_terms if isinstance(base, ProfiledCostModel) else None
-    return terms
+    base = _base(model)
+    return base.call_terms if isinstance(base, ProfiledCostModel) else None
+
+
+def _base(model: CostModel) -> CostModel:
+    return model.base if isinstance(model, WindowedCostModel) else model
 
 
 def _batches(ctx: RunContext, device: torch.device) -> list[NanoBatch]:
-    terms = call_terms_for(ctx.options, cost_model_for(ctx.plan, ctx.options), device)
+    terms = call_terms_for(ctx.options, cost_model_for(ctx.plan, ctx.options))
     return nano_batches(ctx.plan, ctx.options["tasks"], ctx.rank, ctx.options.get("pingpong", True), device, terms)
 
 
@@ -243,18 +243,18 @@ def cad_schedule(plan: ShardPlan, options: dict) -> CadSchedule:
         if eps == "auto":
             return sweep_eps(docs, plan.world_size, model, **knobs)[0]
         sched = schedule(docs, plan.world_size, eps=eps, cost_model=model, **knobs)
-        if segment_overhead(model) == 0 and not isinstance(_base(model), ProfiledCostModel):
+        if isinstance(_base(model), FlopsCostModel):
             return sched  # FLOPs: ping-pong's cuts cost what the rows cost, and no call term is priced
         best, best_peak = sched, None
         for _ in range(RUNTIME_OFFSET_ROUNDS):
-            predicted = _predicted_costs(plan, sched.tasks, options, model, torch.device("cpu"))
+            predicted = _predicted_costs(plan, sched.tasks, options, model)
             peak = float(predicted.max(initial=0.0))
             if best_peak is None or peak < best_peak:
                 best, best_peak = sched, peak
             own = sched.loads - (sched.offsets if sched.offsets is not None else 0.0)
             sched = schedule(docs, plan.world_size, eps=eps, cost_model=model, **knobs,
                              server_offsets=np.maximum(predicted - own, 0.0))
-        predicted = _predicted_costs(plan, sched.tasks, options, model, torch.device("cpu"))
+        predicted = _predicted_costs(plan, sched.tasks, options, model)
         return sched if float(predicted.max(initial=0.0)) < best_peak else best
 
     return plan.cached(("cad_schedule", eps, model, tuple(sorted(knobs.items()))), build)
@@ -263,14 +263,9 @@ def cad_schedule(plan: ShardPlan, options: dict) -> CadSchedule:
 RUNTIME_OFFSET_ROUNDS = 2  # schedules made again with the runtime's per-server extra costs (see cad_schedule)
 
 
-def _base(model: CostModel) -> CostModel:
-    return model.base if isinstance(model, WindowedCostModel) else model
-
-
-def _predicted_costs(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, model: CostModel,
-                     device: torch.device) -> np.ndarray:
+def _predicted_costs(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, model: CostModel) -> np.ndarray:
     """Per-server cost of ``tasks`` as the runtime computes them (see :func:`server_costs`)."""
-    terms = call_terms_for(options, model, device)
+    terms = call_terms_for(options, model)
     groups = plan.cached(("cad_pingpong", tuple(tasks)), lambda: pingpong_split(plan, tasks)) \
         if options.get("pingpong", True) else [list(tasks)]
     pieces = all_pieces(plan)
@@ -283,8 +278,7 @@ def _predicted_costs(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, m
             piece = pieces[t.owner][t.piece][0]
             offset = piece.start - plan.batch.doc_starts[piece.doc]
             costs[t.server] += query_rows_cost(model, piece.length, offset, t.q_start, t.q_end)
-            keys = piece.start + t.q_end - key_start(plan, piece, t.q_start)
-            shapes.setdefault(t.server, []).append((t.q_end - t.q_start, keys))
+            shapes.setdefault(t.server, []).append(_segment_shape(plan, t))
         if terms is None:
             continue
         for server, seg in shapes.items():
@@ -294,15 +288,13 @@ def _predicted_costs(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, m
     return costs
 
 
-def server_costs(plan: ShardPlan, options: dict, device: torch.device | str | None = None) -> np.ndarray:
+def server_costs(plan: ShardPlan, options: dict) -> np.ndarray:
     """Predicted cost of each server's kernel calls under ``options`` (the cost model's units): every segment it
     computes priced alone (ping-pong's halves as the runtime cuts them), plus what its calls add beyond their
-    segments (:func:`~hf_longctx.kernels.calls.calls_overhead`, under the call terms the runtime on ``device``
-    uses; default: CUDA when there is one). The schedule's own loads price whole tasks and no call term."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    segments (:func:`~hf_longctx.kernels.calls.calls_overhead`, under the call terms the runtime uses, see
+    :func:`call_terms_for`). The schedule's own loads price whole tasks and no call term."""
     model = cost_model_for(plan, options)
-    return _predicted_costs(plan, prepare(plan, options)["tasks"], options, model, torch.device(device))
+    return _predicted_costs(plan, prepare(plan, options)["tasks"], options, model)
 
 
 def prepare(plan: ShardPlan, options: dict) -> dict:

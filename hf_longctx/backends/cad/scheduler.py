@@ -311,8 +311,8 @@ class _Balancer:
                 df, rows = c, 2 * k
             elif (head := self._head_rows(o, lo, hi, cap)) or (head := self._head_rows(o, lo, hi, slack)):
                 # no ring fits: the piece's first rows alone, half a ring's smallest size in rows and its cheapest
-                over = self.cm.cost(head, o + lo + head) > cap
                 df, rows, k = self.cm.cost(head, o + lo + head), head, 0
+                over = df > cap
             elif kmax >= ms and (c := self._ring_cost(o, lo, hi, ms)) <= slack:
                 df, rows, k, over = c, 2 * ms, ms, True
             elif f_item <= slack:
@@ -472,15 +472,18 @@ class _Balancer:
                 self._apply(*first)
                 self._apply(*second)
             elif len(best) == 3:
-                dst, j, c = best
-                i, _, a, b = self.moved[j]
-                self.moved[j] = (i, dst, a, b)
-                self.shipped[i, dst] = max(self.shipped.get((i, dst), -1), b)
-                self._update(s, -c)
-                self._update(dst, c)
-                self.num_moves += 1
+                self._pass_on(s, *best)
             else:
                 self._apply(*best)
+
+    def _pass_on(self, s: int, dst: int, j: int, cost: float) -> None:
+        """Move the shard ``self.moved[j]`` (on server ``s``, costing ``cost``) on to ``dst`` whole."""
+        i, _, a, b = self.moved[j]
+        self.moved[j] = (i, dst, a, b)
+        self.shipped[i, dst] = max(self.shipped.get((i, dst), -1), b)
+        self._update(s, -cost)
+        self._update(dst, cost)
+        self.num_moves += 1
 
     def _chain(self, s: int, receivers: int = 8):
         """Two moves that lower the busiest load ``s`` where no single one does: the smallest head chunk of one
@@ -534,6 +537,10 @@ class _Balancer:
                     self.retired_src.add(srcs[0])
                 continue
             self._apply(dst, move)
+        return self.converged()
+
+    def converged(self) -> bool:
+        """Every server within ``eps * F`` of the target (up to rounding)."""
         return all(abs(v - self.target) <= self.tol * (1 + 1e-9) + 1e-9 * self.target for v in self.loads)
 
 
@@ -632,7 +639,7 @@ def schedule(
         converged = bal.run()
         if not converged:
             bal.refine()
-            converged = all(abs(v - bal.target) <= bal.tol * (1 + 1e-9) + 1e-9 * bal.target for v in bal.loads)
+            converged = bal.converged()
         return bal, converged
 
     # overshoot moves place coarse cuts (pieces whose smallest cut is a sizeable share of F): up to half the gap
