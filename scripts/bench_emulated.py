@@ -43,6 +43,7 @@ Configurations run in order (mix, then W, then backend); each mix gets its share
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -58,6 +59,7 @@ from hf_longctx.backends.cad.runtime import cad_schedule, server_costs
 from hf_longctx.benchmarking import table_header, table_row
 from hf_longctx.emulation import EmulatedStep, device_memory, emulate_step, link_sources, release_memory
 from hf_longctx.emulation.choose import choose_from_steps
+from hf_longctx.emulation.timing import KernelTimer
 from hf_longctx.emulation.workloads import doc_lengths
 from hf_longctx.layout import PackedBatch, shard_plan
 
@@ -106,6 +108,19 @@ def predicted_vs_emulated(step: EmulatedStep, batch: PackedBatch, options: dict)
     return (max(errs) if errs else math.nan), cad_schedule(plan, options).eps, (max(predicted) / mean if mean else 1.0)
 
 
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in text)
+
+
+def dump_calls(path: Path, step: EmulatedStep, batch: PackedBatch, options: dict, reps: list[list[dict]]) -> None:
+    """One CAD configuration's kernel calls per timed repetition, with the per-server prediction (ms)."""
+    path.write_text(json.dumps({
+        "world": step.world, "doc_lens": [int(x) for x in batch.doc_lens], "eps": options.get("eps"),
+        "kernel_s": step.kernel_s, "predicted_ms": server_costs(shard_plan(batch, step.world, step.strategy),
+                                                                 options).tolist(),
+        "reps": reps}))
+
+
 def segment_terms(model) -> str:
     """What the profiled model charges a segment beyond its rows (see ProfiledCostModel), for the header."""
     if not isinstance(model, ProfiledCostModel):
@@ -151,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
                         "63 hops; alone it needs minutes: run it with --worlds 64 --backends tasp --skip ''")
     p.add_argument("--budget-s", type=float, default=420.0, help="start no configuration after this many seconds")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes, reference kernel")
+    p.add_argument("--dump-calls", default=None, metavar="DIR",
+                   help="write every kernel call (segment lengths, seconds) of the profiled CAD runs and the profile "
+                        "they were scheduled on as JSON into DIR, to check the cost model call by call")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     if args.quick:
@@ -182,9 +200,21 @@ def main(argv: list[str] | None = None) -> int:
     skip = set(filter(None, args.skip.split(",")))
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
 
+    timers: list[KernelTimer] = []
+
+    def keep_calls(hub, dev) -> KernelTimer:
+        timers.append(KernelTimer(hub, dev, keep_calls=True))
+        return timers[-1]
+
     def emulate(batch, w, tensors, backend, options):
+        timers.clear()
+        dump = args.dump_calls and backend == "cad" and options and options.get("cost_model") is profiled
         return emulate_step(batch, w, tensors, backend, options=options, kernel=args.kernel, warmup=args.warmup,
-                            reps=args.reps)
+                            reps=args.reps, make_timer=keep_calls if dump else KernelTimer)
+
+    if args.dump_calls and isinstance(profiled, ProfiledCostModel):
+        Path(args.dump_calls).mkdir(parents=True, exist_ok=True)
+        profiled.save(Path(args.dump_calls) / "profile.json", source=source)
 
     # warm-up: every backend once at the smallest W (kernels compile per configuration, not per shape)
     warm = PackedBatch.from_doc_lens(doc_lengths(mixes[0], min(tokens[mixes[0]], 32768), seed=1))
@@ -230,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
                     err, eps, pred_imb = predicted_vs_emulated(step, batch, options)
                     extra = (f"eps {eps:g}; predicted max/mean {pred_imb:.3f}; predicted vs emulated per-server "
                              f"time: max err {err * 100:.1f}%")
+                    if timers:
+                        dump_calls(Path(args.dump_calls) / f"{mix}_w{w}_{_slug(label)}.json", step, batch, options,
+                                   [t.call_log() for t in timers[args.warmup:]])
                 extra += f" ({time.perf_counter() - t0:.1f} s)"
                 rows.append(row(mix, total, batch, w, label, step, extra.strip()))
                 print(rows[-1], flush=True)

@@ -34,11 +34,21 @@ measurements on the CPU (reference kernel, tiny sizes: a smoke run, not a profil
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 import torch
 
-from hf_longctx.backends.cad.profiled import ProfileBudget, SegmentShape, default_tile, profile_segment_costs
+from hf_longctx.backends.cad.cost_model import ProfiledCostModel
+from hf_longctx.backends.cad.profiled import (
+    ProfileBudget,
+    SegmentShape,
+    check_shapes,
+    default_tile,
+    profile_segment_costs,
+    random_shapes,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -73,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default="cad_profile.json")
+    p.add_argument("--load", default=None, metavar="PATH", help="check this profile instead of measuring one")
+    p.add_argument("--check", type=int, default=0, metavar="N",
+                   help="then time N random off-grid segment shapes and report the profile's error on them")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -83,13 +96,36 @@ def main(argv: list[str] | None = None) -> int:
     budget = ProfileBudget(min_tokens=args.min_tokens, max_kv_tokens=args.max_kv_tokens, max_pairs=args.max_pairs,
                            max_batch_pairs=float(1 << 62), warmup=args.warmup, reps=args.reps)
     tile = default_tile(device) if args.tile is None else args.tile
-    model, meta = profile_segment_costs(kernel, device, shape, args.q_lens, args.kv_lens, budget, mode=args.mode,
-                                        tile=tile, segment_cost=not args.no_segment_cost,
-                                        report=lambda line: print(line, flush=True))
-    model.save(args.out, **meta)
-    print(f"wrote {args.out}: {len(args.q_lens)} x {len(args.kv_lens)} grid, {len(meta['extrapolated'])} cells "
-          f"extrapolated, {model.segment_cost:.5f} ms per segment, tile {model.tile}, kernel {meta['kernel']}")
+    if args.load:
+        model = ProfiledCostModel.load(args.load, interpolate="rate")
+        kernel = json.loads(Path(args.load).read_text()).get("meta", {}).get("kernel", kernel)
+    else:
+        model, meta = profile_segment_costs(kernel, device, shape, args.q_lens, args.kv_lens, budget,
+                                            mode=args.mode, tile=tile, segment_cost=not args.no_segment_cost,
+                                            report=lambda line: print(line, flush=True))
+        model.save(args.out, **meta)
+        kernel = meta["kernel"]
+        print(f"wrote {args.out}: {len(args.q_lens)} x {len(args.kv_lens)} grid, {len(meta['extrapolated'])} cells "
+              f"extrapolated, {model.segment_cost:.5f} ms per segment, tile {model.tile}, kernel {kernel}")
+    if args.check:
+        shapes = random_shapes(args.check, seed=1, max_q=min(8192, int(max(model.q_lens))),
+                               max_kv=min(65536, int(max(model.kv_lens))))
+        report_check(check_shapes(model, shapes, kernel, shape, device, budget, args.mode))
     return 0
+
+
+def report_check(rows: list[tuple[int, int, float, float]]) -> None:
+    """One line per checked shape, then the error's spread (predicted / measured - 1)."""
+    errors = []
+    for q, kv, measured, predicted in rows:
+        errors.append(predicted / measured - 1.0)
+        print(f"check q {q:>6} kv {kv:>6}: measured {measured:9.5f} ms, predicted {predicted:9.5f} ms "
+              f"({errors[-1] * 100:+.1f}%)", flush=True)
+    errors.sort()
+    absolute = sorted(abs(e) for e in errors)
+    print(f"check: {len(errors)} shapes, error median {errors[len(errors) // 2] * 100:+.1f}%, "
+          f"|error| median {absolute[len(absolute) // 2] * 100:.1f}%, 90th percentile "
+          f"{absolute[int(0.9 * (len(absolute) - 1))] * 100:.1f}%, max {absolute[-1] * 100:.1f}%", flush=True)
 
 
 if __name__ == "__main__":

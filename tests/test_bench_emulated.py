@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_emulated.py"
@@ -14,11 +15,22 @@ def test_bench_emulated_quick_writes_its_tables(tmp_path, monkeypatch):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = tmp_path / "emulated.md"
+    calls = tmp_path / "calls"
     assert module.main(["--quick", "--out", str(out), "--worlds", "4", "--mixes", "prolong,sft",
-                        "--eps-sweep", "prolong:4"]) == 0
+                        "--eps-sweep", "prolong:4", "--dump-calls", str(calls)]) == 0
     text = out.read_text()
     assert "emulated on one GPU" in text and "design document section 7" in text
     for label in ("ring", "zigzag", "distfa", "tasp", "cad flops eps0.1", "cad profiled eps auto", "ulysses"):
         assert f"| {label} |" in text, label
     assert "auto (emulated) ->" in text and "CAD eps sweep" in text and "rule's choice" in text
     assert "Error" not in text
+
+    # every kernel call of the profiled CAD runs, with the profile they were scheduled on
+    assert (calls / "profile.json").exists()
+    dump = json.loads((calls / "sft_w4_cad_profiled_eps0_01.json").read_text())
+    assert dump["world"] == 4 and len(dump["predicted_ms"]) == 4 and len(dump["reps"]) == 2
+    for rank, kernel_s in enumerate(dump["kernel_s"]):  # a rank's time is one repetition's calls, summed
+        sums = [sum(c["seconds"] for c in rep if c["rank"] == rank) for rep in dump["reps"]]
+        assert any(abs(s - kernel_s) <= 1e-9 + 1e-9 * kernel_s for s in sums)
+    for c in dump["reps"][0]:
+        assert c["phase"] in ("forward", "backward") and len(c["q_lens"]) == len(c["k_lens"]) > 0

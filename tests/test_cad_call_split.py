@@ -145,3 +145,33 @@ def test_server_costs_are_the_schedule_loads_plus_what_calls_add(world, pingpong
              for nbs in server_batches(plan, priced)]
     assert server_costs(plan, priced) - plain == pytest.approx(added, abs=1e-4)
     assert all(a >= 0.5 for a in added)
+
+
+@pytest.mark.parametrize("pingpong", [True, False])
+def test_server_costs_add_each_calls_tail_on_a_profile_with_a_launch_grid(pingpong):
+    """A profile that knows its kernel's launch grid prices each call's tail (:mod:`hf_longctx.kernels.launch`):
+    a server pays, per call, its segments' work times the call's factor minus one, on top of the plain sum."""
+    from hf_longctx.kernels.launch import LaunchGrid, tail_factor
+
+    grid = LaunchGrid(forward_tile=(16, 16), backward_tile=(16, 16), forward_share=0.3, slots=3)
+    cells = dict(q_lens=[16, 64, 256, 1024], kv_lens=[16, 64, 256, 1024],
+                 table=[[0.2, 0.5, 1.5, 5.0], [0.0, 1.5, 5.0, 18.0], [0.0, 0.0, 20.0, 70.0], [0.0, 0.0, 0.0, 300.0]],
+                 interpolate="rate", tile=16)
+    plain = ProfiledCostModel.from_grid(**cells)
+    tailed = ProfiledCostModel.from_grid(**cells, launch=grid, launch_heads=2)
+    plan = shard_plan(PackedBatch.from_doc_lens(DOC_LENS), 3, "cad")
+    base = {"eps": 0.0, "min_shard": 16, "pingpong": pingpong, "call_terms": None}
+    tasks = prepare(plan, {**base, "cost_model": plain})["tasks"]  # one schedule, priced both ways
+    without = server_costs(plan, {**base, "cost_model": plain, "tasks": tasks})
+    added = server_costs(plan, {**base, "cost_model": tailed, "tasks": tasks}) - without
+    want = []
+    for nbs in server_batches(plan, {**base, "cost_model": plain, "tasks": tasks}):
+        tail = 0.0
+        for nb in nbs:
+            q_lens, k_lens = segment_lens(nb)
+            if q_lens:
+                work = sum(plain.cost(q, k) for q, k in zip(q_lens, k_lens))
+                tail += (tail_factor(q_lens, k_lens, 2, grid) - 1.0) * work
+        want.append(tail)
+    assert added == pytest.approx(want, rel=1e-9, abs=1e-9)
+    assert max(want) > 0  # three slots leave a tail somewhere

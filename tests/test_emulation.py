@@ -292,3 +292,24 @@ def test_ranks_run_on_reused_threads():
 
     inner = EmulationHub(2).run(nested)[0]
     assert not set(inner) & set(first)
+
+
+def test_a_kept_call_log_names_every_calls_segments_whichever_entry_point_made_it():
+    from hf_longctx.emulation.timing import KernelTimer
+    from hf_longctx.kernels import attention_forward, kernel_call, kernel_forward, observe_kernels
+
+    hub = EmulationHub(1, 30.0)
+    timer = KernelTimer(hub, torch.device("cpu"), keep_calls=True)
+    q, k = torch.randn(10, 2, 8, dtype=torch.float64), torch.randn(14, 1, 8, dtype=torch.float64)
+
+    def rank(group):
+        attention_forward(q, k, k, [0, 4, 10], [0, 6, 14], 6, 8, kernel="reference")
+        kernel_forward(kernel_call(q, k, k, [0, 10], [0, 14], 10, 14, causal=True), "reference")
+
+    with observe_kernels(timer):
+        hub.run(rank)
+    log = timer.call_log()
+    assert [(c["rank"], c["phase"], c["q_lens"], c["k_lens"]) for c in log] == [
+        (0, "forward", [4, 6], [6, 8]), (0, "forward", [10], [14])]
+    assert all(c["seconds"] > 0 for c in log)
+    assert sum(c["seconds"] for c in log) == pytest.approx(timer.seconds()[0, "forward"])

@@ -38,19 +38,39 @@ def _configuration(name: str, args: tuple, kwargs: dict) -> tuple:
     return name, tensors, flags, options
 
 
+def segment_lengths(name: str, args: tuple, kwargs: dict) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(query rows, keys) of every segment of one observed kernel call, from its ``cu_seqlens``."""
+    call = next((a for a in args if isinstance(a, KernelCall)), None)
+    if call is not None:
+        cu_q, cu_k = call.cu_seqlens_q, call.cu_seqlens_k
+    else:
+        # attention_forward(q, k, v, cu_q, ...), attention_backward(dout, q, k, v, out, lse, cu_q, ...)
+        first = 3 if name == "forward" else 6
+        rest = list(args[first:first + 2])
+        cu_q = rest[0] if len(rest) > 0 else kwargs["cu_seqlens_q"]
+        cu_k = rest[1] if len(rest) > 1 else kwargs["cu_seqlens_k"]
+    cu_q, cu_k = (c.tolist() if isinstance(c, torch.Tensor) else list(c) for c in (cu_q, cu_k))
+    return (tuple(b - a for a, b in zip(cu_q, cu_q[1:])), tuple(b - a for a, b in zip(cu_k, cu_k[1:])))
+
+
 class KernelTimer:
     """A kernel observer (:func:`hf_longctx.kernels.observe_kernels`) summing kernel seconds per (rank, phase).
 
     Calls made outside an emulated rank's thread (no current rank) pass through untimed. On a GPU, the
     first call of each kernel configuration in this process runs once untimed before the timed call:
     kernels compile per configuration (FA4: 0.1-0.7 s), which would otherwise land in one rank's time.
+
+    ``keep_calls``: also keep every timed call's segment lengths and seconds (:meth:`call_log`), so that a cost
+    model can be checked call by call against what the kernel took.
     """
 
-    def __init__(self, hub: EmulationHub, device: torch.device) -> None:
+    def __init__(self, hub: EmulationHub, device: torch.device, keep_calls: bool = False) -> None:
         self.hub = hub
         self.cuda = device.type == "cuda"
+        self.keep_calls = keep_calls
         self._events: dict[tuple[int, str], list[tuple[torch.cuda.Event, torch.cuda.Event]]] = defaultdict(list)
         self._seconds: dict[tuple[int, str], float] = defaultdict(float)
+        self._log: list[tuple[int, str, tuple, tuple, Any]] = []  # rank, phase, q lens, k lens, events or seconds
         self.calls: dict[tuple[int, str], int] = defaultdict(int)
 
     def __call__(self, name: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -69,11 +89,24 @@ class KernelTimer:
             result = fn(*args, **kwargs)
             end.record()
             self._events[rank, name].append((start, end))
+            if self.keep_calls:
+                self._log.append((rank, name, *segment_lengths(name, args, kwargs), (start, end)))
             return result
         t0 = time.perf_counter()
         result = fn(*args, **kwargs)
-        self._seconds[rank, name] += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self._seconds[rank, name] += took
+        if self.keep_calls:
+            self._log.append((rank, name, *segment_lengths(name, args, kwargs), took))
         return result
+
+    def call_log(self) -> list[dict]:
+        """Every timed call in order (with ``keep_calls``): rank, phase, segment lengths and seconds."""
+        if self.cuda and self._log:
+            torch.cuda.synchronize()
+        return [{"rank": rank, "phase": name, "q_lens": list(ql), "k_lens": list(kl),
+                 "seconds": t if isinstance(t, float) else t[0].elapsed_time(t[1]) / 1e3}
+                for rank, name, ql, kl, t in self._log]
 
     def seconds(self) -> dict[tuple[int, str], float]:
         """Kernel seconds per (rank, ``forward``/``backward``); synchronises the device once."""

@@ -84,7 +84,9 @@ class Kernel(Protocol):
 
     A kernel shipped as an optional extra may also define ``missing_extra(device) -> str | None``: the
     install command when the extra is absent and would give ``device`` a faster kernel (``auto`` logs it
-    once per process).
+    once per process). A kernel that launches one block per tile in a fixed order may define
+    ``launch_grid(head_dim) -> LaunchGrid | None`` (:mod:`~hf_longctx.kernels.launch`), by which cost models
+    price the tail of its calls.
     """
 
     name: str

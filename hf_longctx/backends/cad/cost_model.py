@@ -33,6 +33,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -40,6 +41,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from ...kernels.calls import CallTerms
+from ...kernels.launch import LaunchGrid, tail_factor
 
 __all__ = [
     "CostModel",
@@ -198,6 +200,15 @@ class ProfiledCostModel:
     property of a call, not of a segment; the runtime avoids most of it by cutting a server's batch into
     calls of similar segments (the call terms below).
 
+    The tail of a call (``launch``, a :class:`~hf_longctx.kernels.launch.LaunchGrid`, with ``launch_heads``):
+    a kernel that launches one block per tile runs a lone large causal segment's longest blocks at the end,
+    alone, so a call takes longer than its segments' work at full throughput
+    (:func:`~hf_longctx.kernels.launch.tail_factor`). A profile that records its kernel's launch grid holds
+    in ``table`` each cell's time divided by the factor of the call it was timed in (its copies), i.e. the
+    work at full throughput; :meth:`call_factor` gives the factor of a call, which the runtime multiplies its
+    segments' work by (:func:`~.runtime.server_costs`). Without it (``launch`` None) a call is its segments'
+    sum, as the grid was timed.
+
     Both default to 0 ("no extra term"): the model then prices exactly as before they existed, and a
     JSON file without them loads as such. ``scripts/profile_cad.py`` (and
     :func:`~.profiled.profile_segment_costs`) measure ``segment_cost`` as the time one more segment
@@ -219,8 +230,12 @@ class ProfiledCostModel:
     call_cost: float = 0.0
     q_tile_cost: float = 0.0
     k_tile_cost: float = 0.0
+    launch: LaunchGrid | None = None
+    launch_heads: int = 0
 
     def __post_init__(self) -> None:
+        if self.launch is not None and self.launch_heads < 1:
+            raise ValueError("a launch grid needs launch_heads >= 1 (the query heads the profile timed)")
         for name, axis in (("q_lens", self.q_lens), ("kv_lens", self.kv_lens)):
             if not axis or any(b <= a for a, b in zip(axis, axis[1:])):
                 raise ValueError(f"{name} must be non-empty and strictly increasing")
@@ -251,25 +266,29 @@ class ProfiledCostModel:
     @classmethod
     def from_grid(cls, q_lens, kv_lens, table, units: str = "ms", interpolate: str = "time",
                   segment_cost: float = 0.0, tile: int = 0, call_cost: float = 0.0, q_tile_cost: float = 0.0,
-                  k_tile_cost: float = 0.0) -> ProfiledCostModel:
+                  k_tile_cost: float = 0.0, launch: LaunchGrid | None = None, launch_heads: int = 0
+                  ) -> ProfiledCostModel:
         return cls(tuple(float(x) for x in q_lens), tuple(float(x) for x in kv_lens),
                    tuple(tuple(float(v) for v in row) for row in table), units, interpolate, float(segment_cost),
-                   int(tile), float(call_cost), float(q_tile_cost), float(k_tile_cost))
+                   int(tile), float(call_cost), float(q_tile_cost), float(k_tile_cost), launch, int(launch_heads))
 
     @classmethod
     def load(cls, path: str | Path, interpolate: str = "time") -> ProfiledCostModel:
         """Read the JSON written by ``scripts/profile_cad.py``: ``{"q_lens", "kv_lens", "cost", "units"}`` and,
-        from profiles that measured them, ``"segment_cost"``, ``"tile"`` and the call terms (absent: 0, no
-        extra term)."""
+        from profiles that measured them, ``"segment_cost"``, ``"tile"``, the call terms (absent: 0, no
+        extra term) and the launch grid (absent: none)."""
         data = json.loads(Path(path).read_text())
+        launch = LaunchGrid.from_dict(data["launch"]) if data.get("launch") else None
         return cls.from_grid(data["q_lens"], data["kv_lens"], data["cost"], data.get("units", "ms"), interpolate,
                              data.get("segment_cost", 0.0), data.get("tile", 0), data.get("call_cost", 0.0),
-                             data.get("q_tile_cost", 0.0), data.get("k_tile_cost", 0.0))
+                             data.get("q_tile_cost", 0.0), data.get("k_tile_cost", 0.0), launch,
+                             data.get("launch_heads", 0))
 
     def save(self, path: str | Path, **meta) -> None:
         doc = {"q_lens": list(self.q_lens), "kv_lens": list(self.kv_lens), "cost": [list(r) for r in self.table],
                "units": self.units, "segment_cost": self.segment_cost, "tile": self.tile,
                "call_cost": self.call_cost, "q_tile_cost": self.q_tile_cost, "k_tile_cost": self.k_tile_cost,
+               "launch": self.launch.to_dict() if self.launch else None, "launch_heads": self.launch_heads,
                "meta": meta}
         Path(path).write_text(json.dumps(doc, indent=1))
 
@@ -279,6 +298,13 @@ class ProfiledCostModel:
         if not (self.call_cost or self.q_tile_cost or self.k_tile_cost):
             return None
         return CallTerms(self.call_cost, self.q_tile_cost, self.k_tile_cost, self.tile or 128, self.units)
+
+    def call_factor(self, q_lens: Sequence[int], k_lens: Sequence[int]) -> float:
+        """How much longer one kernel call over these segments (in launch order) takes than their work at full
+        throughput (:func:`~hf_longctx.kernels.launch.tail_factor`); 1.0 without a launch grid."""
+        if self.launch is None:
+            return 1.0
+        return tail_factor(q_lens, k_lens, self.launch_heads, self.launch)
 
     def cost(self, q_len: int, kv_len: int) -> float:
         if q_len <= 0:

@@ -22,19 +22,21 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ...benchmarking import one_run_ms
-from ...kernels import attention_backward, attention_forward, kernel_call, select_kernel
+from ...kernels import attention_backward, attention_forward, get_kernel, kernel_call, select_kernel
 from ...kernels.calls import CallTerms
+from ...kernels.launch import LaunchGrid, tail_factor
 from .cost_model import PAIRS, CostModel, FlopsCostModel, ProfiledCostModel
 
 log = logging.getLogger(__name__)
@@ -229,6 +231,50 @@ def measure_call_terms(kernel: str, shape: SegmentShape, device: torch.device, b
     return CallTerms(call, q_tile, k_tile, unit, "ms"), samples
 
 
+def check_shapes(model: ProfiledCostModel, shapes: Sequence[tuple[int, int]], kernel: str, shape: SegmentShape,
+                 device: torch.device, budget: ProfileBudget, mode: str = "fwd+bwd"
+                 ) -> list[tuple[int, int, float, float]]:
+    """How faithfully ``model`` prices segments it was not measured on: each (q_len, kv_len) of ``shapes`` timed
+    as a profile cell is (copies in one fused call, per segment) beside the model's price; returns
+    ``(q_len, kv_len, measured ms, predicted ms)`` per shape. A grid too coarse for where a kernel's throughput
+    bends (short segments) shows here as errors of several percent off the grid points."""
+    out = []
+    for ql, kl in shapes:
+        copies = max(1, min(budget.min_tokens // ql, budget.max_kv_tokens // kl,
+                            int(budget.max_batch_pairs // max(PAIRS.cost(ql, kl), 1.0))))
+        measured = time_segments(ql, kl, copies, kernel, shape, device, budget, mode)
+        _release(device)
+        out.append((ql, kl, measured, model.cost(ql, kl)))
+    return out
+
+
+def random_shapes(count: int, seed: int = 0, max_q: int = 8192, max_kv: int = 65536) -> list[tuple[int, int]]:
+    """``count`` segment shapes as CAD servers see them: query rows log-uniform in [16, ``max_q``], keys
+    log-uniform between the rows and ``max_kv`` (a shard over its causal prefix) or equal to them (a whole
+    document), one in three."""
+    import random
+
+    rng = random.Random(seed)
+    shapes = []
+    for _ in range(count):
+        q = int(round(2 ** rng.uniform(4, math.log2(max(max_q, 16)))))
+        kv = q if rng.random() < 1 / 3 else int(round(2 ** rng.uniform(math.log2(q), math.log2(max(q, max_kv)))))
+        shapes.append((q, kv))
+    return shapes
+
+
+def launch_grid(kernel: str, device: torch.device, head_dim: int, mode: str = "fwd+bwd") -> LaunchGrid | None:
+    """The launch grid of ``kernel`` on ``device`` (its blocks' tiles, one slot per SM), when the kernel declares
+    one for ``head_dim`` (``launch_grid(head_dim)`` on the registered kernel: a non-persistent kernel whose launch
+    order leaves a tail); None otherwise, and on the CPU. A forward-only profile weighs the forward alone."""
+    declare = getattr(get_kernel(kernel), "launch_grid", None)
+    declared = declare(head_dim) if declare is not None else None
+    if declared is None or torch.device(device).type != "cuda":
+        return None
+    slots = torch.cuda.get_device_properties(device).multi_processor_count
+    return replace(declared, slots=slots, forward_share=1.0 if mode == "fwd" else declared.forward_share)
+
+
 def resolved_kernel(kernel: str, shape: SegmentShape, device: torch.device) -> str:
     """The kernel ``kernel`` ('auto' or a name) runs for a server's fused batch of causal segments."""
     # a server's batch holds task segments whose queries are fewer than their keys (a query shard and its causal
@@ -268,11 +314,13 @@ def profile_segment_costs(kernel: str = "auto", device: torch.device | str = "cu
     t0 = time.perf_counter()
     factor = 3.5 if mode == "fwd+bwd" else 1.0
     table = [[float("nan")] * len(kv_lens) for _ in q_lens]
+    copies_of: dict[tuple[int, int], int] = {}  # measured cells: segments per timed call
     for i, ql in enumerate(q_lens):
         for j, kl in enumerate(kv_lens):
             if ql <= kl and PAIRS.cost(ql, kl) <= budget.max_pairs:
                 copies = max(1, min(budget.min_tokens // ql, budget.max_kv_tokens // kl,
                                     int(budget.max_batch_pairs // PAIRS.cost(ql, kl))))
+                copies_of[i, j] = copies
                 try:
                     table[i][j] = time_segments(ql, kl, copies, name, shape, device, budget, mode)
                 except torch.cuda.OutOfMemoryError:  # a smaller device (an H100 beside the global tensors of a
@@ -297,6 +345,15 @@ def profile_segment_costs(kernel: str = "auto", device: torch.device | str = "cu
         if report is not None:
             report(f"per segment {per_segment:.5f} ms (cuts: " + ", ".join(
                 f"q {q} kv {k} x{c}: {ms:.5f}" for q, k, c, ms in samples) + ")")
+    launch = launch_grid(name, device, shape.head_dim, mode)
+    tail_factors = []
+    if launch is not None:  # the grid keeps each cell's work at full throughput (see cost_model.ProfiledCostModel)
+        for (i, j), copies in copies_of.items():
+            if table[i][j] == table[i][j]:
+                ql, kl = int(q_lens[i]), int(kv_lens[j])
+                factor = tail_factor([ql] * copies, [kl] * copies, shape.heads, launch)
+                table[i][j] = per_segment + (table[i][j] - per_segment) / factor
+                tail_factors.append([ql, kl, copies, round(factor, 4)])
     extrapolated = []
     for i, ql in enumerate(q_lens):
         row = [j for j in range(len(kv_lens)) if table[i][j] == table[i][j]]
@@ -316,11 +373,12 @@ def profile_segment_costs(kernel: str = "auto", device: torch.device | str = "cu
                    f"key tile {terms.k_tile * 1e3:.3f} us ({call_samples})")
     model = ProfiledCostModel.from_grid(q_lens, kv_lens, table, units="ms", interpolate="rate",
                                         segment_cost=per_segment, tile=tile, call_cost=terms.call,
-                                        q_tile_cost=terms.q_tile, k_tile_cost=terms.k_tile)
+                                        q_tile_cost=terms.q_tile, k_tile_cost=terms.k_tile, launch=launch,
+                                        launch_heads=shape.heads if launch else 0)
     meta = {"device": device_name(device), "kernel": name, "torch": torch.__version__, "heads": shape.heads,
             "kv_heads": shape.kv_heads, "head_dim": shape.head_dim, "dtype": str(shape.dtype),
             "mode": mode, "extrapolated": extrapolated, "segment_cost_samples": samples,
-            "call_term_samples": call_samples, "timing": TIMING,
+            "call_term_samples": call_samples, "tail_factors": tail_factors, "timing": TIMING,
             "seconds": round(time.perf_counter() - t0, 1)}
     return model, meta
 
@@ -345,9 +403,9 @@ def profiled_cost_model(kernel: str = "auto", device: torch.device | str | None 
         path = cache_path(device, name, shape)
         if path.exists():
             data = json.loads(path.read_text())
-            # a profile written before the per-segment term, the call terms or device timing: measured again
+            # a profile from before the segment term, the call terms, the launch grid or device timing: measured again
             if (list(data["q_lens"]) == list(q_lens) and list(data["kv_lens"]) == list(kv_lens)
-                    and "segment_cost" in data and "call_cost" in data
+                    and all(key in data for key in ("segment_cost", "call_cost", "launch"))
                     and data.get("meta", {}).get("timing") == TIMING):
                 return ProfiledCostModel.load(path, interpolate="rate"), f"profiled {name} ({path})"
         if not profile_if_missing:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -50,6 +50,7 @@ from .cost_model import (
     ProfiledCostModel,
     WindowedCostModel,
     query_rows_cost,
+    segment_overhead,
 )
 from .eps import sweep_eps
 from .pingpong import pingpong_split
@@ -194,14 +195,17 @@ def agreed_profile(kernel: str, group) -> CostModel:
         model = _profiled(kernel)
         if isinstance(model, ProfiledCostModel) and is_distributed(group):
             values = [*(v for row in model.table for v in row), model.segment_cost, float(model.tile),
-                      model.call_cost, model.q_tile_cost, model.k_tile_cost]
+                      model.call_cost, model.q_tile_cost, model.k_tile_cost,
+                      float(model.launch.slots if model.launch else 0)]
             agreed = torch.tensor(values, dtype=torch.float64, device=collective_device(group))
             all_reduce_max(agreed, group)
-            *cells, segment_cost, tile, call_cost, q_tile_cost, k_tile_cost = agreed.tolist()
+            *cells, segment_cost, tile, call_cost, q_tile_cost, k_tile_cost, slots = agreed.tolist()
             width = len(model.kv_lens)
             table = [cells[i:i + width] for i in range(0, len(cells), width)]
+            launch = replace(model.launch, slots=int(slots)) if model.launch else None
             model = ProfiledCostModel.from_grid(model.q_lens, model.kv_lens, table, model.units, model.interpolate,
-                                                segment_cost, int(tile), call_cost, q_tile_cost, k_tile_cost)
+                                                segment_cost, int(tile), call_cost, q_tile_cost, k_tile_cost, launch,
+                                                model.launch_heads)
         store[key] = model
     return model
 
@@ -266,25 +270,35 @@ RUNTIME_OFFSET_ROUNDS = 2  # schedules made again with the runtime's per-server 
 def _predicted_costs(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, model: CostModel) -> np.ndarray:
     """Per-server cost of ``tasks`` as the runtime computes them (see :func:`server_costs`)."""
     terms = call_terms_for(options, model)
+    # the tail of each call (a profile with a launch grid; not modelled under a sliding window)
+    tails = model if isinstance(model, ProfiledCostModel) and model.launch is not None else None
+    fixed = segment_overhead(model)
     groups = plan.cached(("cad_pingpong", tuple(tasks)), lambda: pingpong_split(plan, tasks)) \
         if options.get("pingpong", True) else [list(tasks)]
     pieces = all_pieces(plan)
     costs = np.zeros(plan.world_size)
     for group in groups:
-        shapes: dict[int, list[tuple[int, int]]] = {}
+        segments: dict[int, list[tuple[int, int, float]]] = {}
         for t in group:
             if t.q_end <= t.q_start:
                 continue
             piece = pieces[t.owner][t.piece][0]
             offset = piece.start - plan.batch.doc_starts[piece.doc]
-            costs[t.server] += query_rows_cost(model, piece.length, offset, t.q_start, t.q_end)
-            shapes.setdefault(t.server, []).append(_segment_shape(plan, t))
-        if terms is None:
+            cost = query_rows_cost(model, piece.length, offset, t.q_start, t.q_end)
+            costs[t.server] += cost
+            segments.setdefault(t.server, []).append((*_segment_shape(plan, t), cost))
+        if terms is None and tails is None:
             continue
-        for server, seg in shapes.items():
-            order = call_order([q for q, _ in seg], [k for _, k in seg])
-            q_lens, k_lens = [seg[i][0] for i in order], [seg[i][1] for i in order]
-            costs[server] += calls_overhead(q_lens, k_lens, plan_calls(q_lens, k_lens, terms), terms)
+        for server, seg in segments.items():
+            seg = [seg[i] for i in call_order([q for q, _, _ in seg], [k for _, k, _ in seg])]
+            q_lens, k_lens = [q for q, _, _ in seg], [k for _, k, _ in seg]
+            runs = plan_calls(q_lens, k_lens, terms)
+            if terms is not None:
+                costs[server] += calls_overhead(q_lens, k_lens, runs, terms)
+            if tails is not None:
+                for a, b in runs:
+                    work = sum(c - fixed for _, _, c in seg[a:b])
+                    costs[server] += (tails.call_factor(q_lens[a:b], k_lens[a:b]) - 1.0) * work
     return costs
 
 

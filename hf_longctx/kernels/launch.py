@@ -1,0 +1,101 @@
+"""How much longer than its work a kernel call takes because its last thread blocks run alone (the tail).
+
+Why: a tiled attention kernel launches one thread block (CTA) per query tile (forward) or key tile
+(backward), per segment and head, and the GPU runs them in launch order on a fixed number of slots (one
+per SM for FlashAttention-2's backward at head dim 128). Under a causal mask the blocks' work differs: the
+forward block of a segment's last query tile sweeps every key tile, the first one sweeps one. When a
+call holds one large causal segment, its longest blocks run at the end with most SMs idle, and the call
+takes longer than its work at full throughput. Measured with torch's flash kernel on an H200: a lone
+8K x 8K causal segment took 5-6% longer per segment than the four copies per call a profile cell times,
+and a CAD server whose batch is one such segment was priced 5% short; a server of a dozen 2-4K documents
+fills the machine and was not.
+
+:func:`tail_factor` simulates the launch: every block's work in tile steps, in the order the kernel's
+grid launches them (tile fastest, then segment, then head), each taking the slot that frees first. The
+factor is the simulated makespan over the work spread evenly on all slots; a call's time is its work
+at full throughput times the factor. A profile's cells are timed with several copies per call (their
+own, smaller factor), so the cost model divides each cell by its factor and a call multiplies its
+segments' sum by its own (:class:`~hf_longctx.backends.cad.cost_model.ProfiledCostModel`).
+
+A kernel that schedules its blocks itself (persistent kernels such as FlashAttention-4, which order the
+longest blocks first) has no such tail to model: it declares no :class:`LaunchGrid`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["LaunchGrid", "tail_factor"]
+
+
+@dataclass(frozen=True)
+class LaunchGrid:
+    """What a non-persistent varlen attention kernel launches: per phase, the tile of (query rows, keys) one
+    block steps through, and the share of a forward+backward that the forward takes (weights the phases'
+    factors). ``slots``: blocks that run at once (the device's SM count times blocks per SM)."""
+
+    forward_tile: tuple[int, int] = (128, 64)  # a forward block: 128 query rows, stepping over 64-key tiles
+    backward_tile: tuple[int, int] = (64, 128)  # a backward block: 128 keys, stepping over 64-row query tiles
+    forward_share: float = 0.27
+    slots: int = 132
+
+    def __post_init__(self) -> None:
+        if self.slots < 1 or min(*self.forward_tile, *self.backward_tile) < 1:
+            raise ValueError(f"LaunchGrid needs slots >= 1 and positive tiles, got {self}")
+        if not 0.0 <= self.forward_share <= 1.0:
+            raise ValueError(f"LaunchGrid.forward_share must lie in [0, 1], got {self.forward_share}")
+
+    def to_dict(self) -> dict:
+        return {"forward_tile": list(self.forward_tile), "backward_tile": list(self.backward_tile),
+                "forward_share": self.forward_share, "slots": self.slots}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> LaunchGrid:
+        return cls(tuple(data["forward_tile"]), tuple(data["backward_tile"]), float(data["forward_share"]),
+                   int(data["slots"]))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def forward_steps(q_len: int, k_len: int, tile: tuple[int, int]) -> list[int]:
+    """Key tiles each forward block of a bottom-right causal segment sweeps, in launch order."""
+    rows, keys = tile
+    return [max(1, _cdiv(k_len - q_len + min(q_len, (i + 1) * rows), keys)) for i in range(_cdiv(q_len, rows))]
+
+
+def backward_steps(q_len: int, k_len: int, tile: tuple[int, int]) -> list[int]:
+    """Query tiles each backward block (one key tile) of a bottom-right causal segment sweeps, in launch order:
+    the query rows that see any of its keys."""
+    rows, keys = tile
+    tiles = _cdiv(q_len, rows)
+    # row i sees key j * keys from row j * keys - (k_len - q_len) on; tiles are aligned at row 0
+    return [max(0, tiles - max(0, j * keys - (k_len - q_len)) // rows) if j * keys - (k_len - q_len) < q_len else 0
+            for j in range(_cdiv(k_len, keys))]
+
+
+def _phase_factor(per_head: list[int], heads: int, slots: int) -> float:
+    total = sum(per_head) * heads
+    if total == 0:
+        return 1.0
+    finish = [0] * slots
+    for _ in range(heads):  # the grid's slowest axis is the head
+        for work in per_head:
+            heapq.heapreplace(finish, finish[0] + work)
+    return max(finish) * slots / total
+
+
+def tail_factor(q_lens: Sequence[int], k_lens: Sequence[int], heads: int, grid: LaunchGrid) -> float:
+    """Time of one call over these causal segments (in launch order) / its work at full throughput (>= 1)."""
+    forward, backward = [], []
+    for q, k in zip(q_lens, k_lens):
+        if q > 0:
+            forward += forward_steps(int(q), int(k), grid.forward_tile)
+            backward += backward_steps(int(q), int(k), grid.backward_tile)
+    if not forward:
+        return 1.0
+    return (grid.forward_share * _phase_factor(forward, heads, grid.slots)
+            + (1.0 - grid.forward_share) * _phase_factor(backward, heads, grid.slots))
