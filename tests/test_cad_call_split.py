@@ -153,7 +153,7 @@ def test_server_costs_add_each_calls_tail_on_a_profile_with_a_launch_grid(pingpo
     a server pays, per call, its segments' work times the call's factor minus one, on top of the plain sum."""
     from hf_longctx.kernels.launch import LaunchGrid, tail_factor
 
-    grid = LaunchGrid(forward_tile=(16, 16), backward_tile=(16, 16), forward_share=0.3, slots=3)
+    grid = LaunchGrid(forward_tile=(16, 16), backward_tile=(16, 16), forward_weight=0.3, slots=3)
     cells = dict(q_lens=[16, 64, 256, 1024], kv_lens=[16, 64, 256, 1024],
                  table=[[0.2, 0.5, 1.5, 5.0], [0.0, 1.5, 5.0, 18.0], [0.0, 0.0, 20.0, 70.0], [0.0, 0.0, 0.0, 300.0]],
                  interpolate="rate", tile=16)

@@ -272,7 +272,7 @@ def launch_grid(kernel: str, device: torch.device, head_dim: int, mode: str = "f
     if declared is None or torch.device(device).type != "cuda":
         return None
     slots = torch.cuda.get_device_properties(device).multi_processor_count
-    return replace(declared, slots=slots, forward_share=1.0 if mode == "fwd" else declared.forward_share)
+    return replace(declared, slots=slots, forward_weight=1.0 if mode == "fwd" else declared.forward_weight)
 
 
 def resolved_kernel(kernel: str, shape: SegmentShape, device: torch.device) -> str:
