@@ -23,6 +23,7 @@ longest blocks first) has no such tail to model: it declares no :class:`LaunchGr
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -80,25 +81,41 @@ def backward_steps(q_len: int, k_len: int, tile: tuple[int, int]) -> list[int]:
             for j in range(_cdiv(k_len, keys))]
 
 
-def _phase_factor(per_head: list[int], heads: int, slots: int) -> float:
+EXACT_WAVES = 8  # the last blocks simulated one by one, in waves of ``slots``; those before are spread evenly
+
+
+def _phase_factor(per_head: tuple[int, ...], heads: int, slots: int) -> float:
+    """Makespan / even spread of ``heads`` repetitions of ``per_head`` block works on ``slots`` slots.
+
+    The blocks before the last :data:`EXACT_WAVES` waves are taken as spread evenly over the slots (their jags
+    are smoothed out again within a few waves; checked against the full simulation: within 0.3% on lone
+    32K-row segments), the rest simulated in launch order, each on the slot that frees first."""
     total = sum(per_head) * heads
     if total == 0:
         return 1.0
-    finish = [0] * slots
-    for _ in range(heads):  # the grid's slowest axis is the head
-        for work in per_head:
-            heapq.heapreplace(finish, finish[0] + work)
+    exact = EXACT_WAVES * slots
+    copies = min(heads, -(-exact // len(per_head)))
+    tail = (list(per_head) * copies)[-exact:]  # the last blocks launched (all of them in a small call)
+    start = (total - sum(tail)) / slots
+    finish = [start] * slots
+    for work in tail:
+        heapq.heapreplace(finish, finish[0] + work)
     return max(finish) * slots / total
 
 
 def tail_factor(q_lens: Sequence[int], k_lens: Sequence[int], heads: int, grid: LaunchGrid) -> float:
     """Time of one call over these causal segments (in launch order) / its work at full throughput (>= 1)."""
+    return _tail_factor(tuple(int(q) for q in q_lens), tuple(int(k) for k in k_lens), heads, grid)
+
+
+@functools.lru_cache(maxsize=65536)  # a schedule's refinement prices the same calls many times over
+def _tail_factor(q_lens: tuple[int, ...], k_lens: tuple[int, ...], heads: int, grid: LaunchGrid) -> float:
     forward, backward = [], []
     for q, k in zip(q_lens, k_lens):
         if q > 0:
-            forward += forward_steps(int(q), int(k), grid.forward_tile)
-            backward += backward_steps(int(q), int(k), grid.backward_tile)
+            forward += forward_steps(q, k, grid.forward_tile)
+            backward += backward_steps(q, k, grid.backward_tile)
     if not forward:
         return 1.0
-    return (grid.forward_weight * _phase_factor(forward, heads, grid.slots)
-            + (1.0 - grid.forward_weight) * _phase_factor(backward, heads, grid.slots))
+    return (grid.forward_weight * _phase_factor(tuple(forward), heads, grid.slots)
+            + (1.0 - grid.forward_weight) * _phase_factor(tuple(backward), heads, grid.slots))

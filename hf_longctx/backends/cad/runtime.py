@@ -55,7 +55,8 @@ from .cost_model import (
 from .eps import sweep_eps
 from .pingpong import pingpong_split
 from .profiled import profiled_cost_model
-from .scheduler import CadSchedule, schedule
+from .refine import refine_in_time
+from .scheduler import CadSchedule, schedule, with_tasks
 from .tasks import CadTask, all_pieces, doc_holders, docs_per_rank, key_start, task_cost, task_key
 
 
@@ -237,7 +238,8 @@ def cad_schedule(plan: ShardPlan, options: dict) -> CadSchedule:
     (:mod:`hf_longctx.kernels.launch`). The schedule is made again with those costs as per-server offsets
     (:func:`~.scheduler.schedule`'s ``server_offsets``), twice, and the one whose predicted busiest server
     (:func:`server_costs`) is least is kept. On H200 profiles this took 64 servers of 8K rows from 1.063 to
-    ~1.02 max/mean predicted (before tails were priced), where the tasks alone were balanced to 1.012.
+    ~1.02 max/mean predicted (before tails were priced), where the tasks alone were balanced to 1.012. Last,
+    the busiest server gives tasks away while that lowers the predicted maximum (:mod:`.refine`).
     """
     eps = options.get("eps", 0.1)
     model = cost_model_for(plan, options)
@@ -245,9 +247,9 @@ def cad_schedule(plan: ShardPlan, options: dict) -> CadSchedule:
 
     def build() -> CadSchedule:
         docs = docs_per_rank(plan)
-        if eps == "auto":
-            return sweep_eps(docs, plan.world_size, model, **knobs)[0]
-        first = schedule(docs, plan.world_size, eps=eps, cost_model=model, **knobs)
+        # "auto": the eps whose schedule is predicted fastest; the runtime's costs are balanced under it as below
+        first = sweep_eps(docs, plan.world_size, model, **knobs)[0] if eps == "auto" else \
+            schedule(docs, plan.world_size, eps=eps, cost_model=model, **knobs)
         if isinstance(_base(model), FlopsCostModel):
             return first  # FLOPs: ping-pong's cuts cost what the rows cost, and no call term is priced
         best, best_peak = first, float(_predicted_costs(plan, first.tasks, options, model).max(initial=0.0))
@@ -262,12 +264,15 @@ def cad_schedule(plan: ShardPlan, options: dict) -> CadSchedule:
             for _ in range(RUNTIME_OFFSET_ROUNDS):
                 own = sched.loads - (sched.offsets if sched.offsets is not None else 0.0)
                 extra = _predicted_costs(plan, sched.tasks, options, view) - own
-                sched = schedule(docs, plan.world_size, eps=eps, cost_model=model, **knobs,
+                sched = schedule(docs, plan.world_size, eps=first.eps, cost_model=model, **knobs,
                                  server_offsets=np.maximum(extra, 0.0))
                 peak = float(_predicted_costs(plan, sched.tasks, options, model).max(initial=0.0))
                 if peak < best_peak:
                     best, best_peak = sched, peak
-        return best
+        terms = call_terms_for(options, model)
+        moved = refine_in_time(plan, best.tasks, model,
+                               lambda tasks: _server_time(plan, tasks, options, model, terms))
+        return with_tasks(docs, best, moved, model)
 
     return plan.cached(("cad_schedule", eps, model, tuple(sorted(knobs.items()))), build)
 
@@ -275,38 +280,52 @@ def cad_schedule(plan: ShardPlan, options: dict) -> CadSchedule:
 RUNTIME_OFFSET_ROUNDS = 2  # schedules made again with the runtime's per-server extra costs (see cad_schedule)
 
 
-def _predicted_costs(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, model: CostModel) -> np.ndarray:
-    """Per-server cost of ``tasks`` as the runtime computes them (see :func:`server_costs`)."""
-    terms = call_terms_for(options, model)
+def _server_time(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, model: CostModel,
+                 terms: CallTerms | None, split: bool = True) -> float:
+    """Predicted cost of one server's ``tasks`` as the runtime computes them (see :func:`server_costs`); with
+    ``split``, ping-pong's halves are those of these tasks alone (every server's are made on its own)."""
     # the tail of each call (a profile with a launch grid; not modelled under a sliding window)
     tails = model if isinstance(model, ProfiledCostModel) and model.launch is not None else None
     fixed = segment_overhead(model)
-    groups = plan.cached(("cad_pingpong", tuple(tasks)), lambda: pingpong_split(plan, tasks)) \
-        if options.get("pingpong", True) else [list(tasks)]
     pieces = all_pieces(plan)
-    costs = np.zeros(plan.world_size)
+    groups = pingpong_split(plan, tasks) if split and options.get("pingpong", True) else [list(tasks)]
+    total = 0.0
     for group in groups:
-        segments: dict[int, list[tuple[int, int, float]]] = {}
+        seg = []
         for t in group:
             if t.q_end <= t.q_start:
                 continue
             piece = pieces[t.owner][t.piece][0]
             offset = piece.start - plan.batch.doc_starts[piece.doc]
-            cost = query_rows_cost(model, piece.length, offset, t.q_start, t.q_end)
-            costs[t.server] += cost
-            segments.setdefault(t.server, []).append((*_segment_shape(plan, t), cost))
-        if terms is None and tails is None:
+            seg.append((*_segment_shape(plan, t), query_rows_cost(model, piece.length, offset, t.q_start, t.q_end)))
+        total += sum(c for _, _, c in seg)
+        if not seg or (terms is None and tails is None):
             continue
-        for server, seg in segments.items():
-            seg = [seg[i] for i in call_order([q for q, _, _ in seg], [k for _, k, _ in seg])]
-            q_lens, k_lens = [q for q, _, _ in seg], [k for _, k, _ in seg]
-            runs = plan_calls(q_lens, k_lens, terms)
-            if terms is not None:
-                costs[server] += calls_overhead(q_lens, k_lens, runs, terms)
-            if tails is not None:
-                for a, b in runs:
-                    work = sum(c - fixed for _, _, c in seg[a:b])
-                    costs[server] += (tails.call_factor(q_lens[a:b], k_lens[a:b]) - 1.0) * work
+        seg = [seg[i] for i in call_order([q for q, _, _ in seg], [k for _, k, _ in seg])]
+        q_lens, k_lens = [q for q, _, _ in seg], [k for _, k, _ in seg]
+        runs = plan_calls(q_lens, k_lens, terms)
+        if terms is not None:
+            total += calls_overhead(q_lens, k_lens, runs, terms)
+        if tails is not None:
+            for a, b in runs:
+                work = sum(c - fixed for _, _, c in seg[a:b])
+                total += (tails.call_factor(q_lens[a:b], k_lens[a:b]) - 1.0) * work
+    return total
+
+
+def _predicted_costs(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, model: CostModel) -> np.ndarray:
+    """Per-server cost of ``tasks`` as the runtime computes them (see :func:`server_costs`)."""
+    terms = call_terms_for(options, model)
+    groups = plan.cached(("cad_pingpong", tuple(tasks)), lambda: pingpong_split(plan, tasks)) \
+        if options.get("pingpong", True) else [list(tasks)]
+    by_server: dict[int, list[list[CadTask]]] = {}
+    for h, group in enumerate(groups):
+        for t in group:
+            halves = by_server.setdefault(t.server, [[] for _ in groups])
+            halves[h].append(t)
+    costs = np.zeros(plan.world_size)
+    for server, halves in by_server.items():
+        costs[server] = sum(_server_time(plan, half, options, model, terms, split=False) for half in halves)
     return costs
 
 

@@ -49,7 +49,7 @@ import bisect
 import heapq
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import numpy as np
@@ -682,6 +682,55 @@ def schedule(
         stats={"items": len(length), "sources_indexed": len(bal._sorted), "retired_servers": len(bal.retired_dst),
                "retired_sources": len(bal.retired_src)},
     )
+
+
+def task_bytes(docs_per_rank: Sequence[Sequence[DocItem]], task_owner: np.ndarray, task_piece: np.ndarray,
+               task_q_start: np.ndarray, task_q_end: np.ndarray, task_server: np.ndarray, num_servers: int,
+               token_bytes: TokenBytes | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes per rank, bytes per server) of any task set, counted as :func:`schedule` counts its own: the tasks
+    of one piece on one server read the key prefix once, up to their last row; at the piece's own rank only
+    the prefix held by earlier ranks travels, elsewhere also the query rows and the outputs coming back."""
+    tb = token_bytes if token_bytes is not None else TokenBytes()
+    _length, off, rank, _doc = parse_docs(docs_per_rank)
+    first = np.concatenate([[0], np.cumsum([len(d) for d in docs_per_rank])])[:-1].astype(np.int64)
+    item = first[task_owner] + task_piece
+    n_ranks = len(docs_per_rank)
+    per_rank, per_server = np.zeros(n_ranks), np.zeros(num_servers)
+    if not len(item):
+        return per_rank, per_server
+    keys, inv = np.unique(item * num_servers + task_server, return_inverse=True)
+    it, srv = keys // num_servers, keys % num_servers
+    rows = np.bincount(inv, weights=task_q_end - task_q_start, minlength=len(keys))
+    end = np.zeros(len(keys), dtype=np.int64)
+    np.maximum.at(end, inv, task_q_end)
+    owner = rank[it]
+    home = owner == srv
+    b = np.where(home, off[it] * float(tb.kv), rows * (tb.q + tb.out) + (off[it] + end) * tb.kv)
+    per_rank += np.bincount(owner, weights=b, minlength=n_ranks)
+    per_server += np.bincount(srv, weights=b, minlength=num_servers)
+    return per_rank, per_server
+
+
+def with_tasks(docs_per_rank: Sequence[Sequence[DocItem]], sched: CadSchedule, tasks: Sequence[CadTask],
+               cost_model: CostModel | None = None, token_bytes: TokenBytes | None = None) -> CadSchedule:
+    """``sched`` with its tasks replaced by ``tasks`` (the same rows, e.g. moved by a later refinement): loads
+    priced under ``cost_model`` (plus the schedule's offsets) and bytes counted again (:func:`task_bytes`)."""
+    owner = np.array([t.owner for t in tasks], dtype=np.int64)
+    piece = np.array([t.piece for t in tasks], dtype=np.int64)
+    q_start = np.array([t.q_start for t in tasks], dtype=np.int64)
+    q_end = np.array([t.q_end for t in tasks], dtype=np.int64)
+    server = np.array([t.server for t in tasks], dtype=np.int64)
+    _length, off, _rank, _doc = parse_docs(docs_per_rank)
+    first = np.concatenate([[0], np.cumsum([len(d) for d in docs_per_rank])])[:-1].astype(np.int64)
+    cm = cost_model if cost_model is not None else FlopsCostModel()
+    costs = cm.cost_array(q_end - q_start, off[first[owner] + piece] + q_end) if len(owner) else np.zeros(0)
+    n = sched.num_servers
+    loads = np.bincount(server, weights=costs, minlength=n)
+    if sched.offsets is not None:
+        loads = loads + sched.offsets
+    per_rank, per_server = task_bytes(docs_per_rank, owner, piece, q_start, q_end, server, n, token_bytes)
+    return replace(sched, task_owner=owner, task_piece=piece, task_q_start=q_start, task_q_end=q_end,
+                   task_server=server, loads=loads, bytes_per_rank=per_rank, bytes_per_server=per_server)
 
 
 def verify_schedule(docs_per_rank: Sequence[Sequence[DocItem]], sched: CadSchedule,

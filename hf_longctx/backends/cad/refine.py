@@ -1,0 +1,103 @@
+"""CAD's busiest server lowered in predicted kernel time, one task move (or cut) at a time.
+
+Why: the scheduler balances task prices, which add up over a server's tasks. What a server's kernels take does
+not: ping-pong cuts some tasks in two, every call costs something of its own, and a call's last blocks can run
+alone (its tail, :mod:`hf_longctx.kernels.launch`), all depending on what else the server computes. The
+runtime feeds those costs back to the scheduler as per-server offsets (:func:`~.runtime.cad_schedule`), but a
+server's offset changes with what it is given, so offsets chase their own tail: at 64 servers of 8K rows the
+schedules so made stayed 4-5% above the mean in predicted time. Here the prediction itself is the objective:
+the busiest server gives one of its tasks, whole or its first rows, to one of the least busy servers, when both
+then end below the busiest's old time; repeated a bounded number of times.
+
+Only tasks' servers change (and a task may be cut in two at a row): every query row is still computed once, so
+outputs and gradients are those of any other schedule. A moved task's rows and keys travel to its new server;
+the schedule's bytes are counted again from the final tasks (:func:`~.scheduler.task_bytes`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from ...layout import ShardPlan
+from .cost_model import CostModel, query_rows_cost
+from .tasks import CadTask, all_pieces
+
+REFINE_MOVES = 64  # moves (or cuts) at most per schedule (it stops sooner when no move helps)
+REFINE_TARGETS = 3  # least busy servers tried as receivers per move
+CUT_ROWS = 128  # a cut leaves whole kernel tiles of rows on both sides
+
+
+ServerCost = Callable[[Sequence[CadTask]], float]
+
+
+def _rows_cost(plan: ShardPlan, model: CostModel, t: CadTask, q_start: int, q_end: int) -> float:
+    piece = all_pieces(plan)[t.owner][t.piece][0]
+    return query_rows_cost(model, piece.length, piece.start - plan.batch.doc_starts[piece.doc], q_start, q_end)
+
+
+def _first_rows_for(plan: ShardPlan, model: CostModel, t: CadTask, amount: float) -> int | None:
+    """The row ``r`` (a multiple of :data:`CUT_ROWS` past ``t.q_start``) whose rows ``[q_start, r)`` cost about
+    ``amount``; None when no cut leaves rows on both sides."""
+    lo, hi = 1, (t.q_end - t.q_start - 1) // CUT_ROWS  # tiles of rows that may move
+    if hi < lo:
+        return None
+    while lo < hi:  # the first tile count whose rows cost at least the amount
+        mid = (lo + hi) // 2
+        if _rows_cost(plan, model, t, t.q_start, t.q_start + mid * CUT_ROWS) < amount:
+            lo = mid + 1
+        else:
+            hi = mid
+    return t.q_start + lo * CUT_ROWS
+
+
+def _place(tasks: list[CadTask], part: CadTask) -> list[CadTask]:
+    """``tasks`` with ``part`` added, merged with a task of the same piece whose rows it continues."""
+    for i, t in enumerate(tasks):
+        if (t.owner, t.piece) == (part.owner, part.piece) and (t.q_end == part.q_start or part.q_end == t.q_start):
+            return tasks[:i] + [replace(t, q_start=min(t.q_start, part.q_start), q_end=max(t.q_end, part.q_end))] \
+                + tasks[i + 1:]
+    return tasks + [part]
+
+
+def refine_in_time(plan: ShardPlan, tasks: Sequence[CadTask], model: CostModel, server_cost: ServerCost,
+                   moves: int = REFINE_MOVES, targets: int = REFINE_TARGETS) -> list[CadTask]:
+    """``tasks`` with the busiest server (by ``server_cost`` of its tasks) lowered while a move helps.
+
+    Each step tries, for every task of the busiest server and each of the ``targets`` least busy servers, moving
+    the whole task or its first rows priced (by ``model``) at half the two servers' gap; the move that leaves
+    the lower of the two new times' maximum wins, when that maximum is below the busiest's time.
+    """
+    world = plan.world_size
+    by_server: list[list[CadTask]] = [[] for _ in range(world)]
+    for t in tasks:
+        if t.q_end > t.q_start:
+            by_server[t.server].append(t)
+    cost = np.array([server_cost(ts) if ts else 0.0 for ts in by_server])
+    for _ in range(moves):
+        top = int(np.argmax(cost))
+        receivers = [int(s) for s in np.argsort(cost, kind="stable")[:targets + 1] if s != top][:targets]
+        best: tuple[float, list[CadTask], int, list[CadTask], float, float] | None = None
+        for t in by_server[top]:
+            others = [x for x in by_server[top] if x is not t]
+            for dst in receivers:
+                cuts = [t.q_end]
+                row = _first_rows_for(plan, model, t, (cost[top] - cost[dst]) / 2)
+                if row is not None and row < t.q_end:
+                    cuts.append(row)
+                for cut in cuts:
+                    kept = others + ([replace(t, q_start=cut)] if cut < t.q_end else [])
+                    given = _place(by_server[dst], replace(t, q_end=cut, server=dst))
+                    after_top = server_cost(kept) if kept else 0.0
+                    after_dst = server_cost(given)
+                    peak = max(after_top, after_dst)
+                    if peak < cost[top] * (1 - 1e-6) and (best is None or peak < best[0]):
+                        best = (peak, kept, dst, given, after_top, after_dst)
+        if best is None:
+            break
+        _, kept, dst, given, after_top, after_dst = best
+        by_server[top], by_server[dst] = kept, given
+        cost[top], cost[dst] = after_top, after_dst
+    return [t for ts in by_server for t in ts]
