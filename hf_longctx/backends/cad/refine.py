@@ -22,8 +22,8 @@ from dataclasses import replace
 import numpy as np
 
 from ...layout import ShardPlan
-from .cost_model import CostModel, query_rows_cost
-from .tasks import CadTask, all_pieces
+from .cost_model import CostModel
+from .tasks import CadTask, rows_cost
 
 REFINE_MOVES = 64  # moves (or cuts) at most per schedule (it stops sooner when no move helps)
 REFINE_TARGETS = 3  # least busy servers tried as receivers per move
@@ -31,11 +31,6 @@ CUT_ROWS = 128  # a cut leaves whole kernel tiles of rows on both sides
 
 
 ServerCost = Callable[[Sequence[CadTask]], float]
-
-
-def _rows_cost(plan: ShardPlan, model: CostModel, t: CadTask, q_start: int, q_end: int) -> float:
-    piece = all_pieces(plan)[t.owner][t.piece][0]
-    return query_rows_cost(model, piece.length, piece.start - plan.batch.doc_starts[piece.doc], q_start, q_end)
 
 
 def _first_rows_for(plan: ShardPlan, model: CostModel, t: CadTask, amount: float) -> int | None:
@@ -46,7 +41,7 @@ def _first_rows_for(plan: ShardPlan, model: CostModel, t: CadTask, amount: float
         return None
     while lo < hi:  # the first tile count whose rows cost at least the amount
         mid = (lo + hi) // 2
-        if _rows_cost(plan, model, t, t.q_start, t.q_start + mid * CUT_ROWS) < amount:
+        if rows_cost(plan, t, t.q_start, t.q_start + mid * CUT_ROWS, model) < amount:
             lo = mid + 1
         else:
             hi = mid

@@ -49,7 +49,6 @@ from .cost_model import (
     FlopsCostModel,
     ProfiledCostModel,
     WindowedCostModel,
-    query_rows_cost,
     segment_overhead,
 )
 from .eps import sweep_eps
@@ -57,7 +56,7 @@ from .pingpong import pingpong_split
 from .profiled import profiled_cost_model
 from .refine import refine_in_time
 from .scheduler import CadSchedule, schedule, with_tasks
-from .tasks import CadTask, all_pieces, doc_holders, docs_per_rank, key_start, task_cost, task_key
+from .tasks import CadTask, all_pieces, doc_holders, docs_per_rank, key_start, rows_cost, task_cost, task_key
 
 
 @dataclass
@@ -287,17 +286,11 @@ def _server_time(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, model
     # the tail of each call (a profile with a launch grid; not modelled under a sliding window)
     tails = model if isinstance(model, ProfiledCostModel) and model.launch is not None else None
     fixed = segment_overhead(model)
-    pieces = all_pieces(plan)
     groups = pingpong_split(plan, tasks) if split and options.get("pingpong", True) else [list(tasks)]
     total = 0.0
     for group in groups:
-        seg = []
-        for t in group:
-            if t.q_end <= t.q_start:
-                continue
-            piece = pieces[t.owner][t.piece][0]
-            offset = piece.start - plan.batch.doc_starts[piece.doc]
-            seg.append((*_segment_shape(plan, t), query_rows_cost(model, piece.length, offset, t.q_start, t.q_end)))
+        seg = [(*_segment_shape(plan, t), rows_cost(plan, t, t.q_start, t.q_end, model))
+               for t in group if t.q_end > t.q_start]
         total += sum(c for _, _, c in seg)
         if not seg or (terms is None and tails is None):
             continue

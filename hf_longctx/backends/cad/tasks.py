@@ -90,11 +90,12 @@ def task_key(plan: ShardPlan, task: CadTask) -> tuple[int, int, int]:
     return piece.doc, piece.start + task.q_start, task.owner
 
 
-def rows_cost(plan: ShardPlan, task: CadTask, q_start: int, q_end: int) -> float:
-    """Visible (query, key) pairs of query rows ``[q_start, q_end)`` of ``task``'s piece."""
+def rows_cost(plan: ShardPlan, task: CadTask, q_start: int, q_end: int, model: CostModel | None = None) -> float:
+    """Cost of query rows ``[q_start, q_end)`` of ``task``'s piece under ``model`` (None: visible (query, key)
+    pairs under the plan's sliding window)."""
     piece, _ = all_pieces(plan)[task.owner][task.piece]
-    return query_rows_cost(_pairs_model(plan), piece.length, piece.start - plan.batch.doc_starts[piece.doc], q_start,
-                           q_end)
+    return query_rows_cost(model if model is not None else _pairs_model(plan), piece.length,
+                           piece.start - plan.batch.doc_starts[piece.doc], q_start, q_end)
 
 
 def server_holds_keys(plan: ShardPlan, task: CadTask) -> bool:
