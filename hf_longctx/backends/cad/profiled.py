@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import os
+import random
 import re
 import statistics
 import time
@@ -143,6 +144,13 @@ def _time_call(shapes: Sequence[tuple[int, int]], kernel: str, shape: SegmentSha
     return statistics.median(_run_ms(step, device) for _ in range(reps))
 
 
+def cell_copies(q_len: int, kv_len: int, budget: ProfileBudget) -> int:
+    """Segments per timed call of a cell: enough for ``budget.min_tokens`` query rows, within its key and pair
+    bounds (at least one)."""
+    return max(1, min(budget.min_tokens // q_len, budget.max_kv_tokens // kv_len,
+                      int(budget.max_batch_pairs // max(PAIRS.cost(q_len, kv_len), 1.0))))
+
+
 def time_segments(q_len: int, kv_len: int, copies: int, kernel: str, shape: SegmentShape, device: torch.device,
                   budget: ProfileBudget, mode: str = "fwd+bwd") -> float:
     """Milliseconds of ``copies`` identical segments in one varlen call (forward+backward, or ``mode``), per
@@ -240,9 +248,7 @@ def check_shapes(model: ProfiledCostModel, shapes: Sequence[tuple[int, int]], ke
     bends (short segments) shows here as errors of several percent off the grid points."""
     out = []
     for ql, kl in shapes:
-        copies = max(1, min(budget.min_tokens // ql, budget.max_kv_tokens // kl,
-                            int(budget.max_batch_pairs // max(PAIRS.cost(ql, kl), 1.0))))
-        measured = time_segments(ql, kl, copies, kernel, shape, device, budget, mode)
+        measured = time_segments(ql, kl, cell_copies(ql, kl, budget), kernel, shape, device, budget, mode)
         _release(device)
         out.append((ql, kl, measured, model.cost(ql, kl)))
     return out
@@ -252,8 +258,6 @@ def random_shapes(count: int, seed: int = 0, max_q: int = 8192, max_kv: int = 65
     """``count`` segment shapes as CAD servers see them: query rows log-uniform in [16, ``max_q``], keys
     log-uniform between the rows and ``max_kv`` (a shard over its causal prefix) or equal to them (a whole
     document), one in three."""
-    import random
-
     rng = random.Random(seed)
     shapes = []
     for _ in range(count):
@@ -318,9 +322,7 @@ def profile_segment_costs(kernel: str = "auto", device: torch.device | str = "cu
     for i, ql in enumerate(q_lens):
         for j, kl in enumerate(kv_lens):
             if ql <= kl and PAIRS.cost(ql, kl) <= budget.max_pairs:
-                copies = max(1, min(budget.min_tokens // ql, budget.max_kv_tokens // kl,
-                                    int(budget.max_batch_pairs // PAIRS.cost(ql, kl))))
-                copies_of[i, j] = copies
+                copies = copies_of[i, j] = cell_copies(ql, kl, budget)
                 try:
                     table[i][j] = time_segments(ql, kl, copies, name, shape, device, budget, mode)
                 except torch.cuda.OutOfMemoryError:  # a smaller device (an H100 beside the global tensors of a

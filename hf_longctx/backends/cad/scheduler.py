@@ -669,10 +669,7 @@ def schedule(
     task_server = np.concatenate([bal.home[keep], mv[:, 1]])
     loads = np.asarray(bal.loads)
     if not isinstance(cm, FlopsCostModel):  # merged shards may cost less than their parts: price the tasks
-        costs = cm.cost_array(task_q_end - task_q_start, off[np.concatenate([keep, mi])] + task_q_end)
-        loads = np.bincount(task_server, weights=costs, minlength=n)
-        if offsets is not None:
-            loads = loads + offsets
+        loads = _task_loads(cm, off[np.concatenate([keep, mi])], task_q_start, task_q_end, task_server, n, offsets)
     per_rank, per_server = _bytes(off, rank, n_ranks, n, tb, keep, lo[keep], hi[keep], moved)
     return CadSchedule(
         task_owner=task_owner, task_piece=task_piece, task_q_start=task_q_start, task_q_end=task_q_end,
@@ -684,6 +681,21 @@ def schedule(
     )
 
 
+def _item_of(docs_per_rank: Sequence[Sequence[DocItem]], owner: np.ndarray, piece: np.ndarray) -> np.ndarray:
+    """Flat item index (as :func:`parse_docs` numbers them) of tasks' (owner, piece)."""
+    first = np.concatenate([[0], np.cumsum([len(d) for d in docs_per_rank])])[:-1].astype(np.int64)
+    return first[owner] + piece if len(owner) else np.zeros(0, dtype=np.int64)
+
+
+def _task_loads(cost_model: CostModel, offset: np.ndarray, q_start: np.ndarray, q_end: np.ndarray,
+                server: np.ndarray, num_servers: int, offsets: np.ndarray | None) -> np.ndarray:
+    """Per-server cost of tasks (query rows ``[q_start, q_end)`` of pieces preceded by ``offset`` tokens), plus
+    the servers' fixed ``offsets``."""
+    costs = cost_model.cost_array(q_end - q_start, offset + q_end) if len(q_end) else np.zeros(0)
+    loads = np.bincount(server, weights=costs, minlength=num_servers)
+    return loads + offsets if offsets is not None else loads
+
+
 def task_bytes(docs_per_rank: Sequence[Sequence[DocItem]], task_owner: np.ndarray, task_piece: np.ndarray,
                task_q_start: np.ndarray, task_q_end: np.ndarray, task_server: np.ndarray, num_servers: int,
                token_bytes: TokenBytes | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -692,8 +704,7 @@ def task_bytes(docs_per_rank: Sequence[Sequence[DocItem]], task_owner: np.ndarra
     the prefix held by earlier ranks travels, elsewhere also the query rows and the outputs coming back."""
     tb = token_bytes if token_bytes is not None else TokenBytes()
     _length, off, rank, _doc = parse_docs(docs_per_rank)
-    first = np.concatenate([[0], np.cumsum([len(d) for d in docs_per_rank])])[:-1].astype(np.int64)
-    item = first[task_owner] + task_piece
+    item = _item_of(docs_per_rank, task_owner, task_piece)
     n_ranks = len(docs_per_rank)
     per_rank, per_server = np.zeros(n_ranks), np.zeros(num_servers)
     if not len(item):
@@ -721,13 +732,9 @@ def with_tasks(docs_per_rank: Sequence[Sequence[DocItem]], sched: CadSchedule, t
     q_end = np.array([t.q_end for t in tasks], dtype=np.int64)
     server = np.array([t.server for t in tasks], dtype=np.int64)
     _length, off, _rank, _doc = parse_docs(docs_per_rank)
-    first = np.concatenate([[0], np.cumsum([len(d) for d in docs_per_rank])])[:-1].astype(np.int64)
-    cm = cost_model if cost_model is not None else FlopsCostModel()
-    costs = cm.cost_array(q_end - q_start, off[first[owner] + piece] + q_end) if len(owner) else np.zeros(0)
     n = sched.num_servers
-    loads = np.bincount(server, weights=costs, minlength=n)
-    if sched.offsets is not None:
-        loads = loads + sched.offsets
+    loads = _task_loads(cost_model if cost_model is not None else FlopsCostModel(),
+                        off[_item_of(docs_per_rank, owner, piece)], q_start, q_end, server, n, sched.offsets)
     per_rank, per_server = task_bytes(docs_per_rank, owner, piece, q_start, q_end, server, n, token_bytes)
     return replace(sched, task_owner=owner, task_piece=piece, task_q_start=q_start, task_q_end=q_end,
                    task_server=server, loads=loads, bytes_per_rank=per_rank, bytes_per_server=per_server)
@@ -738,8 +745,7 @@ def verify_schedule(docs_per_rank: Sequence[Sequence[DocItem]], sched: CadSchedu
     """Raise ``AssertionError`` unless every query row of every piece is in exactly one task and the
     per-server loads equal the summed task costs (under ``cost_model``, FLOPs by default)."""
     length, off, rank, doc = parse_docs(docs_per_rank)
-    first = np.concatenate([[0], np.cumsum([len(d) for d in docs_per_rank])])[:-1].astype(np.int64)
-    item = first[sched.task_owner] + sched.task_piece if len(sched.task_owner) else np.zeros(0, dtype=np.int64)
+    item = _item_of(docs_per_rank, sched.task_owner, sched.task_piece)
     order = np.lexsort((sched.task_q_start, item))
     it, a, b = item[order], sched.task_q_start[order], sched.task_q_end[order]
     assert np.all(b > a), "empty or reversed task"
@@ -752,10 +758,7 @@ def verify_schedule(docs_per_rank: Sequence[Sequence[DocItem]], sched: CadSchedu
     last[:-1] = it[1:] != it[:-1]
     assert np.array_equal(np.sort(it[last]), np.flatnonzero(length > 0)), "a piece has no task"
     assert np.all(b[last] == length[it[last]]), "a piece's last rows are not covered"
-    cm = cost_model if cost_model is not None else FlopsCostModel()
-    costs = cm.cost_array(sched.task_q_end - sched.task_q_start, off[item] + sched.task_q_end)
-    loads = np.bincount(sched.task_server, weights=costs, minlength=sched.num_servers)
-    if sched.offsets is not None:
-        loads = loads + sched.offsets
+    loads = _task_loads(cost_model if cost_model is not None else FlopsCostModel(), off[item], sched.task_q_start,
+                        sched.task_q_end, sched.task_server, sched.num_servers, sched.offsets)
     assert np.allclose(loads, sched.loads, rtol=rtol, atol=rtol * max(float(loads.max(initial=0)), 1.0)), \
         "server loads differ from the summed task costs"
