@@ -97,28 +97,29 @@ def variants(backends: list[str], profiled) -> list[tuple[str, str, dict | None]
     return out
 
 
-def predicted_vs_emulated(step: EmulatedStep, batch: PackedBatch, options: dict) -> tuple[float, float, float]:
+def predicted_vs_emulated(step: EmulatedStep, batch: PackedBatch, options: dict
+                          ) -> tuple[float, float, float, list[float]]:
     """For a CAD run on a profiled model (milliseconds): (largest |predicted - emulated| / emulated over servers,
-    eps used, max/mean of the predicted per-server times). Predicted: the server's segments priced alone plus what
-    its kernel calls add (``server_costs``)."""
+    eps used, max/mean of the predicted per-server times, the predicted times). Predicted: what the runtime's
+    kernel calls on each server cost (``server_costs``)."""
     plan = shard_plan(batch, step.world, "cad")
     predicted = server_costs(plan, options).tolist()
     errs = [abs(p * 1e-3 - m) / m for p, m in zip(predicted, step.kernel_s) if m > 0]
     mean = statistics.fmean(predicted)
-    return (max(errs) if errs else math.nan), cad_schedule(plan, options).eps, (max(predicted) / mean if mean else 1.0)
+    return ((max(errs) if errs else math.nan), cad_schedule(plan, options).eps,
+            (max(predicted) / mean if mean else 1.0), predicted)
 
 
 def _slug(text: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in text)
 
 
-def dump_calls(path: Path, step: EmulatedStep, batch: PackedBatch, options: dict, reps: list[list[dict]]) -> None:
+def dump_calls(path: Path, step: EmulatedStep, batch: PackedBatch, options: dict, predicted_ms: list[float],
+               reps: list[list[dict]]) -> None:
     """One CAD configuration's kernel calls per timed repetition, with the per-server prediction (ms)."""
     path.write_text(json.dumps({
         "world": step.world, "doc_lens": [int(x) for x in batch.doc_lens], "eps": options.get("eps"),
-        "kernel_s": step.kernel_s, "predicted_ms": server_costs(shard_plan(batch, step.world, step.strategy),
-                                                                 options).tolist(),
-        "reps": reps}))
+        "kernel_s": step.kernel_s, "predicted_ms": predicted_ms, "reps": reps}))
 
 
 def segment_terms(model) -> str:
@@ -257,12 +258,12 @@ def main(argv: list[str] | None = None) -> int:
                 extra = ""
                 if backend == "cad" and options and options.get("cost_model") is profiled \
                         and isinstance(profiled, ProfiledCostModel):
-                    err, eps, pred_imb = predicted_vs_emulated(step, batch, options)
+                    err, eps, pred_imb, predicted = predicted_vs_emulated(step, batch, options)
                     extra = (f"eps {eps:g}; predicted max/mean {pred_imb:.3f}; predicted vs emulated per-server "
                              f"time: max err {err * 100:.1f}%")
                     if timers:
                         dump_calls(Path(args.dump_calls) / f"{mix}_w{w}_{_slug(label)}.json", step, batch, options,
-                                   [t.call_log() for t in timers[args.warmup:]])
+                                   predicted, [t.call_log() for t in timers[args.warmup:]])
                 extra += f" ({time.perf_counter() - t0:.1f} s)"
                 rows.append(row(mix, total, batch, w, label, step, extra.strip()))
                 print(rows[-1], flush=True)
