@@ -57,27 +57,36 @@ def test_refinement_lowers_the_busiest_predicted_server_and_keeps_every_row(mix,
     assert final.max() / final.mean() <= 1.01, final.max() / final.mean()
 
 
-def test_a_refined_schedule_still_computes_what_one_device_does():
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_refined_schedule_still_computes_what_one_device_does(world):
+    """The refinement's own tasks (at W = 2 it cuts a task, at W = 3 it moves whole ones), run as the schedule:
+    every rank's outputs and q/k/v gradients equal the fp64 reference over the whole batch."""
     from test_cad_call_split import DOC_LENS, make_tensors, single_device
 
     from hf_longctx.emulation import emulate_step
+    from hf_longctx.kernels.launch import LaunchGrid
 
     batch = PackedBatch.from_doc_lens(DOC_LENS)
     q, k, v, dout = make_tensors(batch)
     want = single_device(batch, q, k, v, dout)
     # a profile whose calls have tails on a 3-slot machine: the refinement has something to move
-    from hf_longctx.kernels.launch import LaunchGrid
-
     cells = dict(q_lens=[16, 64, 256, 1024], kv_lens=[16, 64, 256, 1024],
                  table=[[0.2, 0.5, 1.5, 5.0], [0.0, 1.5, 5.0, 18.0], [0.0, 0.0, 20.0, 70.0], [0.0, 0.0, 0.0, 300.0]],
                  interpolate="rate", tile=16)
     model = ProfiledCostModel.from_grid(**cells, launch=LaunchGrid((16, 16), (16, 16), 0.3, 3), launch_heads=4)
     options = {"eps": 0.0, "min_shard": 16, "cost_model": model}
-    plan = shard_plan(batch, 3, "cad")
-    first = schedule(docs_per_rank(plan), 3, eps=0.0, cost_model=model, min_shard=16)
-    assert {(t.owner, t.piece, t.q_start, t.q_end, t.server) for t in cad_schedule(plan, options).tasks} != \
-        {(t.owner, t.piece, t.q_start, t.q_end, t.server) for t in first.tasks}  # the runtime's steps moved tasks
-    step = emulate_step(batch, 3, (q, k, v, dout), "cad", options=options, kernel="reference", keep_results=True)
+    plan = shard_plan(batch, world, "cad")
+    first = schedule(docs_per_rank(plan), world, eps=0.0, cost_model=model, min_shard=16)
+    tasks = refine_in_time(plan, first.tasks, model, lambda ts: _server_time(plan, ts, options, model, None))
+
+    def rows(ts):
+        return {(t.owner, t.piece, t.q_start, t.q_end, t.server) for t in ts}
+
+    assert rows(tasks) != rows(first.tasks)
+    if world == 2:  # a task's first rows moved: a boundary the scheduler did not make
+        assert {(t.owner, t.piece, t.q_start) for t in tasks} - {(t.owner, t.piece, t.q_start) for t in first.tasks}
+    step = emulate_step(batch, world, (q, k, v, dout), "cad", options={**options, "tasks": tasks},
+                        kernel="reference", keep_results=True)
     for r in step.ranks:
         idx = plan.local_indices(r.rank)
         for got, ref in zip(r.results, want):
