@@ -167,3 +167,34 @@ def test_cad_with_a_segment_term_and_tiles_stays_exact(world):
             idx = plan.local_indices(r.rank)
             for got, ref in zip(r.results, want):
                 torch.testing.assert_close(got, ref[idx], rtol=1e-9, atol=1e-9)
+
+
+def test_a_profile_with_a_launch_grid_keeps_each_cells_work_without_its_copies_tail(monkeypatch):
+    """On a clock whose calls take their work times their tail factor, a profile that knows the launch grid holds
+    each cell's work at full throughput (its timed copies' factor taken out, listed in the metadata); priced
+    back with a call's factor it gives what that call took. Without the grid the cells keep their copies' tail."""
+    import hf_longctx.backends.cad.profiled as profiled
+    from hf_longctx.backends.cad.cost_model import PAIRS
+    from hf_longctx.kernels.launch import LaunchGrid, tail_factor
+
+    grid = LaunchGrid(forward_tile=(16, 16), backward_tile=(16, 16), forward_weight=0.3, slots=3)
+    per_pair = 1e-5
+
+    def run_ms(step, device):
+        q, k = [s[0] for s in step.shapes], [s[1] for s in step.shapes]
+        return per_pair * sum(PAIRS.cost(a, b) for a, b in step.shapes) * tail_factor(q, k, SHAPE.heads, grid)
+
+    monkeypatch.setattr(profiled, "_run_ms", run_ms)
+    monkeypatch.setattr(profiled, "launch_grid", lambda kernel, device, head_dim, mode="fwd+bwd": grid)
+    args = ("reference", "cpu", SHAPE, (16, 64), (16, 64, 256), TINY["budget"])
+    model, meta = profiled.profile_segment_costs(*args, tile=0, segment_cost=False)
+    assert model.launch == grid and model.launch_heads == SHAPE.heads
+    assert meta["tail_factors"] and all(f >= 1.0 for *_, f in meta["tail_factors"])
+    for q, k in ((16, 16), (16, 256), (64, 64), (64, 256)):
+        assert model.cost(q, k) == pytest.approx(per_pair * PAIRS.cost(q, k), rel=1e-9), (q, k)
+        assert model.cost(q, k) * model.call_factor([q], [k]) == pytest.approx(
+            per_pair * PAIRS.cost(q, k) * tail_factor([q], [k], SHAPE.heads, grid), rel=1e-9)
+    monkeypatch.setattr(profiled, "launch_grid", lambda kernel, device, head_dim, mode="fwd+bwd": None)
+    plain, meta = profiled.profile_segment_costs(*args, tile=0, segment_cost=False)
+    assert plain.launch is None and meta["tail_factors"] == []
+    assert plain.cost(64, 64) > model.cost(64, 64)  # the copies' tail stays in the cell
