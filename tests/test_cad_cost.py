@@ -75,24 +75,28 @@ def test_cad_on_a_profiled_model_and_auto_eps_stays_exact(tmp_path, monkeypatch,
 
 
 def test_profiled_string_makes_every_rank_schedule_on_one_table(tmp_path, monkeypatch):
-    """``cost_model="profiled"``: ranks that measured different tables agree on the largest value per cell."""
+    """``cost_model="profiled"``: ranks that measured different tables agree on the largest value per cell (and on
+    one launch grid: the most SMs any rank has)."""
     import hf_longctx.backends.cad.runtime as runtime
     from hf_longctx.comm.emulated import EmulationHub
+    from hf_longctx.kernels.launch import LaunchGrid
 
     base = ProfiledCostModel.from_grid((16, 64), (16, 64), [[1.0, 2.0], [3.0, 4.0]], interpolate="rate",
-                                       segment_cost=0.25, tile=16)
+                                       segment_cost=0.25, tile=16, launch=LaunchGrid(slots=114), launch_heads=4)
     monkeypatch.setattr(runtime, "_profiled", lambda kernel: base)
 
     def per_rank(group):
         if group.rank == 1:  # a rank whose device measured one cell and the per-segment term slower
             monkeypatch.setattr(runtime, "_profiled", lambda kernel: ProfiledCostModel.from_grid(
-                (16, 64), (16, 64), [[1.0, 2.5], [3.0, 4.0]], interpolate="rate", segment_cost=0.5, tile=16))
+                (16, 64), (16, 64), [[1.0, 2.5], [3.0, 4.0]], interpolate="rate", segment_cost=0.5, tile=16,
+                launch=LaunchGrid(slots=132), launch_heads=4))
         return runtime.agreed_profile("reference", group)
 
     cached = dict(runtime._AGREED)
     for _ in range(2):  # a new group each time: measured and agreed again, never taken from another group
         models = EmulationHub(3).run(per_rank)
         assert all(m.table == ((1.0, 2.5), (3.0, 4.0)) and m.segment_cost == 0.5 and m.tile == 16 for m in models)
+        assert all(m.launch == LaunchGrid(slots=132) and m.launch_heads == 4 for m in models)
         monkeypatch.setattr(runtime, "_profiled", lambda kernel: base)
     assert runtime._AGREED == cached  # emulated groups keep theirs on their hub, freed with it
 
