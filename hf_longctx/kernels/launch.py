@@ -28,7 +28,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["LaunchGrid", "tail_factor"]
+__all__ = ["LaunchGrid", "backward_steps", "forward_steps", "tail_factor"]
 
 
 @dataclass(frozen=True)
