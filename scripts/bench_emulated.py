@@ -54,6 +54,7 @@ import torch
 
 from hf_longctx.backends.cad.cost_model import ProfiledCostModel
 from hf_longctx.backends.cad.eps import EPS_CANDIDATES, a2a_bandwidth, candidate, choose_eps
+from hf_longctx.backends.cad.launch_cost import LaunchCostModel
 from hf_longctx.backends.cad.profiled import ProfileBudget, SegmentShape, profiled_cost_model
 from hf_longctx.backends.cad.runtime import cad_schedule, server_costs
 from hf_longctx.benchmarking import table_header, table_row
@@ -80,8 +81,12 @@ def global_tensors(total: int, shape: SegmentShape, device: torch.device, seed: 
                  for h in (shape.heads, shape.kv_heads, shape.kv_heads, shape.heads))
 
 
-def variants(backends: list[str], profiled) -> list[tuple[str, str, dict | None]]:
-    """(label, backend, options) of every run of one configuration; the first is ``auto``'s default."""
+MEASURED_MODELS = (ProfiledCostModel, LaunchCostModel)
+
+
+def variants(backends: list[str], profiled, grid=None) -> list[tuple[str, str, dict | None]]:
+    """(label, backend, options) of every run of one configuration; the first is ``auto``'s default. ``grid``: a
+    second measured model (the interpolated grid beside the launch model) run at eps 0.01 too."""
     out = []
     for b in backends:
         if b == "cad":
@@ -92,6 +97,8 @@ def variants(backends: list[str], profiled) -> list[tuple[str, str, dict | None]
             out.append(("cad profiled eps0.01 one call", "cad", {"cost_model": profiled, "eps": 0.01,
                                                                   "call_terms": None}))
             out.append(("cad profiled eps auto", "cad", {"cost_model": profiled, "eps": "auto"}))
+            if grid is not None:
+                out.append(("cad grid-profiled eps0.01", "cad", {"cost_model": grid, "eps": 0.01}))
         else:
             out.append((b, b, None))
     return out
@@ -123,7 +130,13 @@ def dump_calls(path: Path, step: EmulatedStep, batch: PackedBatch, options: dict
 
 
 def segment_terms(model) -> str:
-    """What the profiled model charges a segment beyond its rows (see ProfiledCostModel), for the header."""
+    """What the measured model charges beyond a segment's rows (see ProfiledCostModel, LaunchCostModel), for the
+    header."""
+    if isinstance(model, LaunchCostModel):
+        terms = "; ".join(f"{p}: " + ", ".join(f"{k} {v:.3g}" for k, v in zip(
+            ("step", "q token", "k token", "block", "segment", "call"), model.terms(p).as_vector())) + f" {model.units}"
+            for p in ("forward", "backward"))
+        return f"; fitted terms per tile step, token, launched block, segment and call ({terms})"
     if not isinstance(model, ProfiledCostModel):
         return ""
     tile = f", partial tiles of {model.tile} priced whole" if model.tile else ""
@@ -166,12 +179,22 @@ def main(argv: list[str] | None = None) -> int:
                    help="backend:W pairs not run (tasp at W=64 makes ~3000 kernel calls per rank and step: 63 rings x "
                         "63 hops; alone it needs minutes: run it with --worlds 64 --backends tasp --skip ''")
     p.add_argument("--budget-s", type=float, default=420.0, help="start no configuration after this many seconds")
+    p.add_argument("--also-grid", action="store_true", help="beside the launch cost model, run CAD at eps 0.01 on "
+                   "the interpolated grid profile too (when the kernel declares a launch grid)")
+    p.add_argument("--cad-runs", default="", help="comma-separated labels of the CAD runs to make (default: all), "
+                   "e.g. 'cad flops eps0.1,cad profiled eps0.01'")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes, reference kernel")
     p.add_argument("--dump-calls", default=None, metavar="DIR",
                    help="write every kernel call (segment lengths, seconds) of the profiled CAD runs and the profile "
                         "they were scheduled on as JSON into DIR, to check the cost model call by call")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
+    wanted_cad = [x.strip() for x in args.cad_runs.split(",") if x.strip()]
+    labels = [label for label, _, _ in variants(["cad"], None, grid=object())]
+    if set(wanted_cad) - set(labels):  # a misspelt label is caught before anything is profiled
+        print(f"--cad-runs: unknown run(s) {sorted(set(wanted_cad) - set(labels))}; the CAD runs are {labels}",
+              file=sys.stderr)
+        return 2
     if args.quick:
         device = torch.device("cpu")
         shape = SegmentShape(heads=4, kv_heads=2, head_dim=16, dtype=torch.float32)
@@ -192,12 +215,18 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
         shape = SegmentShape()
         profiled, source = profiled_cost_model(args.kernel, device, shape)
+    grid_model = None
+    if args.also_grid and isinstance(profiled, LaunchCostModel):
+        grid_model, grid_source = profiled_cost_model(args.kernel, device, shape, model="grid")
+        source += f"; beside it the grid profile: {grid_source}"
     print(f"cost model: {source}", flush=True)
     worlds = parse_ints(args.worlds)
     mixes = args.mixes.split(",")
     tokens = {m: parse_ints(t)[0] for m, t in (x.split(":") for x in args.tokens.split(","))}
     backends = args.backends.split(",")
-    runs = variants(backends, profiled)
+    runs = variants(backends, profiled, grid_model)
+    if wanted_cad:
+        runs = [r for r in runs if r[1] != "cad" or r[0] in wanted_cad]
     skip = set(filter(None, args.skip.split(",")))
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
 
@@ -209,11 +238,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def emulate(batch, w, tensors, backend, options):
         timers.clear()
-        dump = args.dump_calls and backend == "cad" and options and options.get("cost_model") is profiled
+        dump = args.dump_calls and backend == "cad" and options and options.get("cost_model") is profiled \
+            and isinstance(profiled, MEASURED_MODELS)
         return emulate_step(batch, w, tensors, backend, options=options, kernel=args.kernel, warmup=args.warmup,
                             reps=args.reps, make_timer=keep_calls if dump else KernelTimer)
 
-    if args.dump_calls and isinstance(profiled, ProfiledCostModel):
+    if args.dump_calls and isinstance(profiled, MEASURED_MODELS):
         Path(args.dump_calls).mkdir(parents=True, exist_ok=True)
         profiled.save(Path(args.dump_calls) / "profile.json", source=source)
 
@@ -256,8 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 steps[label] = step
                 extra = ""
-                if backend == "cad" and options and options.get("cost_model") is profiled \
-                        and isinstance(profiled, ProfiledCostModel):
+                if backend == "cad" and options and isinstance(options.get("cost_model"), MEASURED_MODELS):
                     err, eps, pred_imb, predicted = predicted_vs_emulated(step, batch, options)
                     extra = (f"eps {eps:g}; predicted max/mean {pred_imb:.3f}; predicted vs emulated per-server "
                              f"time: max err {err * 100:.1f}%")

@@ -29,6 +29,10 @@ then ``ProfiledCostModel.load("cad_profile.json")`` and pass it to
 ``hf_longctx.backends.cad.scheduler.schedule(..., cost_model=...)``. ``--mode fwd`` times the
 forward only; the default ``fwd+bwd`` is what a training step pays. ``--device cpu`` runs the same
 measurements on the CPU (reference kernel, tiny sizes: a smoke run, not a profile to schedule on).
+
+``--launch N`` fits the launch cost model instead (:mod:`hf_longctx.backends.cad.call_profile`): N random kernel
+calls, forward and backward timed apart, six terms per phase by non-negative least squares, and the error on every
+fourth call held out of the fit. It needs a kernel that declares a launch grid (torch_flash at head dim 128).
 """
 
 from __future__ import annotations
@@ -40,14 +44,17 @@ from pathlib import Path
 
 import torch
 
+from hf_longctx.backends.cad.call_profile import profile_launch_cost
 from hf_longctx.backends.cad.cost_model import ProfiledCostModel
 from hf_longctx.backends.cad.profiled import (
     ProfileBudget,
     SegmentShape,
     check_shapes,
     default_tile,
+    launch_grid,
     profile_segment_costs,
     random_shapes,
+    resolved_kernel,
 )
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -83,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default="cad_profile.json")
+    p.add_argument("--launch", type=int, default=0, metavar="N",
+                   help="fit the launch cost model on N random calls instead of measuring the grid")
     p.add_argument("--load", default=None, metavar="PATH", help="check this profile instead of measuring one")
     p.add_argument("--check", type=int, default=0, metavar="N",
                    help="then time N random off-grid segment shapes and report the profile's error on them")
@@ -96,6 +105,20 @@ def main(argv: list[str] | None = None) -> int:
     budget = ProfileBudget(min_tokens=args.min_tokens, max_kv_tokens=args.max_kv_tokens, max_pairs=args.max_pairs,
                            max_batch_pairs=float(1 << 62), warmup=args.warmup, reps=args.reps)
     tile = default_tile(device) if args.tile is None else args.tile
+    if args.launch:
+        kernel = resolved_kernel(kernel, shape, device)
+        grid = launch_grid(kernel, device, shape.head_dim)
+        if grid is None:
+            print(f"kernel {kernel} declares no launch grid at head dim {shape.head_dim} on {device}: no launch "
+                  "cost model (profile the grid without --launch)", file=sys.stderr)
+            return 2
+        model, meta = profile_launch_cost(kernel, device, grid, shape.heads, shape.kv_heads, shape.head_dim,
+                                          shape.dtype, count=args.launch, warmup=args.warmup, reps=args.reps,
+                                          report=lambda line: print(line, flush=True))
+        model.save(args.out, **meta)
+        print(f"wrote {args.out}: launch cost model of {kernel}, held-out error std "
+              f"{meta['held_out_relative_error_std']}")
+        return 0
     if args.load:
         model = ProfiledCostModel.load(args.load, interpolate="rate")
         kernel = json.loads(Path(args.load).read_text()).get("meta", {}).get("kernel", kernel)

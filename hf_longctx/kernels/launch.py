@@ -28,7 +28,10 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["LaunchGrid", "backward_steps", "forward_steps", "tail_factor"]
+import numpy as np
+
+__all__ = ["LaunchGrid", "backward_step_total", "backward_steps", "forward_step_total", "forward_steps", "phase_factor",
+           "tail_factor"]
 
 
 @dataclass(frozen=True)
@@ -81,9 +84,70 @@ def backward_steps(q_len: int, k_len: int, tile: tuple[int, int]) -> list[int]:
             for j in range(_cdiv(k_len, keys))]
 
 
+def forward_step_total(q_len, k_len, tile: tuple[int, int]):
+    """``sum(forward_steps(q_len, k_len, tile))`` in closed form, for ints or numpy arrays (0 where q_len is 0).
+
+    Block ``i`` of ``T = ceil(q/rows)`` sweeps ``ceil((k - q + (i + 1) * rows) / keys)`` key tiles, the last one
+    ``ceil(k / keys)``; with ``rows`` a multiple of ``keys`` the first ``T - 1`` form an arithmetic series."""
+    rows, keys = tile
+    if rows % keys:
+        return _summed(forward_steps, q_len, k_len, tile)
+    if isinstance(q_len, int) and isinstance(k_len, int):  # the scheduler's inner loop: no numpy per call
+        if q_len <= 0:
+            return 0
+        blocks = -(-q_len // rows)
+        return (rows // keys) * blocks * (blocks - 1) // 2 + (blocks - 1) * -(-(k_len - q_len) // keys) \
+            - (-k_len // keys)
+    q, k = np.asarray(q_len, dtype=np.int64), np.asarray(k_len, dtype=np.int64)
+    blocks = -(-q // rows)
+    total = (rows // keys) * blocks * (blocks - 1) // 2 + (blocks - 1) * (-(-(k - q) // keys)) + (-(-k // keys))
+    return np.where(q > 0, total, 0)
+
+
+def backward_step_total(q_len, k_len, tile: tuple[int, int]):
+    """``sum(backward_steps(q_len, k_len, tile))`` in closed form, for ints or numpy arrays (0 where q_len is 0).
+
+    With ``o = k - q`` keys before the first row: key blocks starting at or before ``o`` sweep all ``ceil(q/rows)``
+    query tiles; each later one starts ``keys / rows`` tiles further down (``keys`` a multiple of ``rows``)."""
+    rows, keys = tile
+    if keys % rows:
+        return _summed(backward_steps, q_len, k_len, tile)
+    if isinstance(q_len, int) and isinstance(k_len, int):
+        if q_len <= 0:
+            return 0
+        offset = k_len - q_len
+        tiles, blocks = -(-q_len // rows), -(-k_len // keys)
+        first_late = offset // keys + 1
+        late = max(blocks - first_late, 0)
+        return (min(first_late, blocks) * tiles + late * (tiles - (first_late * keys - offset) // rows)
+                - (keys // rows) * late * (late - 1) // 2)
+    q, k = np.asarray(q_len, dtype=np.int64), np.asarray(k_len, dtype=np.int64)
+    offset = k - q
+    tiles, blocks = -(-q // rows), -(-k // keys)
+    first_late = offset // keys + 1  # the first key block that starts after the offset
+    full = np.minimum(first_late, blocks)
+    late = np.maximum(blocks - first_late, 0)
+    skipped = (first_late * keys - offset) // rows  # query tiles the first late block skips
+    total = full * tiles + late * (tiles - skipped) - (keys // rows) * late * (late - 1) // 2
+    return np.where(q > 0, total, 0)
+
+
+def _summed(steps, q_len, k_len, tile):
+    if np.ndim(q_len) == 0:
+        return sum(steps(int(q_len), int(k_len), tile)) if q_len > 0 else 0
+    return np.array([sum(steps(int(q), int(k), tile)) if q > 0 else 0 for q, k in zip(q_len, k_len)], dtype=np.int64)
+
+
 EXACT_WAVES = 8  # the last blocks simulated one by one, in waves of ``slots``; those before are spread evenly
 
 
+def phase_factor(per_head: Sequence[int], heads: int, slots: int) -> float:
+    """Makespan / even spread of one phase's blocks (``per_head``: each block's tile steps, in launch order, for
+    one head; launched ``heads`` times) on ``slots`` slots, >= 1. Cached: a schedule prices the same calls often."""
+    return _phase_factor(tuple(int(x) for x in per_head), int(heads), int(slots))
+
+
+@functools.lru_cache(maxsize=65536)
 def _phase_factor(per_head: tuple[int, ...], heads: int, slots: int) -> float:
     """Makespan / even spread of ``heads`` repetitions of ``per_head`` block works on ``slots`` slots.
 

@@ -306,6 +306,14 @@ class ProfiledCostModel:
             return 1.0
         return tail_factor(q_lens, k_lens, self.launch_heads, self.launch)
 
+    def tail_cost(self, q_lens: Sequence[int], k_lens: Sequence[int]) -> float:
+        """What one call over these segments (in launch order) takes beyond their work at full throughput: the
+        work (their costs less the per-segment term) times the call factor less one; 0 without a launch grid."""
+        if self.launch is None:
+            return 0.0
+        work = sum(self.cost(q, k) - self.segment_cost for q, k in zip(q_lens, k_lens) if q > 0)
+        return (self.call_factor(q_lens, k_lens) - 1.0) * work
+
     def cost(self, q_len: int, kv_len: int) -> float:
         if q_len <= 0:
             return 0.0

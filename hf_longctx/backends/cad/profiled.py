@@ -38,7 +38,10 @@ from ...benchmarking import one_run_ms
 from ...kernels import attention_backward, attention_forward, get_kernel, kernel_call, select_kernel
 from ...kernels.calls import CallTerms
 from ...kernels.launch import LaunchGrid, tail_factor
+from .call_profile import profile_launch_cost
 from .cost_model import PAIRS, CostModel, FlopsCostModel, ProfiledCostModel
+from .launch_cost import KIND as LAUNCH_KIND
+from .launch_cost import LaunchCostModel
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +98,12 @@ def cache_path(device: torch.device, kernel: str, shape: SegmentShape) -> Path:
     dtype = str(shape.dtype).removeprefix("torch.")
     return cache_dir() / (f"{_slug(device_name(device))}-{kernel}-h{shape.heads}-kv{shape.kv_heads}-"
                           f"d{shape.head_dim}-{dtype}.json")
+
+
+def launch_cache_path(device: torch.device, kernel: str, shape: SegmentShape) -> Path:
+    """Where the fitted launch cost model (:mod:`.launch_cost`) of ``kernel`` on this device kind is kept."""
+    path = cache_path(device, kernel, shape)
+    return path.with_name(f"{path.stem}-{LAUNCH_KIND}.json")
 
 
 def _segment_step(shapes: Sequence[tuple[int, int]], kernel: str, shape: SegmentShape, device: torch.device,
@@ -385,16 +394,27 @@ def profile_segment_costs(kernel: str = "auto", device: torch.device | str = "cu
     return model, meta
 
 
+COST_MODELS = ("auto", "grid", "launch")
+
+
 def profiled_cost_model(kernel: str = "auto", device: torch.device | str | None = None,
                         shape: SegmentShape = SegmentShape(), *, profile_if_missing: bool = True,
                         q_lens=DEFAULT_Q_LENS, kv_lens=DEFAULT_KV_LENS, budget: ProfileBudget = ProfileBudget(),
-                        ) -> tuple[CostModel, str]:
-    """(cost model, where it came from): the cached profile of ``kernel`` on this device kind, profiled now
+                        model: str = "auto") -> tuple[CostModel, str]:
+    """(cost model, where it came from): the cached measured model of ``kernel`` on this device kind, measured now
     when missing (``profile_if_missing``), else :class:`~.cost_model.FlopsCostModel`.
+
+    ``model``: ``"launch"``, the :class:`~.launch_cost.LaunchCostModel` fitted to timed calls (kernels that declare
+    a launch grid, on a GPU; see :mod:`.call_profile`); ``"grid"``, the interpolated
+    :class:`~.cost_model.ProfiledCostModel`; ``"auto"`` (default), the first where the kernel declares a launch
+    grid on this device (it prices short documents within 1% per server where the grid errs by 2%), else the
+    grid.
 
     ``device`` None means the current CUDA device, or the CPU without one (where FLOPs stand in unless a
     profile is asked for with an explicit ``device="cpu"``).
     """
+    if model not in COST_MODELS:
+        raise ValueError(f"profiled_cost_model's model must be one of {COST_MODELS}, got {model!r}")
     if device is None:
         if not torch.cuda.is_available():
             return FlopsCostModel(4.0 * shape.heads * shape.head_dim), "FLOPs (no GPU to profile)"
@@ -402,6 +422,12 @@ def profiled_cost_model(kernel: str = "auto", device: torch.device | str | None 
     device = torch.device(device)
     try:
         name = resolved_kernel(kernel, shape, device)
+        grid = launch_grid(name, device, shape.head_dim) if model != "grid" else None
+        if model == "launch" and grid is None:
+            raise ValueError(f"kernel {name} declares no launch grid at head dim {shape.head_dim} on {device}; "
+                             "use the grid profile (model='grid')")
+        if grid is not None:
+            return _launch_model(name, device, shape, grid, profile_if_missing)
         path = cache_path(device, name, shape)
         if path.exists():
             data = json.loads(path.read_text())
@@ -412,13 +438,38 @@ def profiled_cost_model(kernel: str = "auto", device: torch.device | str | None 
                 return ProfiledCostModel.load(path, interpolate="rate"), f"profiled {name} ({path})"
         if not profile_if_missing:
             return FlopsCostModel(4.0 * shape.heads * shape.head_dim), f"FLOPs (no profile at {path})"
-        model, meta = profile_segment_costs(name, device, shape, q_lens, kv_lens, budget)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # ranks of one machine may profile at once
-        model.save(tmp, **meta)
-        os.replace(tmp, path)
+        grid_model, meta = profile_segment_costs(name, device, shape, q_lens, kv_lens, budget)
+        _write_atomically(path, grid_model, meta)
         log.info("hf_longctx cad: profiled %s on %s in %.1f s -> %s", name, meta["device"], meta["seconds"], path)
-        return model, f"profiled {name} now ({path})"
+        return grid_model, f"profiled {name} now ({path})"
     except Exception as exc:  # noqa: BLE001 - any failure to profile leaves the FLOPs model, said why
         log.warning("hf_longctx cad: no profiled cost model (%s: %s); balancing FLOPs", type(exc).__name__, exc)
         return FlopsCostModel(4.0 * shape.heads * shape.head_dim), f"FLOPs (profiling failed: {exc})"
+
+
+def _write_atomically(path: Path, model, meta: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # ranks of one machine may profile at once
+    model.save(tmp, **meta)
+    os.replace(tmp, path)
+
+
+def _launch_model(name: str, device: torch.device, shape: SegmentShape, grid: LaunchGrid, profile_if_missing: bool
+                  ) -> tuple[CostModel, str]:
+    """The cached launch cost model of ``name`` here (fitted again when its grid or timing differs), or fitted now."""
+    path = launch_cache_path(device, name, shape)
+    if path.exists():
+        data = json.loads(path.read_text())
+        cached = LaunchGrid.from_dict(data["launch"]) if data.get("kind") == LAUNCH_KIND else None
+        if cached is not None and data.get("meta", {}).get("timing") == TIMING and \
+                (cached.forward_tile, cached.backward_tile, cached.slots) == (grid.forward_tile, grid.backward_tile,
+                                                                              grid.slots):
+            return LaunchCostModel.from_dict(data), f"launch-fitted {name} ({path})"
+    if not profile_if_missing:
+        return FlopsCostModel(4.0 * shape.heads * shape.head_dim), f"FLOPs (no launch cost model at {path})"
+    model, meta = profile_launch_cost(name, device, grid, shape.heads, shape.kv_heads, shape.head_dim, shape.dtype)
+    meta.update(device=device_name(device), torch=torch.__version__, timing=TIMING)
+    _write_atomically(path, model, meta)
+    log.info("hf_longctx cad: fitted %s's launch cost on %s in %.1f s (held-out error %s) -> %s", name,
+             meta["device"], meta["seconds"], meta["held_out_relative_error_std"], path)
+    return model, f"launch-fitted {name} now ({path})"

@@ -49,9 +49,9 @@ from .cost_model import (
     FlopsCostModel,
     ProfiledCostModel,
     WindowedCostModel,
-    segment_overhead,
 )
 from .eps import sweep_eps
+from .launch_cost import LaunchCostModel, PhaseTerms
 from .pingpong import pingpong_split
 from .profiled import profiled_cost_model
 from .refine import refine_in_time
@@ -159,7 +159,7 @@ def call_terms_for(options: dict, model: CostModel) -> CallTerms | None:
             raise ValueError(f"cad call_terms must be a CallTerms, None or 'none', got {spec!r}")
         return spec
     base = _base(model)
-    return base.call_terms if isinstance(base, ProfiledCostModel) else None
+    return base.call_terms if isinstance(base, (ProfiledCostModel, LaunchCostModel)) else None
 
 
 def _base(model: CostModel) -> CostModel:
@@ -206,6 +206,14 @@ def agreed_profile(kernel: str, group) -> CostModel:
             model = ProfiledCostModel.from_grid(model.q_lens, model.kv_lens, table, model.units, model.interpolate,
                                                 segment_cost, int(tile), call_cost, q_tile_cost, k_tile_cost, launch,
                                                 model.launch_heads)
+        elif isinstance(model, LaunchCostModel) and is_distributed(group):
+            values = [*model.forward.as_vector(), *model.backward.as_vector(), float(model.launch.slots)]
+            agreed = torch.tensor(values, dtype=torch.float64, device=collective_device(group))
+            all_reduce_max(agreed, group)
+            *terms, slots = agreed.tolist()
+            half = len(terms) // 2
+            model = replace(model, launch=replace(model.launch, slots=int(slots)),
+                            forward=PhaseTerms.from_vector(terms[:half]), backward=PhaseTerms.from_vector(terms[half:]))
         store[key] = model
     return model
 
@@ -258,6 +266,8 @@ def cad_schedule(plan: ShardPlan, options: dict) -> CadSchedule:
         views = [model]
         if isinstance(model, ProfiledCostModel) and model.launch is not None:
             views.append(replace(model, launch=None, launch_heads=0))
+        elif isinstance(model, LaunchCostModel) and model.tails:
+            views.append(model.without_tails())
         for view in views:
             sched = first
             for _ in range(RUNTIME_OFFSET_ROUNDS):
@@ -283,9 +293,9 @@ def _server_time(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, model
                  terms: CallTerms | None, split: bool = True) -> float:
     """Predicted cost of one server's ``tasks`` as the runtime computes them (see :func:`server_costs`); with
     ``split``, ping-pong's halves are those of these tasks alone (every server's are made on its own)."""
-    # the tail of each call (a profile with a launch grid; not modelled under a sliding window)
-    tails = model if isinstance(model, ProfiledCostModel) and model.launch is not None else None
-    fixed = segment_overhead(model)
+    # the tail of each call (a model of the kernel's launch; not modelled under a sliding window)
+    tails = model if (isinstance(model, ProfiledCostModel) and model.launch is not None) \
+        or (isinstance(model, LaunchCostModel) and model.tails) else None
     groups = pingpong_split(plan, tasks) if split and options.get("pingpong", True) else [list(tasks)]
     total = 0.0
     for group in groups:
@@ -300,9 +310,7 @@ def _server_time(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, model
         if terms is not None:
             total += calls_overhead(q_lens, k_lens, runs, terms)
         if tails is not None:
-            for a, b in runs:
-                work = sum(c - fixed for _, _, c in seg[a:b])
-                total += (tails.call_factor(q_lens[a:b], k_lens[a:b]) - 1.0) * work
+            total += sum(tails.tail_cost(q_lens[a:b], k_lens[a:b]) for a, b in runs)
     return total
 
 

@@ -1,0 +1,152 @@
+"""Fit a :class:`~.launch_cost.LaunchCostModel` on the device: time random kernel calls as CAD servers make them.
+
+Why calls and not a grid: what a short segment costs depends on its call (the launch grid is sized by the
+call's longest segment, the last blocks run alone), and the per-token and per-block terms are only told apart
+from the tile steps by calls that mix them differently. So the profile times whole calls of the kinds a server's
+batch is cut into: a dozen short documents; a few shards over their causal prefixes; one long shard beside short
+documents; one large segment. Each call's forward and backward are timed apart (the device's events, the stream
+queued ahead, as the emulation times a server's calls), the median of ``reps`` after ``warmup``.
+
+The fit is checked before it is kept: the terms are fitted on three calls in four and priced on the fourth
+(:func:`profile_launch_cost`'s metadata holds that held-out error), then fitted on all.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from ...benchmarking import one_run_ms
+from ...kernels import attention_backward, attention_forward
+from ...kernels.calls import call_order
+from ...kernels.launch import LaunchGrid
+from .cost_model import PAIRS
+from .launch_cost import PHASES, LaunchCostModel, call_features, fit_phase_terms
+
+__all__ = ["CALL_KINDS", "profile_launch_cost", "random_calls", "time_call_phases"]
+
+CALL_KINDS = ("short documents", "shards", "long shard beside short documents", "one large segment")
+MAX_CALL_PAIRS = float(1 << 30)  # visible pairs of one timed call (about 0.2 s of an 8B layer's fwd+bwd on an H200)
+
+
+def _log_uniform(rng: random.Random, low: float, high: float) -> int:
+    return int(round(2 ** rng.uniform(math.log2(low), math.log2(max(low, high)))))
+
+
+def _one_call(rng: random.Random, kind: str) -> list[tuple[int, int]]:
+    if kind == "short documents":
+        return [(n, n) for n in (_log_uniform(rng, 16, 4096) for _ in range(rng.randint(1, 40)))]
+    if kind == "shards":
+        out = []
+        for _ in range(rng.randint(1, 6)):
+            q = _log_uniform(rng, 64, 16384)
+            out.append((q, q if rng.random() < 1 / 3 else _log_uniform(rng, q, 131072)))
+        return out
+    if kind == "long shard beside short documents":
+        q = _log_uniform(rng, 1024, 16384)
+        return [(q, _log_uniform(rng, q, 131072))] + [(n, n) for n in (_log_uniform(rng, 16, 2048)
+                                                                       for _ in range(rng.randint(1, 20)))]
+    q = _log_uniform(rng, 4096, 32768)
+    return [(q, _log_uniform(rng, q, 262144))]
+
+
+def random_calls(count: int, seed: int = 0, max_pairs: float = MAX_CALL_PAIRS, scale: float = 1.0
+                 ) -> list[list[tuple[int, int]]]:
+    """``count`` calls, the kinds of :data:`CALL_KINDS` in turn, each a list of (q_len, kv_len) segments in launch
+    order (:func:`~hf_longctx.kernels.calls.call_order`), drawn again while over ``max_pairs`` visible pairs.
+    ``scale`` shrinks every length (a CPU run prices small shapes)."""
+    rng = random.Random(seed)
+    calls = []
+    for i in range(count):
+        while True:
+            shapes = [(max(1, int(q * scale)), max(1, int(k * scale))) for q, k in _one_call(rng, CALL_KINDS[i % 4])]
+            if sum(PAIRS.cost(q, k) for q, k in shapes) <= max_pairs:
+                break
+        order = call_order([q for q, _ in shapes], [k for _, k in shapes])
+        calls.append([shapes[j] for j in order])
+    return calls
+
+
+def _run_ms(step: Callable[[], None], device: torch.device) -> float:
+    """Milliseconds of ``step`` (device events with the stream queued ahead on a GPU; the host clock on the CPU)."""
+    return one_run_ms(step, device.type == "cuda", ahead=True)
+
+
+def time_call_phases(shapes: Sequence[tuple[int, int]], kernel: str, heads: int, kv_heads: int, head_dim: int,
+                     dtype: torch.dtype, device: torch.device, warmup: int = 1, reps: int = 5, seed: int = 0
+                     ) -> tuple[float, float]:
+    """(forward ms, backward ms) of one varlen call over ``shapes`` (in the order given), each the median of
+    ``reps`` after ``warmup`` untimed runs; every segment has keys of its own, as a server's gathered batch."""
+    cu_q, cu_k = [0], [0]
+    for q_len, k_len in shapes:
+        cu_q.append(cu_q[-1] + q_len)
+        cu_k.append(cu_k[-1] + k_len)
+    max_q, max_k = max(q for q, _ in shapes), max(k for _, k in shapes)
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(cu_q[-1], heads, head_dim, device=device, dtype=dtype, generator=g)
+    k = torch.randn(cu_k[-1], kv_heads, head_dim, device=device, dtype=dtype, generator=g)
+    v = torch.randn_like(k)
+    dout = torch.randn_like(q)
+    out, lse = attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, kernel=kernel)
+
+    def forward() -> None:
+        attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, kernel=kernel)
+
+    def backward() -> None:
+        attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=True, kernel=kernel)
+
+    times = []
+    for phase, step in (("forward", forward), ("backward", backward)):
+        step.shapes, step.phase = list(shapes), phase  # what the call computes, for whoever reads the timings
+        for _ in range(warmup):
+            step()
+        times.append(statistics.median(_run_ms(step, device) for _ in range(reps)))
+    return times[0], times[1]
+
+
+def profile_launch_cost(kernel: str, device: torch.device, grid: LaunchGrid, heads: int = 32, kv_heads: int = 8,
+                        head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, count: int = 160, seed: int = 0,
+                        warmup: int = 1, reps: int = 5, scale: float = 1.0,
+                        report: Callable[[str], None] | None = None) -> tuple[LaunchCostModel, dict]:
+    """Time ``count`` random calls (:func:`random_calls`) of ``kernel`` and fit both phases' terms (ms):
+    (model, metadata with the held-out check and the fit's own error). ``grid``: the kernel's launch grid on this
+    device (its slots the SM count)."""
+    t0 = time.perf_counter()
+    calls = random_calls(count, seed, scale=scale)
+    timed = []
+    for i, shapes in enumerate(calls):
+        fwd, bwd = time_call_phases(shapes, kernel, heads, kv_heads, head_dim, dtype, device, warmup, reps, seed + i)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        timed.append((shapes, fwd, bwd))
+        if report is not None and i % 20 == 0:
+            report(f"call {i}/{count}: {len(shapes)} segments, forward {fwd:.4f} ms, backward {bwd:.4f} ms")
+    features = {p: np.array([call_features(p, [q for q, _ in s], [k for _, k in s], grid, heads)
+                             for s, _, _ in timed]) for p in PHASES}
+    seconds = {"forward": np.array([f for _, f, _ in timed]), "backward": np.array([b for _, _, b in timed])}
+    # held out: every fourth call, priced by terms fitted on the others
+    held = np.arange(len(timed)) % 4 == 3
+    check = {}
+    both_pred, both_meas = np.zeros(int(held.sum())), np.zeros(int(held.sum()))
+    for p in PHASES:
+        terms, _ = fit_phase_terms(features[p][~held], seconds[p][~held])
+        pred = features[p][held] @ terms.as_vector()
+        check[p] = float((pred / seconds[p][held] - 1.0).std())
+        both_pred += pred
+        both_meas += seconds[p][held]
+    check["forward+backward"] = float((both_pred / both_meas - 1.0).std())
+    fitted = {p: fit_phase_terms(features[p], seconds[p]) for p in PHASES}
+    model = LaunchCostModel(grid, heads, fitted["forward"][0], fitted["backward"][0], "ms")
+    meta = {"kernel": kernel, "calls": len(timed), "seed": seed, "reps": reps,
+            "held_out_relative_error_std": check,
+            "fit_relative_error_std": {p: fitted[p][1] for p in PHASES},
+            "seconds": round(time.perf_counter() - t0, 1)}
+    if report is not None:
+        report("held-out calls, relative error std: " + ", ".join(f"{p} {v * 100:.2f}%" for p, v in check.items()))
+    return model, meta

@@ -1,0 +1,260 @@
+"""A kernel's cost priced from what it launches, fitted to timed calls: exact in tile steps, not interpolated.
+
+Why: :class:`~.cost_model.ProfiledCostModel` interpolates a (q_len, kv_len) grid of timed cells per visible pair
+and rounds partial tiles up. Short documents fall between its points in two ways it cannot see: a kernel's
+per-token passes (loading the queries, writing the output and log-sum-exp, the backward's dot(dO, O), its fp32
+dq accumulator and dK/dV write-out) scale with tokens, not pairs, and a segment of 644 rows does 36 of the 42
+backward tile steps that the 768 rows it is rounded to do. Both error by several percent per kernel call on
+calls of a dozen 200-2000-token documents, and CAD's servers then differ in time by what their calls hold
+(measured with torch's flash kernel on an H200: per-server error 1.4-2.3% standard deviation on a short-document
+mix, so the busiest of 16-64 servers ran 3-4% over the mean while the prediction was balanced to 0.4%).
+
+:class:`LaunchCostModel` prices one kernel call per phase (forward, backward) as a sum of what its launch grid
+(:class:`~hf_longctx.kernels.launch.LaunchGrid`) makes it do::
+
+    step * tile_steps * tail + q_token * query_rows + k_token * keys + block * launched_blocks
+        + segment * segments + call
+
+``tile_steps`` are the exact causal tile steps of the blocks (:func:`~hf_longctx.kernels.launch.forward_step_total`),
+``tail`` the launch simulation's factor for the call (:func:`~hf_longctx.kernels.launch.phase_factor`),
+``launched_blocks`` every segment's blocks up to the call's longest segment (a varlen grid is sized by it). The six
+coefficients per phase are fitted by :func:`fit_phase_terms` to calls timed on the device (see
+:mod:`.call_profile`); fitted on two mixes and checked on a third (H200, torch_flash), the per-server error fell
+to 0.4-0.8%.
+
+The scheduler prices a task alone, at full throughput (:meth:`LaunchCostModel.cost`); what a call adds beyond
+its segments (its constant and the surplus blocks) is :attr:`LaunchCostModel.call_terms`, and its tail
+:meth:`LaunchCostModel.tail_cost`, both priced by the runtime per call.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import numpy as np
+
+from ...kernels.calls import CallTerms
+from ...kernels.launch import (
+    LaunchGrid,
+    backward_step_total,
+    backward_steps,
+    forward_step_total,
+    forward_steps,
+    phase_factor,
+)
+
+__all__ = ["LaunchCostModel", "PHASES", "PhaseTerms", "call_features", "fit_phase_terms"]
+
+PHASES = ("forward", "backward")
+KIND = "launch"  # a saved model's "kind", beside the grid profile's files
+
+
+@dataclass(frozen=True)
+class PhaseTerms:
+    """One phase's price (``units`` per item): per tile step at full throughput, per query row, per key, per
+    launched block (per head set: every block is launched once per head), per segment and per call."""
+
+    step: float = 0.0
+    q_token: float = 0.0
+    k_token: float = 0.0
+    block: float = 0.0
+    segment: float = 0.0
+    call: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not (value == value and 0.0 <= value < float("inf")):
+                raise ValueError(f"PhaseTerms.{f.name} must be finite and >= 0, got {value!r}")
+
+    def as_vector(self) -> np.ndarray:
+        return np.array([getattr(self, f.name) for f in fields(self)], dtype=np.float64)
+
+    @classmethod
+    def from_vector(cls, values: Sequence[float]) -> PhaseTerms:
+        return cls(*(float(v) for v in values))
+
+
+TERM_NAMES = tuple(f.name for f in fields(PhaseTerms))
+
+
+def _steps(phase: str, q_len, k_len, grid: LaunchGrid):
+    if phase == "forward":
+        return forward_step_total(q_len, k_len, grid.forward_tile)
+    return backward_step_total(q_len, k_len, grid.backward_tile)
+
+
+def _own_blocks(phase: str, q_len, k_len, grid: LaunchGrid):
+    """Blocks a segment launches for itself: one per query tile (forward) or key tile (backward)."""
+    if phase == "forward":
+        return -(-np.asarray(q_len) // grid.forward_tile[0])
+    return -(-np.asarray(k_len) // grid.backward_tile[1])
+
+
+def call_features(phase: str, q_lens: Sequence[int], k_lens: Sequence[int], grid: LaunchGrid, heads: int
+                  ) -> np.ndarray:
+    """The six quantities of one call's ``phase`` that :class:`PhaseTerms` prices (in its field order), the
+    segments in launch order: tile steps times the call's tail factor, query rows, keys, launched blocks
+    (every segment up to the longest), segments, 1."""
+    pairs = [(int(q), int(k)) for q, k in zip(q_lens, k_lens) if q > 0]
+    if not pairs:
+        return np.zeros(len(TERM_NAMES))
+    per_block: list[int] = []
+    for q, k in pairs:
+        per_block += forward_steps(q, k, grid.forward_tile) if phase == "forward" else \
+            backward_steps(q, k, grid.backward_tile)
+    steps = sum(per_block) * phase_factor(per_block, heads, grid.slots)
+    if phase == "forward":
+        launched = len(pairs) * -(-max(q for q, _ in pairs) // grid.forward_tile[0])
+    else:
+        launched = len(pairs) * -(-max(k for _, k in pairs) // grid.backward_tile[1])
+    return np.array([steps, sum(q for q, _ in pairs), sum(k for _, k in pairs), launched, len(pairs), 1.0])
+
+
+def fit_phase_terms(features: np.ndarray, seconds: np.ndarray) -> tuple[PhaseTerms, float]:
+    """Non-negative least squares of timed calls in relative error (each call weighs alike, whatever its length):
+    (terms, standard deviation of the fitted calls' relative error). ``features``: one :func:`call_features` row
+    per call; ``seconds``: their times in the units wanted. A negative coefficient is dropped and the rest
+    refitted (a term a kernel does not pay would otherwise absorb noise with the wrong sign)."""
+    x, y = np.asarray(features, dtype=np.float64), np.asarray(seconds, dtype=np.float64)
+    if x.ndim != 2 or x.shape[1] != len(TERM_NAMES) or len(y) != len(x) or len(y) < len(TERM_NAMES):
+        raise ValueError(f"fit_phase_terms needs >= {len(TERM_NAMES)} calls of {len(TERM_NAMES)} features")
+    if not np.all(y > 0):
+        raise ValueError("fit_phase_terms needs positive times")
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-30)  # columns of like size: the solve stays well conditioned
+    a = x / scale / y[:, None]
+    active = [j for j in range(x.shape[1]) if np.any(x[:, j])]
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(a[:, active], np.ones(len(y)), rcond=None)
+        if np.all(sol >= 0):
+            coef[active] = sol
+            break
+        active = [j for j, c in zip(active, sol) if c > 0]  # drop the negative ones, fit the rest again
+    coef = coef / scale
+    err = x @ coef / y - 1.0
+    return PhaseTerms.from_vector(coef), float(err.std())
+
+
+@dataclass(frozen=True)
+class LaunchCostModel:
+    """Forward+backward cost of segments and calls from a kernel's launch grid and fitted :class:`PhaseTerms`
+    (see the module). ``heads``: query heads the terms were timed with (the tail simulation launches every block
+    once per head). ``tails`` False prices calls without their tail (a view the scheduler also balances on)."""
+
+    launch: LaunchGrid
+    heads: int
+    forward: PhaseTerms
+    backward: PhaseTerms
+    units: str = "ms"
+    tails: bool = True
+
+    def __post_init__(self) -> None:
+        if self.heads < 1:
+            raise ValueError(f"LaunchCostModel.heads must be >= 1, got {self.heads}")
+
+    def terms(self, phase: str) -> PhaseTerms:
+        return self.forward if phase == "forward" else self.backward
+
+    @property
+    def segment_cost(self) -> float:
+        """What every segment pays whatever its rows (a cut adds one; see :func:`~.cost_model.segment_overhead`)."""
+        return self.forward.segment + self.backward.segment
+
+    @property
+    def call_terms(self) -> CallTerms:
+        """What a call costs beyond its segments' own blocks, as :func:`~hf_longctx.kernels.calls.plan_calls`
+        cuts a batch by: the calls' constants, and each segment's surplus query tiles (forward blocks) and key
+        tiles (backward blocks) under the call's longest segment."""
+        tile = self.launch.forward_tile[0]
+        if self.launch.backward_tile[1] != tile:
+            raise ValueError(f"call terms need the forward's query tile and the backward's key tile alike, got "
+                             f"{self.launch}")
+        return CallTerms(self.forward.call + self.backward.call, self.forward.block, self.backward.block, tile,
+                         self.units)
+
+    def cost(self, q_len: int, kv_len: int) -> float:
+        """One segment alone at full throughput (no call constant, no tail): both phases' steps, tokens, own
+        blocks and segment term. Plain Python: the scheduler's inner loop prices a few candidates per move."""
+        q, kv = int(q_len), int(kv_len)
+        if q <= 0:
+            return 0.0
+        f, b, grid = self.forward, self.backward, self.launch
+        return (f.step * forward_step_total(q, kv, grid.forward_tile)
+                + b.step * backward_step_total(q, kv, grid.backward_tile)
+                + (f.q_token + b.q_token) * q + (f.k_token + b.k_token) * kv
+                + f.block * -(-q // grid.forward_tile[0]) + b.block * -(-kv // grid.backward_tile[1])
+                + f.segment + b.segment)
+
+    def cost_array(self, q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
+        q = np.asarray(q_len, dtype=np.int64)
+        kv = np.asarray(kv_len, dtype=np.int64)
+        total = np.zeros(q.shape, dtype=np.float64)
+        for phase in PHASES:
+            t = self.terms(phase)
+            total += (t.step * _steps(phase, q, kv, self.launch) + t.q_token * q + t.k_token * kv
+                      + t.block * _own_blocks(phase, q, kv, self.launch) + t.segment)
+        return np.where(q > 0, total, 0.0)
+
+    def tail_cost(self, q_lens: Sequence[int], k_lens: Sequence[int]) -> float:
+        """What one call over these segments (in launch order) takes beyond their steps at full throughput: each
+        phase's steps times its tail factor less one (0 with ``tails`` off)."""
+        if not self.tails:
+            return 0.0
+        return _tail_cost(tuple(int(q) for q in q_lens), tuple(int(k) for k in k_lens), self)
+
+    def call_cost(self, q_lens: Sequence[int], k_lens: Sequence[int]) -> float:
+        """One call over these segments (in launch order): their costs, the call's constants, its surplus blocks
+        and its tail (what :func:`call_features` times the terms give, summed over the phases)."""
+        if not any(q > 0 for q in q_lens):
+            return 0.0
+        return (float(self.cost_array(np.asarray(q_lens), np.asarray(k_lens)).sum()) + self.forward.call
+                + self.backward.call + _surplus(q_lens, k_lens, self) + self.tail_cost(q_lens, k_lens))
+
+    def without_tails(self) -> LaunchCostModel:
+        return LaunchCostModel(self.launch, self.heads, self.forward, self.backward, self.units, tails=False)
+
+    def to_dict(self) -> dict:
+        return {"kind": KIND, "launch": self.launch.to_dict(), "heads": self.heads, "units": self.units,
+                **{p: dict(zip(TERM_NAMES, self.terms(p).as_vector().tolist())) for p in PHASES}}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> LaunchCostModel:
+        if data.get("kind") != KIND:
+            raise ValueError(f"not a launch cost model (kind {data.get('kind')!r})")
+        return cls(LaunchGrid.from_dict(data["launch"]), int(data["heads"]),
+                   PhaseTerms(**data["forward"]), PhaseTerms(**data["backward"]), data.get("units", "ms"))
+
+    def save(self, path: str | Path, **meta) -> None:
+        Path(path).write_text(json.dumps({**self.to_dict(), "meta": meta}, indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> LaunchCostModel:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def _surplus(q_lens: Sequence[int], k_lens: Sequence[int], model: LaunchCostModel) -> float:
+    pairs = [(int(q), int(k)) for q, k in zip(q_lens, k_lens) if q > 0]
+    fq, bk = model.launch.forward_tile[0], model.launch.backward_tile[1]
+    mq, mk = max(-(-q // fq) for q, _ in pairs), max(-(-k // bk) for _, k in pairs)
+    return (model.forward.block * sum(mq - -(-q // fq) for q, _ in pairs)
+            + model.backward.block * sum(mk - -(-k // bk) for _, k in pairs))
+
+
+@functools.lru_cache(maxsize=65536)
+def _tail_cost(q_lens: tuple[int, ...], k_lens: tuple[int, ...], model: LaunchCostModel) -> float:
+    total = 0.0
+    for phase in PHASES:
+        per_block: list[int] = []
+        for q, k in zip(q_lens, k_lens):
+            if q > 0:
+                per_block += forward_steps(q, k, model.launch.forward_tile) if phase == "forward" else \
+                    backward_steps(q, k, model.launch.backward_tile)
+        if per_block:
+            factor = phase_factor(per_block, model.heads, model.launch.slots)
+            total += model.terms(phase).step * sum(per_block) * (factor - 1.0)
+    return total

@@ -1,0 +1,225 @@
+"""CAD's launch cost model: a kernel call priced from its tile steps, tokens and launched blocks, fitted to calls."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from test_backends import make_problem, reference
+
+from hf_longctx.backends.cad import call_profile, profiled
+from hf_longctx.backends.cad.call_profile import profile_launch_cost, random_calls
+from hf_longctx.backends.cad.cost_model import ProfiledCostModel
+from hf_longctx.backends.cad.launch_cost import PHASES, LaunchCostModel, PhaseTerms, call_features, fit_phase_terms
+from hf_longctx.backends.cad.profiled import SegmentShape, profiled_cost_model
+from hf_longctx.backends.cad.runtime import prepare, server_costs
+from hf_longctx.emulation import emulate_step
+from hf_longctx.kernels.calls import call_order, calls_overhead, plan_calls
+from hf_longctx.kernels.launch import (
+    LaunchGrid,
+    backward_step_total,
+    backward_steps,
+    forward_step_total,
+    forward_steps,
+)
+from hf_longctx.layout import shard_plan
+
+GRID = LaunchGrid(forward_tile=(128, 64), backward_tile=(64, 128), slots=132)
+# the terms fitted on an H200 (torch_flash, 32 heads of 128), rounded: a realistic model to test with
+H200 = LaunchCostModel(GRID, 32, PhaseTerms(3.5e-4, 4.2e-6, 7.3e-6, 0.0, 0.0, 0.0195),
+                       PhaseTerms(1.02e-3, 1.84e-5, 1.55e-5, 1.49e-4, 1.5e-3, 0.0292))
+
+
+@pytest.mark.parametrize("tiles", [((128, 64), (64, 128)), ((128, 128), (128, 128)), ((96, 64), (64, 96))])
+def test_step_totals_in_closed_form_equal_the_blocks_summed(tiles):
+    forward_tile, backward_tile = tiles
+    rng = random.Random(0)
+    shapes = [(0, 0), (1, 1), (128, 128), (129, 129), (644, 644), (1, 5000)]
+    shapes += [(q, q + rng.choice([0, rng.randint(1, 6000)])) for q in (rng.randint(1, 4000) for _ in range(400))]
+    for q, k in shapes:
+        assert forward_step_total(q, k, forward_tile) == (sum(forward_steps(q, k, forward_tile)) if q else 0)
+        assert backward_step_total(q, k, backward_tile) == (sum(backward_steps(q, k, backward_tile)) if q else 0)
+    q, k = np.array([s[0] for s in shapes]), np.array([s[1] for s in shapes])
+    assert forward_step_total(q, k, forward_tile).tolist() == [forward_step_total(int(a), int(b), forward_tile)
+                                                               for a, b in shapes]
+    assert backward_step_total(q, k, backward_tile).tolist() == [backward_step_total(int(a), int(b), backward_tile)
+                                                                 for a, b in shapes]
+
+
+def test_a_segment_past_a_tile_boundary_pays_its_own_steps_not_the_rounded_shape():
+    """644 rows do 36 of the 42 backward tile steps of 768 (and 41 of 42 forward ones): a grid that rounds up to
+    whole tiles prices them as 768."""
+    assert backward_step_total(644, 644, GRID.backward_tile) == 36
+    assert backward_step_total(768, 768, GRID.backward_tile) == 42
+    assert forward_step_total(644, 644, GRID.forward_tile) == 41
+    assert H200.cost(644, 644) < 0.92 * H200.cost(768, 768)
+    assert H200.cost(640, 640) < H200.cost(644, 644) < H200.cost(700, 700)
+
+
+def test_a_call_is_its_segments_plus_the_call_terms_plus_its_tail():
+    """Three ways to price a call agree: the features times the terms, the model's call cost, and what the runtime
+    adds up (segments alone, :func:`calls_overhead` under the model's call terms, the tail)."""
+    rng = random.Random(3)
+    for _ in range(30):
+        n = rng.randint(1, 12)
+        q = [rng.randint(1, 3000) for _ in range(n)]
+        k = [x + rng.choice([0, rng.randint(0, 20000)]) for x in q]
+        order = call_order(q, k)
+        q, k = [q[i] for i in order], [k[i] for i in order]
+        by_features = sum(float(np.dot(H200.terms(p).as_vector(), call_features(p, q, k, GRID, 32))) for p in PHASES)
+        by_parts = (sum(H200.cost(a, b) for a, b in zip(q, k)) + calls_overhead(q, k, [(0, n)], H200.call_terms)
+                    + H200.tail_cost(q, k))
+        assert H200.call_cost(q, k) == pytest.approx(by_features, rel=1e-12)
+        assert by_parts == pytest.approx(by_features, rel=1e-12)
+    assert H200.tail_cost([8192], [8192]) > 0.02 * H200.cost(8192, 8192)  # a lone square's last blocks run alone
+    assert H200.without_tails().tail_cost([8192], [8192]) == 0.0
+    np.testing.assert_allclose(H200.cost_array(np.array([0, 644]), np.array([0, 900])), [0.0, H200.cost(644, 900)],
+                               rtol=1e-12)
+
+
+def test_the_fit_recovers_the_terms_and_keeps_them_non_negative():
+    calls = random_calls(60, seed=1, scale=0.25)
+    truth = {"forward": PhaseTerms(3e-4, 5e-6, 7e-6, 2e-5, 0.0, 0.02),
+             "backward": PhaseTerms(1e-3, 2e-5, 1.5e-5, 1.5e-4, 1.5e-3, 0.03)}
+    for phase in PHASES:
+        x = np.array([call_features(phase, [q for q, _ in c], [k for _, k in c], GRID, 32) for c in calls])
+        y = x @ truth[phase].as_vector()
+        terms, err = fit_phase_terms(x, y)
+        np.testing.assert_allclose(terms.as_vector(), truth[phase].as_vector(), rtol=1e-6, atol=1e-12)
+        assert err < 1e-9
+        noisy, _ = fit_phase_terms(x, y * np.random.default_rng(0).uniform(0.98, 1.02, len(y)))
+        assert (noisy.as_vector() >= 0).all()  # the zero segment term does not turn negative on noise
+    with pytest.raises(ValueError, match="calls"):
+        fit_phase_terms(np.ones((3, 6)), np.ones(3))
+
+
+def _fake_call_clock(terms: dict[str, PhaseTerms], grid: LaunchGrid, heads: int):
+    """A stand-in for the profiler's clock: each phase of a call takes exactly what ``terms`` price it at."""
+    def run_ms(step, device):
+        q, k = [a for a, _ in step.shapes], [b for _, b in step.shapes]
+        return float(np.dot(terms[step.phase].as_vector(), call_features(step.phase, q, k, grid, heads)))
+
+    return run_ms
+
+
+def test_the_profiler_times_both_phases_of_random_calls_and_fits_them(monkeypatch):
+    grid = LaunchGrid(forward_tile=(16, 8), backward_tile=(8, 16), slots=6)
+    truth = {"forward": PhaseTerms(2e-3, 1e-4, 2e-4, 1e-3, 0.0, 0.05),
+             "backward": PhaseTerms(5e-3, 3e-4, 2e-4, 2e-3, 1e-2, 0.08)}
+    monkeypatch.setattr(call_profile, "_run_ms", _fake_call_clock(truth, grid, heads=2))
+    model, meta = profile_launch_cost("reference", torch.device("cpu"), grid, heads=2, kv_heads=1, head_dim=8,
+                                      dtype=torch.float32, count=32, warmup=0, reps=1, scale=1 / 256)
+    for phase in PHASES:
+        np.testing.assert_allclose(model.terms(phase).as_vector(), truth[phase].as_vector(), rtol=1e-6, atol=1e-12)
+    assert max(meta["held_out_relative_error_std"].values()) < 1e-9 and meta["calls"] == 32
+
+
+def test_random_calls_cover_every_kind_in_launch_order():
+    calls = random_calls(40, seed=2)
+    assert {len(c) for c in calls[0::4]} != {1} and all(len(c) == 1 for c in calls[3::4])
+    for c in calls:
+        assert [c[i] for i in call_order([q for q, _ in c], [k for _, k in c])] == c
+        assert all(0 < q <= k for q, k in c)
+
+
+def test_a_launch_model_saves_and_loads_and_refuses_a_grid_file(tmp_path):
+    H200.save(tmp_path / "m.json", device="test")
+    assert LaunchCostModel.load(tmp_path / "m.json") == H200
+    (tmp_path / "grid.json").write_text(json.dumps({"q_lens": [16], "kv_lens": [16], "cost": [[1.0]]}))
+    with pytest.raises(ValueError, match="not a launch cost model"):
+        LaunchCostModel.load(tmp_path / "grid.json")
+
+
+def test_profiled_picks_the_launch_model_where_the_kernel_declares_a_grid(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_LONGCTX_CACHE", str(tmp_path))
+    grid = LaunchGrid(forward_tile=(16, 8), backward_tile=(8, 16), slots=6)
+    truth = {p: PhaseTerms(1e-3, 1e-4, 1e-4, 1e-3, 1e-3, 0.05) for p in PHASES}
+    monkeypatch.setattr(call_profile, "_run_ms", _fake_call_clock(truth, grid, heads=2))
+    monkeypatch.setattr(profiled, "launch_grid", lambda kernel, device, head_dim, mode="fwd+bwd": grid)
+    real = profiled.profile_launch_cost
+    fits = []
+
+    def small_fit(*args, **kwargs):
+        fits.append(1)
+        return real(*args, count=24, warmup=0, reps=1, scale=1 / 256)
+
+    monkeypatch.setattr(profiled, "profile_launch_cost", small_fit)
+    shape = SegmentShape(2, 1, 8, torch.float32)
+    model, source = profiled_cost_model("reference", "cpu", shape)
+    assert isinstance(model, LaunchCostModel) and source.startswith("launch-fitted") and "now" in source
+    again, source = profiled_cost_model("reference", "cpu", shape)
+    assert again == model and "now" not in source and len(fits) == 1  # read from the cache
+    grid_model, _ = profiled_cost_model("reference", "cpu", shape, model="grid", q_lens=(16, 64),
+                                        kv_lens=(16, 64, 256), budget=profiled.ProfileBudget(
+                                            min_tokens=64, max_kv_tokens=1024, max_pairs=4096, warmup=0, reps=1))
+    assert isinstance(grid_model, ProfiledCostModel)
+    monkeypatch.setattr(profiled, "launch_grid", lambda kernel, device, head_dim, mode="fwd+bwd": None)
+    flops, source = profiled_cost_model("reference", "cpu", shape, model="launch")
+    assert "declares no launch grid" in source  # asked for, impossible: said why, FLOPs stand in
+    with pytest.raises(ValueError, match="model must be one of"):
+        profiled_cost_model("reference", "cpu", shape, model="lanch")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_cad_scheduled_on_a_launch_model_stays_exact(world):
+    small = LaunchCostModel(LaunchGrid(forward_tile=(16, 8), backward_tile=(8, 16), slots=4), 4,
+                            PhaseTerms(1e-3, 1e-4, 2e-4, 1e-3, 0.0, 0.05),
+                            PhaseTerms(3e-3, 3e-4, 2e-4, 2e-3, 1e-2, 0.08))
+    batch, q, k, v, dout = make_problem(21 + world, world, torch.float64)
+    want = reference(batch, q, k, v, dout)
+    options = {"cost_model": small, "eps": 0.01}
+    step = emulate_step(batch, world, (q, k, v, dout), "cad", options=options, kernel="reference",
+                        keep_results=True)
+    plan = shard_plan(batch, world, "cad")
+    for r in step.ranks:
+        idx = plan.local_indices(r.rank)
+        for got, ref in zip(r.results, want):
+            torch.testing.assert_close(got, ref[idx], rtol=1e-9, atol=1e-9)
+
+
+def test_the_runtime_prices_a_server_as_the_sum_of_its_calls():
+    """A server's predicted time under the launch model is the model's call cost of every call the runtime plans
+    for it (segments in launch order, cut by the call terms)."""
+    from hf_longctx.backends.cad.runtime import _segment_shape
+    from hf_longctx.layout import PackedBatch
+
+    batch = PackedBatch.from_doc_lens([9000, 300, 2500, 700, 128, 4100, 1500, 64, 3000])
+    plan = shard_plan(batch, 3, "cad")
+    options = {"cost_model": H200, "eps": 0.01, "pingpong": False}
+    tasks = prepare(plan, options)["tasks"]
+    predicted = server_costs(plan, options)
+    for s in range(3):
+        seg = [_segment_shape(plan, t) for t in tasks if t.server == s and t.q_end > t.q_start]
+        seg = [seg[i] for i in call_order([q for q, _ in seg], [k for _, k in seg])]
+        q, k = [a for a, _ in seg], [b for _, b in seg]
+        calls = plan_calls(q, k, H200.call_terms)
+        assert predicted[s] == pytest.approx(sum(H200.call_cost(q[a:b], k[a:b]) for a, b in calls), rel=1e-9)
+
+
+def test_ranks_agree_on_one_launch_model(monkeypatch):
+    """``cost_model="profiled"`` with launch models: ranks that fitted different terms (or have more SMs) schedule on
+    the largest of each."""
+    import hf_longctx.backends.cad.runtime as runtime
+    from hf_longctx.comm.emulated import EmulationHub
+
+    slower = LaunchCostModel(LaunchGrid(slots=114), 32, PhaseTerms(4e-4, 4.2e-6, 7.3e-6, 0.0, 0.0, 0.0195),
+                             PhaseTerms(1.0e-3, 1.9e-5, 1.55e-5, 1.49e-4, 1.5e-3, 0.0292))
+    import threading
+
+    mine = threading.local()  # ranks run as threads: each one's device measured its own model
+    monkeypatch.setattr(runtime, "_profiled", lambda kernel: slower if mine.rank == 2 else H200)
+
+    def per_rank(group):
+        mine.rank = group.rank
+        return runtime.agreed_profile("reference", group)
+
+    models = EmulationHub(3).run(per_rank)
+    want_forward = PhaseTerms(4e-4, 4.2e-6, 7.3e-6, 0.0, 0.0, 0.0195)
+    want_backward = PhaseTerms(1.02e-3, 1.9e-5, 1.55e-5, 1.49e-4, 1.5e-3, 0.0292)
+    for m in models:
+        assert isinstance(m, LaunchCostModel) and m.launch.slots == 132
+        np.testing.assert_allclose(m.forward.as_vector(), want_forward.as_vector(), rtol=1e-12)
+        np.testing.assert_allclose(m.backward.as_vector(), want_backward.as_vector(), rtol=1e-12)
