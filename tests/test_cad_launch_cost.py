@@ -121,8 +121,6 @@ def test_random_calls_cover_every_kind_in_launch_order():
     calls = random_calls(60, seed=2)
     kinds = len(call_profile.CALL_KINDS)
     assert {len(c) for c in calls[0::kinds]} != {1} and all(len(c) == 1 for c in calls[3::kinds])
-    assert all(len(c) <= 4 and max(q for q, _ in c) <= 1024 for c in calls[4::kinds])
-    assert all(q <= 1024 and k >= 4096 for c in calls[5::kinds] for q, k in c)
     for c in calls:
         assert [c[i] for i in call_order([q for q, _ in c], [k for _, k in c])] == c
         assert all(0 < q <= k for q, k in c)

@@ -2,7 +2,7 @@
 
 :mod:`hf_longctx.backends.cad.call_profile` times random calls of the kinds CAD servers make (torch's flash
 kernel, 8B heads) and fits six terms per phase; every fourth call is held out of the fit and priced. Measured on
-an H200 with 192 calls: 0.6% standard deviation of the held-out calls' forward+backward error. Here with fewer
+an H200 with 160 calls: 0.6% standard deviation of the held-out calls' forward+backward error. Here with fewer
 calls, so the bound is looser.
 """
 
