@@ -34,3 +34,21 @@ def test_bench_emulated_quick_writes_its_tables(tmp_path, monkeypatch):
         assert any(abs(s - kernel_s) <= 1e-9 + 1e-9 * kernel_s for s in sums)
     for c in dump["reps"][0]:
         assert c["phase"] in ("forward", "backward") and len(c["q_lens"]) == len(c["k_lens"]) > 0
+
+
+def test_cad_runs_choose_the_cad_variants_and_a_misspelt_one_is_refused_first(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_LONGCTX_CACHE", str(tmp_path / "cache"))
+    spec = importlib.util.spec_from_file_location("bench_emulated", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    profiled = []
+    monkeypatch.setattr(module, "profiled_cost_model", lambda *a, **k: profiled.append(1))
+    out = tmp_path / "emulated.md"
+    assert module.main(["--quick", "--out", str(out), "--cad-runs", "cad profiled eps0.001"]) == 2
+    assert "unknown run(s) ['cad profiled eps0.001']" in capsys.readouterr().err and not profiled  # before profiling
+    monkeypatch.undo()
+    monkeypatch.setenv("HF_LONGCTX_CACHE", str(tmp_path / "cache"))
+    assert module.main(["--quick", "--out", str(out), "--worlds", "2", "--mixes", "sft", "--backends", "cad",
+                        "--eps-sweep", "none:0", "--cad-runs", "cad flops eps0.1,cad profiled eps0.01"]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| sft |")]
+    assert [r.split(" | ")[4] for r in rows] == ["cad flops eps0.1", "cad profiled eps0.01"]

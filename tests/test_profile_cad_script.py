@@ -37,3 +37,29 @@ def test_random_shapes_look_like_server_segments():
     assert all(16 <= q <= 512 and q <= k <= 4096 for q, k in shapes)
     assert any(q == k for q, k in shapes) and any(q < k for q, k in shapes)
     assert shapes == random_shapes(200, seed=3, max_q=512, max_kv=4096)
+
+
+def test_launch_fit_refuses_a_kernel_without_a_launch_grid(tmp_path, capsys):
+    """``--launch N`` needs a kernel that declares its launch grid: the CPU's reference kernel does not, and the
+    script says so instead of fitting anything."""
+    assert _script().main([*TINY, "--out", str(tmp_path / "l.json"), "--launch", "8"]) == 2
+    assert "declares no launch grid" in capsys.readouterr().err
+    assert not (tmp_path / "l.json").exists()
+
+
+def test_launch_fit_writes_a_launch_cost_model(tmp_path, monkeypatch, capsys):
+    """With a launch grid (here given to the CPU kernel), the script fits, saves and reports the held-out error."""
+    from hf_longctx.backends.cad import call_profile
+    from hf_longctx.backends.cad.launch_cost import LaunchCostModel
+    from hf_longctx.kernels.launch import LaunchGrid
+
+    script = _script()
+    grid = LaunchGrid(forward_tile=(16, 8), backward_tile=(8, 16), slots=4)
+    monkeypatch.setattr(script, "launch_grid", lambda kernel, device, head_dim: grid)
+    real = call_profile.random_calls
+    monkeypatch.setattr(call_profile, "random_calls", lambda count, seed=0, **kw: real(count, seed, scale=1 / 256))
+    out = tmp_path / "l.json"
+    assert script.main([*TINY, "--out", str(out), "--launch", "12"]) == 0
+    model = LaunchCostModel.load(out)
+    assert model.launch == grid and model.heads == 2
+    assert "held-out error" in capsys.readouterr().out

@@ -17,6 +17,10 @@ at full throughput times the factor. A profile's cells are timed with several co
 own, smaller factor), so the cost model divides each cell by its factor and a call multiplies its
 segments' sum by its own (:class:`~hf_longctx.backends.cad.cost_model.ProfiledCostModel`).
 
+The grid profile's cost model takes one factor per call (the phases weighed by ``forward_weight``); the launch
+cost model (:class:`~hf_longctx.backends.cad.launch_cost.LaunchCostModel`) takes each phase's own factor
+(:func:`phase_factor`) on its own tile steps (:func:`forward_step_total`, :func:`backward_step_total`).
+
 A kernel that schedules its blocks itself (persistent kernels such as FlashAttention-4, which order the
 longest blocks first) has no such tail to model: it declares no :class:`LaunchGrid`.
 """
@@ -40,8 +44,9 @@ class LaunchGrid:
     block steps through; the weight of the forward's factor against the backward's in a forward+backward;
     ``slots``: blocks that run at once (the device's SM count times blocks per SM).
 
-    The forward's weight is fitted, not its share of the time: where two forward blocks share an SM, the last
-    ones run faster alone than one slot per SM assumes, so its tail is smaller than the simulation's."""
+    The forward's weight (used by :func:`tail_factor` alone) is fitted, not its share of the time: where two
+    forward blocks share an SM, the last ones run faster alone than one slot per SM assumes, so its tail is
+    smaller than the simulation's."""
 
     forward_tile: tuple[int, int] = (128, 64)  # a forward block: 128 query rows, stepping over 64-key tiles
     backward_tile: tuple[int, int] = (64, 128)  # a backward block: 128 keys, stepping over 64-row query tiles

@@ -13,6 +13,9 @@ measured kernel times are interchangeable.
   segments run below peak throughput. Optionally it also charges what a segment costs inside a
   fused batch whatever its size (``segment_cost``) and prices partial kernel tiles like full ones
   (``tile``): the two terms that make a measured cost non-additive over rows.
+- :class:`~.launch_cost.LaunchCostModel` (its own module) prices a call from the kernel's launch grid: exact tile
+  steps, tokens and launched blocks, with terms fitted to timed calls; it offers the same ``cost`` and
+  ``cost_array``.
 
 Additivity. FLOPs (and visible pairs, also under a sliding window) are additive over query rows: a
 segment cut in two costs what it cost whole. The scheduler's splits use that (a ring's cost from

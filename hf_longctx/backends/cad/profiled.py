@@ -16,6 +16,10 @@ per cut. On a GPU the profile also records the kernel tile (:data:`GPU_TILE`) th
 are rounded up to, and what a kernel call costs beyond its segments (:func:`measure_call_terms`), by which
 the runtime cuts a server's batch into calls. A cached profile from before these terms existed is measured
 again.
+
+Where the kernel declares a launch grid (on a GPU), :func:`profiled_cost_model` returns the launch cost model
+instead (:mod:`.launch_cost`, fitted by :mod:`.call_profile` and cached beside the grid as ``...-launch.json``):
+it prices short documents and partial tiles that the grid's interpolation misses.
 """
 
 from __future__ import annotations
