@@ -33,7 +33,7 @@ from ...kernels.launch import LaunchGrid
 from .cost_model import PAIRS
 from .launch_cost import PHASES, LaunchCostModel, call_features, fit_phase_terms
 
-__all__ = ["CALL_KINDS", "profile_launch_cost", "random_calls", "time_call_phases"]
+__all__ = ["CALL_KINDS", "profile_launch_cost", "random_calls", "segment_batch", "time_call_phases"]
 
 CALL_KINDS = ("short documents", "shards", "long shard beside short documents", "one large segment")
 MAX_CALL_PAIRS = float(1 << 30)  # visible pairs of one timed call (about 0.2 s of an 8B layer's fwd+bwd on an H200)
@@ -83,20 +83,27 @@ def _run_ms(step: Callable[[], None], device: torch.device) -> float:
     return one_run_ms(step, device.type == "cuda", ahead=True)
 
 
+def segment_batch(shapes: Sequence[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                  device: torch.device, seed: int) -> tuple[list[int], list[int], int, int, torch.Tensor, torch.Tensor,
+                                                            torch.Tensor]:
+    """(cu_q, cu_k, max_q, max_k, q, k, v) of a varlen batch of segments of the given (q_len, kv_len), laid out
+    back to back, each with keys of its own (as a server's gathered batch holds them); random, seeded."""
+    cu_q, cu_k = [0], [0]
+    for q_len, k_len in shapes:
+        cu_q.append(cu_q[-1] + q_len)
+        cu_k.append(cu_k[-1] + k_len)
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(cu_q[-1], heads, head_dim, device=device, dtype=dtype, generator=g)
+    k = torch.randn(cu_k[-1], kv_heads, head_dim, device=device, dtype=dtype, generator=g)
+    return cu_q, cu_k, max(q for q, _ in shapes), max(k for _, k in shapes), q, k, torch.randn_like(k)
+
+
 def time_call_phases(shapes: Sequence[tuple[int, int]], kernel: str, heads: int, kv_heads: int, head_dim: int,
                      dtype: torch.dtype, device: torch.device, warmup: int = 1, reps: int = 5, seed: int = 0
                      ) -> tuple[float, float]:
     """(forward ms, backward ms) of one varlen call over ``shapes`` (in the order given), each the median of
     ``reps`` after ``warmup`` untimed runs; every segment has keys of its own, as a server's gathered batch."""
-    cu_q, cu_k = [0], [0]
-    for q_len, k_len in shapes:
-        cu_q.append(cu_q[-1] + q_len)
-        cu_k.append(cu_k[-1] + k_len)
-    max_q, max_k = max(q for q, _ in shapes), max(k for _, k in shapes)
-    g = torch.Generator(device=device).manual_seed(seed)
-    q = torch.randn(cu_q[-1], heads, head_dim, device=device, dtype=dtype, generator=g)
-    k = torch.randn(cu_k[-1], kv_heads, head_dim, device=device, dtype=dtype, generator=g)
-    v = torch.randn_like(k)
+    cu_q, cu_k, max_q, max_k, q, k, v = segment_batch(shapes, heads, kv_heads, head_dim, dtype, device, seed)
     dout = torch.randn_like(q)
     out, lse = attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, kernel=kernel)
 

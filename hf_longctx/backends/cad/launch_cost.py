@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...kernels.calls import CallTerms
+from ...kernels.calls import CallTerms, calls_overhead
 from ...kernels.launch import (
     LaunchGrid,
     backward_step_total,
@@ -95,6 +95,15 @@ def _own_blocks(phase: str, q_len, k_len, grid: LaunchGrid):
     return -(-np.asarray(k_len) // grid.backward_tile[1])
 
 
+def _block_steps(phase: str, pairs: Sequence[tuple[int, int]], grid: LaunchGrid) -> list[int]:
+    """Tile steps of every block the call's ``phase`` launches for its segments (in launch order, one head)."""
+    steps: list[int] = []
+    for q, k in pairs:
+        steps += forward_steps(q, k, grid.forward_tile) if phase == "forward" else \
+            backward_steps(q, k, grid.backward_tile)
+    return steps
+
+
 def call_features(phase: str, q_lens: Sequence[int], k_lens: Sequence[int], grid: LaunchGrid, heads: int
                   ) -> np.ndarray:
     """The six quantities of one call's ``phase`` that :class:`PhaseTerms` prices (in its field order), the
@@ -103,10 +112,7 @@ def call_features(phase: str, q_lens: Sequence[int], k_lens: Sequence[int], grid
     pairs = [(int(q), int(k)) for q, k in zip(q_lens, k_lens) if q > 0]
     if not pairs:
         return np.zeros(len(TERM_NAMES))
-    per_block: list[int] = []
-    for q, k in pairs:
-        per_block += forward_steps(q, k, grid.forward_tile) if phase == "forward" else \
-            backward_steps(q, k, grid.backward_tile)
+    per_block = _block_steps(phase, pairs, grid)
     steps = sum(per_block) * phase_factor(per_block, heads, grid.slots)
     if phase == "forward":
         launched = len(pairs) * -(-max(q for q, _ in pairs) // grid.forward_tile[0])
@@ -212,8 +218,10 @@ class LaunchCostModel:
         and its tail (what :func:`call_features` times the terms give, summed over the phases)."""
         if not any(q > 0 for q in q_lens):
             return 0.0
-        return (float(self.cost_array(np.asarray(q_lens), np.asarray(k_lens)).sum()) + self.forward.call
-                + self.backward.call + _surplus(q_lens, k_lens, self) + self.tail_cost(q_lens, k_lens))
+        pairs = [(int(q), int(k)) for q, k in zip(q_lens, k_lens) if q > 0]
+        q, k = [a for a, _ in pairs], [b for _, b in pairs]
+        return (sum(self.cost(a, b) for a, b in pairs) + calls_overhead(q, k, [(0, len(pairs))], self.call_terms)
+                + self.tail_cost(q, k))
 
     def without_tails(self) -> LaunchCostModel:
         return LaunchCostModel(self.launch, self.heads, self.forward, self.backward, self.units, tails=False)
@@ -237,23 +245,12 @@ class LaunchCostModel:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-def _surplus(q_lens: Sequence[int], k_lens: Sequence[int], model: LaunchCostModel) -> float:
-    pairs = [(int(q), int(k)) for q, k in zip(q_lens, k_lens) if q > 0]
-    fq, bk = model.launch.forward_tile[0], model.launch.backward_tile[1]
-    mq, mk = max(-(-q // fq) for q, _ in pairs), max(-(-k // bk) for _, k in pairs)
-    return (model.forward.block * sum(mq - -(-q // fq) for q, _ in pairs)
-            + model.backward.block * sum(mk - -(-k // bk) for _, k in pairs))
-
-
 @functools.lru_cache(maxsize=65536)
 def _tail_cost(q_lens: tuple[int, ...], k_lens: tuple[int, ...], model: LaunchCostModel) -> float:
+    pairs = [(q, k) for q, k in zip(q_lens, k_lens) if q > 0]
     total = 0.0
     for phase in PHASES:
-        per_block: list[int] = []
-        for q, k in zip(q_lens, k_lens):
-            if q > 0:
-                per_block += forward_steps(q, k, model.launch.forward_tile) if phase == "forward" else \
-                    backward_steps(q, k, model.launch.backward_tile)
+        per_block = _block_steps(phase, pairs, model.launch)
         if per_block:
             factor = phase_factor(per_block, model.heads, model.launch.slots)
             total += model.terms(phase).step * sum(per_block) * (factor - 1.0)

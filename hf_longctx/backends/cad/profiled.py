@@ -42,7 +42,7 @@ from ...benchmarking import one_run_ms
 from ...kernels import attention_backward, attention_forward, get_kernel, kernel_call, select_kernel
 from ...kernels.calls import CallTerms
 from ...kernels.launch import LaunchGrid, tail_factor
-from .call_profile import profile_launch_cost
+from .call_profile import profile_launch_cost, segment_batch
 from .cost_model import PAIRS, CostModel, FlopsCostModel, ProfiledCostModel
 from .launch_cost import KIND as LAUNCH_KIND
 from .launch_cost import LaunchCostModel
@@ -112,19 +112,12 @@ def launch_cache_path(device: torch.device, kernel: str, shape: SegmentShape) ->
 
 def _segment_step(shapes: Sequence[tuple[int, int]], kernel: str, shape: SegmentShape, device: torch.device,
                   seed: int, mode: str = "fwd+bwd") -> Callable[[], None]:
-    """One fused varlen call (forward, and backward for ``fwd+bwd``) over segments of the given (q_len, kv_len),
-    laid out back to back, each with keys of its own (as a server's gathered batch holds them)."""
+    """One fused varlen call (forward, and backward for ``fwd+bwd``) over segments of the given (q_len, kv_len)
+    (:func:`~.call_profile.segment_batch`)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    cu_q, cu_k = [0], [0]
-    for ql, kl in shapes:
-        cu_q.append(cu_q[-1] + ql)
-        cu_k.append(cu_k[-1] + kl)
-    max_q, max_k = max(ql for ql, _ in shapes), max(kl for _, kl in shapes)
-    g = torch.Generator(device=device).manual_seed(seed)
-    q = torch.randn(cu_q[-1], shape.heads, shape.head_dim, device=device, dtype=shape.dtype, generator=g)
-    k = torch.randn(cu_k[-1], shape.kv_heads, shape.head_dim, device=device, dtype=shape.dtype, generator=g)
-    v = torch.randn_like(k)
+    cu_q, cu_k, max_q, max_k, q, k, v = segment_batch(shapes, shape.heads, shape.kv_heads, shape.head_dim,
+                                                      shape.dtype, device, seed)
     dout = torch.randn_like(q) if mode == "fwd+bwd" else None
 
     def step() -> None:

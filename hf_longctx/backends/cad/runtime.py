@@ -293,9 +293,8 @@ def _server_time(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, model
                  terms: CallTerms | None, split: bool = True) -> float:
     """Predicted cost of one server's ``tasks`` as the runtime computes them (see :func:`server_costs`); with
     ``split``, ping-pong's halves are those of these tasks alone (every server's are made on its own)."""
-    # the tail of each call (a model of the kernel's launch; not modelled under a sliding window)
-    tails = model if (isinstance(model, ProfiledCostModel) and model.launch is not None) \
-        or (isinstance(model, LaunchCostModel) and model.tails) else None
+    # the tail of each call (a measured model's ``tail_cost``, 0 where it has none; not under a sliding window)
+    tails = model if isinstance(model, (ProfiledCostModel, LaunchCostModel)) else None
     groups = pingpong_split(plan, tasks) if split and options.get("pingpong", True) else [list(tasks)]
     total = 0.0
     for group in groups:
