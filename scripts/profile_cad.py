@@ -33,6 +33,9 @@ measurements on the CPU (reference kernel, tiny sizes: a smoke run, not a profil
 ``--launch N`` fits the launch cost model instead (:mod:`hf_longctx.backends.cad.call_profile`): N random kernel
 calls, forward and backward timed apart, six terms per phase by non-negative least squares, and the error on every
 fourth call held out of the fit. It needs a kernel that declares a launch grid (torch_flash at head dim 128).
+``--sweep prefix,waves,square`` (with ``--launch N``, or ``--load`` of a saved launch model) then times single-segment
+calls along those lines (:func:`~hf_longctx.backends.cad.call_profile.sweep_shapes`) and prints each phase's
+measured and predicted time: where the model follows the kernel and where it does not.
 """
 
 from __future__ import annotations
@@ -42,10 +45,13 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from hf_longctx.backends.cad.call_profile import profile_launch_cost
+from hf_longctx.backends.cad.call_profile import SWEEPS, check_launch_cost, profile_launch_cost, sweep_shapes
 from hf_longctx.backends.cad.cost_model import ProfiledCostModel
+from hf_longctx.backends.cad.launch_cost import KIND as LAUNCH_KIND
+from hf_longctx.backends.cad.launch_cost import PHASES, LaunchCostModel
 from hf_longctx.backends.cad.profiled import (
     ProfileBudget,
     SegmentShape,
@@ -66,6 +72,14 @@ def sizes(text: str) -> list[int]:
         x = x.strip().lower()
         out.append(int(x[:-1]) * 1024 if x.endswith("k") else int(x))
     return sorted(set(out))
+
+
+def sweeps(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [n for n in names if n not in SWEEPS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown sweep {','.join(unknown) or text!r}; choose from {','.join(SWEEPS)}")
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load", default=None, metavar="PATH", help="check this profile instead of measuring one")
     p.add_argument("--check", type=int, default=0, metavar="N",
                    help="then time N random off-grid segment shapes and report the profile's error on them")
+    p.add_argument("--sweep", type=sweeps, default=[], metavar="LINES",
+                   help=f"with a launch model: time single-segment calls along these lines ({','.join(SWEEPS)})")
+    p.add_argument("--scale", type=float, default=1.0, help=argparse.SUPPRESS)  # small sweep shapes, CPU tests
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -118,7 +135,20 @@ def main(argv: list[str] | None = None) -> int:
         model.save(args.out, **meta)
         print(f"wrote {args.out}: launch cost model of {kernel}, held-out error std "
               f"{meta['held_out_relative_error_std']}")
+        run_sweeps(model, args, kernel, shape, device)
         return 0
+    if args.load and json.loads(Path(args.load).read_text()).get("kind") == LAUNCH_KIND:
+        model = LaunchCostModel.load(args.load)
+        saved = json.loads(Path(args.load).read_text()).get("meta", {}).get("kernel")
+        kernel = saved or resolved_kernel(kernel, shape, device)
+        if not args.sweep:
+            print("--load of a launch cost model checks it along --sweep lines; give --sweep", file=sys.stderr)
+            return 2
+        run_sweeps(model, args, kernel, shape, device)
+        return 0
+    if args.sweep:
+        print("--sweep checks a launch cost model: give --launch N or --load a launch model", file=sys.stderr)
+        return 2
     if args.load:
         model = ProfiledCostModel.load(args.load, interpolate="rate")
         kernel = json.loads(Path(args.load).read_text()).get("meta", {}).get("kernel", kernel)
@@ -135,6 +165,27 @@ def main(argv: list[str] | None = None) -> int:
                                max_kv=min(65536, int(max(model.kv_lens))))
         report_check(check_shapes(model, shapes, kernel, shape, device, budget, args.mode))
     return 0
+
+
+def run_sweeps(model: LaunchCostModel, args: argparse.Namespace, kernel: str, shape: SegmentShape,
+               device: torch.device) -> None:
+    """Time and price every ``--sweep`` line; one line per call and phase, then each line's error spread."""
+    for name in args.sweep:
+        shapes = sweep_shapes(name, model.launch, args.scale)
+        rows = check_launch_cost(model, shapes, kernel, shape.kv_heads, shape.head_dim, shape.dtype, device,
+                                 args.warmup, args.reps)
+        errors = {p: [] for p in PHASES}
+        for row in rows:
+            parts = []
+            for phase in PHASES:
+                measured, predicted = row[phase]["measured"], row[phase]["predicted"]
+                errors[phase].append(predicted / measured - 1.0)
+                parts.append(f"{phase} {measured:8.4f} ms, predicted {predicted:8.4f} "
+                             f"({errors[phase][-1] * 100:+.1f}%)")
+            print(f"sweep {name} q {row['q_len']:>6} kv {row['kv_len']:>6}: " + "; ".join(parts), flush=True)
+        print(f"sweep {name}: {len(rows)} calls, " + ", ".join(
+            f"{p} error std {np.std(e) * 100:.1f}%, max |error| {np.max(np.abs(e)) * 100:.1f}%"
+            for p, e in errors.items()), flush=True)
 
 
 def report_check(rows: list[tuple[int, int, float, float]]) -> None:

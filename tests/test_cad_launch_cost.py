@@ -11,7 +11,7 @@ import torch
 from test_backends import make_problem, reference
 
 from hf_longctx.backends.cad import call_profile, profiled
-from hf_longctx.backends.cad.call_profile import profile_launch_cost, random_calls
+from hf_longctx.backends.cad.call_profile import check_launch_cost, profile_launch_cost, random_calls, sweep_shapes
 from hf_longctx.backends.cad.cost_model import ProfiledCostModel
 from hf_longctx.backends.cad.launch_cost import PHASES, LaunchCostModel, PhaseTerms, call_features, fit_phase_terms
 from hf_longctx.backends.cad.profiled import SegmentShape, profiled_cost_model
@@ -73,6 +73,8 @@ def test_a_call_is_its_segments_plus_the_call_terms_plus_its_tail():
         by_parts = (sum(H200.cost(a, b) for a, b in zip(q, k)) + calls_overhead(q, k, [(0, n)], H200.call_terms)
                     + H200.tail_cost(q, k))
         assert H200.call_cost(q, k) == pytest.approx(by_features, rel=1e-12)
+        by_phase = H200.phase_cost("forward", q, k) + H200.phase_cost("backward", q, k)
+        assert by_phase == pytest.approx(by_features, rel=1e-12)
         assert by_parts == pytest.approx(by_features, rel=1e-12)
     assert H200.tail_cost([8192], [8192]) > 0.02 * H200.cost(8192, 8192)  # a lone square's last blocks run alone
     assert H200.without_tails().tail_cost([8192], [8192]) == 0.0
@@ -115,6 +117,34 @@ def test_the_profiler_times_both_phases_of_random_calls_and_fits_them(monkeypatc
     for phase in PHASES:
         np.testing.assert_allclose(model.terms(phase).as_vector(), truth[phase].as_vector(), rtol=1e-6, atol=1e-12)
     assert max(meta["held_out_relative_error_std"].values()) < 1e-9 and meta["calls"] == 32
+
+
+def test_sweep_lines_hold_one_thing_fixed_and_grow_the_other():
+    """``prefix``: the same query rows over longer prefixes; ``waves``: one forward query tile (one block per head)
+    more each call over a fixed prefix; ``square``: whole documents."""
+    prefix, waves, square = (sweep_shapes(name, GRID) for name in ("prefix", "waves", "square"))
+    assert len({q for q, _ in prefix}) == 1 and [k for _, k in prefix] == sorted({k for _, k in prefix})
+    assert [q for q, _ in waves] == [128 * i for i in range(1, len(waves) + 1)]
+    assert {k - q for q, k in waves} == {64 * 128}
+    assert all(q == k for q, k in square) and len(square) == len(set(square))
+    with pytest.raises(ValueError, match="prefix, waves, square"):
+        sweep_shapes("diagonal", GRID)
+
+
+def test_the_sweep_check_prices_each_timed_phase_with_the_model(monkeypatch):
+    """Each single-segment call is timed per phase and priced by the model; on a clock that runs exactly as the
+    model prices, the two agree call by call (so a gap on the device is the kernel's, not the check's)."""
+    grid = LaunchGrid(forward_tile=(16, 8), backward_tile=(8, 16), slots=6)
+    model = LaunchCostModel(grid, 2, PhaseTerms(2e-3, 1e-4, 2e-4, 1e-3, 0.0, 0.05),
+                            PhaseTerms(5e-3, 3e-4, 2e-4, 2e-3, 1e-2, 0.08))
+    monkeypatch.setattr(call_profile, "_run_ms", _fake_call_clock({p: model.terms(p) for p in PHASES}, grid, 2))
+    shapes = sweep_shapes("waves", grid, scale=1 / 4)
+    rows = check_launch_cost(model, shapes, "reference", 1, 8, torch.float32, torch.device("cpu"), warmup=0, reps=1)
+    assert [(r["q_len"], r["kv_len"]) for r in rows] == shapes
+    for row in rows:
+        for phase in PHASES:
+            assert row[phase]["measured"] == pytest.approx(row[phase]["predicted"], rel=1e-9)
+            assert row[phase]["predicted"] > 0
 
 
 def test_random_calls_cover_every_kind_in_launch_order():

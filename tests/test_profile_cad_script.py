@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 from hf_longctx.backends.cad.cost_model import ProfiledCostModel
 from hf_longctx.backends.cad.profiled import random_shapes
 
@@ -63,3 +65,35 @@ def test_launch_fit_writes_a_launch_cost_model(tmp_path, monkeypatch, capsys):
     model = LaunchCostModel.load(out)
     assert model.launch == grid and model.heads == 2
     assert "held-out error" in capsys.readouterr().out
+
+
+def test_a_launch_model_is_checked_along_sweep_lines(tmp_path, monkeypatch, capsys):
+    """``--sweep`` after ``--launch N`` (or on ``--load`` of a saved launch model) times single-segment calls along
+    each named line and prints measured against predicted per phase, then the line's error spread."""
+    from hf_longctx.backends.cad import call_profile
+    from hf_longctx.kernels.launch import LaunchGrid
+
+    script = _script()
+    grid = LaunchGrid(forward_tile=(16, 8), backward_tile=(8, 16), slots=4)
+    monkeypatch.setattr(script, "launch_grid", lambda kernel, device, head_dim: grid)
+    real = call_profile.random_calls
+    monkeypatch.setattr(call_profile, "random_calls", lambda count, seed=0, **kw: real(count, seed, scale=1 / 256))
+    out = tmp_path / "l.json"
+    small = ["--scale", "0.25"]
+    assert script.main([*TINY, "--out", str(out), "--launch", "12", "--sweep", "waves", *small]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("sweep waves q ") == 32 and "sweep waves: 32 calls, forward error std" in printed
+    assert script.main([*TINY, "--load", str(out), "--sweep", "prefix,square", *small]) == 0
+    printed = capsys.readouterr().out
+    assert "sweep prefix: 29 calls" in printed and "sweep square: 16 calls" in printed
+
+
+def test_sweep_mistakes_are_refused_before_anything_is_timed(tmp_path, capsys):
+    """A sweep needs a launch model, a launch model loaded needs a sweep, and a line must exist."""
+    script = _script()
+    assert script.main([*TINY, "--out", str(tmp_path / "p.json"), "--sweep", "waves"]) == 2
+    assert "--sweep checks a launch cost model" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
+    with pytest.raises(SystemExit):
+        script.main([*TINY, "--sweep", "diagonal"])
+    assert "unknown sweep 'diagonal'" in capsys.readouterr().err

@@ -33,9 +33,11 @@ from ...kernels.launch import LaunchGrid
 from .cost_model import PAIRS
 from .launch_cost import PHASES, LaunchCostModel, call_features, fit_phase_terms
 
-__all__ = ["CALL_KINDS", "profile_launch_cost", "random_calls", "segment_batch", "time_call_phases"]
+__all__ = ["CALL_KINDS", "SWEEPS", "check_launch_cost", "profile_launch_cost", "random_calls", "segment_batch",
+           "sweep_shapes", "time_call_phases"]
 
 CALL_KINDS = ("short documents", "shards", "long shard beside short documents", "one large segment")
+SWEEPS = ("prefix", "waves", "square")  # the lines of :func:`sweep_shapes`
 MAX_CALL_PAIRS = float(1 << 30)  # visible pairs of one timed call (about 0.2 s of an 8B layer's fwd+bwd on an H200)
 
 
@@ -162,3 +164,41 @@ def profile_launch_cost(kernel: str, device: torch.device, grid: LaunchGrid, hea
     if report is not None:
         report("held-out calls, relative error std: " + ", ".join(f"{p} {v * 100:.2f}%" for p, v in check.items()))
     return model, meta
+
+
+def sweep_shapes(sweep: str, grid: LaunchGrid, scale: float = 1.0) -> list[tuple[int, int]]:
+    """Single-segment calls (q_len, kv_len) along one line, to see how a kernel's time follows its launch where
+    random calls mix the effects:
+
+    - ``prefix``: a shard of 16 forward query tiles over ever longer causal prefixes (the same blocks, longer);
+    - ``waves``: one more forward query tile at a time over a fixed 64-tile prefix (more blocks, one launch wave
+      of the grid's slots after another);
+    - ``square``: whole documents of 8 to 128 query tiles.
+
+    ``scale`` shrinks every length (a CPU run times small shapes)."""
+    rows = grid.forward_tile[0]
+    lines = {
+        "prefix": [(16 * rows, 16 * rows + 4 * rows * i) for i in range(0, 29)],
+        "waves": [(rows * i, rows * (i + 64)) for i in range(1, 33)],
+        "square": [(8 * rows * i, 8 * rows * i) for i in range(1, 17)],
+    }
+    if sweep not in lines:
+        raise ValueError(f"unknown sweep {sweep!r}; choose one of {', '.join(SWEEPS)}")
+    return [(max(1, int(q * scale)), max(1, int(k * scale))) for q, k in lines[sweep]]
+
+
+def check_launch_cost(model: LaunchCostModel, shapes: Sequence[tuple[int, int]], kernel: str, kv_heads: int,
+                      head_dim: int, dtype: torch.dtype, device: torch.device, warmup: int = 1, reps: int = 5
+                      ) -> list[dict]:
+    """Time each single-segment call of ``shapes`` (forward and backward apart, as the profile times them) and
+    price it with ``model``: one row per shape with ``q_len``, ``kv_len`` and, per phase, ``measured`` and
+    ``predicted`` ms. The model's own ``heads`` are timed."""
+    out = []
+    for q_len, kv_len in shapes:
+        times = time_call_phases([(q_len, kv_len)], kernel, model.heads, kv_heads, head_dim, dtype, device, warmup,
+                                 reps)
+        row = {"q_len": q_len, "kv_len": kv_len}
+        for phase, measured in zip(PHASES, times):
+            row[phase] = {"measured": measured, "predicted": model.phase_cost(phase, [q_len], [kv_len])}
+        out.append(row)
+    return out

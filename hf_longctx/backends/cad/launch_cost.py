@@ -213,6 +213,11 @@ class LaunchCostModel:
             return 0.0
         return _tail_cost(tuple(int(q) for q in q_lens), tuple(int(k) for k in k_lens), self)
 
+    def phase_cost(self, phase: str, q_lens: Sequence[int], k_lens: Sequence[int]) -> float:
+        """One call's ``phase`` (forward or backward) alone: :func:`call_features` times that phase's terms, with
+        its tail (what a timed phase of the call is compared with)."""
+        return float(call_features(phase, q_lens, k_lens, self.launch, self.heads) @ self.terms(phase).as_vector())
+
     def call_cost(self, q_lens: Sequence[int], k_lens: Sequence[int]) -> float:
         """One call over these segments (in launch order): their costs, the call's constants, its surplus blocks
         and its tail (what :func:`call_features` times the terms give, summed over the phases)."""
