@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                    "the interpolated grid profile too (when the kernel declares a launch grid)")
     p.add_argument("--cad-runs", default="", help="comma-separated labels of the CAD runs to make (default: all), "
                    "e.g. 'cad flops eps0.1,cad profiled eps0.01'")
+    p.add_argument("--seed", type=int, default=0, help="which batch of each mix's documents (the lengths' seed)")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes, reference kernel")
     p.add_argument("--dump-calls", default=None, metavar="DIR",
                    help="write every kernel call (segment lengths, seconds) of the profiled CAD runs and the profile "
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     for i_mix, mix in enumerate(mixes):
         deadline = args.budget_s * (i_mix + 1) / len(mixes)  # each mix gets its share; unused time carries over
         total = tokens[mix]
-        batch = PackedBatch.from_doc_lens(doc_lengths(mix, total, seed=0))
+        batch = PackedBatch.from_doc_lens(doc_lengths(mix, total, seed=args.seed))
         tensors = global_tensors(total, shape, device, seed=total)
         for w in worlds:
             steps: dict[str, EmulatedStep] = {}

@@ -52,3 +52,13 @@ def test_cad_runs_choose_the_cad_variants_and_a_misspelt_one_is_refused_first(tm
                         "--eps-sweep", "none:0", "--cad-runs", "cad flops eps0.1,cad profiled eps0.01"]) == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| sft |")]
     assert [r.split(" | ")[4] for r in rows] == ["cad flops eps0.1", "cad profiled eps0.01"]
+
+    # --seed picks another batch of the mix's documents (the table's docs column counts them)
+    from hf_longctx.emulation.workloads import doc_lengths
+
+    counts = {seed: len(doc_lengths("sft", 512, seed=seed)) for seed in range(6)}
+    seed = next(s for s in range(1, 6) if counts[s] != counts[0])
+    assert module.main(["--quick", "--out", str(out), "--worlds", "2", "--mixes", "sft", "--backends", "cad",
+                        "--eps-sweep", "none:0", "--cad-runs", "cad flops eps0.1", "--seed", str(seed)]) == 0
+    row = next(line for line in out.read_text().splitlines() if line.startswith("| sft |"))
+    assert row.split(" | ")[2] == str(counts[seed])

@@ -264,10 +264,11 @@ class _Balancer:
 
         ``k`` is the ring's chunk size, -1 for the whole remainder, ``-h - 1`` for the remainder's first ``h``
         rows alone (when no ring fits: half the rows of the smallest ring). The move shifts at most ``cap``
-        (the source's surplus and the receiver's deficit) when it can; failing that, a whole item or
-        a ``min_shard`` ring of cost up to ``slack`` (half the gap between the two loads, so the
-        larger of the two still falls) is an *overshoot* move, used when granularity leaves
-        no exact one (e.g. ``eps = 0``).
+        (the source's surplus and the receiver's deficit) when it can; failing that, a whole item, the
+        remainder's first rows (:meth:`_overshoot_head`: no more than one ``min_shard`` cut past the
+        receiver's deficit) or a ``min_shard`` ring, of cost up to ``slack`` (half the gap between the
+        two loads, so the larger of the two still falls), is an *overshoot* move, used when
+        granularity leaves no exact one (e.g. ``eps = 0``).
 
         Per-segment cost (:func:`~.cost_model.segment_overhead`, 0 for FLOPs): a ring is two new
         segments, so it costs the receiver its rows plus two segment terms while the source sheds only
@@ -309,7 +310,7 @@ class _Balancer:
             head = 0
             if k >= ms:
                 df, rows = c, 2 * k
-            elif (head := self._head_rows(o, lo, hi, cap)) or (head := self._head_rows(o, lo, hi, slack)):
+            elif (head := self._head_rows(o, lo, hi, cap)) or (head := self._overshoot_head(o, lo, hi, slack, dst)):
                 # no ring fits: the piece's first rows alone, half a ring's smallest size in rows and its cheapest
                 df, rows, k = self.cm.cost(head, o + lo + head), head, 0
                 over = df > cap
@@ -346,6 +347,17 @@ class _Balancer:
             else:
                 b = mid - 1
         return a
+
+    def _overshoot_head(self, o: int, lo: int, hi: int, slack: float, dst: int) -> int:
+        """Most of the remainder's first rows for an overshoot move: up to ``slack``, but leaving ``dst`` no more
+        than the smallest cut (``min_shard`` rows) above the target. Bounded by ``slack`` alone, a source far
+        above the target (the holder of a long document's end) handed a receiver a shard worth up to half their
+        gap, which then moves on only whole: 1.4-1.5 x the mean at 64 servers with a wider search."""
+        ms = self.min_shard
+        if hi - lo < 2 * ms:
+            return 0
+        smallest = self.cm.cost(ms, o + lo + ms)
+        return self._head_rows(o, lo, hi, min(slack, max(self.target - self.loads[dst], 0.0) + smallest))
 
     def _priced(self, i, dst, r, o, df, rows, end, k, over, gain):
         """The move's tuple with its bytes (queries and outputs of ``rows``, keys up to row ``end`` unless
