@@ -514,13 +514,14 @@ H200_LAUNCH = LaunchCostModel(LaunchGrid(forward_tile=(128, 64), backward_tile=(
 
 
 @pytest.mark.parametrize("search_width", [1, 2, 4, 8])
-def test_an_overshoot_gives_the_smallest_cut_so_no_receiver_ends_far_above_the_target(search_width):
-    """Where no cut of a piece fits a receiver's deficit, a move may overshoot it, by the piece's smallest cut
-    (its first ``min_shard`` rows). Giving instead the most rows under half the two servers' gap left a receiver
-    with a large shard of a long document's end, which later moves only whole: 1.41 and 1.53 x the mean with a
-    search over 2 and 4 sources. Pretrain 512K over 64 ranks, with one 77K-token document."""
+def test_an_overshoot_leaves_no_receiver_far_above_the_target(search_width):
+    """Where no cut of a piece fits a receiver's deficit, a move may overshoot it by the piece's first rows, up to
+    half the two servers' gap but at most a quarter of the target past the deficit. Bounded by the gap alone, the
+    holder of a long document's end (6.5 x the mean) handed receivers shards that later move only whole: 1.60,
+    1.15 and 1.20 x the mean with a search over 2, 4 and 8 sources (1.02-1.07 now). Pretrain 512K over 64 ranks,
+    with one 77K-token document."""
     batch = PackedBatch.from_doc_lens(doc_lengths("pretrain", 512 << 10, seed=1))
     docs = docs_per_rank(shard_plan(batch, 64, "cad"))
     sched = schedule(docs, 64, eps=0.01, cost_model=H200_LAUNCH, search_width=search_width)
     verify_schedule(docs, sched, H200_LAUNCH)
-    assert sched.imbalance <= 1.08, (search_width, sched.imbalance)
+    assert sched.imbalance <= 1.09, (search_width, sched.imbalance)
