@@ -358,7 +358,7 @@ class _Balancer:
         above it. Bounded by ``slack`` alone, a source far above the target (the holder of a long document's end)
         handed a receiver a shard worth up to half their gap, which then moves on only whole: 1.4-1.5 x the mean
         at 64 servers with a wider search. A tighter bound (the smallest cut alone) balanced that batch to 1.02
-        but changed most other schedules, measured worse in kernel time on 6 of 8 emulated H200 runs."""
+        but changed most other schedules, two of them 2-3% worse in emulated kernel time on an H200."""
         ms = self.min_shard
         if hi - lo < 2 * ms:
             return 0
