@@ -24,7 +24,7 @@ demo: install-demo
 
 test: install
 	$(PYTHON) -m ruff check hf_longctx tests scripts examples
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q --durations=15 tests
 
 lint:
 	$(PYTHON) -m ruff check hf_longctx tests scripts examples
