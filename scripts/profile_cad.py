@@ -137,21 +137,20 @@ def main(argv: list[str] | None = None) -> int:
               f"{meta['held_out_relative_error_std']}")
         run_sweeps(model, args, kernel, shape, device)
         return 0
-    if args.load and json.loads(Path(args.load).read_text()).get("kind") == LAUNCH_KIND:
-        model = LaunchCostModel.load(args.load)
-        saved = json.loads(Path(args.load).read_text()).get("meta", {}).get("kernel")
-        kernel = saved or resolved_kernel(kernel, shape, device)
+    loaded = json.loads(Path(args.load).read_text()) if args.load else None
+    if loaded is not None and loaded.get("kind") == LAUNCH_KIND:
         if not args.sweep:
             print("--load of a launch cost model checks it along --sweep lines; give --sweep", file=sys.stderr)
             return 2
-        run_sweeps(model, args, kernel, shape, device)
+        kernel = loaded.get("meta", {}).get("kernel") or resolved_kernel(kernel, shape, device)
+        run_sweeps(LaunchCostModel.from_dict(loaded), args, kernel, shape, device)
         return 0
     if args.sweep:
         print("--sweep checks a launch cost model: give --launch N or --load a launch model", file=sys.stderr)
         return 2
-    if args.load:
+    if loaded is not None:
         model = ProfiledCostModel.load(args.load, interpolate="rate")
-        kernel = json.loads(Path(args.load).read_text()).get("meta", {}).get("kernel", kernel)
+        kernel = loaded.get("meta", {}).get("kernel", kernel)
     else:
         model, meta = profile_segment_costs(kernel, device, shape, args.q_lens, args.kv_lens, budget,
                                             mode=args.mode, tile=tile, segment_cost=not args.no_segment_cost,

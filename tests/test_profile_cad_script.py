@@ -49,10 +49,9 @@ def test_launch_fit_refuses_a_kernel_without_a_launch_grid(tmp_path, capsys):
     assert not (tmp_path / "l.json").exists()
 
 
-def test_launch_fit_writes_a_launch_cost_model(tmp_path, monkeypatch, capsys):
-    """With a launch grid (here given to the CPU kernel), the script fits, saves and reports the held-out error."""
+def _script_with_a_cpu_launch_grid(monkeypatch):
+    """The script, with a launch grid given to the CPU kernel and random calls shrunk to CPU sizes: (script, grid)."""
     from hf_longctx.backends.cad import call_profile
-    from hf_longctx.backends.cad.launch_cost import LaunchCostModel
     from hf_longctx.kernels.launch import LaunchGrid
 
     script = _script()
@@ -60,6 +59,14 @@ def test_launch_fit_writes_a_launch_cost_model(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(script, "launch_grid", lambda kernel, device, head_dim: grid)
     real = call_profile.random_calls
     monkeypatch.setattr(call_profile, "random_calls", lambda count, seed=0, **kw: real(count, seed, scale=1 / 256))
+    return script, grid
+
+
+def test_launch_fit_writes_a_launch_cost_model(tmp_path, monkeypatch, capsys):
+    """With a launch grid (here given to the CPU kernel), the script fits, saves and reports the held-out error."""
+    from hf_longctx.backends.cad.launch_cost import LaunchCostModel
+
+    script, grid = _script_with_a_cpu_launch_grid(monkeypatch)
     out = tmp_path / "l.json"
     assert script.main([*TINY, "--out", str(out), "--launch", "12"]) == 0
     model = LaunchCostModel.load(out)
@@ -70,14 +77,7 @@ def test_launch_fit_writes_a_launch_cost_model(tmp_path, monkeypatch, capsys):
 def test_a_launch_model_is_checked_along_sweep_lines(tmp_path, monkeypatch, capsys):
     """``--sweep`` after ``--launch N`` (or on ``--load`` of a saved launch model) times single-segment calls along
     each named line and prints measured against predicted per phase, then the line's error spread."""
-    from hf_longctx.backends.cad import call_profile
-    from hf_longctx.kernels.launch import LaunchGrid
-
-    script = _script()
-    grid = LaunchGrid(forward_tile=(16, 8), backward_tile=(8, 16), slots=4)
-    monkeypatch.setattr(script, "launch_grid", lambda kernel, device, head_dim: grid)
-    real = call_profile.random_calls
-    monkeypatch.setattr(call_profile, "random_calls", lambda count, seed=0, **kw: real(count, seed, scale=1 / 256))
+    script, _ = _script_with_a_cpu_launch_grid(monkeypatch)
     out = tmp_path / "l.json"
     small = ["--scale", "0.25"]
     assert script.main([*TINY, "--out", str(out), "--launch", "12", "--sweep", "waves", *small]) == 0
