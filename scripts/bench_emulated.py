@@ -22,7 +22,9 @@ equal-length groups, which builds a graph per shape inside the timed calls.
 Repetitions: every configuration runs ``--warmup`` untimed steps, then ``--reps`` timed ones (default
 2), and each rank's kernel time is the lower median of its timed steps (with 2: the smaller), so a
 first-call outlier (one run showed distfa at W=16 with max/mean 8.3 where its neighbours had 1.7-2.2)
-does not reach the tables.
+does not reach the tables. With two or more, each row's notes give the timing noise of one repetition
+(from how each rank's repetitions differ) and the max/mean that this noise alone gives W equal ranks:
+the part of the measured imbalance that no schedule can remove.
 
 GPU memory: on an H200 one process that ran ProLong at W = 4..64 and then started the next mix once ran
 out of GPU memory. Every shard plan referred to itself (a reference cycle), so a configuration's plan,
@@ -294,7 +296,10 @@ def main(argv: list[str] | None = None) -> int:
                     if timers:
                         dump_calls(Path(args.dump_calls) / f"{mix}_w{w}_{_slug(label)}.json", step, batch, options,
                                    predicted, [t.call_log() for t in timers[args.warmup:]])
-                extra += f" ({time.perf_counter() - t0:.1f} s)"
+                if step.noise_floor is not None:
+                    extra += (f"; timing noise {step.timing_noise * 100:.2f}% per repetition, noise alone "
+                              f"max/mean {step.noise_floor:.3f}")
+                extra = extra.lstrip("; ") + f" ({time.perf_counter() - t0:.1f} s)"
                 rows.append(row(mix, total, batch, w, label, step, extra.strip()))
                 print(rows[-1], flush=True)
             if steps:
@@ -317,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
              f"{device_name} with the real plans, schedules, kernels ({args.kernel}) and merges; transfers are local "
              "copies. Kernel times are measured per rank (CUDA events around each kernel call, ranks never "
              f"interleaved), {args.warmup} untimed and {args.reps} timed steps per configuration, each rank's kernel "
-             "time the lower median over the timed steps (of 2: the smaller); bytes are counted per rank. "
+             "time the lower median over the timed steps (of 2: the smaller); 'noise alone max/mean' is what the "
+             "repetitions' spread alone gives W ranks of equal work; bytes are counted per rank. "
              "Predicted step = slowest rank's kernels + slowest rank's transfers (no overlap; 'overlap' = the larger "
              "of the two per rank). Predicted TFLOP/s/GPU = causal "
              f"attention FLOPs (fwd+bwd, x3.5) / W / predicted step. Heads {shape.heads}, KV heads "

@@ -24,6 +24,7 @@ def test_bench_emulated_quick_writes_its_tables(tmp_path, monkeypatch):
         assert f"| {label} |" in text, label
     assert "auto (emulated) ->" in text and "CAD eps sweep" in text and "rule's choice" in text
     assert "Error" not in text
+    assert "noise alone max/mean 1." in text  # two repetitions: every row says what timing noise alone gives
 
     # every kernel call of the profiled CAD runs, with the profile they were scheduled on
     assert (calls / "profile.json").exists()

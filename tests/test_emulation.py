@@ -15,7 +15,7 @@ from test_backends import make_problem, reference
 from hf_longctx.backends import sequence_parallel_attention
 from hf_longctx.comm.emulated import EmulationError, EmulationHub
 from hf_longctx.comm.links import LINKS, MB, transfer_seconds
-from hf_longctx.emulation import emulate_step
+from hf_longctx.emulation import EmulatedStep, RankStep, emulate_step, noise_only_imbalance
 from hf_longctx.layout import shard_plan
 
 BACKENDS = ("ring", "zigzag", "distfa", "tasp", "cad", "ulysses")
@@ -189,9 +189,41 @@ def test_each_rank_reports_the_median_of_its_timed_repetitions():
     step = emulate_step(batch, world, (q, k, v, dout), "ring", kernel="reference", warmup=1, reps=3,
                         make_timer=ScriptedTimer)
     assert [(r.forward_s, r.backward_s) for r in step.ranks] == [(1.0, 2.0), (1.0, 2.0), (3.0, 3.0)]
+    assert [r.repetitions for r in step.ranks] == [(17.0, 2.0, 3.0), (3.0, 3.5, 2.0), (6.0, 7.0, 5.0)]
     assert next(steps, None) is None
     with pytest.raises(ValueError, match="reps"):
         emulate_step(batch, world, (q, k, v, dout), "ring", kernel="reference", reps=0)
+
+
+def _step_of(repetitions: list[tuple[float, ...]]) -> EmulatedStep:
+    step = EmulatedStep("ring", len(repetitions), "contiguous", 1.0, "cpu")
+    step.ranks = [RankStep(r, min(reps), 0.0, 1, [], repetitions=reps) for r, reps in enumerate(repetitions)]
+    return step
+
+
+def test_timing_noise_comes_from_how_each_ranks_repetitions_differ():
+    # equal repetitions: no noise, and no floor above 1
+    quiet = _step_of([(2.0, 2.0), (3.0, 3.0)])
+    assert quiet.timing_noise == 0.0 and quiet.noise_floor == 1.0
+    # two repetitions 2% apart on every rank (whatever the rank's work): a difference carries twice the variance
+    noisy = _step_of([(1.0, 1.02), (5.0, 5.1), (2.04, 2.0)])
+    assert noisy.timing_noise == pytest.approx(0.02 / 1.01 / 2**0.5)
+    # one repetition only: nothing to estimate from
+    single = _step_of([(1.0,), (2.0,)])
+    assert single.timing_noise is None and single.noise_floor is None
+
+
+def test_noise_alone_lifts_max_over_mean_with_more_ranks_and_less_with_more_repetitions():
+    assert noise_only_imbalance(0.0, 64, 3) == 1.0
+    assert noise_only_imbalance(0.01, 1, 1) == 1.0
+    # the expected maximum of 64 standard normals is about 2.41
+    assert noise_only_imbalance(0.01, 64, 1) == pytest.approx(1 + 0.0241, abs=0.001)
+    assert noise_only_imbalance(0.01, 8, 1) < noise_only_imbalance(0.01, 64, 1)
+    # the median of three repetitions is steadier than one
+    assert noise_only_imbalance(0.01, 64, 3) < noise_only_imbalance(0.01, 64, 1) - 0.005
+    assert noise_only_imbalance(0.01, 64, 3) == noise_only_imbalance(0.01, 64, 3)  # fixed seed
+    with pytest.raises(ValueError, match="noise"):
+        noise_only_imbalance(-0.1, 4, 2)
 
 
 # ---------------------------------------------------------------- nothing kept across configurations

@@ -7,9 +7,10 @@ from .runner import (
     emulate_step,
     link_sources,
     median_rep,
+    noise_only_imbalance,
     release_memory,
     step_flops,
 )
 
 __all__ = ["EmulatedStep", "RankStep", "device_memory", "emulate_step", "link_sources", "median_rep",
-           "release_memory", "step_flops"]
+           "noise_only_imbalance", "release_memory", "step_flops"]

@@ -17,6 +17,12 @@ runs ``warmup`` untimed steps and then ``reps`` timed ones, and each rank's kern
 median over the timed steps of its forward+backward seconds: the middle one of an odd count, the
 smaller of two, so that one outlier among two repetitions is dropped rather than averaged in.
 
+Timing noise. Even a perfectly balanced step measures above max/mean 1.0: each rank's time carries
+noise, and the maximum of W noisy times grows with W. :attr:`EmulatedStep.timing_noise` estimates a
+repetition's relative noise from how each rank's repetitions differ, and
+:attr:`EmulatedStep.noise_floor` the max/mean that noise alone would give W identical ranks under the
+same lower-median rule: the part of a measured imbalance no schedule can remove.
+
 Memory. Nothing of a step outlives :func:`emulate_step` but what it returns (per-rank seconds,
 traffic, and the results when kept): the plan with its cached schedules and device index tensors, the
 ranks' tensors and the hub are freed when it returns or raises. :func:`release_memory` returns the
@@ -54,6 +60,7 @@ class RankStep:
     kernel_calls: int
     traffic: list[tuple[str, int]]
     results: tuple[torch.Tensor, ...] | None = None  # (out, dq, dk, dv) of the local rows, when kept
+    repetitions: tuple[float, ...] = ()  # forward+backward seconds of every timed repetition, in order
 
     @property
     def kernel_s(self) -> float:
@@ -95,6 +102,29 @@ class EmulatedStep:
         return [r.sent_bytes for r in self.ranks]
 
     @property
+    def timing_noise(self) -> float | None:
+        """Relative noise of one repetition of a rank's kernel time (None with fewer than two repetitions).
+
+        From the differences between a rank's repetitions, which carry twice a repetition's variance:
+        sqrt(mean((t_i - t_j)^2 / mean_r^2) / 2) over every pair of repetitions of every rank.
+        """
+        terms = []
+        for r in self.ranks:
+            reps = r.repetitions
+            mean = statistics.fmean(reps) if reps else 0.0
+            if len(reps) < 2 or mean <= 0:
+                continue
+            terms += [((a - b) / mean) ** 2 for i, a in enumerate(reps) for b in reps[i + 1:]]
+        return math.sqrt(statistics.fmean(terms) / 2) if terms else None
+
+    @property
+    def noise_floor(self) -> float | None:
+        """max/mean that :attr:`timing_noise` alone gives ``world`` identical ranks timed like these ones."""
+        noise = self.timing_noise
+        reps = min((len(r.repetitions) for r in self.ranks), default=0)
+        return None if noise is None else noise_only_imbalance(noise, self.world, reps)
+
+    @property
     def predicted_step_s(self) -> float:
         """Slowest rank's kernels plus the slowest rank's transfers (no overlap: an upper bound)."""
         return max(self.kernel_s) + max(r.transfer_s for r in self.ranks)
@@ -132,6 +162,18 @@ def _rank_step(group: EmulatedGroup, plan: ShardPlan, backend: str, tensors, opt
         out, lse = run.forward_fn(run, ql, kl, vl)
         dq, dk, dv = run.backward_fn(run, dl, ql, kl, vl, out, lse)
     return (out, dq, dk, dv) if keep else None
+
+
+def noise_only_imbalance(noise: float, world: int, reps: int, draws: int = 4000, seed: int = 0) -> float:
+    """Expected max/mean of ``world`` ranks of equal work whose every repetition's time is off by normal noise
+    of relative size ``noise``, each rank's time being the lower median of ``reps`` repetitions (as measured
+    here). Monte Carlo with a fixed seed, so equal arguments give equal answers."""
+    if noise < 0 or world < 1 or reps < 1:
+        raise ValueError(f"need noise >= 0, world >= 1 and reps >= 1, got {noise}, {world}, {reps}")
+    g = torch.Generator().manual_seed(seed)
+    times = 1.0 + noise * torch.randn(draws, world, reps, generator=g, dtype=torch.float64)
+    chosen = times.sort(dim=2).values[:, :, (reps - 1) // 2]
+    return float((chosen.max(dim=1).values / chosen.mean(dim=1)).mean())
 
 
 def median_rep(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -181,7 +223,8 @@ def emulate_step(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ..
     step = EmulatedStep(backend, world, strategy, step_flops(batch, q.shape[1], q.shape[2]), str(q.device))
     for r in range(world):
         forward_s, backward_s = median_rep(per_rank[r])
-        step.ranks.append(RankStep(r, forward_s, backward_s, calls[r], traffic[r], results[r]))
+        step.ranks.append(RankStep(r, forward_s, backward_s, calls[r], traffic[r], results[r],
+                                   tuple(f + b for f, b in per_rank[r])))
     return step
 
 
