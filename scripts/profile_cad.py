@@ -35,7 +35,11 @@ calls, forward and backward timed apart, six terms per phase by non-negative lea
 fourth call held out of the fit. It needs a kernel that declares a launch grid (torch_flash at head dim 128).
 ``--sweep prefix,waves,square`` (with ``--launch N``, or ``--load`` of a saved launch model) then times single-segment
 calls along those lines (:func:`~hf_longctx.backends.cad.call_profile.sweep_shapes`) and prints each phase's
-measured and predicted time: where the model follows the kernel and where it does not.
+measured and predicted time: where the model follows the kernel and where it does not. ``--mix`` (likewise) times
+a long causal prefix beside short documents as one call and as two (:func:`~hf_longctx.backends.cad.call_profile.
+mix_pairs`): what one call costs more than two, measured and as the model prices it. ``--calls DUMP.json`` (with
+``--load`` of a launch model) prices the kernel calls that ``bench_emulated.py --dump-calls`` wrote for one emulated
+step and prints every server's forward and backward, measured against predicted; no device is needed.
 """
 
 from __future__ import annotations
@@ -48,7 +52,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hf_longctx.backends.cad.call_profile import SWEEPS, check_launch_cost, profile_launch_cost, sweep_shapes
+from hf_longctx.backends.cad.call_profile import (
+    SWEEPS,
+    check_call_mix,
+    check_launch_cost,
+    mix_pairs,
+    profile_launch_cost,
+    server_phase_errors,
+    sweep_shapes,
+)
 from hf_longctx.backends.cad.cost_model import ProfiledCostModel
 from hf_longctx.backends.cad.launch_cost import KIND as LAUNCH_KIND
 from hf_longctx.backends.cad.launch_cost import PHASES, LaunchCostModel
@@ -111,8 +123,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="then time N random off-grid segment shapes and report the profile's error on them")
     p.add_argument("--sweep", type=sweeps, default=[], metavar="LINES",
                    help=f"with a launch model: time single-segment calls along these lines ({','.join(SWEEPS)})")
+    p.add_argument("--mix", action="store_true",
+                   help="with a launch model: time a long prefix beside short documents as one call and as two")
+    p.add_argument("--calls", default=None, metavar="DUMP",
+                   help="with --load of a launch model: price an emulated step's dumped kernel calls per server")
     p.add_argument("--scale", type=float, default=1.0, help=argparse.SUPPRESS)  # small sweep shapes, CPU tests
     args = p.parse_args(argv)
+    if args.calls:
+        return report_dumped_calls(args)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("profile_cad.py needs a CUDA device (or --device cpu for a smoke run)", file=sys.stderr)
@@ -136,17 +154,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.out}: launch cost model of {kernel}, held-out error std "
               f"{meta['held_out_relative_error_std']}")
         run_sweeps(model, args, kernel, shape, device)
+        run_mix(model, args, kernel, shape, device)
         return 0
     loaded = json.loads(Path(args.load).read_text()) if args.load else None
     if loaded is not None and loaded.get("kind") == LAUNCH_KIND:
-        if not args.sweep:
-            print("--load of a launch cost model checks it along --sweep lines; give --sweep", file=sys.stderr)
+        if not (args.sweep or args.mix):
+            print("--load of a launch cost model checks it along --sweep lines or --mix; give one", file=sys.stderr)
             return 2
         kernel = loaded.get("meta", {}).get("kernel") or resolved_kernel(kernel, shape, device)
-        run_sweeps(LaunchCostModel.from_dict(loaded), args, kernel, shape, device)
+        launch_model = LaunchCostModel.from_dict(loaded)
+        run_sweeps(launch_model, args, kernel, shape, device)
+        run_mix(launch_model, args, kernel, shape, device)
         return 0
-    if args.sweep:
-        print("--sweep checks a launch cost model: give --launch N or --load a launch model", file=sys.stderr)
+    if args.sweep or args.mix:
+        print(f"--{'sweep' if args.sweep else 'mix'} checks a launch cost model: give --launch N or --load a launch "
+              "model", file=sys.stderr)
         return 2
     if loaded is not None:
         model = ProfiledCostModel.load(args.load, interpolate="rate")
@@ -185,6 +207,57 @@ def run_sweeps(model: LaunchCostModel, args: argparse.Namespace, kernel: str, sh
         print(f"sweep {name}: {len(rows)} calls, " + ", ".join(
             f"{p} error std {np.std(e) * 100:.1f}%, max |error| {np.max(np.abs(e)) * 100:.1f}%"
             for p, e in errors.items()), flush=True)
+
+
+def run_mix(model: LaunchCostModel, args: argparse.Namespace, kernel: str, shape: SegmentShape,
+            device: torch.device) -> None:
+    """Time and price every pair of :func:`mix_pairs` one call and two; one line per pair (forward+backward ms),
+    then what one call costs more than two, measured and predicted, by the long segment's keys."""
+    if not args.mix:
+        return
+    rows = check_call_mix(model, mix_pairs(model.launch, args.scale), kernel, shape.kv_heads, shape.head_dim,
+                          shape.dtype, device, args.warmup, args.reps)
+    by_keys: dict[int, list[tuple[float, float]]] = {}
+    for row in rows:
+        total = {way: {kind: sum(row[way][p][kind] for p in PHASES) for kind in ("measured", "predicted")}
+                 for way in ("long", "shorts", "one call")}
+        extra = {kind: total["one call"][kind] - total["long"][kind] - total["shorts"][kind]
+                 for kind in ("measured", "predicted")}
+        by_keys.setdefault(row["prefix"][1], []).append((extra["measured"], extra["predicted"]))
+        print(f"mix q {row['prefix'][0]:>5} kv {row['prefix'][1]:>6} beside {len(row['beside']):>2} short: long "
+              f"{total['long']['measured']:.4f}, short {total['shorts']['measured']:.4f}, one call "
+              f"{total['one call']['measured']:.4f} ms (predicted {total['one call']['predicted']:.4f}); one call "
+              f"minus two {extra['measured']:+.4f} ms, predicted {extra['predicted']:+.4f}", flush=True)
+    for keys, extras in sorted(by_keys.items()):
+        measured, predicted = [m for m, _ in extras], [p for _, p in extras]
+        print(f"mix kv {keys:>6}: one call minus two, forward+backward, measured {min(measured):+.4f} to "
+              f"{max(measured):+.4f} ms, predicted {min(predicted):+.4f} to {max(predicted):+.4f} ms", flush=True)
+
+
+def report_dumped_calls(args: argparse.Namespace) -> int:
+    """``--calls``: each server's forward and backward of a dumped emulated step, measured against the loaded
+    launch model, then each phase's per-server error spread and the step's max/mean both ways."""
+    loaded = json.loads(Path(args.load).read_text()) if args.load else None
+    if loaded is None or loaded.get("kind") != LAUNCH_KIND:
+        print("--calls prices dumped kernel calls with a launch cost model: give --load LAUNCH_MODEL.json",
+              file=sys.stderr)
+        return 2
+    rows = server_phase_errors(LaunchCostModel.from_dict(loaded), json.loads(Path(args.calls).read_text()))
+    errors: dict[str, list[float]] = {p: [] for p in PHASES}
+    for row in rows:
+        parts = []
+        for phase in PHASES:
+            measured, predicted = row[phase]["measured"], row[phase]["predicted"]
+            errors[phase].append(measured / predicted - 1.0)
+            parts.append(f"{phase} {measured:8.3f} ms, predicted {predicted:8.3f} ({errors[phase][-1] * 100:+.1f}%)")
+        print(f"server {row['rank']:>3}: " + "; ".join(parts), flush=True)
+    totals = {kind: np.array([sum(r[p][kind] for p in PHASES) for r in rows]) for kind in ("measured", "predicted")}
+    print(f"calls: {len(rows)} servers, " + ", ".join(
+        f"{p} measured over predicted: mean {np.mean(e) * 100:+.1f}%, std {np.std(e) * 100:.1f}%, max "
+        f"{np.max(e) * 100:+.1f}%" for p, e in errors.items())
+        + f"; max/mean measured {totals['measured'].max() / totals['measured'].mean():.3f}, predicted "
+        f"{totals['predicted'].max() / totals['predicted'].mean():.3f}", flush=True)
+    return 0
 
 
 def report_check(rows: list[tuple[int, int, float, float]]) -> None:

@@ -11,7 +11,16 @@ import torch
 from test_backends import make_problem, reference
 
 from hf_longctx.backends.cad import call_profile, profiled
-from hf_longctx.backends.cad.call_profile import check_launch_cost, profile_launch_cost, random_calls, sweep_shapes
+from hf_longctx.backends.cad.call_profile import (
+    MIX_SHORTS,
+    check_call_mix,
+    check_launch_cost,
+    mix_pairs,
+    profile_launch_cost,
+    random_calls,
+    server_phase_errors,
+    sweep_shapes,
+)
 from hf_longctx.backends.cad.cost_model import ProfiledCostModel
 from hf_longctx.backends.cad.launch_cost import PHASES, LaunchCostModel, PhaseTerms, call_features, fit_phase_terms
 from hf_longctx.backends.cad.profiled import SegmentShape, profiled_cost_model
@@ -145,6 +154,63 @@ def test_the_sweep_check_prices_each_timed_phase_with_the_model(monkeypatch):
         for phase in PHASES:
             assert row[phase]["measured"] == pytest.approx(row[phase]["predicted"], rel=1e-9)
             assert row[phase]["predicted"] > 0
+
+
+def test_mix_pairs_put_a_long_prefix_beside_sets_of_short_documents():
+    pairs = mix_pairs(GRID)
+    assert len(pairs) == 3 * 4 * len(MIX_SHORTS)
+    assert {long for long, _ in pairs} == {(q, k) for q in (128, 256, 512) for k in (2048, 4096, 8192, 16384)}
+    for long, shorts in pairs:
+        assert all(q == k and k < long[1] for q, k in shorts)  # whole short documents, fewer keys than the prefix
+        segments = [long, *shorts]
+        assert [segments[i] for i in call_order([q for q, _ in segments], [k for _, k in segments])] == segments
+
+
+def test_the_mix_check_times_one_call_and_its_two_parts_and_prices_each(monkeypatch):
+    """On a clock that runs as the model prices, every way agrees with its price, and one call costs more than its
+    two parts by exactly what the model says (one call's constant less, the tail and surplus blocks more)."""
+    grid = LaunchGrid(forward_tile=(16, 8), backward_tile=(8, 16), slots=6)
+    model = LaunchCostModel(grid, 2, PhaseTerms(2e-3, 1e-4, 2e-4, 1e-3, 0.0, 0.05),
+                            PhaseTerms(5e-3, 3e-4, 2e-4, 2e-3, 1e-2, 0.08))
+    monkeypatch.setattr(call_profile, "_run_ms", _fake_call_clock({p: model.terms(p) for p in PHASES}, grid, 2))
+    pairs = mix_pairs(grid, scale=1 / 16)[:3]
+    rows = check_call_mix(model, pairs, "reference", 1, 8, torch.float32, torch.device("cpu"), warmup=0, reps=1)
+    assert [(r["prefix"], r["beside"]) for r in rows] == [(tuple(a), [tuple(s) for s in b]) for a, b in pairs]
+    for row, (long, shorts) in zip(rows, pairs):
+        for way, segments in (("long", [long]), ("shorts", shorts), ("one call", [long, *shorts])):
+            for phase in PHASES:
+                priced = model.phase_cost(phase, [q for q, _ in segments], [k for _, k in segments])
+                assert row[way][phase]["predicted"] == pytest.approx(priced)
+                assert row[way][phase]["measured"] == pytest.approx(priced, rel=1e-9)
+
+
+def _dump_with_errors(model: LaunchCostModel, errors: dict[tuple[int, str], float], reps: int = 3) -> dict:
+    """A dumped emulated step whose calls took ``model``'s price times (1 + error) of their rank and phase, the
+    calls in a different order in every repetition (ranks run in threads)."""
+    calls = [(rank, phase, segments) for rank in (0, 1) for phase in PHASES
+             for segments in ([(64, 64), (32, 256)], [(16, 16)])]
+    out = []
+    for rep in range(reps):
+        rows = [{"rank": rank, "phase": phase, "q_lens": [q for q, _ in seg], "k_lens": [k for _, k in seg],
+                 "seconds": model.phase_cost(phase, [q for q, _ in seg], [k for _, k in seg]) / 1e3
+                 * (1 + errors[rank, phase]) * (1 + 0.01 * (rep - 1))} for rank, phase, seg in calls]
+        random.Random(rep).shuffle(rows)
+        out.append(rows)
+    return {"world": 2, "reps": out}
+
+
+def test_dumped_calls_are_priced_per_server_and_phase():
+    """Each server's forward and backward: the calls' medians over repetitions against the model's price."""
+    errors = {(0, "forward"): 0.10, (0, "backward"): 0.0, (1, "forward"): -0.05, (1, "backward"): 0.02}
+    rows = server_phase_errors(H200, _dump_with_errors(H200, errors))
+    assert [r["rank"] for r in rows] == [0, 1]
+    for row in rows:
+        for phase in PHASES:
+            assert row[phase]["measured"] / row[phase]["predicted"] - 1 == pytest.approx(errors[row["rank"], phase])
+    uneven = _dump_with_errors(H200, errors)
+    uneven["reps"][1] = uneven["reps"][1][1:]
+    with pytest.raises(ValueError, match="same kernel calls"):
+        server_phase_errors(H200, uneven)
 
 
 def test_random_calls_cover_every_kind_in_launch_order():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -88,11 +89,43 @@ def test_a_launch_model_is_checked_along_sweep_lines(tmp_path, monkeypatch, caps
     assert "sweep prefix: 29 calls" in printed and "sweep square: 16 calls" in printed
 
 
+def test_a_launch_model_is_checked_on_long_prefixes_beside_short_documents(tmp_path, monkeypatch, capsys):
+    """``--mix`` times every pair one call and two and prints what one call costs more, measured and predicted,
+    then its range per prefix length."""
+    script, _ = _script_with_a_cpu_launch_grid(monkeypatch)
+    out = tmp_path / "l.json"
+    assert script.main([*TINY, "--out", str(out), "--launch", "12"]) == 0
+    capsys.readouterr()
+    assert script.main([*TINY, "--load", str(out), "--mix", "--scale", "0.0625"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("mix q ") == 48 and printed.count("one call minus two") == 48 + 4
+    assert printed.count("mix kv ") == 4  # one range per prefix length
+
+
+def test_dumped_calls_of_an_emulated_step_are_priced_per_server(tmp_path, capsys):
+    """``--calls`` prices ``bench_emulated.py --dump-calls`` output with a loaded launch model, server by server
+    and phase by phase, without timing anything; without a launch model it says what to give."""
+    from test_cad_launch_cost import H200, _dump_with_errors
+
+    model, dump = tmp_path / "launch.json", tmp_path / "step.json"
+    H200.save(model)
+    errors = {(0, "forward"): 0.10, (0, "backward"): 0.0, (1, "forward"): -0.05, (1, "backward"): 0.02}
+    dump.write_text(json.dumps(_dump_with_errors(H200, errors)))
+    assert _script().main(["--load", str(model), "--calls", str(dump)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("server ") == 2 and "(+10.0%)" in printed and "(-5.0%)" in printed
+    assert "calls: 2 servers, forward measured over predicted: mean +2.5%" in printed
+    assert _script().main(["--calls", str(dump)]) == 2
+    assert "give --load LAUNCH_MODEL.json" in capsys.readouterr().err
+
+
 def test_sweep_mistakes_are_refused_before_anything_is_timed(tmp_path, capsys):
     """A sweep needs a launch model, a launch model loaded needs a sweep, and a line must exist."""
     script = _script()
     assert script.main([*TINY, "--out", str(tmp_path / "p.json"), "--sweep", "waves"]) == 2
     assert "--sweep checks a launch cost model" in capsys.readouterr().err
+    assert script.main([*TINY, "--out", str(tmp_path / "p.json"), "--mix"]) == 2
+    assert "--mix checks a launch cost model" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
     with pytest.raises(SystemExit):
         script.main([*TINY, "--sweep", "diagonal"])

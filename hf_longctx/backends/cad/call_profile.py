@@ -33,8 +33,8 @@ from ...kernels.launch import LaunchGrid
 from .cost_model import PAIRS
 from .launch_cost import PHASES, LaunchCostModel, call_features, fit_phase_terms
 
-__all__ = ["CALL_KINDS", "SWEEPS", "check_launch_cost", "profile_launch_cost", "random_calls", "segment_batch",
-           "sweep_shapes", "time_call_phases"]
+__all__ = ["CALL_KINDS", "SWEEPS", "check_call_mix", "check_launch_cost", "mix_pairs", "profile_launch_cost",
+           "random_calls", "segment_batch", "server_phase_errors", "sweep_shapes", "time_call_phases"]
 
 CALL_KINDS = ("short documents", "shards", "long shard beside short documents", "one large segment")
 SWEEPS = ("prefix", "waves", "square")  # the lines of :func:`sweep_shapes`
@@ -187,6 +187,51 @@ def sweep_shapes(sweep: str, grid: LaunchGrid, scale: float = 1.0) -> list[tuple
     return [(max(1, int(q * scale)), max(1, int(k * scale))) for q, k in lines[sweep]]
 
 
+# short documents beside a long segment in :func:`mix_pairs` (rows; each a whole causal document)
+MIX_SHORTS = ((512, 384, 256, 128), (924, 448, 278, 222, 116), (1123, 924, 708, 705, 516, 302, 279, 260, 153),
+              (1920, 1536, 1024, 1024, 768, 512, 512, 256, 256, 128, 128))
+
+
+def mix_pairs(grid: LaunchGrid, scale: float = 1.0) -> list[tuple[tuple[int, int], list[tuple[int, int]]]]:
+    """(long segment, short documents) pairs, each to be timed as one call and as two: a shard of 1, 2 or 4 forward
+    query tiles over a causal prefix of 32, 64, 128 or 256 key tiles, beside each set of :data:`MIX_SHORTS`. A
+    long prefix is the critical path of its call; whether the blocks beside it slow it is what the pairs show
+    (a CAD server computes such calls: a long document's last rows beside short documents).
+
+    ``scale`` shrinks every length (a CPU run times small shapes)."""
+    rows, keys = grid.forward_tile
+
+    def scaled(n: int) -> int:
+        return max(1, int(n * scale))
+
+    out = []
+    for q_tiles in (1, 2, 4):
+        for k_tiles in (32, 64, 128, 256):
+            long = (scaled(q_tiles * rows), scaled(k_tiles * keys))
+            out += [(long, [(scaled(n), scaled(n)) for n in shorts]) for shorts in MIX_SHORTS]
+    return out
+
+
+def check_call_mix(model: LaunchCostModel, pairs: Sequence[tuple[tuple[int, int], Sequence[tuple[int, int]]]],
+                   kernel: str, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                   warmup: int = 1, reps: int = 5) -> list[dict]:
+    """Time each (long segment, short documents) pair of :func:`mix_pairs` as the long segment alone, the short
+    documents alone and both in one call (long first, in launch order), and price each with ``model``: one row per
+    pair with its ``prefix`` (the long segment) and the documents ``beside`` it and, per way (``long``, ``shorts``,
+    ``one call``) and phase, ``measured`` and ``predicted`` ms. Two calls cost what their parts cost; ``one call``
+    is what a server's batch pays when the call planner keeps them together."""
+    out = []
+    for long, shorts in pairs:
+        row: dict = {"prefix": tuple(long), "beside": [tuple(s) for s in shorts]}
+        for way, segments in (("long", [long]), ("shorts", list(shorts)), ("one call", [long, *shorts])):
+            times = time_call_phases(segments, kernel, model.heads, kv_heads, head_dim, dtype, device, warmup, reps)
+            q_lens, k_lens = [q for q, _ in segments], [k for _, k in segments]
+            row[way] = {phase: {"measured": measured, "predicted": model.phase_cost(phase, q_lens, k_lens)}
+                        for phase, measured in zip(PHASES, times)}
+        out.append(row)
+    return out
+
+
 def check_launch_cost(model: LaunchCostModel, shapes: Sequence[tuple[int, int]], kernel: str, kv_heads: int,
                       head_dim: int, dtype: torch.dtype, device: torch.device, warmup: int = 1, reps: int = 5
                       ) -> list[dict]:
@@ -202,3 +247,27 @@ def check_launch_cost(model: LaunchCostModel, shapes: Sequence[tuple[int, int]],
             row[phase] = {"measured": measured, "predicted": model.phase_cost(phase, [q_len], [kv_len])}
         out.append(row)
     return out
+
+
+def server_phase_errors(model: LaunchCostModel, dump: dict) -> list[dict]:
+    """Per rank of an emulated step's dumped kernel calls (``bench_emulated.py --dump-calls``: ``reps``, a list per
+    timed repetition of calls with ``rank``, ``phase``, ``q_lens``, ``k_lens`` and ``seconds``), per phase: the
+    ``measured`` ms (each call the median over the repetitions) and what ``model`` ``predicted`` (ms).
+
+    Where a server's time goes wrong, phase by phase: a step's total hides a forward priced high on one server
+    behind a backward priced low. Calls are matched across repetitions by rank, phase and segments (ranks run in
+    threads, so the log's order differs between repetitions); repetitions must hold the same calls."""
+    def key(call: dict) -> tuple:
+        return call["rank"], call["phase"], tuple(call["q_lens"]), tuple(call["k_lens"])
+
+    reps = [sorted(rep, key=key) for rep in dump["reps"]]
+    if not reps or any([key(c) for c in rep] != [key(c) for c in reps[0]] for rep in reps):
+        raise ValueError("the dump's repetitions do not hold the same kernel calls")
+    ranks: dict[int, dict] = {}
+    for i, call in enumerate(reps[0]):
+        measured = statistics.median(rep[i]["seconds"] for rep in reps) * 1e3
+        row = ranks.setdefault(call["rank"], {"rank": call["rank"], **{
+            p: {"measured": 0.0, "predicted": 0.0} for p in PHASES}})
+        row[call["phase"]]["measured"] += measured
+        row[call["phase"]]["predicted"] += model.phase_cost(call["phase"], call["q_lens"], call["k_lens"])
+    return [ranks[r] for r in sorted(ranks)]
