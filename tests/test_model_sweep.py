@@ -346,6 +346,16 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor, numels: list[int] | None = No
     return err
 
 
+def _training_forward(model, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of one document without a cache (a model whose forward takes no ``use_cache`` runs without it)."""
+    try:
+        return model(input_ids=ids, use_cache=False).logits
+    except TypeError as e:
+        if "use_cache" not in str(e):
+            raise
+        return model(input_ids=ids).logits
+
+
 def _check_model(rank: int, world: int, model_type: str, class_name: str, group, spy) -> dict:
     """Both checks of one model in this process; the caller combines the processes' results."""
     result = {"reference": None, "a": None, "b_ok": False}
@@ -358,7 +368,9 @@ def _check_model(rank: int, world: int, model_type: str, class_name: str, group,
     position_ids = torch.cat([torch.arange(n) for n in lens])[None]
     targets = sum(n - 1 for row in ROWS for n in row)  # of the whole group batch
 
-    # reference: this process's documents one by one, plain attention
+    # reference: this process's documents one by one, plain attention, as a training step runs them: without a
+    # cache (a model that calls one layer twice, as looped models do, would otherwise attend to the first
+    # call's keys in the second)
     model.zero_grad()
     spy.calls = 0
     ref_logits, ref_loss, start = [], 0.0, 0
@@ -368,10 +380,10 @@ def _check_model(rank: int, world: int, model_type: str, class_name: str, group,
             if i == 0:
                 float32 = _Float32Inside()
                 with float32:
-                    logits = model(input_ids=doc).logits
+                    logits = _training_forward(model, doc)
                 result["float32"] = sorted(float32.ops)
             else:
-                logits = model(input_ids=doc).logits
+                logits = _training_forward(model, doc)
             if n > 1:
                 loss = _next_token_loss(logits, doc, [n], targets)
                 loss.backward()
