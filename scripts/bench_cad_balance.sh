@@ -9,12 +9,7 @@
 #
 # Writes $OUT/cad_balance_w4_w16.md, $OUT/cad_balance_w64.md and $OUT/cad_balance_calls.tgz.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/logs}
-mkdir -p "$OUT"
-export PYTHONPATH=${PYTHONPATH:-}:$PWD
-export HF_LONGCTX_CACHE=${HF_LONGCTX_CACHE:-$PWD/outputs/cache}
-PY=${PY:-python3}
+source "$(dirname "$0")/bench_env.sh"
 REPS=${REPS:-3}
 RUNS="cad flops eps0.1,cad profiled eps0.01,cad grid-profiled eps0.01"
 CALLS=$(mktemp -d)

@@ -9,12 +9,7 @@
 #
 # Writes $OUT/cad_noise_seed{0,1,2}_*.md.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/logs}
-mkdir -p "$OUT"
-export PYTHONPATH=${PYTHONPATH:-}:$PWD
-export HF_LONGCTX_CACHE=${HF_LONGCTX_CACHE:-$PWD/outputs/cache}
-PY=${PY:-python3}
+source "$(dirname "$0")/bench_env.sh"
 REPS=${REPS:-5}
 SEEDS=${SEEDS:-0 1 2}
 common=(--kernel torch_flash --eps-sweep none:0 --cad-runs "cad profiled eps0.01" --reps "$REPS")

@@ -288,18 +288,18 @@ def main(argv: list[str] | None = None) -> int:
                     print(rows[-1], flush=True)
                     continue
                 steps[label] = step
-                extra = ""
+                notes = []
                 if backend == "cad" and options and isinstance(options.get("cost_model"), MEASURED_MODELS):
                     err, eps, pred_imb, predicted = predicted_vs_emulated(step, batch, options)
-                    extra = (f"eps {eps:g}; predicted max/mean {pred_imb:.3f}; predicted vs emulated per-server "
-                             f"time: max err {err * 100:.1f}%")
+                    notes += [f"eps {eps:g}", f"predicted max/mean {pred_imb:.3f}",
+                              f"predicted vs emulated per-server time: max err {err * 100:.1f}%"]
                     if timers:
                         dump_calls(Path(args.dump_calls) / f"{mix}_w{w}_{_slug(label)}.json", step, batch, options,
                                    predicted, [t.call_log() for t in timers[args.warmup:]])
                 if step.noise_floor is not None:
-                    extra += (f"; timing noise {step.timing_noise * 100:.2f}% per repetition, noise alone "
-                              f"max/mean {step.noise_floor:.3f}")
-                extra = extra.lstrip("; ") + f" ({time.perf_counter() - t0:.1f} s)"
+                    notes.append(f"timing noise {step.timing_noise * 100:.2f}% per repetition, noise alone max/mean "
+                                 f"{step.noise_floor:.3f}")
+                extra = "; ".join(notes) + f" ({time.perf_counter() - t0:.1f} s)"
                 rows.append(row(mix, total, batch, w, label, step, extra.strip()))
                 print(rows[-1], flush=True)
             if steps:

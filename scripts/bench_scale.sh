@@ -9,11 +9,7 @@
 #
 # Logs go to $OUT (or bench/logs). Every number printed is copied into bench/RESULTS.md with the date.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/logs}
-mkdir -p "$OUT"
-export PYTHONPATH=${PYTHONPATH:-}:$PWD
-PY=${PY:-python3}
+source "$(dirname "$0")/bench_env.sh"
 BACKENDS=${BACKENDS-ring zigzag distflash ulysses tasp cad}  # set empty for the peer alone
 train() { $PY scripts/bench_train.py "$@" 2>&1 | grep -E "^(RESULT|CURVE)|Error|error:|out of memory" | tail -5; }
 

@@ -249,7 +249,8 @@ def report_dumped_calls(args: argparse.Namespace) -> int:
         for phase in PHASES:
             measured, predicted = row[phase]["measured"], row[phase]["predicted"]
             errors[phase].append(measured / predicted - 1.0)
-            parts.append(f"{phase} {measured:8.3f} ms, predicted {predicted:8.3f} ({errors[phase][-1] * 100:+.1f}%)")
+            parts.append(f"{phase} {measured:8.3f} ms, predicted {predicted:8.3f} (measured "
+                         f"{errors[phase][-1] * 100:+.1f}% over)")
         print(f"server {row['rank']:>3}: " + "; ".join(parts), flush=True)
     totals = {kind: np.array([sum(r[p][kind] for p in PHASES) for r in rows]) for kind in ("measured", "predicted")}
     print(f"calls: {len(rows)} servers, " + ", ".join(

@@ -113,7 +113,7 @@ def test_dumped_calls_of_an_emulated_step_are_priced_per_server(tmp_path, capsys
     dump.write_text(json.dumps(_dump_with_errors(H200, errors)))
     assert _script().main(["--load", str(model), "--calls", str(dump)]) == 0
     printed = capsys.readouterr().out
-    assert printed.count("server ") == 2 and "(+10.0%)" in printed and "(-5.0%)" in printed
+    assert printed.count("server ") == 2 and "(measured +10.0% over)" in printed and "(measured -5.0% over)" in printed
     assert "calls: 2 servers, forward measured over predicted: mean +2.5%" in printed
     assert _script().main(["--calls", str(dump)]) == 2
     assert "give --load LAUNCH_MODEL.json" in capsys.readouterr().err

@@ -224,12 +224,19 @@ def check_call_mix(model: LaunchCostModel, pairs: Sequence[tuple[tuple[int, int]
     for long, shorts in pairs:
         row: dict = {"prefix": tuple(long), "beside": [tuple(s) for s in shorts]}
         for way, segments in (("long", [long]), ("shorts", list(shorts)), ("one call", [long, *shorts])):
-            times = time_call_phases(segments, kernel, model.heads, kv_heads, head_dim, dtype, device, warmup, reps)
-            q_lens, k_lens = [q for q, _ in segments], [k for _, k in segments]
-            row[way] = {phase: {"measured": measured, "predicted": model.phase_cost(phase, q_lens, k_lens)}
-                        for phase, measured in zip(PHASES, times)}
+            row[way] = _timed_and_priced(model, segments, kernel, kv_heads, head_dim, dtype, device, warmup, reps)
         out.append(row)
     return out
+
+
+def _timed_and_priced(model: LaunchCostModel, segments: Sequence[tuple[int, int]], kernel: str, kv_heads: int,
+                      head_dim: int, dtype: torch.dtype, device: torch.device, warmup: int, reps: int) -> dict:
+    """One call over ``segments`` timed per phase (:func:`time_call_phases`, the model's heads) and priced by
+    ``model``: {phase: {"measured": ms, "predicted": ms}}."""
+    times = time_call_phases(segments, kernel, model.heads, kv_heads, head_dim, dtype, device, warmup, reps)
+    q_lens, k_lens = [q for q, _ in segments], [k for _, k in segments]
+    return {phase: {"measured": measured, "predicted": model.phase_cost(phase, q_lens, k_lens)}
+            for phase, measured in zip(PHASES, times)}
 
 
 def check_launch_cost(model: LaunchCostModel, shapes: Sequence[tuple[int, int]], kernel: str, kv_heads: int,
@@ -238,15 +245,9 @@ def check_launch_cost(model: LaunchCostModel, shapes: Sequence[tuple[int, int]],
     """Time each single-segment call of ``shapes`` (forward and backward apart, as the profile times them) and
     price it with ``model``: one row per shape with ``q_len``, ``kv_len`` and, per phase, ``measured`` and
     ``predicted`` ms. The model's own ``heads`` are timed."""
-    out = []
-    for q_len, kv_len in shapes:
-        times = time_call_phases([(q_len, kv_len)], kernel, model.heads, kv_heads, head_dim, dtype, device, warmup,
-                                 reps)
-        row = {"q_len": q_len, "kv_len": kv_len}
-        for phase, measured in zip(PHASES, times):
-            row[phase] = {"measured": measured, "predicted": model.phase_cost(phase, [q_len], [kv_len])}
-        out.append(row)
-    return out
+    return [{"q_len": q_len, "kv_len": kv_len,
+             **_timed_and_priced(model, [(q_len, kv_len)], kernel, kv_heads, head_dim, dtype, device, warmup, reps)}
+            for q_len, kv_len in shapes]
 
 
 def server_phase_errors(model: LaunchCostModel, dump: dict) -> list[dict]:
