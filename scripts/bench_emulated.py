@@ -95,6 +95,9 @@ def variants(backends: list[str], profiled, grid=None) -> list[tuple[str, str, d
             out.append(("cad flops eps0.1", "cad", {"cost_model": "flops", "eps": 0.1}))
             out.append(("cad profiled eps0.1", "cad", {"cost_model": profiled, "eps": 0.1}))
             out.append(("cad profiled eps0.01", "cad", {"cost_model": profiled, "eps": 0.01}))
+            # what key cuts buy (a task's first keys given away as a rectangle, see hf_longctx.backends.cad.tasks)
+            out.append(("cad profiled eps0.01 no key cuts", "cad", {"cost_model": profiled, "eps": 0.01,
+                                                                    "key_cuts": False}))
             # what cutting a server's batch into calls of similar segments buys (hf_longctx.kernels.calls)
             out.append(("cad profiled eps0.01 one call", "cad", {"cost_model": profiled, "eps": 0.01,
                                                                   "call_terms": None}))

@@ -9,18 +9,27 @@ bytes of what it moved, and leave the emulated outputs and gradients equal to on
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from hf_longctx.backends.cad.cost_model import ProfiledCostModel
+from hf_longctx.backends.cad.cost_model import ProfiledCostModel, TokenBytes
+from hf_longctx.backends.cad.launch_cost import LaunchCostModel, PhaseTerms
 from hf_longctx.backends.cad.refine import refine_in_time
-from hf_longctx.backends.cad.runtime import _predicted_costs, _server_time, cad_schedule, call_terms_for
+from hf_longctx.backends.cad.runtime import (
+    _predicted_costs,
+    _server_time,
+    cad_schedule,
+    call_terms_for,
+    server_costs,
+)
 from hf_longctx.backends.cad.scheduler import schedule, task_bytes, verify_schedule, with_tasks
 from hf_longctx.backends.cad.tasks import docs_per_rank
 from hf_longctx.emulation.workloads import doc_lengths
+from hf_longctx.kernels.launch import LaunchGrid
 from hf_longctx.layout import PackedBatch, shard_plan
 
 # torch's flash kernel on an H200 with its launch grid: calls are priced with their tails
@@ -92,3 +101,67 @@ def test_a_refined_schedule_still_computes_what_one_device_does(world):
         for got, ref in zip(r.results, want):
             torch.testing.assert_close(got, ref[idx], rtol=1e-9, atol=1e-9)
     assert np.isfinite([r.kernel_s for r in step.ranks]).all()
+
+
+# a small launch model (16-row tiles, 4 slots): priced like a GPU, small enough to emulate on the CPU
+SMALL = LaunchCostModel(LaunchGrid(forward_tile=(16, 8), backward_tile=(8, 16), slots=4), 4,
+                        PhaseTerms(1e-3, 1e-4, 2e-4, 1e-3, 0.0, 0.05), PhaseTerms(3e-3, 3e-4, 2e-4, 2e-3, 1e-2, 0.08))
+LONG_DOC_LENS = [2400, 40, 33, 90, 12, 64, 25]  # one document over every rank: its last rows see 2K keys
+
+
+@pytest.mark.parametrize("world", [4, 5])
+def test_key_cuts_balance_a_long_documents_last_rows_and_stay_exact(world):
+    """Where rows can no longer be cut finer (a long document's last rows over its whole prefix), the busiest
+    server gives its first keys away as rectangles: the predicted maximum falls, every (row, key) pair is
+    computed once, and the emulated outputs and q/k/v gradients equal the fp64 reference."""
+    from test_cad_call_split import make_tensors, single_device
+
+    from hf_longctx.emulation import emulate_step
+
+    batch = PackedBatch.from_doc_lens(LONG_DOC_LENS)
+    plan = shard_plan(batch, world, "cad")
+    options = {"cost_model": SMALL, "eps": 0.01}
+    with_cuts = cad_schedule(plan, options)
+    without = server_costs(plan, {**options, "key_cuts": False})
+    predicted = server_costs(plan, options)
+    assert any(t.is_rect for t in with_cuts.tasks), "no key was cut: the test tests nothing"
+    assert predicted.max() / predicted.mean() < 1.03 < without.max() / without.mean()
+    verify_schedule(docs_per_rank(plan), with_cuts, SMALL)
+    q, k, v, dout = make_tensors(batch, seed=world)
+    want = single_device(batch, q, k, v, dout)
+    step = emulate_step(batch, world, (q, k, v, dout), "cad", options=options, kernel="reference",
+                        keep_results=True)
+    for r in step.ranks:
+        idx = plan.local_indices(r.rank)
+        for got, ref in zip(r.results, want):
+            torch.testing.assert_close(got, ref[idx], rtol=1e-9, atol=1e-9)
+
+
+def test_a_schedule_check_catches_keys_cut_twice_or_not_at_all():
+    plan = shard_plan(PackedBatch.from_doc_lens(LONG_DOC_LENS), 4, "cad")
+    docs = docs_per_rank(plan)
+    sched = cad_schedule(plan, {"cost_model": SMALL, "eps": 0.01})
+    rect = next(t for t in sched.tasks if t.is_rect)
+    for broken, problem in ((replace(rect, key_hi=rect.key_hi - 16), "covered twice or not at all|causal keys"),
+                            (replace(rect, key_lo=rect.key_lo + 16), "covered twice or not at all"),
+                            (replace(rect, key_hi=-1), "causal tasks, not one")):
+        tasks = [broken if t == rect else t for t in sched.tasks]
+        with pytest.raises(AssertionError, match=problem):
+            verify_schedule(docs, with_tasks(docs, sched, tasks, SMALL), SMALL)
+
+
+def test_key_cuts_are_counted_in_bytes_once_per_key_and_server():
+    """A server that computes a rectangle of a document's keys and, elsewhere, its causal rest, fetches each
+    key once: the union of its tasks' key ranges."""
+    docs = [[(1000, 0)], [(1000, 1000)]]  # one 2000-token document over two ranks
+    owner, piece, server = np.array([1, 1]), np.array([0, 0]), np.array([0, 0])
+    q_start, q_end = np.array([0, 0]), np.array([100, 100])
+    tb = TokenBytes(q=1.0, kv=10.0, out=100.0)
+    # rows [0, 100) of rank 1 on server 0: keys [0, 600) as a rectangle, [600, 1100) causal: 1100 keys once
+    per_rank, per_server = task_bytes(docs, owner, piece, q_start, q_end, server, 2, tb,
+                                      np.array([0, 600]), np.array([600, -1]))
+    assert per_server[0] == pytest.approx(200 * (1.0 + 100.0) + 1100 * 10.0)
+    # the same two tasks at home (server 1) fetch only the keys held by rank 0
+    _, home = task_bytes(docs, owner, piece, q_start, q_end, np.array([1, 1]), 2, tb,
+                         np.array([0, 600]), np.array([600, -1]))
+    assert home[1] == pytest.approx(1000 * 10.0)

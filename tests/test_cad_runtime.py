@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -37,13 +38,34 @@ def random_tasks(plan, seed: int) -> list[CadTask]:
     return tasks
 
 
-def check_random_schedules(rank, world, seeds, pingpong):
+def random_key_cut_tasks(plan, seed: int) -> list[CadTask]:
+    """:func:`random_tasks`, each with the keys before its first row cut at random points: rectangles of the
+    first keys and a causal rest, every part of a row on a different server (a server computes a row once)."""
+    rng = random.Random(seed)
+    tasks = []
+    for t in random_tasks(plan, seed):
+        piece, _ = pieces_of(plan, t.owner)[t.piece]
+        before = piece.start - plan.batch.doc_starts[piece.doc] + t.q_start  # keys all of its rows see
+        cuts = sorted({rng.randint(0, before) for _ in range(rng.randint(0, min(2, plan.world_size - 1)))} - {0})
+        servers = rng.sample(range(plan.world_size), len(cuts) + 1)
+        lo = 0
+        for hi, server in zip(cuts, servers):
+            tasks.append(replace(t, server=server, key_lo=lo, key_hi=hi))
+            lo = hi
+        tasks.append(replace(t, server=servers[-1], key_lo=lo))
+    rng.shuffle(tasks)
+    return tasks
+
+
+def check_random_schedules(rank, world, seeds, pingpong, key_cuts=False):
     for seed in seeds:
         for dtype, tol in ((torch.float64, 1e-9), (torch.float32, 2e-5)):
             batch, q, k, v, dout = make_problem(seed * 13 + world, world, dtype)
             ref_out, ref_dq, ref_dk, ref_dv = reference(batch, q, k, v, dout)
             plan = shard_plan(batch, world, "contiguous")
-            tasks = random_tasks(plan, seed)
+            tasks = random_key_cut_tasks(plan, seed) if key_cuts else random_tasks(plan, seed)
+            if key_cuts:
+                assert any(t.is_rect for t in tasks), "no key was cut: the test tests nothing"
             r, _ = group_rank_and_size(None)
             run = RunContext(plan, (), None, r, 1 / math.sqrt(q.shape[-1]), "auto", runtime.run_forward,
                              runtime.run_backward, {"tasks": tasks, "pingpong": pingpong})
@@ -65,6 +87,39 @@ def test_cad_runtime_exact_for_random_schedules(world):
 
 def test_cad_runtime_exact_without_pingpong():
     run_distributed(3, check_random_schedules, range(2), False)
+
+
+@pytest.mark.parametrize("world,pingpong", [(2, True), (3, False), (5, True)])
+def test_cad_runtime_exact_when_keys_are_cut_over_servers(world, pingpong):
+    """Rows whose keys are cut into rectangles and a causal rest, each on its own server: the partial results
+    merge at the rows' owner by their log-sum-exp, and every part's backward adds its dq."""
+    run_distributed(world, check_random_schedules, range(3), pingpong, True)
+
+
+def test_a_server_may_not_compute_two_parts_of_a_row_in_one_nano_batch():
+    batch = PackedBatch.from_doc_lens([300, 100])
+    plan = shard_plan(batch, 2, "contiguous")
+    rest = CadTask(1, 0, 0, 50, 0, key_lo=128)  # rank 1's first rows (from 200) continue the 300-token document
+    with pytest.raises(ValueError, match="computes rows of .* twice in one nano-batch"):
+        runtime.build_nano_batch(plan, [replace(rest, key_lo=0, key_hi=128), rest], 0)
+
+
+@pytest.mark.parametrize("task,problem", [
+    (CadTask(1, 0, 0, 50, 0, key_lo=0, key_hi=201), "must lie before the task's first row"),
+    (CadTask(1, 0, 0, 50, 0, key_lo=201), "must lie before the task's first row"),
+    (CadTask(0, 0, 0, 50, 0, key_lo=0, key_hi=0), "must lie before the task's first row"),
+])
+def test_a_key_range_outside_the_visible_prefix_is_refused(task, problem):
+    plan = shard_plan(PackedBatch.from_doc_lens([300, 100]), 2, "contiguous")  # rank 1 starts at row 200
+    with pytest.raises(ValueError, match=problem):
+        runtime.build_nano_batch(plan, [task, CadTask(1, 0, 0, 50, 1)], 0)
+
+
+def test_key_cuts_are_refused_under_a_sliding_window():
+    plan = shard_plan(PackedBatch.from_doc_lens([300, 100]), 2, "contiguous").with_window(64)
+    with pytest.raises(ValueError, match="sliding window"):
+        runtime.build_nano_batch(plan, [CadTask(1, 0, 0, 50, 0, key_lo=0, key_hi=64), CadTask(1, 0, 0, 50, 1,
+                                                                                              key_lo=64)], 0)
 
 
 def test_docs_per_rank_gives_pieces_with_their_prefix_offset():

@@ -17,7 +17,14 @@ import pytest
 
 from hf_longctx.backends.cad.cost_model import ProfiledCostModel
 from hf_longctx.kernels.calls import calls_overhead
-from hf_longctx.kernels.launch import LaunchGrid, backward_steps, forward_steps, tail_factor
+from hf_longctx.kernels.launch import (
+    LaunchGrid,
+    backward_step_total,
+    backward_steps,
+    forward_step_total,
+    forward_steps,
+    tail_factor,
+)
 
 HERE = Path(__file__).parent
 GRID = LaunchGrid(forward_tile=(128, 64), backward_tile=(64, 128), forward_weight=0.15, slots=132)
@@ -41,6 +48,20 @@ def test_block_steps_count_the_tiles_each_block_sweeps(q_len, k_len):
     assert forward == _visible_tiles(q_len, k_len, 128, 64, by_query=True)
     backward = backward_steps(q_len, k_len, (64, 128))
     assert backward == _visible_tiles(q_len, k_len, 64, 128, by_query=False)
+
+
+@pytest.mark.parametrize("q_len,k_len", [(128, 128), (300, 1000), (1, 257), (513, 64)])
+def test_a_rectangle_sweeps_every_key_tile_from_every_block(q_len, k_len):
+    """A key cut's rectangle (every row sees every key) runs ceil(q / rows) forward blocks of all key tiles and
+    ceil(k / keys) backward blocks of all query tiles; the closed forms agree, for ints and arrays."""
+    forward = forward_steps(q_len, k_len, (128, 64), causal=False)
+    assert forward == [-(-k_len // 64)] * -(-q_len // 128)
+    backward = backward_steps(q_len, k_len, (64, 128), causal=False)
+    assert backward == [-(-q_len // 64)] * -(-k_len // 128)
+    assert forward_step_total(q_len, k_len, (128, 64), causal=False) == sum(forward)
+    assert backward_step_total(q_len, k_len, (64, 128), causal=False) == sum(backward)
+    assert forward_step_total(np.array([q_len, 0]), np.array([k_len, 5]), (128, 64), causal=False).tolist() == \
+        [sum(forward), 0]
 
 
 def test_blocks_of_equal_work_that_fill_whole_waves_leave_no_tail():

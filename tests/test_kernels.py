@@ -17,6 +17,7 @@ from hf_longctx.kernels import (
     attention_forward,
     available_kernels,
     merge_partials,
+    merge_rows_,
     reset_stats,
     stats,
 )
@@ -293,3 +294,26 @@ def test_cudnn_declines_a_window_and_torch_flash_takes_it():
     assert "window_size_left" in schema and "window_size_right" in schema
     assert torch_flash._window_kwargs(True, 5) == {"window_size_left": 4, "window_size_right": 0}
     assert torch_flash._window_kwargs(False, 5) == {"window_size_left": 4, "window_size_right": -1}
+
+
+def test_rows_merge_in_place_from_parts_in_any_order_several_per_row():
+    """A CAD row's key parts come back from several servers in one message: ``merge_rows_`` folds any number of
+    parts per row into the running result, equal to merging them pairwise, and leaves other rows alone."""
+    g = torch.Generator().manual_seed(0)
+    rows, heads, dim = 7, 2, 4
+    parts = [(torch.randn(rows, heads, dim, generator=g, dtype=torch.float64),
+              torch.randn(heads, rows, generator=g, dtype=torch.float64)) for _ in range(3)]
+    parts[2][1][:, 4] = float("-inf")  # a part that saw no key of row 4
+    want_out, want_lse = merge_partials(*parts[0], *parts[1])
+    want_out, want_lse = merge_partials(want_out, want_lse, *parts[2])
+    out = torch.full((rows + 2, heads, dim), 5.0, dtype=torch.float64)  # two rows no part touches
+    lse = torch.full((rows + 2, heads), 3.0, dtype=torch.float64)
+    out[:rows], lse[:rows] = 0.0, float("-inf")
+    touched = torch.arange(rows)
+    merge_rows_(out, lse, touched, touched, parts[1][0], parts[1][1].t())
+    both = torch.cat([touched, touched]).flip(0)  # parts 0 and 2 of every row in one message, in reverse
+    merge_rows_(out, lse, touched, both, torch.cat([parts[0][0], parts[2][0]]).flip(0),
+                torch.cat([parts[0][1].t(), parts[2][1].t()]).flip(0))
+    torch.testing.assert_close(out[:rows], want_out, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(lse[:rows], want_lse.t(), rtol=1e-13, atol=1e-13)
+    assert (out[rows:] == 5.0).all() and (lse[rows:] == 3.0).all()

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..kernels.merge import merge_rows_
 from .emulated import EmulatedGroup
 from .p2p import count_all_to_all
 
@@ -140,14 +141,22 @@ class GatherPlan:
         self.remote_pos = _long(np.flatnonzero(~local))
         self.remote_slot = _long(index[~local] - self.local_rows)
         self.index = _long(index)
-        self.send_index = _long(np.concatenate(send) if send else np.zeros(0, dtype=np.int64))
+        send_np = np.concatenate(send) if send else np.zeros(0, dtype=np.int64)
+        self.send_index = _long(send_np)
+        # merging partial results (see merge_local): the distinct rows each side writes, and every entry's
+        # place among them (several readers may return parts of one row)
+        local_rows, local_inv = np.unique(index[local], return_inverse=True)
+        send_rows, send_inv = np.unique(send_np, return_inverse=True)
+        self.local_rows_merged, self.local_inverse = _long(local_rows), _long(local_inv.reshape(-1))
+        self.send_rows_merged, self.send_inverse = _long(send_rows), _long(send_inv.reshape(-1))
 
     @property
     def segment_rows(self) -> int:
         return int(self.index.shape[0])
 
     def to(self, device) -> GatherPlan:
-        for name in ("index", "local_pos", "local_src", "remote_pos", "remote_slot", "send_index"):
+        for name in ("index", "local_pos", "local_src", "remote_pos", "remote_slot", "send_index",
+                     "local_rows_merged", "local_inverse", "send_rows_merged", "send_inverse"):
             setattr(self, name, getattr(self, name).to(device))
         return self
 
@@ -228,6 +237,34 @@ class GatherPlan:
                 else:
                     locals_[i].index_copy_(0, self.send_index, r)
         pending.parts = []
+
+
+    # ------------------------------------------------------------------ reverse: partial results to holders
+
+    def merge_local(self, out_seg: torch.Tensor, lse_seg: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+                    ) -> None:
+        """Merge the partial results (``out_seg``: (rows, H, D), ``lse_seg``: (rows, H)) of segment rows that
+        read local rows into the running local result (``out``, ``lse``) by their log-sum-exp, where
+        :meth:`scatter_local` would copy them: for segments that see only part of their rows' keys."""
+        if self.local_pos.shape[0] == 0:
+            return
+        merge_rows_(out, lse, self.local_rows_merged, self.local_inverse,
+                    out_seg.index_select(0, self.local_pos), lse_seg.index_select(0, self.local_pos))
+
+    def finish_merge(self, pending: _Pending, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Wait for :meth:`start_return` of ``[out_seg, lse_seg]`` and merge the returned partial results into
+        ``out`` and ``lse`` (several readers may return parts of one row). A reader's segments must not return
+        two parts of one row (:meth:`start_return` sums a reader's rows)."""
+        received: list[torch.Tensor | None] = [None, None]
+        for work, recv, idx in pending.parts:
+            if work is not None:
+                work.wait()
+            for i, r in zip(idx, _unpack(recv, [(out, lse)[i] for i in idx])):
+                received[i] = r
+        pending.parts = []
+        if received[0] is None or received[0].shape[0] == 0:
+            return
+        merge_rows_(out, lse, self.send_rows_merged, self.send_inverse, received[0], received[1])
 
 
 def _mask(runs: Sequence[Run], holder: int, rows: int) -> np.ndarray:

@@ -53,6 +53,12 @@ def segment_lengths(name: str, args: tuple, kwargs: dict) -> tuple[tuple[int, ..
     return (tuple(b - a for a, b in zip(cu_q, cu_q[1:])), tuple(b - a for a, b in zip(cu_k, cu_k[1:])))
 
 
+def is_causal(args: tuple, kwargs: dict) -> bool:
+    """Whether one observed kernel call is causal (a CAD key cut's rectangles run in non-causal calls)."""
+    call = next((a for a in args if isinstance(a, KernelCall)), None)
+    return bool(call.causal) if call is not None else bool(kwargs.get("causal", True))
+
+
 class KernelTimer:
     """A kernel observer (:func:`hf_longctx.kernels.observe_kernels`) summing kernel seconds per (rank, phase).
 
@@ -70,7 +76,7 @@ class KernelTimer:
         self.keep_calls = keep_calls
         self._events: dict[tuple[int, str], list[tuple[torch.cuda.Event, torch.cuda.Event]]] = defaultdict(list)
         self._seconds: dict[tuple[int, str], float] = defaultdict(float)
-        self._log: list[tuple[int, str, tuple, tuple, Any]] = []  # rank, phase, q lens, k lens, events or seconds
+        self._log: list[tuple[int, str, tuple, tuple, bool, Any]] = []  # rank, phase, lens, causal, events/seconds
         self.calls: dict[tuple[int, str], int] = defaultdict(int)
 
     def __call__(self, name: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -90,23 +96,24 @@ class KernelTimer:
             end.record()
             self._events[rank, name].append((start, end))
             if self.keep_calls:
-                self._log.append((rank, name, *segment_lengths(name, args, kwargs), (start, end)))
+                self._log.append((rank, name, *segment_lengths(name, args, kwargs), is_causal(args, kwargs),
+                                  (start, end)))
             return result
         t0 = time.perf_counter()
         result = fn(*args, **kwargs)
         took = time.perf_counter() - t0
         self._seconds[rank, name] += took
         if self.keep_calls:
-            self._log.append((rank, name, *segment_lengths(name, args, kwargs), took))
+            self._log.append((rank, name, *segment_lengths(name, args, kwargs), is_causal(args, kwargs), took))
         return result
 
     def call_log(self) -> list[dict]:
-        """Every timed call in order (with ``keep_calls``): rank, phase, segment lengths and seconds."""
+        """Every timed call in order (with ``keep_calls``): rank, phase, segment lengths, causal, seconds."""
         if self.cuda and self._log:
             torch.cuda.synchronize()
-        return [{"rank": rank, "phase": name, "q_lens": list(ql), "k_lens": list(kl),
+        return [{"rank": rank, "phase": name, "q_lens": list(ql), "k_lens": list(kl), "causal": causal,
                  "seconds": t if isinstance(t, float) else t[0].elapsed_time(t[1]) / 1e3}
-                for rank, name, ql, kl, t in self._log]
+                for rank, name, ql, kl, causal, t in self._log]
 
     def seconds(self) -> dict[tuple[int, str], float]:
         """Kernel seconds per (rank, ``forward``/``backward``); synchronises the device once."""

@@ -17,7 +17,7 @@ from .dispatch import (
     select_kernel,
     stats,
 )
-from .merge import PartialAccumulator, accumulation_dtype, merge_partials
+from .merge import PartialAccumulator, accumulation_dtype, merge_partials, merge_rows_
 from .observe import observe_kernels, observed
 from .registry import auto_order, get_kernel, kernel_names, register_kernel, unregister_kernel
 
@@ -44,6 +44,7 @@ __all__ = [
     "kernel_forward",
     "kernel_names",
     "merge_partials",
+    "merge_rows_",
     "observe_kernels",
     "register_kernel",
     "reset_stats",

@@ -73,28 +73,36 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def forward_steps(q_len: int, k_len: int, tile: tuple[int, int]) -> list[int]:
-    """Key tiles each forward block of a bottom-right causal segment sweeps, in launch order."""
+def forward_steps(q_len: int, k_len: int, tile: tuple[int, int], causal: bool = True) -> list[int]:
+    """Key tiles each forward block of a bottom-right causal segment (or with ``causal`` False, a rectangle:
+    every row sees every key) sweeps, in launch order."""
     rows, keys = tile
+    if not causal:
+        return [_cdiv(k_len, keys)] * _cdiv(q_len, rows)
     return [max(1, _cdiv(k_len - q_len + min(q_len, (i + 1) * rows), keys)) for i in range(_cdiv(q_len, rows))]
 
 
-def backward_steps(q_len: int, k_len: int, tile: tuple[int, int]) -> list[int]:
+def backward_steps(q_len: int, k_len: int, tile: tuple[int, int], causal: bool = True) -> list[int]:
     """Query tiles each backward block (one key tile) of a bottom-right causal segment sweeps, in launch order:
-    the query rows that see any of its keys."""
+    the query rows that see any of its keys (with ``causal`` False, a rectangle: all of them)."""
     rows, keys = tile
     tiles = _cdiv(q_len, rows)
+    if not causal:
+        return [tiles] * _cdiv(k_len, keys)
     # row i sees key j * keys from row j * keys - (k_len - q_len) on; tiles are aligned at row 0
     return [max(0, tiles - max(0, j * keys - (k_len - q_len)) // rows) if j * keys - (k_len - q_len) < q_len else 0
             for j in range(_cdiv(k_len, keys))]
 
 
-def forward_step_total(q_len, k_len, tile: tuple[int, int]):
-    """``sum(forward_steps(q_len, k_len, tile))`` in closed form, for ints or numpy arrays (0 where q_len is 0).
+def forward_step_total(q_len, k_len, tile: tuple[int, int], causal: bool = True):
+    """``sum(forward_steps(q_len, k_len, tile, causal))`` in closed form, for ints or numpy arrays (0 where q_len is
+    0).
 
     Block ``i`` of ``T = ceil(q/rows)`` sweeps ``ceil((k - q + (i + 1) * rows) / keys)`` key tiles, the last one
     ``ceil(k / keys)``; with ``rows`` a multiple of ``keys`` the first ``T - 1`` form an arithmetic series."""
     rows, keys = tile
+    if not causal:
+        return _rect_steps(q_len, k_len, rows, keys)
     if rows % keys:
         return _summed(forward_steps, q_len, k_len, tile)
     if isinstance(q_len, int) and isinstance(k_len, int):  # the scheduler's inner loop: no numpy per call
@@ -109,12 +117,15 @@ def forward_step_total(q_len, k_len, tile: tuple[int, int]):
     return np.where(q > 0, total, 0)
 
 
-def backward_step_total(q_len, k_len, tile: tuple[int, int]):
-    """``sum(backward_steps(q_len, k_len, tile))`` in closed form, for ints or numpy arrays (0 where q_len is 0).
+def backward_step_total(q_len, k_len, tile: tuple[int, int], causal: bool = True):
+    """``sum(backward_steps(q_len, k_len, tile, causal))`` in closed form, for ints or numpy arrays (0 where q_len
+    is 0).
 
     With ``o = k - q`` keys before the first row: key blocks starting at or before ``o`` sweep all ``ceil(q/rows)``
     query tiles; each later one starts ``keys / rows`` tiles further down (``keys`` a multiple of ``rows``)."""
     rows, keys = tile
+    if not causal:
+        return _rect_steps(q_len, k_len, rows, keys)
     if keys % rows:
         return _summed(backward_steps, q_len, k_len, tile)
     if isinstance(q_len, int) and isinstance(k_len, int):
@@ -135,6 +146,14 @@ def backward_step_total(q_len, k_len, tile: tuple[int, int]):
     skipped = (first_late * keys - offset) // rows  # query tiles the first late block skips
     total = full * tiles + late * (tiles - skipped) - (keys // rows) * late * (late - 1) // 2
     return np.where(q > 0, total, 0)
+
+
+def _rect_steps(q_len, k_len, rows: int, keys: int):
+    """Tile steps of a rectangle (every row sees every key): query tiles times key tiles, in either phase."""
+    if isinstance(q_len, int) and isinstance(k_len, int):
+        return _cdiv(q_len, rows) * _cdiv(k_len, keys) if q_len > 0 else 0
+    q, k = np.asarray(q_len, dtype=np.int64), np.asarray(k_len, dtype=np.int64)
+    return np.where(q > 0, (-(-q // rows)) * (-(-k // keys)), 0)
 
 
 def _summed(steps, q_len, k_len, tile):

@@ -65,3 +65,37 @@ class PartialAccumulator:
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Final (out in the input dtype, lse in the accumulation dtype)."""
         return self.out.to(self.dtype), self.lse
+
+
+def merge_rows_(
+    out: torch.Tensor,
+    lse_rows: torch.Tensor,
+    rows: torch.Tensor,
+    inverse: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse_rows: torch.Tensor,
+) -> None:
+    """Merge partial results into rows of a running result, in place; several parts may land on one row.
+
+    ``out``: (T, H, D) and ``lse_rows``: (T, H), the running result (rows that have none yet hold lse -inf).
+    Part ``i`` (``part_out[i]``: (H, D), ``part_lse_rows[i]``: (H,)) belongs to row ``rows[inverse[i]]``;
+    ``rows`` are the distinct rows touched, so only they are read and written. All parts of a row are
+    combined at once through their log-sum-exp (a shared maximum keeps the exponentials in range), in the
+    accumulation dtype; ``out`` keeps its dtype (keep it in the accumulation dtype while parts arrive).
+    """
+    acc = accumulation_dtype(out.dtype)
+    sub_out = out.index_select(0, rows).to(acc)
+    sub_lse = lse_rows.index_select(0, rows).to(acc)
+    part_lse = part_lse_rows.to(acc)
+    peak = sub_lse.scatter_reduce(0, inverse.unsqueeze(-1).expand_as(part_lse), part_lse, "amax", include_self=True)
+    safe = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    w_old = torch.exp(sub_lse - safe)
+    w_new = torch.exp(part_lse - safe.index_select(0, inverse))
+    total = w_old.index_add(0, inverse, w_new)
+    numer = (sub_out * w_old.unsqueeze(-1)).index_add_(0, inverse, part_out.to(acc) * w_new.unsqueeze(-1))
+    seen = total > 0
+    denom = torch.where(seen, total, torch.ones_like(total))
+    merged = torch.where(seen.unsqueeze(-1), numer / denom.unsqueeze(-1), torch.zeros_like(numer))
+    merged_lse = torch.where(seen, safe + torch.log(denom), torch.full_like(safe, float("-inf")))
+    out.index_copy_(0, rows, merged.to(out.dtype))
+    lse_rows.index_copy_(0, rows, merged_lse.to(lse_rows.dtype))

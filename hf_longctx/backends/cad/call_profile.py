@@ -252,14 +252,15 @@ def check_launch_cost(model: LaunchCostModel, shapes: Sequence[tuple[int, int]],
 
 def server_phase_errors(model: LaunchCostModel, dump: dict) -> list[dict]:
     """Per rank of an emulated step's dumped kernel calls (``bench_emulated.py --dump-calls``: ``reps``, a list per
-    timed repetition of calls with ``rank``, ``phase``, ``q_lens``, ``k_lens`` and ``seconds``), per phase: the
+    timed repetition of calls with ``rank``, ``phase``, ``q_lens``, ``k_lens``, ``causal`` (default True) and
+    ``seconds``), per phase: the
     ``measured`` ms (each call the median over the repetitions) and what ``model`` ``predicted`` (ms).
 
     Where a server's time goes wrong, phase by phase: a step's total hides a forward priced high on one server
     behind a backward priced low. Calls are matched across repetitions by rank, phase and segments (ranks run in
     threads, so the log's order differs between repetitions); repetitions must hold the same calls."""
     def key(call: dict) -> tuple:
-        return call["rank"], call["phase"], tuple(call["q_lens"]), tuple(call["k_lens"])
+        return call["rank"], call["phase"], call.get("causal", True), tuple(call["q_lens"]), tuple(call["k_lens"])
 
     reps = [sorted(rep, key=key) for rep in dump["reps"]]
     if not reps or any([key(c) for c in rep] != [key(c) for c in reps[0]] for rep in reps):
@@ -270,5 +271,6 @@ def server_phase_errors(model: LaunchCostModel, dump: dict) -> list[dict]:
         row = ranks.setdefault(call["rank"], {"rank": call["rank"], **{
             p: {"measured": 0.0, "predicted": 0.0} for p in PHASES}})
         row[call["phase"]]["measured"] += measured
-        row[call["phase"]]["predicted"] += model.phase_cost(call["phase"], call["q_lens"], call["k_lens"])
+        row[call["phase"]]["predicted"] += model.phase_cost(call["phase"], call["q_lens"], call["k_lens"],
+                                                            causal=call.get("causal", True))
     return [ranks[r] for r in sorted(ranks)]

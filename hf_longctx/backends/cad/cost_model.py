@@ -88,6 +88,10 @@ class FlopsCostModel:
         q = np.clip(np.asarray(q_len, dtype=np.float64), 0.0, kv)
         return self.flops_per_pair * (q * kv - q * (q - 1) / 2)
 
+    def rect_cost(self, q_len: int, kv_len: int) -> float:
+        """``q_len`` rows that all see ``kv_len`` keys (a key cut's part before its rows, see :mod:`.tasks`)."""
+        return self.flops_per_pair * max(int(q_len), 0) * max(int(kv_len), 0)
+
 
 PAIRS = FlopsCostModel(flops_per_pair=1.0)  # cost = visible (query, key) pairs
 

@@ -82,10 +82,10 @@ class PhaseTerms:
 TERM_NAMES = tuple(f.name for f in fields(PhaseTerms))
 
 
-def _steps(phase: str, q_len, k_len, grid: LaunchGrid):
+def _steps(phase: str, q_len, k_len, grid: LaunchGrid, causal: bool = True):
     if phase == "forward":
-        return forward_step_total(q_len, k_len, grid.forward_tile)
-    return backward_step_total(q_len, k_len, grid.backward_tile)
+        return forward_step_total(q_len, k_len, grid.forward_tile, causal)
+    return backward_step_total(q_len, k_len, grid.backward_tile, causal)
 
 
 def _own_blocks(phase: str, q_len, k_len, grid: LaunchGrid):
@@ -95,24 +95,26 @@ def _own_blocks(phase: str, q_len, k_len, grid: LaunchGrid):
     return -(-np.asarray(k_len) // grid.backward_tile[1])
 
 
-def _block_steps(phase: str, pairs: Sequence[tuple[int, int]], grid: LaunchGrid) -> list[int]:
+def _block_steps(phase: str, pairs: Sequence[tuple[int, int]], grid: LaunchGrid, causal: bool = True
+                 ) -> list[int]:
     """Tile steps of every block the call's ``phase`` launches for its segments (in launch order, one head)."""
     steps: list[int] = []
     for q, k in pairs:
-        steps += forward_steps(q, k, grid.forward_tile) if phase == "forward" else \
-            backward_steps(q, k, grid.backward_tile)
+        steps += forward_steps(q, k, grid.forward_tile, causal) if phase == "forward" else \
+            backward_steps(q, k, grid.backward_tile, causal)
     return steps
 
 
-def call_features(phase: str, q_lens: Sequence[int], k_lens: Sequence[int], grid: LaunchGrid, heads: int
-                  ) -> np.ndarray:
+def call_features(phase: str, q_lens: Sequence[int], k_lens: Sequence[int], grid: LaunchGrid, heads: int,
+                  causal: bool = True) -> np.ndarray:
     """The six quantities of one call's ``phase`` that :class:`PhaseTerms` prices (in its field order), the
     segments in launch order: tile steps times the call's tail factor, query rows, keys, launched blocks
-    (every segment up to the longest), segments, 1."""
+    (every segment up to the longest), segments, 1. ``causal`` False: a call of rectangles (every row of a
+    segment sees all its keys), which runs the same blocks over more tile steps."""
     pairs = [(int(q), int(k)) for q, k in zip(q_lens, k_lens) if q > 0]
     if not pairs:
         return np.zeros(len(TERM_NAMES))
-    per_block = _block_steps(phase, pairs, grid)
+    per_block = _block_steps(phase, pairs, grid, causal)
     steps = sum(per_block) * phase_factor(per_block, heads, grid.slots)
     if phase == "forward":
         launched = len(pairs) * -(-max(q for q, _ in pairs) // grid.forward_tile[0])
@@ -183,18 +185,23 @@ class LaunchCostModel:
         return CallTerms(self.forward.call + self.backward.call, self.forward.block, self.backward.block, tile,
                          self.units)
 
-    def cost(self, q_len: int, kv_len: int) -> float:
+    def cost(self, q_len: int, kv_len: int, causal: bool = True) -> float:
         """One segment alone at full throughput (no call constant, no tail): both phases' steps, tokens, own
         blocks and segment term. Plain Python: the scheduler's inner loop prices a few candidates per move."""
         q, kv = int(q_len), int(kv_len)
         if q <= 0:
             return 0.0
         f, b, grid = self.forward, self.backward, self.launch
-        return (f.step * forward_step_total(q, kv, grid.forward_tile)
-                + b.step * backward_step_total(q, kv, grid.backward_tile)
+        return (f.step * forward_step_total(q, kv, grid.forward_tile, causal)
+                + b.step * backward_step_total(q, kv, grid.backward_tile, causal)
                 + (f.q_token + b.q_token) * q + (f.k_token + b.k_token) * kv
                 + f.block * -(-q // grid.forward_tile[0]) + b.block * -(-kv // grid.backward_tile[1])
                 + f.segment + b.segment)
+
+    def rect_cost(self, q_len: int, kv_len: int) -> float:
+        """A rectangle alone at full throughput: ``q_len`` rows that all see ``kv_len`` keys (a key cut's part
+        before its rows, see :mod:`.tasks`), run in a non-causal call."""
+        return self.cost(q_len, kv_len, causal=False)
 
     def cost_array(self, q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
         q = np.asarray(q_len, dtype=np.int64)
@@ -206,17 +213,18 @@ class LaunchCostModel:
                       + t.block * _own_blocks(phase, q, kv, self.launch) + t.segment)
         return np.where(q > 0, total, 0.0)
 
-    def tail_cost(self, q_lens: Sequence[int], k_lens: Sequence[int]) -> float:
+    def tail_cost(self, q_lens: Sequence[int], k_lens: Sequence[int], causal: bool = True) -> float:
         """What one call over these segments (in launch order) takes beyond their steps at full throughput: each
         phase's steps times its tail factor less one (0 with ``tails`` off)."""
         if not self.tails:
             return 0.0
-        return _tail_cost(tuple(int(q) for q in q_lens), tuple(int(k) for k in k_lens), self)
+        return _tail_cost(tuple(int(q) for q in q_lens), tuple(int(k) for k in k_lens), self, causal)
 
-    def phase_cost(self, phase: str, q_lens: Sequence[int], k_lens: Sequence[int]) -> float:
+    def phase_cost(self, phase: str, q_lens: Sequence[int], k_lens: Sequence[int], causal: bool = True) -> float:
         """One call's ``phase`` (forward or backward) alone: :func:`call_features` times that phase's terms, with
         its tail (what a timed phase of the call is compared with)."""
-        return float(call_features(phase, q_lens, k_lens, self.launch, self.heads) @ self.terms(phase).as_vector())
+        features = call_features(phase, q_lens, k_lens, self.launch, self.heads, causal)
+        return float(features @ self.terms(phase).as_vector())
 
     def call_cost(self, q_lens: Sequence[int], k_lens: Sequence[int]) -> float:
         """One call over these segments (in launch order): their costs, the call's constants, its surplus blocks
@@ -251,11 +259,11 @@ class LaunchCostModel:
 
 
 @functools.lru_cache(maxsize=65536)
-def _tail_cost(q_lens: tuple[int, ...], k_lens: tuple[int, ...], model: LaunchCostModel) -> float:
+def _tail_cost(q_lens: tuple[int, ...], k_lens: tuple[int, ...], model: LaunchCostModel, causal: bool) -> float:
     pairs = [(q, k) for q, k in zip(q_lens, k_lens) if q > 0]
     total = 0.0
     for phase in PHASES:
-        per_block = _block_steps(phase, pairs, model.launch)
+        per_block = _block_steps(phase, pairs, model.launch, causal)
         if per_block:
             factor = phase_factor(per_block, model.heads, model.launch.slots)
             total += model.terms(phase).step * sum(per_block) * (factor - 1.0)

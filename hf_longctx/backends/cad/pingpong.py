@@ -10,7 +10,7 @@ document on one server read overlapping key prefixes, whose union travels once p
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ...layout import ShardPlan
 from .tasks import CadTask, rows_cost, server_holds_keys, task_cost, task_key
@@ -75,11 +75,11 @@ def _cut_free(plan: ShardPlan, halves: list[list[_Unit]], loads: list[float], to
             x -= 1
         if x >= t.q_end:
             break  # not even one row fits: as balanced as rows allow
-        moved = CadTask(t.owner, t.piece, x, t.q_end, t.server)
+        moved = replace(t, q_start=x)
         moved_cost = rows_cost(plan, t, x, t.q_end)
         halves[heavy].remove(u)
         if x > t.q_start:
-            kept = CadTask(t.owner, t.piece, t.q_start, x, t.server)
+            kept = replace(t, q_end=x)
             halves[heavy].append(_Unit(rows_cost(plan, t, t.q_start, x), task_key(plan, kept), [kept]))
         halves[1 - heavy].append(_Unit(moved_cost, task_key(plan, moved), [moved]))
         loads[heavy] -= moved_cost

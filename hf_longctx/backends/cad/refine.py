@@ -9,9 +9,13 @@ schedules so made stayed 4-5% above the mean in predicted time. Here the predict
 the busiest server gives one of its tasks, whole or its first rows, to one of the least busy servers, when both
 then end below the busiest's old time; repeated a bounded number of times.
 
-Only tasks' servers change (and a task may be cut in two at a row): every query row is still computed once, so
-outputs and gradients are those of any other schedule. A moved task's rows and keys travel to its new server;
-the schedule's bytes are counted again from the final tasks (:func:`~.scheduler.task_bytes`).
+Only tasks' servers change, and a task may be cut in two at a row, or at a key (a *key cut*, see :mod:`.tasks`):
+its first keys, which all its rows see, go to another server as a rectangle. Every (query row, key) pair is
+still computed once, so outputs and gradients are those of any other schedule. Key cuts matter where rows can
+no longer be cut finer: a long document's last rows over its whole prefix (ProLong at 64 servers of 8K rows:
+the smallest row cut of its longest document was 3-5% of a server's time). A moved task's rows and keys travel
+to its new server; the schedule's bytes are counted again from the final tasks
+(:func:`~.scheduler.task_bytes`).
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ import numpy as np
 
 from ...layout import ShardPlan
 from .cost_model import CostModel
-from .tasks import CadTask, rows_cost
+from .tasks import CadTask, all_pieces, rows_cost
 
 REFINE_MOVES = 64  # moves (or cuts) at most per schedule (it stops sooner when no move helps)
 REFINE_TARGETS = 3  # least busy servers tried as receivers per move
 CUT_ROWS = 128  # a cut leaves whole kernel tiles of rows on both sides
+CUT_KEYS = 128  # a key cut leaves whole kernel tiles of keys on both sides
 
 
 ServerCost = Callable[[Sequence[CadTask]], float]
@@ -48,22 +53,52 @@ def _first_rows_for(plan: ShardPlan, model: CostModel, t: CadTask, amount: float
     return t.q_start + lo * CUT_ROWS
 
 
+def _first_keys_for(plan: ShardPlan, model: CostModel, t: CadTask, amount: float) -> int | None:
+    """The key count ``c`` (a multiple of :data:`CUT_KEYS`) whose rectangle of ``t``'s rows over its first ``c``
+    keys costs about ``amount``; None when ``t`` has no such keys to give (a rectangle, under a sliding window,
+    on a model that cannot price rectangles, or fewer keys before its first row than a cut leaves)."""
+    if t.is_rect or plan.window is not None or not hasattr(model, "rect_cost"):
+        return None
+    piece, _ = all_pieces(plan)[t.owner][t.piece]
+    before = piece.start - plan.batch.doc_starts[piece.doc] + t.q_start - t.key_lo  # keys every row sees
+    lo, hi = 1, before // CUT_KEYS
+    if hi < lo:
+        return None
+    rows = t.q_end - t.q_start
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if model.rect_cost(rows, mid * CUT_KEYS) < amount:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo * CUT_KEYS
+
+
+def _shares_rows(tasks: Sequence[CadTask], part: CadTask) -> bool:
+    """Whether ``tasks`` compute any of ``part``'s rows (over other keys): a server computes a row once."""
+    return any((t.owner, t.piece) == (part.owner, part.piece) and t.q_start < part.q_end and part.q_start < t.q_end
+               for t in tasks)
+
+
 def _place(tasks: list[CadTask], part: CadTask) -> list[CadTask]:
-    """``tasks`` with ``part`` added, merged with a task of the same piece whose rows it continues."""
+    """``tasks`` with ``part`` added, merged with a task of the same piece and keys whose rows it continues."""
     for i, t in enumerate(tasks):
-        if (t.owner, t.piece) == (part.owner, part.piece) and (t.q_end == part.q_start or part.q_end == t.q_start):
+        if (t.owner, t.piece, t.key_lo, t.key_hi) == (part.owner, part.piece, part.key_lo, part.key_hi) \
+                and (t.q_end == part.q_start or part.q_end == t.q_start):
             return tasks[:i] + [replace(t, q_start=min(t.q_start, part.q_start), q_end=max(t.q_end, part.q_end))] \
                 + tasks[i + 1:]
     return tasks + [part]
 
 
 def refine_in_time(plan: ShardPlan, tasks: Sequence[CadTask], model: CostModel, server_cost: ServerCost,
-                   moves: int = REFINE_MOVES, targets: int = REFINE_TARGETS) -> list[CadTask]:
+                   moves: int = REFINE_MOVES, targets: int = REFINE_TARGETS, key_cuts: bool = True
+                   ) -> list[CadTask]:
     """``tasks`` with the busiest server (by ``server_cost`` of its tasks) lowered while a move helps.
 
-    Each step tries, for every task of the busiest server and each of the ``targets`` least busy servers, moving
-    the whole task or its first rows priced (by ``model``) at half the two servers' gap; the move that leaves
-    the lower of the two new times' maximum wins, when that maximum is below the busiest's time.
+    Each step tries, for every task of the busiest server and each of the ``targets`` least busy servers that
+    compute none of its rows, moving the whole task, its first rows, or (with ``key_cuts``, on a model that
+    prices rectangles) its first keys, the part priced (by ``model``) at half the two servers' gap; the move
+    that leaves the lower of the two new times' maximum wins, when that maximum is below the busiest's time.
     """
     world = plan.world_size
     by_server: list[list[CadTask]] = [[] for _ in range(world)]
@@ -78,13 +113,20 @@ def refine_in_time(plan: ShardPlan, tasks: Sequence[CadTask], model: CostModel, 
         for t in by_server[top]:
             others = [x for x in by_server[top] if x is not t]
             for dst in receivers:
-                cuts = [t.q_end]
-                row = _first_rows_for(plan, model, t, (cost[top] - cost[dst]) / 2)
-                if row is not None and row < t.q_end:
-                    cuts.append(row)
-                for cut in cuts:
-                    kept = others + ([replace(t, q_start=cut)] if cut < t.q_end else [])
-                    given = _place(by_server[dst], replace(t, q_end=cut, server=dst))
+                if _shares_rows(by_server[dst], t):
+                    continue
+                half = (cost[top] - cost[dst]) / 2
+                candidates = [([], replace(t, server=dst))]  # the whole task
+                row = _first_rows_for(plan, model, t, half)
+                if row is not None and row < t.q_end:  # its first rows
+                    candidates.append(([replace(t, q_start=row)], replace(t, q_end=row, server=dst)))
+                keys = _first_keys_for(plan, model, t, half) if key_cuts else None
+                if keys is not None:  # its first keys, as a rectangle
+                    candidates.append(([replace(t, key_lo=t.key_lo + keys)],
+                                  replace(t, key_hi=t.key_lo + keys, server=dst)))
+                for left, part in candidates:
+                    kept = others + left
+                    given = _place(by_server[dst], part)
                     after_top = server_cost(kept) if kept else 0.0
                     after_dst = server_cost(given)
                     peak = max(after_top, after_dst)

@@ -56,7 +56,17 @@ from .pingpong import pingpong_split
 from .profiled import profiled_cost_model
 from .refine import refine_in_time
 from .scheduler import CadSchedule, schedule, with_tasks
-from .tasks import CadTask, all_pieces, doc_holders, docs_per_rank, key_start, rows_cost, task_cost, task_key
+from .tasks import (
+    CadTask,
+    all_pieces,
+    check_key_range,
+    doc_holders,
+    docs_per_rank,
+    rows_cost,
+    task_cost,
+    task_key,
+    task_keys,
+)
 
 
 @dataclass
@@ -69,19 +79,40 @@ class NanoBatch:
     cu_q: list[int]
     cu_k: list[int]
     calls: list[tuple[int, int]]  # segment ranges, one kernel call each (see hf_longctx.kernels.calls)
+    causal: list[bool]  # per call: bottom-right causal segments, or rectangles (key cuts, see .tasks)
+    partial: bool = False  # some row's keys are cut over several tasks: results merge by log-sum-exp
 
 
 def _segment_shape(plan: ShardPlan, t: CadTask) -> tuple[int, int]:
-    """(query rows, keys) of task ``t``'s kernel segment: its rows and the keys they reach."""
-    piece = all_pieces(plan)[t.owner][t.piece][0]
-    return t.q_end - t.q_start, piece.start + t.q_end - key_start(plan, piece, t.q_start)
+    """(query rows, keys) of task ``t``'s kernel segment: its rows and the keys they read."""
+    first, last = task_keys(plan, t)
+    return t.q_end - t.q_start, last - first
 
 
 def _segment_order(plan: ShardPlan, t: CadTask) -> tuple:
-    """Where task ``t``'s segment goes in its server's batch: by server, then longest keys first, then longest
-    queries (:func:`~hf_longctx.kernels.calls.call_order`: runs of similar segments become kernel calls)."""
+    """Where task ``t``'s segment goes in its server's batch: by server, causal segments before rectangles
+    (each kind its own calls), then longest keys first, then longest queries
+    (:func:`~hf_longctx.kernels.calls.call_order`: runs of similar segments become kernel calls)."""
     rows, keys = _segment_shape(plan, t)
-    return t.server, -keys, -rows, *task_key(plan, t)
+    return t.server, t.is_rect, -keys, -rows, *task_key(plan, t)
+
+
+def has_key_cuts(tasks: Sequence[CadTask]) -> bool:
+    """Whether any task reads only part of its rows' keys (their results must be merged, see :mod:`.tasks`)."""
+    return any(t.is_rect or t.key_lo for t in tasks)
+
+
+def _check_rows_once_per_server(plan: ShardPlan, tasks: Sequence[CadTask]) -> None:
+    """Raise unless every server computes each query row at most once per nano-batch: with key cuts, a server
+    returns its part of a row summed with any other part it holds (see ``GatherPlan.finish_merge``)."""
+    seen: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    for t in tasks:
+        check_key_range(plan, t)
+        spans = seen.setdefault((t.server, t.owner, t.piece), [])
+        if any(a < t.q_end and t.q_start < b for a, b in spans):
+            raise ValueError(f"server {t.server} computes rows of {t} twice in one nano-batch: a key cut's parts "
+                             "must be computed on different servers or in different nano-batches")
+        spans.append((t.q_start, t.q_end))
 
 
 def build_nano_batch(plan: ShardPlan, tasks: Sequence[CadTask], rank: int, terms: CallTerms | None = None
@@ -100,11 +131,16 @@ def build_nano_batch(plan: ShardPlan, tasks: Sequence[CadTask], rank: int, terms
     kv_runs: list[list[Run]] = [[] for _ in range(world)]
     mine = []
     cu_q, cu_k = [0], [0]
-    for t in sorted((t for t in tasks if t.q_end > t.q_start), key=lambda t: _segment_order(plan, t)):
+    work = [t for t in tasks if t.q_end > t.q_start]
+    partial = has_key_cuts(work)
+    if partial:
+        _check_rows_once_per_server(plan, work)
+    for t in sorted(work, key=lambda t: _segment_order(plan, t)):
         piece, local = pieces[t.owner][t.piece]
         q_runs[t.server].append((t.owner, local + t.q_start, local + t.q_end))
-        # keys: the document up to the last query row, from where the window of the first one starts
-        first, last = key_start(plan, piece, t.q_start), piece.start + t.q_end
+        # keys: the document up to the last query row, from where the window of the first one starts (or the
+        # task's own key range)
+        first, last = task_keys(plan, t)
         n_k = 0
         for h, hp, hoff in holders[piece.doc]:
             if hp.start >= last:
@@ -122,8 +158,12 @@ def build_nano_batch(plan: ShardPlan, tasks: Sequence[CadTask], rank: int, terms
     rows = plan.token_counts
     q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
     k_lens = [b - a for a, b in zip(cu_k, cu_k[1:])]
+    rects = sum(t.is_rect for t in mine)  # rectangles come last, in calls of their own
+    causal_calls = plan_calls(q_lens[:len(mine) - rects], k_lens[:len(mine) - rects], terms)
+    rect_calls = [(a + len(mine) - rects, b + len(mine) - rects)
+                  for a, b in plan_calls(q_lens[len(mine) - rects:], k_lens[len(mine) - rects:], terms)]
     return NanoBatch(mine, GatherPlan(q_runs, rank, rows), GatherPlan(kv_runs, rank, rows), cu_q, cu_k,
-                     plan_calls(q_lens, k_lens, terms))
+                     causal_calls + rect_calls, [True] * len(causal_calls) + [False] * len(rect_calls), partial)
 
 
 def nano_batches(plan: ShardPlan, tasks: Sequence[CadTask], rank: int, pingpong: bool, device: torch.device,
@@ -246,7 +286,8 @@ def cad_schedule(plan: ShardPlan, options: dict) -> CadSchedule:
     (:func:`~.scheduler.schedule`'s ``server_offsets``), twice, and the one whose predicted busiest server
     (:func:`server_costs`) is least is kept. On H200 profiles this took 64 servers of 8K rows from 1.063 to
     ~1.02 max/mean predicted (before tails were priced), where the tasks alone were balanced to 1.012. Last,
-    the busiest server gives tasks away while that lowers the predicted maximum (:mod:`.refine`).
+    the busiest server gives tasks away while that lowers the predicted maximum (:mod:`.refine`), also as key
+    cuts (``options["key_cuts"]``, default True; see :mod:`.tasks`).
     """
     eps = options.get("eps", 0.1)
     model = cost_model_for(plan, options)
@@ -280,10 +321,12 @@ def cad_schedule(plan: ShardPlan, options: dict) -> CadSchedule:
                     best, best_peak = sched, peak
         terms = call_terms_for(options, model)
         moved = refine_in_time(plan, best.tasks, model,
-                               lambda tasks: _server_time(plan, tasks, options, model, terms))
+                               lambda tasks: _server_time(plan, tasks, options, model, terms),
+                               key_cuts=options.get("key_cuts", True))
         return with_tasks(docs, best, moved, model)
 
-    return plan.cached(("cad_schedule", eps, model, tuple(sorted(knobs.items()))), build)
+    return plan.cached(("cad_schedule", eps, model, tuple(sorted(knobs.items())), options.get("key_cuts", True)),
+                       build)
 
 
 RUNTIME_OFFSET_ROUNDS = 2  # schedules made again with the runtime's per-server extra costs (see cad_schedule)
@@ -298,18 +341,20 @@ def _server_time(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, model
     groups = pingpong_split(plan, tasks) if split and options.get("pingpong", True) else [list(tasks)]
     total = 0.0
     for group in groups:
-        seg = [(*_segment_shape(plan, t), rows_cost(plan, t, t.q_start, t.q_end, model))
-               for t in group if t.q_end > t.q_start]
-        total += sum(c for _, _, c in seg)
-        if not seg or (terms is None and tails is None):
-            continue
-        seg = [seg[i] for i in call_order([q for q, _, _ in seg], [k for _, k, _ in seg])]
-        q_lens, k_lens = [q for q, _, _ in seg], [k for _, k, _ in seg]
-        runs = plan_calls(q_lens, k_lens, terms)
-        if terms is not None:
-            total += calls_overhead(q_lens, k_lens, runs, terms)
-        if tails is not None:
-            total += sum(tails.tail_cost(q_lens[a:b], k_lens[a:b]) for a, b in runs)
+        for causal in (True, False):  # rectangles (key cuts) run in calls of their own
+            seg = [(*_segment_shape(plan, t), rows_cost(plan, t, t.q_start, t.q_end, model))
+                   for t in group if t.q_end > t.q_start and t.is_rect != causal]
+            total += sum(c for _, _, c in seg)
+            if not seg or (terms is None and tails is None):
+                continue
+            seg = [seg[i] for i in call_order([q for q, _, _ in seg], [k for _, k, _ in seg])]
+            q_lens, k_lens = [q for q, _, _ in seg], [k for _, k, _ in seg]
+            runs = plan_calls(q_lens, k_lens, terms)
+            if terms is not None:
+                total += calls_overhead(q_lens, k_lens, runs, terms)
+            if tails is not None:
+                kind = {} if causal else {"causal": False}
+                total += sum(tails.tail_cost(q_lens[a:b], k_lens[a:b], **kind) for a, b in runs)
     return total
 
 
@@ -373,7 +418,9 @@ def run_forward(ctx: RunContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """
     nbs = _batches(ctx, q.device)
     acc = accumulation_dtype(q.dtype)
-    out = torch.zeros_like(q)
+    partial = any(nb.partial for nb in nbs)  # the same on every rank: all see every server's tasks
+    # parts of a row merge in the accumulation dtype; whole rows are copied
+    out = torch.zeros(q.shape, dtype=acc if partial else q.dtype, device=q.device)
     lse_rows = torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
     posted = [(nb.q.start([q], ctx.group), nb.kv.start([k, v], ctx.group)) for nb in nbs]
     returns = []
@@ -381,16 +428,65 @@ def run_forward(ctx: RunContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         (qb,) = nb.q.gather(pq, [q])
         kb, vb = nb.kv.gather(pkv, [k, v])
         if nb.tasks:
-            ob, lb = forward_in_calls(qb, kb, vb, nb.cu_q, nb.cu_k, nb.calls, causal=True, softmax_scale=ctx.scale,
-                                      kernel=ctx.kernel, window=ctx.plan.window)
+            ob, lb = _forward_segments(ctx, nb, qb, kb, vb)
             lb = _lse_rows(lb.to(acc))
         else:
             ob, lb = _no_rows(q), _no_rows(lse_rows)
-        nb.q.scatter_local([ob, lb], [out, lse_rows], add=False)
+        if partial:
+            nb.q.merge_local(ob, lb, out, lse_rows)
+        else:
+            nb.q.scatter_local([ob, lb], [out, lse_rows], add=False)
         returns.append((nb, nb.q.start_return([ob, lb], ctx.group)))
     for nb, pending in returns:
-        nb.q.finish_return(pending, [out, lse_rows], add=False)
-    return out, lse_rows.t().contiguous()
+        if partial:
+            nb.q.finish_merge(pending, out, lse_rows)
+        else:
+            nb.q.finish_return(pending, [out, lse_rows], add=False)
+    return out.to(q.dtype), lse_rows.t().contiguous()
+
+
+def _calls_of_kind(nb: NanoBatch, causal: bool):
+    """The calls of one kind (causal, or rectangles; contiguous, causal first) as the kernel wants them: their
+    segment ranges rebased to the kind's first segment, the rows and keys they span, and cumulative lengths."""
+    runs = [r for r, c in zip(nb.calls, nb.causal) if c == causal]
+    if not runs:
+        return None
+    a, b = runs[0][0], runs[-1][1]
+    cu_q = [x - nb.cu_q[a] for x in nb.cu_q[a:b + 1]]
+    cu_k = [x - nb.cu_k[a] for x in nb.cu_k[a:b + 1]]
+    return ([(x - a, y - a) for x, y in runs], slice(nb.cu_q[a], nb.cu_q[b]), slice(nb.cu_k[a], nb.cu_k[b]),
+            cu_q, cu_k)
+
+
+def _forward_segments(ctx: RunContext, nb: NanoBatch, qb, kb, vb) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of a nano-batch's segments: its causal calls, then its rectangles' non-causal calls."""
+    outs, lses = [], []
+    for causal in (True, False):
+        kind = _calls_of_kind(nb, causal)
+        if kind is not None:
+            runs, qs, ks, cu_q, cu_k = kind
+            o, lse = forward_in_calls(qb[qs], kb[ks], vb[ks], cu_q, cu_k, runs, causal=causal,
+                                      softmax_scale=ctx.scale, kernel=ctx.kernel, window=ctx.plan.window)
+            outs.append(o)
+            lses.append(lse)
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def _backward_segments(ctx: RunContext, nb: NanoBatch, db, qb, kb, vb, ob, lb):
+    """(dq, dk, dv) of a nano-batch's segments, in the calls :func:`_forward_segments` made."""
+    grads = []
+    for causal in (True, False):
+        kind = _calls_of_kind(nb, causal)
+        if kind is not None:
+            runs, qs, ks, cu_q, cu_k = kind
+            grads.append(backward_in_calls(db[qs], qb[qs], kb[ks], vb[ks], ob[qs], lb[:, qs].contiguous(), cu_q,
+                                           cu_k, runs, causal=causal, softmax_scale=ctx.scale, kernel=ctx.kernel,
+                                           window=ctx.plan.window))
+    if len(grads) == 1:
+        return grads[0]
+    return tuple(torch.cat([g[i] for g in grads]) for i in range(3))
 
 
 def run_backward(ctx: RunContext, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -412,9 +508,7 @@ def run_backward(ctx: RunContext, dout: torch.Tensor, q: torch.Tensor, k: torch.
         qb, ob, db, lb = nb.q.gather(pq, q_side)
         kb, vb = nb.kv.gather(pkv, [k, v])
         if nb.tasks:
-            gq, gk, gv = backward_in_calls(db, qb, kb, vb, ob, lb.t().contiguous(), nb.cu_q, nb.cu_k, nb.calls,
-                                           causal=True, softmax_scale=ctx.scale, kernel=ctx.kernel,
-                                           window=ctx.plan.window)
+            gq, gk, gv = _backward_segments(ctx, nb, db, qb, kb, vb, ob, lb.t().contiguous())
             gq, gk, gv = gq.to(acc), gk.to(acc), gv.to(acc)
         else:
             gq, gk, gv = _no_rows(q, acc), _no_rows(k, acc), _no_rows(v, acc)

@@ -89,6 +89,8 @@ class CadSchedule:
     eps: float
     offsets: np.ndarray | None = None  # fixed cost per server beyond its tasks, in ``loads`` (``server_offsets``)
     stats: dict = field(default_factory=dict)
+    task_key_lo: np.ndarray | None = None  # key cuts (see .tasks): first key, document-relative (None: all 0)
+    task_key_hi: np.ndarray | None = None  # a rectangle's key end, -1 for a causal task (None: all -1)
 
     @property
     def num_servers(self) -> int:
@@ -108,6 +110,8 @@ class CadSchedule:
     @cached_property
     def tasks(self) -> list[CadTask]:
         cols = (self.task_owner, self.task_piece, self.task_q_start, self.task_q_end, self.task_server)
+        if self.task_key_lo is not None:
+            cols += (self.task_key_lo, self.task_key_hi)
         return [CadTask(*row) for row in zip(*(c.tolist() for c in cols))]
 
     def tasks_of_server(self, server: int) -> np.ndarray:
@@ -704,20 +708,28 @@ def _item_of(docs_per_rank: Sequence[Sequence[DocItem]], owner: np.ndarray, piec
 
 
 def _task_loads(cost_model: CostModel, offset: np.ndarray, q_start: np.ndarray, q_end: np.ndarray,
-                server: np.ndarray, num_servers: int, offsets: np.ndarray | None) -> np.ndarray:
-    """Per-server cost of tasks (query rows ``[q_start, q_end)`` of pieces preceded by ``offset`` tokens), plus
-    the servers' fixed ``offsets``."""
-    costs = cost_model.cost_array(q_end - q_start, offset + q_end) if len(q_end) else np.zeros(0)
+                server: np.ndarray, num_servers: int, offsets: np.ndarray | None,
+                key_lo: np.ndarray | None = None, key_hi: np.ndarray | None = None) -> np.ndarray:
+    """Per-server cost of tasks (query rows ``[q_start, q_end)`` of pieces preceded by ``offset`` tokens, over
+    keys from ``key_lo``, or rectangles up to ``key_hi``; see :mod:`.tasks`), plus the servers' fixed
+    ``offsets``."""
+    lo = key_lo if key_lo is not None else np.zeros_like(q_end)
+    costs = cost_model.cost_array(q_end - q_start, offset + q_end - lo) if len(q_end) else np.zeros(0)
+    if key_hi is not None:
+        for i in np.flatnonzero(key_hi >= 0):
+            costs[i] = cost_model.rect_cost(int(q_end[i] - q_start[i]), int(key_hi[i] - lo[i]))
     loads = np.bincount(server, weights=costs, minlength=num_servers)
     return loads + offsets if offsets is not None else loads
 
 
 def task_bytes(docs_per_rank: Sequence[Sequence[DocItem]], task_owner: np.ndarray, task_piece: np.ndarray,
                task_q_start: np.ndarray, task_q_end: np.ndarray, task_server: np.ndarray, num_servers: int,
-               token_bytes: TokenBytes | None = None) -> tuple[np.ndarray, np.ndarray]:
+               token_bytes: TokenBytes | None = None, task_key_lo: np.ndarray | None = None,
+               task_key_hi: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(bytes per rank, bytes per server) of any task set, counted as :func:`schedule` counts its own: the tasks
     of one piece on one server read the key prefix once, up to their last row; at the piece's own rank only
-    the prefix held by earlier ranks travels, elsewhere also the query rows and the outputs coming back."""
+    the prefix held by earlier ranks travels, elsewhere also the query rows and the outputs coming back. With
+    key cuts (``task_key_lo``, ``task_key_hi``, see :mod:`.tasks`) the keys are the union of the tasks' ranges."""
     tb = token_bytes if token_bytes is not None else TokenBytes()
     _length, off, rank, _doc = parse_docs(docs_per_rank)
     item = _item_of(docs_per_rank, task_owner, task_piece)
@@ -725,6 +737,9 @@ def task_bytes(docs_per_rank: Sequence[Sequence[DocItem]], task_owner: np.ndarra
     per_rank, per_server = np.zeros(n_ranks), np.zeros(num_servers)
     if not len(item):
         return per_rank, per_server
+    if task_key_lo is not None and (np.any(task_key_lo) or np.any(task_key_hi >= 0)):
+        return _key_cut_bytes(off, rank, item, task_q_start, task_q_end, task_server, task_key_lo, task_key_hi, tb,
+                              per_rank, per_server)
     keys, inv = np.unique(item * num_servers + task_server, return_inverse=True)
     it, srv = keys // num_servers, keys % num_servers
     rows = np.bincount(inv, weights=task_q_end - task_q_start, minlength=len(keys))
@@ -738,6 +753,32 @@ def task_bytes(docs_per_rank: Sequence[Sequence[DocItem]], task_owner: np.ndarra
     return per_rank, per_server
 
 
+def _key_cut_bytes(off, rank, item, q_start, q_end, server, key_lo, key_hi, tb: TokenBytes, per_rank, per_server):
+    """:func:`task_bytes` of tasks with key cuts: per (piece, server), the union of its tasks' key ranges."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, (it, srv) in enumerate(zip(item.tolist(), server.tolist())):
+        groups.setdefault((it, srv), []).append(i)
+    for (it, srv), members in groups.items():
+        o = int(off[it])
+        spans = sorted((int(key_lo[i]), int(key_hi[i]) if key_hi[i] >= 0 else o + int(q_end[i])) for i in members)
+        remote_keys, all_keys, end = 0, 0, -1
+        for a, b in spans:  # the union, and its part before the piece (held by earlier ranks)
+            a = max(a, end)
+            if b > a:
+                all_keys += b - a
+                remote_keys += max(0, min(b, o) - a)
+                end = b
+        owner = int(rank[it])
+        if owner == srv:
+            b = remote_keys * float(tb.kv)
+        else:
+            rows = sum(int(q_end[i] - q_start[i]) for i in members)
+            b = rows * (tb.q + tb.out) + all_keys * tb.kv
+        per_rank[owner] += b
+        per_server[srv] += b
+    return per_rank, per_server
+
+
 def with_tasks(docs_per_rank: Sequence[Sequence[DocItem]], sched: CadSchedule, tasks: Sequence[CadTask],
                cost_model: CostModel | None = None, token_bytes: TokenBytes | None = None) -> CadSchedule:
     """``sched`` with its tasks replaced by ``tasks`` (the same rows, e.g. moved by a later refinement): loads
@@ -747,21 +788,64 @@ def with_tasks(docs_per_rank: Sequence[Sequence[DocItem]], sched: CadSchedule, t
     q_start = np.array([t.q_start for t in tasks], dtype=np.int64)
     q_end = np.array([t.q_end for t in tasks], dtype=np.int64)
     server = np.array([t.server for t in tasks], dtype=np.int64)
+    key_lo = np.array([t.key_lo for t in tasks], dtype=np.int64)
+    key_hi = np.array([t.key_hi for t in tasks], dtype=np.int64)
     _length, off, _rank, _doc = parse_docs(docs_per_rank)
     n = sched.num_servers
     loads = _task_loads(cost_model if cost_model is not None else FlopsCostModel(),
-                        off[_item_of(docs_per_rank, owner, piece)], q_start, q_end, server, n, sched.offsets)
-    per_rank, per_server = task_bytes(docs_per_rank, owner, piece, q_start, q_end, server, n, token_bytes)
+                        off[_item_of(docs_per_rank, owner, piece)], q_start, q_end, server, n, sched.offsets,
+                        key_lo, key_hi)
+    per_rank, per_server = task_bytes(docs_per_rank, owner, piece, q_start, q_end, server, n, token_bytes,
+                                      key_lo, key_hi)
     return replace(sched, task_owner=owner, task_piece=piece, task_q_start=q_start, task_q_end=q_end,
-                   task_server=server, loads=loads, bytes_per_rank=per_rank, bytes_per_server=per_server)
+                   task_server=server, loads=loads, bytes_per_rank=per_rank, bytes_per_server=per_server,
+                   task_key_lo=key_lo, task_key_hi=key_hi)
 
 
 def verify_schedule(docs_per_rank: Sequence[Sequence[DocItem]], sched: CadSchedule,
                     cost_model: CostModel | None = None, rtol: float = 1e-6) -> None:
-    """Raise ``AssertionError`` unless every query row of every piece is in exactly one task and the
-    per-server loads equal the summed task costs (under ``cost_model``, FLOPs by default)."""
+    """Raise ``AssertionError`` unless every query row of every piece is in exactly one task (with key cuts:
+    every (row, key) pair of its causal prefix) and the per-server loads equal the summed task costs (under
+    ``cost_model``, FLOPs by default)."""
     length, off, rank, doc = parse_docs(docs_per_rank)
     item = _item_of(docs_per_rank, sched.task_owner, sched.task_piece)
+    cuts = sched.task_key_lo is not None and (np.any(sched.task_key_lo) or np.any(sched.task_key_hi >= 0))
+    if cuts:
+        _verify_key_cuts(length, off, item, sched)
+    else:
+        _verify_rows(length, item, sched)
+    loads = _task_loads(cost_model if cost_model is not None else FlopsCostModel(), off[item], sched.task_q_start,
+                        sched.task_q_end, sched.task_server, sched.num_servers, sched.offsets,
+                        sched.task_key_lo, sched.task_key_hi)
+    assert np.allclose(loads, sched.loads, rtol=rtol, atol=rtol * max(float(loads.max(initial=0)), 1.0)), \
+        "server loads differ from the summed task costs"
+
+
+def _verify_key_cuts(length, off, item, sched: CadSchedule) -> None:
+    """Every row of every piece: one causal task from some key ``K`` on, and rectangles tiling keys ``[0, K)``."""
+    by_item: dict[int, list[int]] = {}
+    for i, it in enumerate(item.tolist()):
+        by_item.setdefault(it, []).append(i)
+    assert sorted(by_item) == np.flatnonzero(length > 0).tolist(), "a piece has no task"
+    a, b = sched.task_q_start, sched.task_q_end
+    lo, hi = sched.task_key_lo, sched.task_key_hi
+    for it, members in by_item.items():
+        assert all(b[i] > a[i] and a[i] >= 0 and b[i] <= length[it] for i in members), "empty or misplaced task"
+        bounds = sorted({0, int(length[it])} | {int(a[i]) for i in members} | {int(b[i]) for i in members})
+        for x, y in zip(bounds, bounds[1:]):
+            over = [i for i in members if a[i] <= x and y <= b[i]]
+            causal = [i for i in over if hi[i] < 0]
+            assert len(causal) == 1, f"rows [{x}, {y}) of piece {it} have {len(causal)} causal tasks, not one"
+            end = 0
+            for i in sorted((i for i in over if hi[i] >= 0), key=lambda i: lo[i]):
+                assert lo[i] == end, f"rows [{x}, {y}) of piece {it}: keys from {end} covered twice or not at all"
+                end = int(hi[i])
+            assert lo[causal[0]] == end, f"rows [{x}, {y}) of piece {it}: causal keys start at {lo[causal[0]]}, " \
+                f"the rectangles end at {end}"
+            assert end <= off[it] + x, f"rows [{x}, {y}) of piece {it}: a rectangle reaches past the first row"
+
+
+def _verify_rows(length, item, sched: CadSchedule) -> None:
     order = np.lexsort((sched.task_q_start, item))
     it, a, b = item[order], sched.task_q_start[order], sched.task_q_end[order]
     assert np.all(b > a), "empty or reversed task"
@@ -774,7 +858,3 @@ def verify_schedule(docs_per_rank: Sequence[Sequence[DocItem]], sched: CadSchedu
     last[:-1] = it[1:] != it[:-1]
     assert np.array_equal(np.sort(it[last]), np.flatnonzero(length > 0)), "a piece has no task"
     assert np.all(b[last] == length[it[last]]), "a piece's last rows are not covered"
-    loads = _task_loads(cost_model if cost_model is not None else FlopsCostModel(), off[item], sched.task_q_start,
-                        sched.task_q_end, sched.task_server, sched.num_servers, sched.offsets)
-    assert np.allclose(loads, sched.loads, rtol=rtol, atol=rtol * max(float(loads.max(initial=0)), 1.0)), \
-        "server loads differ from the summed task costs"

@@ -2,11 +2,20 @@
 
 A task is "query rows [q_start, q_end) of one document piece held by ``owner``, computed on
 ``server``"; its keys are the causal prefix of those rows in the document, which may span the pieces
-of several ranks. The scheduler (:mod:`.scheduler`) produces tasks from piece lengths and offsets
-(:func:`docs_per_rank`); the ping-pong split (:mod:`.pingpong`) groups them into nano-batches and the
-runtime (:mod:`.runtime`) runs them, both reading a task's rows, keys and cost from here so they
-agree on them. Everything is a pure function of the shard plan (cached on it) and the task,
-identical on every rank.
+of several ranks.
+
+Key cuts. A few rows over a long prefix cannot be cut finer by rows, yet their prefix can be cut by keys:
+the keys before a task's first row are seen by all its rows, so a *rectangle* task (``key_hi`` set) computes
+rows ``[q_start, q_end)`` over keys ``[key_lo, key_hi)`` only (a non-causal kernel segment), and the causal task
+left behind starts its keys at ``key_lo`` (a bottom-right causal segment over the rest). The parts of a row
+then come back as partial results, merged by their log-sum-exp (:mod:`hf_longctx.kernels.merge`); the
+backward needs nothing new, as every part is given the row's final output and log-sum-exp. Key positions are
+document-relative, as the scheduler's offsets are; key cuts are not made under a sliding window.
+
+The scheduler (:mod:`.scheduler`) produces tasks from piece lengths and offsets (:func:`docs_per_rank`); the
+ping-pong split (:mod:`.pingpong`) groups them into nano-batches and the runtime (:mod:`.runtime`) runs them,
+both reading a task's rows, keys and cost from here so they agree on them. Everything is a pure function of
+the shard plan (cached on it) and the task, identical on every rank.
 """
 
 from __future__ import annotations
@@ -29,6 +38,13 @@ class CadTask:
     q_start: int  # piece-local query rows
     q_end: int
     server: int
+    key_lo: int = 0  # document-relative first key (0: from the document's start, or the window's)
+    key_hi: int = -1  # -1: keys up to each row (causal); else the end of a rectangle's keys (see the module)
+
+    @property
+    def is_rect(self) -> bool:
+        """A rectangle: every row sees all its keys ``[key_lo, key_hi)``, which lie before its first row."""
+        return self.key_hi >= 0
 
 
 def pieces_of(plan: ShardPlan, rank: int) -> list[tuple[Piece, int]]:
@@ -78,6 +94,30 @@ def key_start(plan: ShardPlan, piece: Piece, q_start: int) -> int:
     return doc_start if plan.window is None else max(doc_start, piece.start + q_start - plan.window + 1)
 
 
+def task_keys(plan: ShardPlan, task: CadTask) -> tuple[int, int]:
+    """Global key positions ``[first, last)`` that ``task`` reads."""
+    piece, _ = all_pieces(plan)[task.owner][task.piece]
+    doc_start = plan.batch.doc_starts[piece.doc]
+    if task.is_rect:
+        return doc_start + task.key_lo, doc_start + task.key_hi
+    return max(key_start(plan, piece, task.q_start), doc_start + task.key_lo), piece.start + task.q_end
+
+
+def check_key_range(plan: ShardPlan, task: CadTask) -> None:
+    """Raise ``ValueError`` unless ``task``'s keys are a causal prefix from ``key_lo`` up to its rows, or a
+    rectangle before its first row (see the module); key cuts only without a sliding window."""
+    if task.key_lo == 0 and not task.is_rect:
+        return
+    piece, _ = all_pieces(plan)[task.owner][task.piece]
+    first_row = piece.start - plan.batch.doc_starts[piece.doc] + task.q_start  # document-relative
+    if plan.window is not None:
+        raise ValueError(f"{task}: key cuts are not made under a sliding window")
+    end = task.key_hi if task.is_rect else first_row
+    if not (0 <= task.key_lo <= end <= first_row) or (task.is_rect and task.key_lo == task.key_hi):
+        raise ValueError(f"{task}: keys [{task.key_lo}, {task.key_hi}) must lie before the task's first row "
+                         f"({first_row} in its document)")
+
+
 def task_cost(plan: ShardPlan, task: CadTask) -> float:
     """Visible (query, key) pairs of a task: its query rows over the causal prefix of its document
     (the part of it in the plan's sliding window)."""
@@ -85,24 +125,32 @@ def task_cost(plan: ShardPlan, task: CadTask) -> float:
 
 
 def task_key(plan: ShardPlan, task: CadTask) -> tuple[int, int, int]:
-    """Canonical order of a server's tasks: by document, then global query row (ties: owner)."""
+    """Canonical order of a server's tasks: by document, then global query row (ties: owner; a server computes
+    a row once, so no two of its tasks tie)."""
     piece, _ = all_pieces(plan)[task.owner][task.piece]
     return piece.doc, piece.start + task.q_start, task.owner
 
 
 def rows_cost(plan: ShardPlan, task: CadTask, q_start: int, q_end: int, model: CostModel | None = None) -> float:
-    """Cost of query rows ``[q_start, q_end)`` of ``task``'s piece under ``model`` (None: visible (query, key)
-    pairs under the plan's sliding window)."""
+    """Cost of query rows ``[q_start, q_end)`` of ``task``'s piece over ``task``'s keys under ``model`` (None:
+    visible (query, key) pairs under the plan's sliding window)."""
     piece, _ = all_pieces(plan)[task.owner][task.piece]
-    return query_rows_cost(model if model is not None else _pairs_model(plan), piece.length,
-                           piece.start - plan.batch.doc_starts[piece.doc], q_start, q_end)
+    model = model if model is not None else _pairs_model(plan)
+    offset = piece.start - plan.batch.doc_starts[piece.doc]
+    if task.is_rect:
+        if not 0 <= q_start <= q_end <= piece.length:
+            raise ValueError(f"query rows [{q_start}, {q_end}) outside a piece of {piece.length} rows")
+        return model.rect_cost(q_end - q_start, task.key_hi - task.key_lo)
+    if task.key_lo:
+        return model.cost(q_end - q_start, offset + q_end - task.key_lo) if q_end > q_start else 0.0
+    return query_rows_cost(model, piece.length, offset, q_start, q_end)
 
 
 def server_holds_keys(plan: ShardPlan, task: CadTask) -> bool:
     """Whether ``task``'s server holds every key row the task reads. Such a task can be cut and its parts
     spread over both nano-batches for free: no key row travels for it, and query rows are never shared."""
     piece, _ = all_pieces(plan)[task.owner][task.piece]
-    first, last = key_start(plan, piece, task.q_start), piece.start + task.q_end
+    first, last = task_keys(plan, task)
     for h, hp, _ in doc_holders(plan)[piece.doc]:
         if hp.start >= last:
             break
