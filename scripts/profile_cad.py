@@ -74,6 +74,9 @@ from hf_longctx.backends.cad.profiled import (
     random_shapes,
     resolved_kernel,
 )
+from hf_longctx.backends.cad.runtime import prepare, server_costs
+from hf_longctx.emulation.workloads import doc_lengths
+from hf_longctx.layout import PackedBatch, shard_plan
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -127,10 +130,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="with a launch model: time a long prefix beside short documents as one call and as two")
     p.add_argument("--calls", default=None, metavar="DUMP",
                    help="with --load of a launch model: price an emulated step's dumped kernel calls per server")
+    p.add_argument("--predict", default=None, metavar="MIX:TOKENS:W,...",
+                   help="with --load of a launch model: CAD's predicted per-server max/mean at eps 0.01 with and "
+                        "without key cuts on these emulation mixes (e.g. prolong:128k:64), on the CPU")
+    p.add_argument("--seeds", default="0,1,2", help="--predict: which batches of each mix")
     p.add_argument("--scale", type=float, default=1.0, help=argparse.SUPPRESS)  # small sweep shapes, CPU tests
     args = p.parse_args(argv)
     if args.calls:
         return report_dumped_calls(args)
+    if args.predict:
+        return report_predicted_balance(args)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("profile_cad.py needs a CUDA device (or --device cpu for a smoke run)", file=sys.stderr)
@@ -258,6 +267,32 @@ def report_dumped_calls(args: argparse.Namespace) -> int:
         f"{np.max(e) * 100:+.1f}%" for p, e in errors.items())
         + f"; max/mean measured {totals['measured'].max() / totals['measured'].mean():.3f}, predicted "
         f"{totals['predicted'].max() / totals['predicted'].mean():.3f}", flush=True)
+    return 0
+
+
+def report_predicted_balance(args: argparse.Namespace) -> int:
+    """``--predict``: the runtime's predicted per-server kernel time (``server_costs``) of CAD at eps 0.01 on the
+    loaded launch model, with and without key cuts, per mix, tokens, W and seed: max/mean and rectangles made."""
+    loaded = json.loads(Path(args.load).read_text()) if args.load else None
+    if loaded is None or loaded.get("kind") != LAUNCH_KIND:
+        print("--predict prices CAD schedules with a launch cost model: give --load LAUNCH_MODEL.json", file=sys.stderr)
+        return 2
+    model = LaunchCostModel.from_dict(loaded)
+    seeds = [int(x) for x in args.seeds.split(",")]
+    for item in args.predict.split(","):
+        mix, tokens, world = item.split(":")
+        total = sizes(tokens)[0]
+        parts = []
+        for key_cuts in (False, True):
+            cells = []
+            for seed in seeds:
+                plan = shard_plan(PackedBatch.from_doc_lens(doc_lengths(mix, total, seed=seed)), int(world), "cad")
+                options = {"cost_model": model, "eps": 0.01, "key_cuts": key_cuts}
+                costs = server_costs(plan, options)
+                rects = sum(t.is_rect for t in prepare(plan, options)["tasks"])
+                cells.append(f"{costs.max() / costs.mean():.3f}" + (f" ({rects} rect.)" if key_cuts else ""))
+            parts.append(("with key cuts " if key_cuts else "without ") + ", ".join(cells))
+        print(f"predict {mix} {tokens} W={world} seeds {args.seeds}: " + "; ".join(parts), flush=True)
     return 0
 
 
