@@ -57,13 +57,16 @@ from hf_longctx.backends.cad.call_profile import (
     check_call_mix,
     check_launch_cost,
     mix_pairs,
+    placement_probes,
     profile_launch_cost,
     server_phase_errors,
     sweep_shapes,
+    time_placement,
 )
 from hf_longctx.backends.cad.cost_model import ProfiledCostModel
 from hf_longctx.backends.cad.launch_cost import KIND as LAUNCH_KIND
 from hf_longctx.backends.cad.launch_cost import PHASES, LaunchCostModel
+from hf_longctx.backends.cad.placement import fit_forward_placement
 from hf_longctx.backends.cad.profiled import (
     ProfileBudget,
     SegmentShape,
@@ -128,18 +131,27 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"with a launch model: time single-segment calls along these lines ({','.join(SWEEPS)})")
     p.add_argument("--mix", action="store_true",
                    help="with a launch model: time a long prefix beside short documents as one call and as two")
+    p.add_argument("--placement", action="store_true",
+                   help="with a launch model: time calls whose long forward blocks sit at chosen launch positions")
     p.add_argument("--calls", default=None, metavar="DUMP",
                    help="with --load of a launch model: price an emulated step's dumped kernel calls per server")
     p.add_argument("--predict", default=None, metavar="MIX:TOKENS:W,...",
                    help="with --load of a launch model: CAD's predicted per-server max/mean at eps 0.01 with and "
                         "without key cuts on these emulation mixes (e.g. prolong:128k:64), on the CPU")
     p.add_argument("--seeds", default="0,1,2", help="--predict: which batches of each mix")
+    p.add_argument("--fit-placement", default=None, metavar="DUMP,...",
+                   help="with --load of a launch model: fit the paired-block forward simulation "
+                        "(hf_longctx.backends.cad.placement) to these dumped steps' forward calls, on the CPU")
+    p.add_argument("--empty", default="0,0.3", help="--fit-placement: how long an empty block holds its slot "
+                   "(tile steps), each value fitted apart")
     p.add_argument("--scale", type=float, default=1.0, help=argparse.SUPPRESS)  # small sweep shapes, CPU tests
     args = p.parse_args(argv)
     if args.calls:
         return report_dumped_calls(args)
     if args.predict:
         return report_predicted_balance(args)
+    if args.fit_placement:
+        return report_placement_fit(args)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("profile_cad.py needs a CUDA device (or --device cpu for a smoke run)", file=sys.stderr)
@@ -164,20 +176,23 @@ def main(argv: list[str] | None = None) -> int:
               f"{meta['held_out_relative_error_std']}")
         run_sweeps(model, args, kernel, shape, device)
         run_mix(model, args, kernel, shape, device)
+        run_placement(model, args, kernel, shape, device)
         return 0
     loaded = json.loads(Path(args.load).read_text()) if args.load else None
     if loaded is not None and loaded.get("kind") == LAUNCH_KIND:
-        if not (args.sweep or args.mix):
-            print("--load of a launch cost model checks it along --sweep lines or --mix; give one", file=sys.stderr)
+        if not (args.sweep or args.mix or args.placement):
+            print("--load of a launch cost model checks it along --sweep lines, --mix or --placement; give one",
+                  file=sys.stderr)
             return 2
         kernel = loaded.get("meta", {}).get("kernel") or resolved_kernel(kernel, shape, device)
         launch_model = LaunchCostModel.from_dict(loaded)
         run_sweeps(launch_model, args, kernel, shape, device)
         run_mix(launch_model, args, kernel, shape, device)
+        run_placement(launch_model, args, kernel, shape, device)
         return 0
-    if args.sweep or args.mix:
-        print(f"--{'sweep' if args.sweep else 'mix'} checks a launch cost model: give --launch N or --load a launch "
-              "model", file=sys.stderr)
+    if args.sweep or args.mix or args.placement:
+        flag = "sweep" if args.sweep else "mix" if args.mix else "placement"
+        print(f"--{flag} checks a launch cost model: give --launch N or --load a launch model", file=sys.stderr)
         return 2
     if loaded is not None:
         model = ProfiledCostModel.load(args.load, interpolate="rate")
@@ -216,6 +231,21 @@ def run_sweeps(model: LaunchCostModel, args: argparse.Namespace, kernel: str, sh
         print(f"sweep {name}: {len(rows)} calls, " + ", ".join(
             f"{p} error std {np.std(e) * 100:.1f}%, max |error| {np.max(np.abs(e)) * 100:.1f}%"
             for p, e in errors.items()), flush=True)
+
+
+def run_placement(model: LaunchCostModel, args: argparse.Namespace, kernel: str, shape: SegmentShape,
+                  device: torch.device) -> None:
+    """Time and price every probe of :func:`placement_probes`: one line per probe with its forward time, that time
+    over the lone long blocks' and the forward the model predicts."""
+    if not args.placement:
+        return
+    rows = time_placement(model, placement_probes(model.launch, model.heads, args.scale), kernel, shape.kv_heads,
+                          shape.head_dim, shape.dtype, device, args.warmup, args.reps)
+    lone = rows[0]["forward"]["measured"]
+    for row in rows:
+        forward = row["forward"]
+        print(f"placement {row['label']}: forward {forward['measured']:.4f} ms, {forward['measured'] / lone:.2f} x "
+              f"lone, predicted {forward['predicted']:.4f} ms", flush=True)
 
 
 def run_mix(model: LaunchCostModel, args: argparse.Namespace, kernel: str, shape: SegmentShape,
@@ -293,6 +323,31 @@ def report_predicted_balance(args: argparse.Namespace) -> int:
                 cells.append(f"{costs.max() / costs.mean():.3f}" + (f" ({rects} rect.)" if key_cuts else ""))
             parts.append(("with key cuts " if key_cuts else "without ") + ", ".join(cells))
         print(f"predict {mix} {tokens} W={world} seeds {args.seeds}: " + "; ".join(parts), flush=True)
+    return 0
+
+
+def report_placement_fit(args: argparse.Namespace) -> int:
+    """``--fit-placement``: per dumped step, the launch model's per-server forward error, then the paired-block
+    simulation's, fitted to all the dumps' forward calls at once, for each ``--empty``."""
+    loaded = json.loads(Path(args.load).read_text()) if args.load else None
+    if loaded is None or loaded.get("kind") != LAUNCH_KIND:
+        print("--fit-placement needs a launch cost model's grid and heads: give --load LAUNCH_MODEL.json",
+              file=sys.stderr)
+        return 2
+    model = LaunchCostModel.from_dict(loaded)
+    paths = args.fit_placement.split(",")
+    dumps = [json.loads(Path(path).read_text()) for path in paths]
+    for path, dump in zip(paths, dumps):
+        rows = server_phase_errors(model, dump)
+        ratio = [r["forward"]["measured"] / r["forward"]["predicted"] for r in rows]
+        print(f"launch model on {Path(path).name}: per-server forward error std {np.std(ratio) * 100:.1f}%",
+              flush=True)
+    for empty in (float(x) for x in args.empty.split(",")):
+        coef, stats = fit_forward_placement(dumps, model.launch, model.heads, empty=empty)
+        print(f"paired blocks, empty {empty:g}: coefficients {np.array2string(coef, precision=6)}", flush=True)
+        for path, st in zip(paths, stats):
+            print(f"  {Path(path).name}: {st['calls']} calls, error std {st['call_std'] * 100:.1f}% (max "
+                  f"{st['call_max'] * 100:.1f}%), per-server std {st['server_std'] * 100:.1f}%", flush=True)
     return 0
 
 

@@ -147,3 +147,33 @@ def test_cad_balance_is_predicted_with_and_without_key_cuts_on_the_cpu(tmp_path,
     assert float(with_cuts.split()[0]) < float(without) and "rect.)" in with_cuts
     assert _script().main(["--predict", "prolong:128k:64"]) == 2
     assert "give --load LAUNCH_MODEL.json" in capsys.readouterr().err
+
+
+def test_a_launch_model_is_checked_on_blocks_at_chosen_launch_positions(tmp_path, monkeypatch, capsys):
+    """``--placement`` times the probes of ``placement_probes``: each forward against the lone long blocks' one."""
+    script, _ = _script_with_a_cpu_launch_grid(monkeypatch)
+    out = tmp_path / "l.json"
+    assert script.main([*TINY, "--out", str(out), "--launch", "12"]) == 0
+    capsys.readouterr()
+    assert script.main([*TINY, "--load", str(out), "--placement", "--scale", "0.0625"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 20 and printed[0].startswith("placement lone (2 blocks): forward ")
+    assert " 1.00 x lone" in printed[0] and "1 long + 15 tiny per head (32 blocks)" in printed[11]
+
+
+def test_the_paired_block_simulation_is_fitted_to_dumped_steps_on_the_cpu(tmp_path, capsys):
+    """``--fit-placement`` prints the launch model's per-server forward error of each dump, then the paired-block
+    simulation's fit for each ``--empty``; without a launch model it says what to give."""
+    from test_cad_launch_cost import H200, _dump_with_errors
+
+    model, dump = tmp_path / "launch.json", tmp_path / "step.json"
+    H200.save(model)
+    errors = {(0, "forward"): 0.10, (0, "backward"): 0.0, (1, "forward"): -0.05, (1, "backward"): 0.02}
+    dump.write_text(json.dumps(_dump_with_errors(H200, errors)))
+    assert _script().main(["--load", str(model), "--fit-placement", str(dump), "--empty", "0,0.5"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == "launch model on step.json: per-server forward error std 7.5%"
+    assert [line.split(":")[0] for line in printed[1::2]] == ["paired blocks, empty 0", "paired blocks, empty 0.5"]
+    assert all(line.startswith("  step.json: ") and "per-server std" in line for line in printed[2::2])
+    assert _script().main(["--fit-placement", str(dump)]) == 2
+    assert "give --load LAUNCH_MODEL.json" in capsys.readouterr().err

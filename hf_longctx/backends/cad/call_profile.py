@@ -33,8 +33,9 @@ from ...kernels.launch import LaunchGrid
 from .cost_model import PAIRS
 from .launch_cost import PHASES, LaunchCostModel, call_features, fit_phase_terms
 
-__all__ = ["CALL_KINDS", "SWEEPS", "check_call_mix", "check_launch_cost", "mix_pairs", "profile_launch_cost",
-           "random_calls", "segment_batch", "server_phase_errors", "sweep_shapes", "time_call_phases"]
+__all__ = ["CALL_KINDS", "SWEEPS", "check_call_mix", "check_launch_cost", "mix_pairs", "placement_probes",
+           "profile_launch_cost", "random_calls", "segment_batch", "server_phase_errors", "sweep_shapes",
+           "time_call_phases", "time_placement"]
 
 CALL_KINDS = ("short documents", "shards", "long shard beside short documents", "one large segment")
 SWEEPS = ("prefix", "waves", "square")  # the lines of :func:`sweep_shapes`
@@ -187,6 +188,35 @@ def sweep_shapes(sweep: str, grid: LaunchGrid, scale: float = 1.0) -> list[tuple
     return [(max(1, int(q * scale)), max(1, int(k * scale))) for q, k in lines[sweep]]
 
 
+def placement_probes(grid: LaunchGrid, heads: int, scale: float = 1.0) -> list[tuple[str, list[tuple[int, int]]]]:
+    """Calls that show how the GPU places a call's blocks on its SMs: (label, segments), each timed on its own.
+
+    A long forward block (one query tile over 512 key tiles) runs as fast alone on an SM as the kernel lets it;
+    two on one SM share it. Which blocks share depends on where they sit in the launch order, so:
+
+    - ``lone``: one long block per head (``heads`` blocks, fewer than the SMs);
+    - ``1 long + n tiny``: per head one long block and ``n`` one-tile documents after it, so the long blocks sit
+      ``n + 1`` apart in the launch order; whether they end up paired (about 1.6x the lone time) tells which
+      launch positions share an SM;
+    - ``t long tiles``: one segment of ``t`` query tiles over the same prefix, every block long (how the time
+      steps up with the block count).
+
+    ``scale`` shrinks every length (a CPU run times small shapes)."""
+    rows, keys = grid.forward_tile
+
+    def scaled(n: int) -> int:
+        return max(1, int(n * scale))
+
+    long, tiny = (scaled(rows), scaled(512 * keys)), (scaled(rows), scaled(rows))
+    probes = [(f"lone ({heads} blocks)", [long])]
+    for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 15):
+        probes.append((f"1 long + {n} tiny per head ({heads * (n + 1)} blocks)", [long] + [tiny] * n))
+    for t in (2, 3, 4, 5, 6, 8, 10, 12):
+        segment = (scaled(t * rows), scaled(512 * keys + (t - 1) * rows))
+        probes.append((f"{t} long tiles ({heads * t} blocks)", [segment]))
+    return probes
+
+
 # short documents beside a long segment in :func:`mix_pairs` (rows; each a whole causal document)
 MIX_SHORTS = ((512, 384, 256, 128), (924, 448, 278, 222, 116), (1123, 924, 708, 705, 516, 302, 279, 260, 153),
               (1920, 1536, 1024, 1024, 768, 512, 512, 256, 256, 128, 128))
@@ -237,6 +267,15 @@ def _timed_and_priced(model: LaunchCostModel, segments: Sequence[tuple[int, int]
     q_lens, k_lens = [q for q, _ in segments], [k for _, k in segments]
     return {phase: {"measured": measured, "predicted": model.phase_cost(phase, q_lens, k_lens)}
             for phase, measured in zip(PHASES, times)}
+
+
+def time_placement(model: LaunchCostModel, probes: Sequence[tuple[str, Sequence[tuple[int, int]]]], kernel: str,
+                   kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, warmup: int = 1,
+                   reps: int = 5) -> list[dict]:
+    """Each probe of :func:`placement_probes` timed and priced (:func:`_timed_and_priced`): one row per probe with
+    its ``label`` and, per phase, ``measured`` and ``predicted`` ms."""
+    return [{"label": label, **_timed_and_priced(model, segments, kernel, kv_heads, head_dim, dtype, device, warmup,
+                                                 reps)} for label, segments in probes]
 
 
 def check_launch_cost(model: LaunchCostModel, shapes: Sequence[tuple[int, int]], kernel: str, kv_heads: int,

@@ -133,6 +133,13 @@ def fit_phase_terms(features: np.ndarray, seconds: np.ndarray) -> tuple[PhaseTer
         raise ValueError(f"fit_phase_terms needs >= {len(TERM_NAMES)} calls of {len(TERM_NAMES)} features")
     if not np.all(y > 0):
         raise ValueError("fit_phase_terms needs positive times")
+    coef, err = fit_relative(x, y)
+    return PhaseTerms.from_vector(coef), err
+
+
+def fit_relative(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
+    """Non-negative least squares of ``x @ coef ~ y`` in relative error: (coef, standard deviation of the relative
+    error). A negative coefficient is dropped and the rest refitted."""
     scale = np.maximum(np.abs(x).max(axis=0), 1e-30)  # columns of like size: the solve stays well conditioned
     a = x / scale / y[:, None]
     active = [j for j in range(x.shape[1]) if np.any(x[:, j])]
@@ -145,7 +152,7 @@ def fit_phase_terms(features: np.ndarray, seconds: np.ndarray) -> tuple[PhaseTer
         active = [j for j, c in zip(active, sol) if c > 0]  # drop the negative ones, fit the rest again
     coef = coef / scale
     err = x @ coef / y - 1.0
-    return PhaseTerms.from_vector(coef), float(err.std())
+    return coef, float(err.std())
 
 
 @dataclass(frozen=True)
