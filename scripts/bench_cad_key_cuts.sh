@@ -6,14 +6,14 @@
 #
 #   PART=w64 OUT=bench/logs scripts/bench_cad_key_cuts.sh
 #
-# Writes $OUT/cad_key_cuts_seed{0,1,2}_$PART.md.
+# RUNS="cad profiled eps0.01" runs CAD with key cuts alone. Writes $OUT/cad_key_cuts_seed{0,1,2}_$PART.md.
 set -uo pipefail
 source "$(dirname "$0")/bench_env.sh"
 REPS=${REPS:-3}
 SEEDS=${SEEDS:-0 1 2}
 PART=${PART:-w64}
-common=(--kernel torch_flash --backends cad --eps-sweep none:0 --reps "$REPS"
-        --cad-runs "cad profiled eps0.01,cad profiled eps0.01 no key cuts")
+RUNS=${RUNS:-cad profiled eps0.01,cad profiled eps0.01 no key cuts}
+common=(--kernel torch_flash --backends cad --eps-sweep none:0 --reps "$REPS" --cad-runs "$RUNS")
 for s in $SEEDS; do
   if [ "$PART" = w64 ]; then
     $PY scripts/bench_emulated.py "${common[@]}" --mixes pretrain,sft,prolong \

@@ -320,3 +320,22 @@ def test_ranks_agree_on_one_launch_model(monkeypatch):
         assert isinstance(m, LaunchCostModel) and m.launch.slots == 132
         np.testing.assert_allclose(m.forward.as_vector(), want_forward.as_vector(), rtol=1e-12)
         np.testing.assert_allclose(m.backward.as_vector(), want_backward.as_vector(), rtol=1e-12)
+
+
+def test_forward_blocks_past_one_per_sm_are_priced_two_to_an_sm():
+    """With ``forward_pairing`` the forward's launch simulation puts blocks two to an SM past one per SM, each
+    1.6x slower (measured on an H200 and an H100: 160-256 long blocks take 1.61-1.65x what 128 take; one long
+    block per head among one-tile documents 1.58-1.60x at most spacings). One slot per SM prices the first 2.0x
+    and the second 1.0x."""
+    terms = PhaseTerms(1e-3, 0.0, 0.0, 0.0, 0.0, 0.0)
+    paired = LaunchCostModel(LaunchGrid(slots=132, forward_pairing=1.6, empty_hold=0.3), 32, terms, terms)
+    one_slot = LaunchCostModel(LaunchGrid(slots=132), 32, terms, terms)
+    keys = 512 * 64
+    for model, full, spaced in ((paired, 1.6, 1.6), (one_slot, 2.0, 1.0)):
+        lone = model.phase_cost("forward", [128], [keys])  # 32 long blocks
+        tiles = model.phase_cost("forward", [640], [keys + 512]) / model.phase_cost("forward", [512], [keys + 384])
+        among = model.phase_cost("forward", [128] * 5, [keys] + [128] * 4) / lone  # 160 blocks, long ones 5 apart
+        assert tiles == pytest.approx(full, rel=0.02) and among == pytest.approx(spaced, rel=0.02)
+    assert LaunchGrid.from_dict(paired.launch.to_dict()) == paired.launch
+    old = {k: v for k, v in one_slot.launch.to_dict().items() if k not in ("forward_pairing", "empty_hold")}
+    assert LaunchGrid.from_dict(old) == one_slot.launch  # a model saved before pairing reads as one slot per SM

@@ -10,25 +10,25 @@ from __future__ import annotations
 
 import pytest
 
-from hf_longctx.backends.cad.placement import fit_forward_placement, forward_block_steps, paired_makespan
-from hf_longctx.kernels.launch import LaunchGrid
+from hf_longctx.backends.cad.placement import fit_forward_placement
+from hf_longctx.kernels.launch import LaunchGrid, forward_block_steps, paired_makespan
 
 GRID = LaunchGrid(forward_tile=(128, 64), backward_tile=(64, 128), slots=132)
 
 
 def test_up_to_one_block_per_sm_every_block_runs_alone():
-    assert paired_makespan([500] * 128, 132) == 500
-    assert paired_makespan([500, 10, 3], 132) == 500
+    assert paired_makespan([500] * 128, 132, 1.6) == 500
+    assert paired_makespan([500, 10, 3], 132, 1.6) == 500
 
 
 def test_past_the_sms_blocks_share_them_and_take_the_pair_factor():
-    assert paired_makespan([500] * 160, 132) == pytest.approx(800)  # measured 1.61-1.62x
+    assert paired_makespan([500] * 160, 132, 1.6) == pytest.approx(800)  # measured 1.61-1.62x
     # 320 long blocks: 264 paired, then the last 56 alone once a wave ends (measured 2.52-2.55x)
-    assert paired_makespan([500] * 320, 132) == pytest.approx(1300)
+    assert paired_makespan([500] * 320, 132, 1.6) == pytest.approx(1300)
     # one long block per head among empty ones past 128 blocks: paired (measured 1.58-1.59x on most spacings)
-    assert paired_makespan(([500] + [0] * 4) * 32, 132, empty=0.3) == pytest.approx(800)
-    with pytest.raises(ValueError, match="pair_factor >= 1"):
-        paired_makespan([1], 132, pair_factor=0.5)
+    assert paired_makespan(([500] + [0] * 4) * 32, 132, 1.6, empty=0.3) == pytest.approx(800)
+    with pytest.raises(ValueError, match="pairing >= 1"):
+        paired_makespan([1], 132, 0.5)
 
 
 def test_a_varlen_call_launches_empty_blocks_up_to_its_longest_segment():
@@ -46,7 +46,7 @@ def test_the_fit_recovers_terms_that_priced_the_calls():
     reps = []
     for rank, (q, k) in enumerate(calls):
         blocks = forward_block_steps(q, k, GRID, 32)
-        features = [paired_makespan(blocks, 132, empty=0.3), sum(q), sum(k), len(blocks), 1.0]
+        features = [paired_makespan(blocks, 132, 1.6, empty=0.3), sum(q), sum(k), len(blocks), 1.0]
         ms = sum(a * b for a, b in zip(terms, features))
         reps.append({"rank": rank % 4, "phase": "forward", "q_lens": q, "k_lens": k, "causal": True,
                      "seconds": ms * 1e-3})

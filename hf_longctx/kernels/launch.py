@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["LaunchGrid", "backward_step_total", "backward_steps", "forward_step_total", "forward_steps", "phase_factor",
-           "tail_factor"]
+__all__ = ["LaunchGrid", "backward_step_total", "backward_steps", "forward_block_steps", "forward_step_total",
+           "forward_steps", "paired_forward_steps", "paired_makespan", "phase_factor", "tail_factor"]
 
 
 @dataclass(frozen=True)
@@ -52,21 +52,28 @@ class LaunchGrid:
     backward_tile: tuple[int, int] = (64, 128)  # a backward block: 128 keys, stepping over 64-row query tiles
     forward_weight: float = 0.15
     slots: int = 132
+    # forward blocks two to an SM (see paired_makespan): how much longer each then takes (1.0: one slot per SM,
+    # blocks never share), and how long an empty block (a segment shorter than the call's longest) holds its slot
+    forward_pairing: float = 1.0
+    empty_hold: float = 0.0
 
     def __post_init__(self) -> None:
         if self.slots < 1 or min(*self.forward_tile, *self.backward_tile) < 1:
             raise ValueError(f"LaunchGrid needs slots >= 1 and positive tiles, got {self}")
         if not 0.0 <= self.forward_weight <= 1.0:
             raise ValueError(f"LaunchGrid.forward_weight must lie in [0, 1], got {self.forward_weight}")
+        if not (1.0 <= self.forward_pairing <= 2.0 and self.empty_hold >= 0.0):
+            raise ValueError(f"LaunchGrid needs forward_pairing in [1, 2] and empty_hold >= 0, got {self}")
 
     def to_dict(self) -> dict:
         return {"forward_tile": list(self.forward_tile), "backward_tile": list(self.backward_tile),
-                "forward_weight": self.forward_weight, "slots": self.slots}
+                "forward_weight": self.forward_weight, "slots": self.slots,
+                "forward_pairing": self.forward_pairing, "empty_hold": self.empty_hold}
 
     @classmethod
     def from_dict(cls, data: dict) -> LaunchGrid:
         return cls(tuple(data["forward_tile"]), tuple(data["backward_tile"]), float(data["forward_weight"]),
-                   int(data["slots"]))
+                   int(data["slots"]), float(data.get("forward_pairing", 1.0)), float(data.get("empty_hold", 0.0)))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -189,6 +196,68 @@ def _phase_factor(per_head: tuple[int, ...], heads: int, slots: int) -> float:
     for work in tail:
         heapq.heapreplace(finish, finish[0] + work)
     return max(finish) * slots / total
+
+
+def forward_block_steps(q_lens: Sequence[int], k_lens: Sequence[int], grid: LaunchGrid, heads: int,
+                        causal: bool = True) -> list[int]:
+    """Tile steps of every block a varlen forward call launches, in launch order: per head, per segment, its query
+    tiles up to the call's longest segment's (a segment with fewer launches empty blocks: 0 steps)."""
+    pairs = [(int(q), int(k)) for q, k in zip(q_lens, k_lens) if q > 0]
+    if not pairs:
+        return []
+    tiles = max(_cdiv(q, grid.forward_tile[0]) for q, _ in pairs)
+    per_head: list[int] = []
+    for q, k in pairs:
+        steps = forward_steps(q, k, grid.forward_tile, causal)
+        per_head += steps + [0] * (tiles - len(steps))
+    return per_head * heads
+
+
+def paired_makespan(steps: Sequence[float], sms: int, pairing: float, empty: float = 0.0) -> float:
+    """Finish time (in a lone block's tile steps) of blocks of ``steps`` started in launch order on ``2 * sms``
+    slots: a block that starts while more than ``sms`` blocks run shares an SM and takes ``pairing`` times its
+    steps; an empty block (0 steps) holds its slot for ``empty``.
+
+    Why: torch's flash forward runs up to one block per SM alone; past that, long blocks mostly end up two to
+    an SM and take 1.6x as long, whatever separates them in the launch order (``scripts/profile_cad.py
+    --placement`` on an H200 and an H100). The blocks before the last :data:`EXACT_WAVES` waves of ``2 * sms``
+    are taken as spread evenly, two to an SM."""
+    if sms < 1 or pairing < 1.0 or empty < 0:
+        raise ValueError(f"paired_makespan needs sms >= 1, pairing >= 1 and empty >= 0, got {sms}, {pairing}, "
+                         f"{empty}")
+    works = [w if w > 0 else empty for w in steps]
+    exact = EXACT_WAVES * 2 * sms
+    now = sum(works[:-exact]) * pairing / (2 * sms) if len(works) > exact else 0.0
+    running: list[float] = []  # end times of the blocks holding slots
+    finish = now
+    for work in works[-exact:]:
+        if len(running) >= 2 * sms:
+            now = max(now, heapq.heappop(running))
+        while running and running[0] <= now:
+            heapq.heappop(running)
+        end = now + work * (pairing if len(running) + 1 > sms else 1.0)
+        heapq.heappush(running, end)
+        finish = max(finish, end)
+    return finish
+
+
+def paired_forward_steps(q_lens: Sequence[int], k_lens: Sequence[int], grid: LaunchGrid, heads: int,
+                         causal: bool = True) -> float:
+    """A forward call's time on ``grid`` in tile steps of one head at full throughput (``2 * slots`` blocks, two to
+    an SM, each ``forward_pairing`` slower): :func:`paired_makespan` of its blocks, scaled so that a call that
+    keeps every SM busy with two blocks gives its steps per head. Cached: a schedule prices the same calls often."""
+    return _paired_forward_steps(tuple(int(q) for q in q_lens), tuple(int(k) for k in k_lens), grid, int(heads),
+                                 bool(causal))
+
+
+@functools.lru_cache(maxsize=65536)
+def _paired_forward_steps(q_lens: tuple[int, ...], k_lens: tuple[int, ...], grid: LaunchGrid, heads: int,
+                          causal: bool) -> float:
+    blocks = forward_block_steps(q_lens, k_lens, grid, heads, causal)
+    if not blocks:
+        return 0.0
+    makespan = paired_makespan(blocks, grid.slots, grid.forward_pairing, grid.empty_hold)
+    return makespan * 2 * grid.slots / grid.forward_pairing / heads
 
 
 def tail_factor(q_lens: Sequence[int], k_lens: Sequence[int], heads: int, grid: LaunchGrid) -> float:

@@ -28,10 +28,14 @@ def launch_grid(head_dim: int) -> LaunchGrid | None:
     128 keys over 64-row query tiles, 8 warps, one block per SM), launched tile-fastest, then segment, then head.
     The forward takes 27% of a forward+backward on an H200; its weight, 0.15, is fitted to every kernel call of
     CAD steps of 8-64 emulated ranks on three document mixes there (per-server prediction error 1.4% standard
-    deviation, against 1.5% at 0.27 and 1.9% without the tail). Other head dims use other tiles: not modelled."""
+    deviation, against 1.5% at 0.27 and 1.9% without the tail). Forward blocks run two to an SM past one per SM,
+    each 1.6x slower (``scripts/profile_cad.py --placement`` on an H200 and an H100), an empty block holding its
+    slot for 0.3 tile steps (fitted to dumped CAD steps of three mixes: per-server forward error 2.0-2.8%, against
+    2.2-12.5% with one slot per SM). Other head dims use other tiles: not modelled."""
     if head_dim != 128:
         return None
-    return LaunchGrid(forward_tile=(128, 64), backward_tile=(64, 128), forward_weight=0.15)
+    return LaunchGrid(forward_tile=(128, 64), backward_tile=(64, 128), forward_weight=0.15, forward_pairing=1.6,
+                      empty_hold=0.3)
 
 
 def supports(call: KernelCall) -> str | None:

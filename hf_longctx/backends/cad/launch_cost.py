@@ -44,6 +44,7 @@ from ...kernels.launch import (
     backward_steps,
     forward_step_total,
     forward_steps,
+    paired_forward_steps,
     phase_factor,
 )
 
@@ -115,7 +116,10 @@ def call_features(phase: str, q_lens: Sequence[int], k_lens: Sequence[int], grid
     if not pairs:
         return np.zeros(len(TERM_NAMES))
     per_block = _block_steps(phase, pairs, grid, causal)
-    steps = sum(per_block) * phase_factor(per_block, heads, grid.slots)
+    if phase == "forward" and grid.forward_pairing > 1.0:  # blocks two to an SM past one per SM
+        steps = paired_forward_steps([q for q, _ in pairs], [k for _, k in pairs], grid, heads, causal)
+    else:
+        steps = sum(per_block) * phase_factor(per_block, heads, grid.slots)
     if phase == "forward":
         launched = len(pairs) * -(-max(q for q, _ in pairs) // grid.forward_tile[0])
     else:
@@ -269,9 +273,14 @@ class LaunchCostModel:
 def _tail_cost(q_lens: tuple[int, ...], k_lens: tuple[int, ...], model: LaunchCostModel, causal: bool) -> float:
     pairs = [(q, k) for q, k in zip(q_lens, k_lens) if q > 0]
     total = 0.0
+    grid = model.launch
     for phase in PHASES:
-        per_block = _block_steps(phase, pairs, model.launch, causal)
-        if per_block:
-            factor = phase_factor(per_block, model.heads, model.launch.slots)
-            total += model.terms(phase).step * sum(per_block) * (factor - 1.0)
+        per_block = _block_steps(phase, pairs, grid, causal)
+        if not per_block:
+            continue
+        if phase == "forward" and grid.forward_pairing > 1.0:
+            steps = paired_forward_steps([q for q, _ in pairs], [k for _, k in pairs], grid, model.heads, causal)
+        else:
+            steps = sum(per_block) * phase_factor(per_block, model.heads, grid.slots)
+        total += model.terms(phase).step * (steps - sum(per_block))
     return total

@@ -1,72 +1,33 @@
 """Where a forward call's blocks run: a launch simulation in which blocks that share an SM run slower.
 
-Why: :class:`~.launch_cost.LaunchCostModel` simulates a call's blocks on one slot per SM, each at full speed. A
-call of a few rows over a long prefix is a chain of long blocks, and its time is how fast those blocks run. On
-an H200 and an H100, torch's flash forward (``scripts/profile_cad.py --placement``) runs up to 128 blocks one
-to an SM; past that, long blocks mostly end up two to an SM and take 1.6x as long (an SM gives two blocks about
-1.25x the throughput of one), even when short blocks separate them in the launch order. The launch model prices
-such calls 20-40% low or high (ProLong at 64 servers: per-server forward error 9-13%).
+Why: the launch cost model used to simulate a call's blocks on one slot per SM, each at full speed. A call of a
+few rows over a long prefix is a chain of long blocks, and its time is how fast those blocks run. On an H200 and
+an H100, torch's flash forward (``scripts/profile_cad.py --placement``) runs up to 128 blocks one to an SM; past
+that, long blocks mostly end up two to an SM and take 1.6x as long (an SM gives two blocks about 1.25x the
+throughput of one), even when short blocks separate them in the launch order. One slot per SM priced such calls
+20-40% low or high (ProLong at 64 servers: per-server forward error 9-11%).
 
-:func:`paired_makespan` is the simplest rule that follows those probes: blocks start in launch order on two
-slots per SM, and a block that starts while more than ``sms`` blocks run takes ``pair_factor`` times its tile
-steps. :func:`fit_forward_placement` fits per-token and per-call terms on top of it to dumped calls
-(``bench_emulated.py --dump-calls``) and reports how well each dump is priced, call by call and server by server.
-Not yet used by the scheduler: no one setting of ``empty`` (how long an empty block holds its slot) fits every
-mix (see ``bench/RESULTS.md``, part six).
+:func:`~hf_longctx.kernels.launch.paired_makespan` is the simplest rule that follows those probes: blocks start
+in launch order on two slots per SM, and a block that starts while more than ``sms`` blocks run takes
+``pairing`` times its tile steps. :func:`fit_forward_placement` fits per-token and per-call terms on top of it
+to dumped calls (``bench_emulated.py --dump-calls``) and reports how well each dump is priced, call by call and
+server by server; :class:`~hf_longctx.kernels.launch.LaunchGrid`'s ``forward_pairing`` and ``empty_hold`` put
+the rule into the launch cost model.
 """
 
 from __future__ import annotations
 
-import heapq
 import statistics
 from collections.abc import Sequence
 
 import numpy as np
 
-from ...kernels.launch import LaunchGrid, forward_steps
+from ...kernels.launch import LaunchGrid, forward_block_steps, paired_makespan
 from .launch_cost import fit_relative
 
-__all__ = ["fit_forward_placement", "forward_block_steps", "paired_makespan"]
+__all__ = ["PAIR_FACTOR", "fit_forward_placement"]
 
 PAIR_FACTOR = 1.6  # measured: two long forward blocks on one SM each take about 1.6x their time alone
-
-
-def forward_block_steps(q_lens: Sequence[int], k_lens: Sequence[int], grid: LaunchGrid, heads: int,
-                        causal: bool = True) -> list[int]:
-    """Tile steps of every block a varlen forward call launches, in launch order: per head, per segment, its query
-    tiles up to the call's longest segment's (a segment with fewer launches empty blocks: 0 steps)."""
-    pairs = [(int(q), int(k)) for q, k in zip(q_lens, k_lens) if q > 0]
-    if not pairs:
-        return []
-    rows = grid.forward_tile[0]
-    tiles = max(-(-q // rows) for q, _ in pairs)
-    per_head: list[int] = []
-    for q, k in pairs:
-        steps = forward_steps(q, k, grid.forward_tile, causal)
-        per_head += steps + [0] * (tiles - len(steps))
-    return per_head * heads
-
-
-def paired_makespan(steps: Sequence[float], sms: int, pair_factor: float = PAIR_FACTOR, empty: float = 0.0
-                    ) -> float:
-    """Finish time (in lone tile steps) of blocks of ``steps`` started in launch order on ``2 * sms`` slots; a
-    block that starts while more than ``sms`` blocks run takes ``pair_factor`` times its steps, an empty block
-    (0 steps) holds its slot for ``empty``."""
-    if sms < 1 or pair_factor < 1.0 or empty < 0:
-        raise ValueError(f"paired_makespan needs sms >= 1, pair_factor >= 1 and empty >= 0, got {sms}, "
-                         f"{pair_factor}, {empty}")
-    running: list[float] = []  # end times of the blocks on their slots
-    now = finish = 0.0
-    for work in steps:
-        work = work if work > 0 else empty
-        if len(running) >= 2 * sms:
-            now = max(now, heapq.heappop(running))
-        while running and running[0] <= now:
-            heapq.heappop(running)
-        end = now + work * (pair_factor if len(running) + 1 > sms else 1.0)
-        heapq.heappush(running, end)
-        finish = max(finish, end)
-    return finish
 
 
 def _calls(dump: dict) -> dict[tuple, float]:
@@ -84,9 +45,9 @@ def fit_forward_placement(dumps: Sequence[dict], grid: LaunchGrid, heads: int, p
                           empty: float = 0.0) -> tuple[np.ndarray, list[dict]]:
     """Fit ``time = a * makespan + b * query rows + c * keys + d * blocks + e`` (non-negative, in relative error)
     to the forward calls of ``dumps`` (``bench_emulated.py --dump-calls`` files, loaded), the makespan from
-    :func:`paired_makespan` on ``grid.slots`` SMs: (the five coefficients, per dump its ``calls``, the relative
-    error's standard deviation and largest size per call, ``call_std`` and ``call_max``, and per server,
-    ``server_std``)."""
+    :func:`~hf_longctx.kernels.launch.paired_makespan` on ``grid.slots`` SMs: (the five coefficients, per dump its
+    ``calls``, the relative error's standard deviation and largest size per call, ``call_std`` and ``call_max``,
+    and per server, ``server_std``)."""
     per_dump = []
     for dump in dumps:
         calls = _calls(dump)

@@ -451,6 +451,12 @@ def _write_atomically(path: Path, model, meta: dict) -> None:
     os.replace(tmp, path)
 
 
+def _same_launch(cached: LaunchGrid, grid: LaunchGrid) -> bool:
+    """Whether a cached launch model was fitted on this grid (its terms mean something else on another)."""
+    fields = ("forward_tile", "backward_tile", "slots", "forward_pairing", "empty_hold")
+    return all(getattr(cached, f) == getattr(grid, f) for f in fields)
+
+
 def _launch_model(name: str, device: torch.device, shape: SegmentShape, grid: LaunchGrid, profile_if_missing: bool
                   ) -> tuple[CostModel, str]:
     """The cached launch cost model of ``name`` here (fitted again when its grid or timing differs), or fitted now."""
@@ -458,9 +464,7 @@ def _launch_model(name: str, device: torch.device, shape: SegmentShape, grid: La
     if path.exists():
         data = json.loads(path.read_text())
         cached = LaunchGrid.from_dict(data["launch"]) if data.get("kind") == LAUNCH_KIND else None
-        if cached is not None and data.get("meta", {}).get("timing") == TIMING and \
-                (cached.forward_tile, cached.backward_tile, cached.slots) == (grid.forward_tile, grid.backward_tile,
-                                                                              grid.slots):
+        if cached is not None and data.get("meta", {}).get("timing") == TIMING and _same_launch(cached, grid):
             return LaunchCostModel.from_dict(data), f"launch-fitted {name} ({path})"
     if not profile_if_missing:
         return FlopsCostModel(4.0 * shape.heads * shape.head_dim), f"FLOPs (no launch cost model at {path})"
