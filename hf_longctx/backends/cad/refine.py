@@ -109,7 +109,18 @@ def refine_in_time(plan: ShardPlan, tasks: Sequence[CadTask], model: CostModel, 
     for t in tasks:
         if t.q_end > t.q_start:
             by_server[t.server].append(t)
-    cost = np.array([server_cost(ts) if ts else 0.0 for ts in by_server])
+    memo: dict[tuple[CadTask, ...], float] = {}
+
+    def priced(ts: list[CadTask]) -> float:
+        """``server_cost`` of a task list, remembered: the same lists come back across receivers and moves."""
+        if not ts:
+            return 0.0
+        key = tuple(ts)
+        if key not in memo:
+            memo[key] = server_cost(ts)
+        return memo[key]
+
+    cost = np.array([priced(ts) for ts in by_server])
     for _ in range(moves):
         top = int(np.argmax(cost))
         receivers = [int(s) for s in np.argsort(cost, kind="stable")[:targets + 1] if s != top][:targets]
@@ -127,14 +138,17 @@ def refine_in_time(plan: ShardPlan, tasks: Sequence[CadTask], model: CostModel, 
                 keys = _first_keys_for(plan, model, t, half) if key_cuts else None
                 if keys is not None:  # its first keys, as a rectangle
                     candidates.append(([replace(t, key_lo=t.key_lo + keys)],
-                                  replace(t, key_hi=t.key_lo + keys, server=dst)))
+                                       replace(t, key_hi=t.key_lo + keys, server=dst)))
                 for left, part in candidates:
                     kept = others + left
+                    after_top = priced(kept)
+                    bound = cost[top] * (1 - 1e-6) if best is None else min(cost[top] * (1 - 1e-6), best[0])
+                    if after_top >= bound:  # the busiest would stay above what wins: the receiver need not be priced
+                        continue
                     given = _place(by_server[dst], part)
-                    after_top = server_cost(kept) if kept else 0.0
-                    after_dst = server_cost(given)
+                    after_dst = priced(given)
                     peak = max(after_top, after_dst)
-                    if peak < cost[top] * (1 - 1e-6) and (best is None or peak < best[0]):
+                    if peak < bound:
                         best = (peak, kept, dst, given, after_top, after_dst)
         if best is None:
             break
