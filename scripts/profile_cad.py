@@ -273,15 +273,22 @@ def run_mix(model: LaunchCostModel, args: argparse.Namespace, kernel: str, shape
               f"{max(measured):+.4f} ms, predicted {min(predicted):+.4f} to {max(predicted):+.4f} ms", flush=True)
 
 
+def loaded_launch_model(args: argparse.Namespace, need: str) -> LaunchCostModel | None:
+    """The launch cost model given with ``--load``; None, having said ``need`` and what to give, without one."""
+    loaded = json.loads(Path(args.load).read_text()) if args.load else None
+    if loaded is None or loaded.get("kind") != LAUNCH_KIND:
+        print(f"{need}: give --load LAUNCH_MODEL.json", file=sys.stderr)
+        return None
+    return LaunchCostModel.from_dict(loaded)
+
+
 def report_dumped_calls(args: argparse.Namespace) -> int:
     """``--calls``: each server's forward and backward of a dumped emulated step, measured against the loaded
     launch model, then each phase's per-server error spread and the step's max/mean both ways."""
-    loaded = json.loads(Path(args.load).read_text()) if args.load else None
-    if loaded is None or loaded.get("kind") != LAUNCH_KIND:
-        print("--calls prices dumped kernel calls with a launch cost model: give --load LAUNCH_MODEL.json",
-              file=sys.stderr)
+    model = loaded_launch_model(args, "--calls prices dumped kernel calls with a launch cost model")
+    if model is None:
         return 2
-    rows = server_phase_errors(LaunchCostModel.from_dict(loaded), json.loads(Path(args.calls).read_text()))
+    rows = server_phase_errors(model, json.loads(Path(args.calls).read_text()))
     errors: dict[str, list[float]] = {p: [] for p in PHASES}
     for row in rows:
         parts = []
@@ -303,11 +310,9 @@ def report_dumped_calls(args: argparse.Namespace) -> int:
 def report_predicted_balance(args: argparse.Namespace) -> int:
     """``--predict``: the runtime's predicted per-server kernel time (``server_costs``) of CAD at eps 0.01 on the
     loaded launch model, with and without key cuts, per mix, tokens, W and seed: max/mean and rectangles made."""
-    loaded = json.loads(Path(args.load).read_text()) if args.load else None
-    if loaded is None or loaded.get("kind") != LAUNCH_KIND:
-        print("--predict prices CAD schedules with a launch cost model: give --load LAUNCH_MODEL.json", file=sys.stderr)
+    model = loaded_launch_model(args, "--predict prices CAD schedules with a launch cost model")
+    if model is None:
         return 2
-    model = LaunchCostModel.from_dict(loaded)
     seeds = [int(x) for x in args.seeds.split(",")]
     for item in args.predict.split(","):
         mix, tokens, world = item.split(":")
@@ -329,12 +334,9 @@ def report_predicted_balance(args: argparse.Namespace) -> int:
 def report_placement_fit(args: argparse.Namespace) -> int:
     """``--fit-placement``: per dumped step, the launch model's per-server forward error, then the paired-block
     simulation's, fitted to all the dumps' forward calls at once, for each ``--empty``."""
-    loaded = json.loads(Path(args.load).read_text()) if args.load else None
-    if loaded is None or loaded.get("kind") != LAUNCH_KIND:
-        print("--fit-placement needs a launch cost model's grid and heads: give --load LAUNCH_MODEL.json",
-              file=sys.stderr)
+    model = loaded_launch_model(args, "--fit-placement needs a launch cost model's grid and heads")
+    if model is None:
         return 2
-    model = LaunchCostModel.from_dict(loaded)
     paths = args.fit_placement.split(",")
     dumps = [json.loads(Path(path).read_text()) for path in paths]
     for path, dump in zip(paths, dumps):
