@@ -238,7 +238,6 @@ class GatherPlan:
                     locals_[i].index_copy_(0, self.send_index, r)
         pending.parts = []
 
-
     # ------------------------------------------------------------------ reverse: partial results to holders
 
     def merge_local(self, out_seg: torch.Tensor, lse_seg: torch.Tensor, out: torch.Tensor, lse: torch.Tensor

@@ -313,9 +313,12 @@ class ProfiledCostModel:
             return 1.0
         return tail_factor(q_lens, k_lens, self.launch_heads, self.launch)
 
-    def tail_cost(self, q_lens: Sequence[int], k_lens: Sequence[int]) -> float:
+    def tail_cost(self, q_lens: Sequence[int], k_lens: Sequence[int], causal: bool = True) -> float:
         """What one call over these segments (in launch order) takes beyond their work at full throughput: the
-        work (their costs less the per-segment term) times the call factor less one; 0 without a launch grid."""
+        work (their costs less the per-segment term) times the call factor less one; 0 without a launch grid.
+        The grid is of causal segments: a call of rectangles (``causal`` False) has no price here."""
+        if not causal:
+            raise ValueError("a grid profile prices causal segments only; key cuts need a launch cost model")
         if self.launch is None:
             return 0.0
         work = sum(self.cost(q, k) - self.segment_cost for q, k in zip(q_lens, k_lens) if q > 0)

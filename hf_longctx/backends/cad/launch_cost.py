@@ -106,6 +106,20 @@ def _block_steps(phase: str, pairs: Sequence[tuple[int, int]], grid: LaunchGrid,
     return steps
 
 
+def _phase_steps(phase: str, pairs: Sequence[tuple[int, int]], grid: LaunchGrid, heads: int, causal: bool
+                 ) -> tuple[float, int]:
+    """One call's ``phase`` in tile steps of one head: (with the call's tail, at full throughput). The forward's
+    tail is :func:`~hf_longctx.kernels.launch.paired_forward_steps` where its blocks share SMs
+    (``grid.forward_pairing``), else the launch simulation's factor
+    (:func:`~hf_longctx.kernels.launch.phase_factor`)."""
+    if phase == "forward" and grid.forward_pairing > 1.0:
+        full = sum(forward_step_total(q, k, grid.forward_tile, causal) for q, k in pairs)
+        return paired_forward_steps([q for q, _ in pairs], [k for _, k in pairs], grid, heads, causal), full
+    per_block = _block_steps(phase, pairs, grid, causal)
+    full = sum(per_block)
+    return full * phase_factor(per_block, heads, grid.slots), full
+
+
 def call_features(phase: str, q_lens: Sequence[int], k_lens: Sequence[int], grid: LaunchGrid, heads: int,
                   causal: bool = True) -> np.ndarray:
     """The six quantities of one call's ``phase`` that :class:`PhaseTerms` prices (in its field order), the
@@ -115,11 +129,7 @@ def call_features(phase: str, q_lens: Sequence[int], k_lens: Sequence[int], grid
     pairs = [(int(q), int(k)) for q, k in zip(q_lens, k_lens) if q > 0]
     if not pairs:
         return np.zeros(len(TERM_NAMES))
-    per_block = _block_steps(phase, pairs, grid, causal)
-    if phase == "forward" and grid.forward_pairing > 1.0:  # blocks two to an SM past one per SM
-        steps = paired_forward_steps([q for q, _ in pairs], [k for _, k in pairs], grid, heads, causal)
-    else:
-        steps = sum(per_block) * phase_factor(per_block, heads, grid.slots)
+    steps, _ = _phase_steps(phase, pairs, grid, heads, causal)
     if phase == "forward":
         launched = len(pairs) * -(-max(q for q, _ in pairs) // grid.forward_tile[0])
     else:
@@ -272,15 +282,10 @@ class LaunchCostModel:
 @functools.lru_cache(maxsize=65536)
 def _tail_cost(q_lens: tuple[int, ...], k_lens: tuple[int, ...], model: LaunchCostModel, causal: bool) -> float:
     pairs = [(q, k) for q, k in zip(q_lens, k_lens) if q > 0]
+    if not pairs:
+        return 0.0
     total = 0.0
-    grid = model.launch
     for phase in PHASES:
-        per_block = _block_steps(phase, pairs, grid, causal)
-        if not per_block:
-            continue
-        if phase == "forward" and grid.forward_pairing > 1.0:
-            steps = paired_forward_steps([q for q, _ in pairs], [k for _, k in pairs], grid, model.heads, causal)
-        else:
-            steps = sum(per_block) * phase_factor(per_block, model.heads, grid.slots)
-        total += model.terms(phase).step * (steps - sum(per_block))
+        steps, full = _phase_steps(phase, pairs, model.launch, model.heads, causal)
+        total += model.terms(phase).step * (steps - full)
     return total

@@ -102,9 +102,10 @@ def has_key_cuts(tasks: Sequence[CadTask]) -> bool:
     return any(t.is_rect or t.key_lo for t in tasks)
 
 
-def _check_rows_once_per_server(plan: ShardPlan, tasks: Sequence[CadTask]) -> None:
-    """Raise unless every server computes each query row at most once per nano-batch: with key cuts, a server
-    returns its part of a row summed with any other part it holds (see ``GatherPlan.finish_merge``)."""
+def _check_key_cuts(plan: ShardPlan, tasks: Sequence[CadTask]) -> None:
+    """Raise unless every task's keys are a valid range (:func:`~.tasks.check_key_range`) and every server computes
+    each query row at most once per nano-batch: with key cuts, a server returns its part of a row summed with any
+    other part it holds (see ``GatherPlan.finish_merge``)."""
     seen: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
     for t in tasks:
         check_key_range(plan, t)
@@ -134,7 +135,7 @@ def build_nano_batch(plan: ShardPlan, tasks: Sequence[CadTask], rank: int, terms
     work = [t for t in tasks if t.q_end > t.q_start]
     partial = has_key_cuts(work)
     if partial:
-        _check_rows_once_per_server(plan, work)
+        _check_key_cuts(plan, work)
     for t in sorted(work, key=lambda t: _segment_order(plan, t)):
         piece, local = pieces[t.owner][t.piece]
         q_runs[t.server].append((t.owner, local + t.q_start, local + t.q_end))
@@ -158,10 +159,9 @@ def build_nano_batch(plan: ShardPlan, tasks: Sequence[CadTask], rank: int, terms
     rows = plan.token_counts
     q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
     k_lens = [b - a for a, b in zip(cu_k, cu_k[1:])]
-    rects = sum(t.is_rect for t in mine)  # rectangles come last, in calls of their own
-    causal_calls = plan_calls(q_lens[:len(mine) - rects], k_lens[:len(mine) - rects], terms)
-    rect_calls = [(a + len(mine) - rects, b + len(mine) - rects)
-                  for a, b in plan_calls(q_lens[len(mine) - rects:], k_lens[len(mine) - rects:], terms)]
+    n_causal = sum(not t.is_rect for t in mine)  # rectangles come last, in calls of their own
+    causal_calls = plan_calls(q_lens[:n_causal], k_lens[:n_causal], terms)
+    rect_calls = [(a + n_causal, b + n_causal) for a, b in plan_calls(q_lens[n_causal:], k_lens[n_causal:], terms)]
     return NanoBatch(mine, GatherPlan(q_runs, rank, rows), GatherPlan(kv_runs, rank, rows), cu_q, cu_k,
                      causal_calls + rect_calls, [True] * len(causal_calls) + [False] * len(rect_calls), partial)
 
@@ -353,8 +353,7 @@ def _server_time(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, model
             if terms is not None:
                 total += calls_overhead(q_lens, k_lens, runs, terms)
             if tails is not None:
-                kind = {} if causal else {"causal": False}
-                total += sum(tails.tail_cost(q_lens[a:b], k_lens[a:b], **kind) for a, b in runs)
+                total += sum(tails.tail_cost(q_lens[a:b], k_lens[a:b], causal) for a, b in runs)
     return total
 
 
