@@ -151,14 +151,20 @@ def segment_overhead(model: CostModel) -> float:
     return float(getattr(model, "segment_cost", 0.0))
 
 
-def query_rows_cost(model: CostModel, length: int, offset: int, q_start: int, q_end: int) -> float:
-    """Cost of query rows ``[q_start, q_end)`` of a piece of ``length`` rows preceded by ``offset`` tokens.
-
-    The rows see the causal prefix: ``offset + q_end`` keys for the last row.
-    """
+def check_query_rows(length: int, q_start: int, q_end: int) -> None:
+    """Raise unless query rows ``[q_start, q_end)`` lie in a piece of ``length`` rows."""
     if not 0 <= q_start <= q_end <= length:
         raise ValueError(f"query rows [{q_start}, {q_end}) outside a piece of {length} rows")
-    return model.cost(q_end - q_start, offset + q_end)
+
+
+def query_rows_cost(model: CostModel, length: int, offset: int, q_start: int, q_end: int, key_lo: int = 0) -> float:
+    """Cost of query rows ``[q_start, q_end)`` of a piece of ``length`` rows preceded by ``offset`` tokens.
+
+    The rows see the causal prefix from document key ``key_lo`` on: ``offset + q_end - key_lo`` keys for the
+    last row.
+    """
+    check_query_rows(length, q_start, q_end)
+    return model.cost(q_end - q_start, offset + q_end - key_lo)
 
 
 def _axis_weights(grid: list[float], x: float) -> tuple[int, float]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...layout import Piece, ShardPlan
-from .cost_model import PAIRS, CostModel, WindowedCostModel, query_rows_cost
+from .cost_model import PAIRS, CostModel, WindowedCostModel, check_query_rows, query_rows_cost
 
 
 @dataclass(frozen=True, order=True)
@@ -138,12 +138,9 @@ def rows_cost(plan: ShardPlan, task: CadTask, q_start: int, q_end: int, model: C
     model = model if model is not None else _pairs_model(plan)
     offset = piece.start - plan.batch.doc_starts[piece.doc]
     if task.is_rect:
-        if not 0 <= q_start <= q_end <= piece.length:
-            raise ValueError(f"query rows [{q_start}, {q_end}) outside a piece of {piece.length} rows")
+        check_query_rows(piece.length, q_start, q_end)
         return model.rect_cost(q_end - q_start, task.key_hi - task.key_lo)
-    if task.key_lo:
-        return model.cost(q_end - q_start, offset + q_end - task.key_lo) if q_end > q_start else 0.0
-    return query_rows_cost(model, piece.length, offset, q_start, q_end)
+    return query_rows_cost(model, piece.length, offset, q_start, q_end, task.key_lo)
 
 
 def server_holds_keys(plan: ShardPlan, task: CadTask) -> bool:
