@@ -165,3 +165,8 @@ def test_key_cuts_are_counted_in_bytes_once_per_key_and_server():
     _, home = task_bytes(docs, owner, piece, q_start, q_end, np.array([1, 1]), 2, tb,
                          np.array([0, 600]), np.array([600, -1]))
     assert home[1] == pytest.approx(1000 * 10.0)
+    # overlapping ranges travel once: a rectangle of keys [0, 600) and the causal rows [100, 200) from key 0
+    # (keys [0, 1200)) fetch 1200 keys, not 1800
+    _, overlap = task_bytes(docs, owner, piece, np.array([0, 100]), np.array([100, 200]), server, 2, tb,
+                            np.array([0, 0]), np.array([600, -1]))
+    assert overlap[0] == pytest.approx(200 * (1.0 + 100.0) + 1200 * 10.0)
