@@ -33,9 +33,9 @@ from ...kernels.launch import LaunchGrid
 from .cost_model import PAIRS
 from .launch_cost import PHASES, LaunchCostModel, call_features, fit_phase_terms
 
-__all__ = ["CALL_KINDS", "SWEEPS", "check_call_mix", "check_launch_cost", "mix_pairs", "placement_probes",
-           "profile_launch_cost", "random_calls", "segment_batch", "server_phase_errors", "sweep_shapes",
-           "time_call_phases", "time_placement"]
+__all__ = ["CALL_KINDS", "SWEEPS", "check_call_mix", "check_launch_cost", "dumped_calls", "mix_pairs",
+           "placement_probes", "profile_launch_cost", "random_calls", "segment_batch", "server_phase_errors",
+           "sweep_shapes", "time_call_phases", "time_placement"]
 
 CALL_KINDS = ("short documents", "shards", "long shard beside short documents", "one large segment")
 SWEEPS = ("prefix", "waves", "square")  # the lines of :func:`sweep_shapes`
@@ -289,24 +289,29 @@ def check_launch_cost(model: LaunchCostModel, shapes: Sequence[tuple[int, int]],
             for q_len, kv_len in shapes]
 
 
-def server_phase_errors(model: LaunchCostModel, dump: dict) -> list[dict]:
-    """Per rank of an emulated step's dumped kernel calls (``bench_emulated.py --dump-calls``: ``reps``, a list per
-    timed repetition of calls with ``rank``, ``phase``, ``q_lens``, ``k_lens``, ``causal`` (default True) and
-    ``seconds``), per phase: the
-    ``measured`` ms (each call the median over the repetitions) and what ``model`` ``predicted`` (ms).
-
-    Where a server's time goes wrong, phase by phase: a step's total hides a forward priced high on one server
-    behind a backward priced low. Calls are matched across repetitions by rank, phase and segments (ranks run in
-    threads, so the log's order differs between repetitions); repetitions must hold the same calls."""
+def dumped_calls(dump: dict) -> list[tuple[dict, float]]:
+    """Every kernel call of a dumped emulated step (``bench_emulated.py --dump-calls``) once, with its median time
+    over the repetitions (ms). Calls are matched across repetitions by rank, phase, causal and segments (ranks run
+    in threads, so the log's order differs between repetitions); repetitions must hold the same calls."""
     def key(call: dict) -> tuple:
         return call["rank"], call["phase"], call.get("causal", True), tuple(call["q_lens"]), tuple(call["k_lens"])
 
     reps = [sorted(rep, key=key) for rep in dump["reps"]]
     if not reps or any([key(c) for c in rep] != [key(c) for c in reps[0]] for rep in reps):
         raise ValueError("the dump's repetitions do not hold the same kernel calls")
+    return [(call, statistics.median(rep[i]["seconds"] for rep in reps) * 1e3) for i, call in enumerate(reps[0])]
+
+
+def server_phase_errors(model: LaunchCostModel, dump: dict) -> list[dict]:
+    """Per rank of an emulated step's dumped kernel calls (``bench_emulated.py --dump-calls``: ``reps``, a list per
+    timed repetition of calls with ``rank``, ``phase``, ``q_lens``, ``k_lens``, ``causal`` (default True) and
+    ``seconds``), per phase: the ``measured`` ms (each call the median over the repetitions) and what ``model``
+    ``predicted`` (ms).
+
+    Where a server's time goes wrong, phase by phase: a step's total hides a forward priced high on one server
+    behind a backward priced low. Calls are matched across repetitions as :func:`dumped_calls` matches them."""
     ranks: dict[int, dict] = {}
-    for i, call in enumerate(reps[0]):
-        measured = statistics.median(rep[i]["seconds"] for rep in reps) * 1e3
+    for call, measured in dumped_calls(dump):
         row = ranks.setdefault(call["rank"], {"rank": call["rank"], **{
             p: {"measured": 0.0, "predicted": 0.0} for p in PHASES}})
         row[call["phase"]]["measured"] += measured

@@ -17,28 +17,17 @@ the rule into the launch cost model.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 
 import numpy as np
 
 from ...kernels.launch import LaunchGrid, forward_block_steps, paired_makespan
+from .call_profile import dumped_calls
 from .launch_cost import fit_relative
 
 __all__ = ["PAIR_FACTOR", "fit_forward_placement"]
 
 PAIR_FACTOR = 1.6  # measured: two long forward blocks on one SM each take about 1.6x their time alone
-
-
-def _calls(dump: dict) -> dict[tuple, float]:
-    """A dump's forward calls, each the median over the repetitions (ms), keyed by rank, causal and segments."""
-    times: dict[tuple, list[float]] = {}
-    for rep in dump["reps"]:
-        for call in rep:
-            if call["phase"] == "forward":
-                key = call["rank"], bool(call.get("causal", True)), tuple(call["q_lens"]), tuple(call["k_lens"])
-                times.setdefault(key, []).append(call["seconds"] * 1e3)
-    return {key: statistics.median(ts) for key, ts in times.items()}
 
 
 def fit_forward_placement(dumps: Sequence[dict], grid: LaunchGrid, heads: int, pair_factor: float = PAIR_FACTOR,
@@ -50,25 +39,26 @@ def fit_forward_placement(dumps: Sequence[dict], grid: LaunchGrid, heads: int, p
     and per server, ``server_std``)."""
     per_dump = []
     for dump in dumps:
-        calls = _calls(dump)
+        calls = [(call, ms) for call, ms in dumped_calls(dump) if call["phase"] == "forward"]
         rows = []
-        for (_rank, causal, q, k) in calls:
-            blocks = forward_block_steps(q, k, grid, heads, causal)
+        for call, _ in calls:
+            q, k = call["q_lens"], call["k_lens"]
+            blocks = forward_block_steps(q, k, grid, heads, call.get("causal", True))
             rows.append([paired_makespan(blocks, grid.slots, pair_factor, empty), sum(q), sum(k), len(blocks), 1.0])
-        per_dump.append((list(calls), np.array(rows), np.array(list(calls.values()))))
+        per_dump.append(([call["rank"] for call, _ in calls], np.array(rows), np.array([ms for _, ms in calls])))
     x = np.vstack([f for _, f, _ in per_dump])
     y = np.concatenate([t for _, _, t in per_dump])
     coef, _ = fit_relative(x, y)
     stats = []
-    for keys, features, seconds in per_dump:
+    for ranks, features, seconds in per_dump:
         predicted = features @ coef
         err = seconds / predicted - 1.0
         servers: dict[int, list[float]] = {}
-        for (rank, *_), p, t in zip(keys, predicted, seconds):
+        for rank, p, t in zip(ranks, predicted, seconds):
             servers.setdefault(rank, [0.0, 0.0])
             servers[rank][0] += t
             servers[rank][1] += p
         ratio = np.array([t / p for t, p in servers.values()])
-        stats.append({"calls": len(keys), "call_std": float(err.std()), "call_max": float(np.abs(err).max()),
+        stats.append({"calls": len(ranks), "call_std": float(err.std()), "call_max": float(np.abs(err).max()),
                       "server_std": float(ratio.std())})
     return coef, stats
