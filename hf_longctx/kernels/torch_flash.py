@@ -23,6 +23,10 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 
 
+FORWARD_PAIRING = 1.6  # two forward blocks on one SM each take this times their time alone (H200, H100)
+EMPTY_HOLD = 0.3  # tile steps an empty forward block holds its slot (fitted to dumped CAD steps)
+
+
 def launch_grid(head_dim: int) -> LaunchGrid | None:
     """FlashAttention-2's blocks at head dim 128 (forward: 128 query rows over 64-key tiles, 4 warps; backward:
     128 keys over 64-row query tiles, 8 warps, one block per SM), launched tile-fastest, then segment, then head.
@@ -34,8 +38,8 @@ def launch_grid(head_dim: int) -> LaunchGrid | None:
     2.2-12.5% with one slot per SM). Other head dims use other tiles: not modelled."""
     if head_dim != 128:
         return None
-    return LaunchGrid(forward_tile=(128, 64), backward_tile=(64, 128), forward_weight=0.15, forward_pairing=1.6,
-                      empty_hold=0.3)
+    return LaunchGrid(forward_tile=(128, 64), backward_tile=(64, 128), forward_weight=0.15,
+                      forward_pairing=FORWARD_PAIRING, empty_hold=EMPTY_HOLD)
 
 
 def supports(call: KernelCall) -> str | None:

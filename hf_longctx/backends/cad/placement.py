@@ -22,15 +22,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from ...kernels.launch import LaunchGrid, forward_block_steps, paired_makespan
+from ...kernels.torch_flash import FORWARD_PAIRING
 from .call_profile import dumped_calls
 from .launch_cost import fit_relative
 
-__all__ = ["PAIR_FACTOR", "fit_forward_placement"]
-
-PAIR_FACTOR = 1.6  # measured: two long forward blocks on one SM each take about 1.6x their time alone
+__all__ = ["fit_forward_placement"]
 
 
-def fit_forward_placement(dumps: Sequence[dict], grid: LaunchGrid, heads: int, pair_factor: float = PAIR_FACTOR,
+def fit_forward_placement(dumps: Sequence[dict], grid: LaunchGrid, heads: int, pair_factor: float = FORWARD_PAIRING,
                           empty: float = 0.0) -> tuple[np.ndarray, list[dict]]:
     """Fit ``time = a * makespan + b * query rows + c * keys + d * blocks + e`` (non-negative, in relative error)
     to the forward calls of ``dumps`` (``bench_emulated.py --dump-calls`` files, loaded), the makespan from
