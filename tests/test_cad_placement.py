@@ -53,3 +53,47 @@ def test_the_fit_recovers_terms_that_priced_the_calls():
     coef, stats = fit_forward_placement([{"reps": [reps]}], GRID, 32, empty=0.3)
     assert coef == pytest.approx(terms, rel=1e-6, abs=1e-12)
     assert stats[0]["calls"] == len(calls) and stats[0]["call_max"] < 1e-9 and stats[0]["server_std"] < 1e-9
+
+
+def _launch_block_by_block(steps, sms, pairing, empty):
+    """The rule of ``paired_makespan``, written out over the whole launch: blocks before the last EXACT_WAVES
+    waves spread evenly two to an SM, then every block started in launch order on the slot that frees first."""
+    import heapq
+
+    from hf_longctx.kernels.launch import EXACT_WAVES
+
+    works = [w if w > 0 else empty for w in steps]
+    exact = EXACT_WAVES * 2 * sms
+    now = sum(works[:-exact]) * pairing / (2 * sms) if len(works) > exact else 0.0
+    running, finish = [], now
+    for work in works[-exact:]:
+        if len(running) >= 2 * sms:
+            now = max(now, heapq.heappop(running))
+        while running and running[0] <= now:
+            heapq.heappop(running)
+        end = now + work * (pairing if len(running) + 1 > sms else 1.0)
+        heapq.heappush(running, end)
+        finish = max(finish, end)
+    return finish
+
+
+def test_a_call_is_priced_from_one_head_as_if_every_head_were_launched():
+    """The launch model simulates a call from one head's blocks repeated (a 32-head call launches tens of
+    thousands of blocks); it must give what the whole launch, block by block, gives."""
+    import random
+
+    from hf_longctx.kernels.launch import paired_forward_steps
+
+    grid = LaunchGrid(slots=132, forward_pairing=1.6, empty_hold=0.3)
+    rng = random.Random(3)
+    for _ in range(60):
+        q = [rng.choice([rng.randint(1, 2048), rng.randint(1, 30000)]) for _ in range(rng.randint(1, 12))]
+        k = [x + rng.randint(0, 60000) for x in q]
+        heads = rng.choice([1, 3, 32])
+        whole = _launch_block_by_block(forward_block_steps(q, k, grid, heads), 132, 1.6, 0.3)
+        assert paired_forward_steps(q, k, grid, heads) == pytest.approx(whole * 2 * 132 / 1.6 / heads, rel=1e-9)
+        flat = [rng.choice([0, rng.randint(1, 900)]) for _ in range(rng.randint(1, 3000))]
+        assert paired_makespan(flat, 132, 1.6, 0.3) == pytest.approx(_launch_block_by_block(flat, 132, 1.6, 0.3))
+    # every block starts at once when they fit on two slots per SM: the first 132 that take time run alone
+    assert paired_makespan([0, 0] + [10] * 132 + [20], 132, 1.6) == pytest.approx(32)
+    assert paired_makespan([20] + [10] * 200, 132, 1.6) == pytest.approx(20)

@@ -222,22 +222,58 @@ def paired_makespan(steps: Sequence[float], sms: int, pairing: float, empty: flo
     an SM and take 1.6x as long, whatever separates them in the launch order (``scripts/profile_cad.py
     --placement`` on an H200 and an H100). The blocks before the last :data:`EXACT_WAVES` waves of ``2 * sms``
     are taken as spread evenly, two to an SM."""
+    return _periodic_makespan(tuple(steps), 1, sms, pairing, empty)
+
+
+def _periodic_makespan(per_head: tuple[float, ...], heads: int, sms: int, pairing: float, empty: float) -> float:
+    """:func:`paired_makespan` of ``per_head`` launched ``heads`` times over, without building the whole launch:
+    a forward call of 32 heads launches tens of thousands of blocks, and a schedule prices thousands of calls."""
     if sms < 1 or pairing < 1.0 or empty < 0:
         raise ValueError(f"paired_makespan needs sms >= 1, pairing >= 1 and empty >= 0, got {sms}, {pairing}, "
                          f"{empty}")
-    works = [w if w > 0 else empty for w in steps]
-    exact = EXACT_WAVES * 2 * sms
-    now = sum(works[:-exact]) * pairing / (2 * sms) if len(works) > exact else 0.0
+    works = [w if w > 0 else empty for w in per_head]
+    n, slots = len(works) * heads, 2 * sms
+    if n == 0:
+        return 0.0
+    if n <= slots:  # every block starts at once: the first ``sms`` that take time run alone, the rest paired
+        alone, paired, running = 0.0, 0.0, 0
+        for work in works * heads:
+            if work <= 0:
+                continue
+            if running < sms:
+                alone = max(alone, work)
+            else:
+                paired = max(paired, work)
+            running += 1
+        return max(alone, paired * pairing)
+    exact = EXACT_WAVES * slots
+    now = 0.0
+    if n > exact:
+        copies = -(-exact // len(works))
+        tail = (works * copies)[-exact:]
+        now = (sum(works) * heads - sum(tail)) * pairing / slots
+    else:
+        tail = works * heads
+    return _simulated_finish(tail, now, sms, pairing)
+
+
+def _simulated_finish(works: list[float], now: float, sms: int, pairing: float) -> float:
+    """The last end of ``works`` started in order from ``now`` on ``2 * sms`` slots (see :func:`paired_makespan`)."""
+    slots = 2 * sms
     running: list[float] = []  # end times of the blocks holding slots
+    pop, push = heapq.heappop, heapq.heappush
     finish = now
-    for work in works[-exact:]:
-        if len(running) >= 2 * sms:
-            now = max(now, heapq.heappop(running))
+    for work in works:
+        if len(running) >= slots:
+            ended = pop(running)
+            if ended > now:
+                now = ended
         while running and running[0] <= now:
-            heapq.heappop(running)
-        end = now + work * (pairing if len(running) + 1 > sms else 1.0)
-        heapq.heappush(running, end)
-        finish = max(finish, end)
+            pop(running)
+        end = now + (work * pairing if len(running) >= sms else work)
+        push(running, end)
+        if end > finish:
+            finish = end
     return finish
 
 
@@ -253,10 +289,10 @@ def paired_forward_steps(q_lens: Sequence[int], k_lens: Sequence[int], grid: Lau
 @functools.lru_cache(maxsize=65536)
 def _paired_forward_steps(q_lens: tuple[int, ...], k_lens: tuple[int, ...], grid: LaunchGrid, heads: int,
                           causal: bool) -> float:
-    blocks = forward_block_steps(q_lens, k_lens, grid, heads, causal)
-    if not blocks:
+    per_head = forward_block_steps(q_lens, k_lens, grid, 1, causal)
+    if not per_head:
         return 0.0
-    makespan = paired_makespan(blocks, grid.slots, grid.forward_pairing, grid.empty_hold)
+    makespan = _periodic_makespan(tuple(per_head), heads, grid.slots, grid.forward_pairing, grid.empty_hold)
     return makespan * 2 * grid.slots / grid.forward_pairing / heads
 
 
