@@ -36,7 +36,8 @@ memory after every W (allocated, reserved and free), so growth would show. (On a
 torch_flash it stayed at the 5 GiB of the global tensors from ProLong W=4 through Pretrain W=64.)
 One configuration alone can still exceed the device: CAD on ProLong at W=64 holds the gathered key
 rows of all 64 ranks at once and ran out of memory on an H200 in four of its five variants; such a
-row reports the error and the run goes on.
+row reports the error and the run goes on. ``--stage-on-host`` keeps every rank's all_to_all send buffers on
+the host until the collective completes, so that only the receive buffers share the device.
 
 Configurations run in order (mix, then W, then backend); each mix gets its share of ``--budget-s``
 (time a mix leaves unused carries over), and the configurations left out are listed in the output.
@@ -188,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                    "the interpolated grid profile too (when the kernel declares a launch grid)")
     p.add_argument("--cad-runs", default="", help="comma-separated labels of the CAD runs to make (default: all), "
                    "e.g. 'cad flops eps0.1,cad profiled eps0.01'")
+    p.add_argument("--stage-on-host", action="store_true", help="all_to_all send buffers wait on the host "
+                   "(EmulationHub's stage_on_host): for steps whose ranks' buffers do not fit on the device together")
     p.add_argument("--seed", type=int, default=0, help="which batch of each mix's documents (the lengths' seed)")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes, reference kernel")
     p.add_argument("--dump-calls", default=None, metavar="DIR",
@@ -247,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         dump = args.dump_calls and backend == "cad" and options and options.get("cost_model") is profiled \
             and isinstance(profiled, MEASURED_MODELS)
         return emulate_step(batch, w, tensors, backend, options=options, kernel=args.kernel, warmup=args.warmup,
-                            reps=args.reps, make_timer=keep_calls if dump else KernelTimer)
+                            reps=args.reps, stage_on_host=args.stage_on_host,
+                            make_timer=keep_calls if dump else KernelTimer)
 
     if args.dump_calls and isinstance(profiled, MEASURED_MODELS):
         Path(args.dump_calls).mkdir(parents=True, exist_ok=True)

@@ -186,7 +186,7 @@ def median_rep(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
 
 def emulate_step(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ...], backend: str, *,
                  strategy: str | None = None, options: dict | None = None, kernel: str = "auto", warmup: int = 0,
-                 reps: int = 1, keep_results: bool = False, timeout_s: float = 600.0,
+                 reps: int = 1, keep_results: bool = False, timeout_s: float = 600.0, stage_on_host: bool = False,
                  make_timer: Callable[[EmulationHub, torch.device], KernelTimer] = KernelTimer) -> EmulatedStep:
     """Run ``world`` ranks of ``backend`` on ``batch`` (forward + backward) on the device of ``tensors``.
 
@@ -196,6 +196,8 @@ def emulate_step(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ..
     the lower median over them (:func:`median_rep`). ``keep_results`` keeps every rank's ``(out, dq, dk, dv)``
     of the last step (in ``RankStep.results``, local row order). Traffic and kernel calls are those of the
     last step. ``make_timer(hub, device)`` builds each step's kernel timer (:class:`~.timing.KernelTimer`).
+    ``stage_on_host``: all_to_all send buffers wait on the host (see :class:`~hf_longctx.comm.emulated.EmulationHub`),
+    for steps whose W ranks' buffers do not fit on the one device together.
     """
     if reps < 1 or warmup < 0:
         raise ValueError(f"need reps >= 1 and warmup >= 0, got reps={reps}, warmup={warmup}")
@@ -207,7 +209,7 @@ def emulate_step(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ..
     results: list = [None] * world
     traffic: list[list[tuple[str, int]]] = [[] for _ in range(world)]
     for i in range(warmup + reps):
-        hub = EmulationHub(world, timeout_s)
+        hub = EmulationHub(world, timeout_s, stage_on_host)
         timer = make_timer(hub, q.device)
         last = i == warmup + reps - 1
         with observe_kernels(timer):
