@@ -319,27 +319,35 @@ class EmulationHub:
             send = send.to("cpu")  # the caller's device buffer is freed once it lets go of it
 
         def complete(parts: dict[int, tuple]) -> None:
-            starts = {s: [0, *itertools.accumulate(parts[s][3])] for s in range(world)}
             for r in range(world):
-                r_recv, _, r_in, _ = parts[r]
-                pieces = []
+                r_in, s_out = parts[r][2], [parts[s][3][r] for s in range(world)]
                 for s in range(world):
-                    _, s_send, _, s_out = parts[s]
-                    if r_in[s] != s_out[r]:
-                        raise EmulationError(f"emulated all_to_all: rank {s} sends {s_out[r]} rows to rank {r}, "
+                    if r_in[s] != s_out[s]:
+                        raise EmulationError(f"emulated all_to_all: rank {s} sends {s_out[s]} rows to rank {r}, "
                                              f"which expects {r_in[s]}")
-                    if r_in[s]:
-                        pieces.append(s_send[starts[s][r]:starts[s][r + 1]])
-                if not pieces:
-                    continue
-                rows = r_recv.view(-1, *pieces[0].shape[1:])
-                if all(p.device == rows.device for p in pieces):  # one copy per receiver
-                    torch.cat(pieces, out=rows)
-                    continue
-                at = 0
-                for p in pieces:  # staged on the host: each sender's rows copied over
-                    rows[at:at + p.shape[0]].copy_(p)
-                    at += p.shape[0]
+            if not self.stage_on_host:
+                starts = {s: [0, *itertools.accumulate(parts[s][3])] for s in range(world)}
+                for r in range(world):
+                    r_recv, _, r_in, _ = parts[r]
+                    pieces = [parts[s][1][starts[s][r]:starts[s][r + 1]] for s in range(world) if r_in[s]]
+                    if pieces:  # one copy per receiver
+                        torch.cat(pieces, out=r_recv.view(-1, *pieces[0].shape[1:]))
+                return
+            # staged: sender by sender, each one's buffer let go of once its rows are copied out (the host then
+            # holds about one copy of the collective's rows, not two)
+            at = [0] * world  # rows of each receiver filled so far
+            for s in range(world):
+                s_recv, s_send, s_in, s_out = parts[s]
+                begin = 0
+                for r in range(world):
+                    n = s_out[r]
+                    if n:
+                        rows = parts[r][0].view(-1, *s_send.shape[1:])
+                        rows[at[r]:at[r] + n].copy_(s_send[begin:begin + n])
+                        at[r] += n
+                        begin += n
+                parts[s] = (s_recv, None, s_in, s_out)
+                del s_send
 
         work = self._join(rank, "all_to_all", (recv, send, in_split, out_split), complete)
         return work if async_op else work.wait() and None

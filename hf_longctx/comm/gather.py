@@ -75,6 +75,15 @@ def _unpack(buf: torch.Tensor, likes: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def _receive_buffer(like: torch.Tensor, rows: int, width: int, group) -> torch.Tensor:
+    """Where an all_to_all lands: beside ``like``, or on the host for an emulated group that stages its buffers
+    there (:class:`~hf_longctx.comm.emulated.EmulationHub`'s ``stage_on_host``: one device emulating W ranks
+    would hold all W ranks' buffers at once)."""
+    if isinstance(group, EmulatedGroup) and group.hub.stage_on_host and like.device.type != "cpu":
+        return torch.empty(rows, width, dtype=like.dtype, device="cpu")
+    return like.new_empty(rows, width)
+
+
 def _a2a(recv: torch.Tensor, send: torch.Tensor, recv_counts: list[int], send_counts: list[int], group):
     if isinstance(group, EmulatedGroup) and len(recv_counts) > 1:
         return group.all_to_all_single(recv, send, recv_counts, send_counts, async_op=True)
@@ -168,7 +177,7 @@ class GatherPlan:
         if self.moves:
             for idx in _dtype_groups(tensors):
                 send = _pack([tensors[i].index_select(0, self.send_index) for i in idx])
-                recv = send.new_empty(self.recv_rows, send.shape[1])
+                recv = _receive_buffer(send, self.recv_rows, send.shape[1], group)
                 count_all_to_all(send, self.send_counts, self.recv_counts, self.rank)
                 parts.append((_a2a(recv, send, self.recv_counts, self.send_counts, group), recv, idx))
         return _Pending(parts)
@@ -179,7 +188,7 @@ class GatherPlan:
         for work, recv, idx in pending.parts:
             if work is not None:
                 work.wait()
-            for i, r in zip(idx, _unpack(recv, [tensors[i] for i in idx])):
+            for i, r in zip(idx, _unpack(recv.to(tensors[idx[0]].device), [tensors[i] for i in idx])):
                 received[i] = r
         pending.parts = []  # the receive buffers live on only in what is returned (a caller keeps ``pending``)
         out = []
@@ -218,7 +227,7 @@ class GatherPlan:
                 buf = seg[0].new_zeros(self.recv_rows, sum(_row_width(s) for s in seg))
                 if self.recv_rows:
                     buf.index_add_(0, self.remote_slot, _pack([s.index_select(0, self.remote_pos) for s in seg]))
-                recv = buf.new_empty(self.send_index.shape[0], buf.shape[1])
+                recv = _receive_buffer(buf, self.send_index.shape[0], buf.shape[1], group)
                 count_all_to_all(buf, self.recv_counts, self.send_counts, self.rank)
                 parts.append((_a2a(recv, buf, self.send_counts, self.recv_counts, group), recv, idx))
         return _Pending(parts)
@@ -231,7 +240,7 @@ class GatherPlan:
             if recv.shape[0] == 0:
                 continue
             for i, r in zip(idx, _unpack(recv, [locals_[i] for i in idx])):
-                r = r.to(locals_[i].dtype)
+                r = r.to(device=locals_[i].device, dtype=locals_[i].dtype)
                 if add:
                     locals_[i].index_add_(0, self.send_index, r)
                 else:
@@ -258,7 +267,7 @@ class GatherPlan:
         for work, recv, idx in pending.parts:
             if work is not None:
                 work.wait()
-            for i, r in zip(idx, _unpack(recv, [(out, lse)[i] for i in idx])):
+            for i, r in zip(idx, _unpack(recv.to(out.device), [(out, lse)[i] for i in idx])):
                 received[i] = r
         pending.parts = []
         if received[0] is None or received[0].shape[0] == 0:
