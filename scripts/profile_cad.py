@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -309,7 +310,8 @@ def report_dumped_calls(args: argparse.Namespace) -> int:
 
 def report_predicted_balance(args: argparse.Namespace) -> int:
     """``--predict``: the runtime's predicted per-server kernel time (``server_costs``) of CAD at eps 0.01 on the
-    loaded launch model, with and without key cuts, per mix, tokens, W and seed: max/mean and rectangles made."""
+    loaded launch model, with and without key cuts, per mix, tokens, W and seed: max/mean, rectangles made, and
+    the seconds the schedule took on this host (in brackets)."""
     model = loaded_launch_model(args, "--predict prices CAD schedules with a launch cost model")
     if model is None:
         return 2
@@ -323,9 +325,13 @@ def report_predicted_balance(args: argparse.Namespace) -> int:
             for seed in seeds:
                 plan = shard_plan(PackedBatch.from_doc_lens(doc_lengths(mix, total, seed=seed)), int(world), "cad")
                 options = {"cost_model": model, "eps": 0.01, "key_cuts": key_cuts}
+                start = time.perf_counter()
+                tasks = prepare(plan, options)["tasks"]
+                took = time.perf_counter() - start
                 costs = server_costs(plan, options)
-                rects = sum(t.is_rect for t in prepare(plan, options)["tasks"])
-                cells.append(f"{costs.max() / costs.mean():.3f}" + (f" ({rects} rect.)" if key_cuts else ""))
+                rects = sum(t.is_rect for t in tasks)
+                cells.append(f"{costs.max() / costs.mean():.3f}" + (f" ({rects} rect.)" if key_cuts else "")
+                             + f" [{took:.1f} s]")
             parts.append(("with key cuts " if key_cuts else "without ") + ", ".join(cells))
         print(f"predict {mix} {tokens} W={world} seeds {args.seeds}: " + "; ".join(parts), flush=True)
     return 0
