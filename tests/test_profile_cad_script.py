@@ -135,7 +135,7 @@ def test_sweep_mistakes_are_refused_before_anything_is_timed(tmp_path, capsys):
 def test_cad_balance_is_predicted_with_and_without_key_cuts_on_the_cpu(tmp_path, capsys):
     """``--predict`` prices CAD's schedules of the emulation mixes with a loaded launch model, with and without
     key cuts, on the CPU: a ProLong batch at 64 servers, whose longest documents' last rows only key cuts can
-    split, is predicted better balanced with them."""
+    split, is predicted better balanced with them, and each schedule says how long it took."""
     from test_cad_launch_cost import H200
 
     model = tmp_path / "launch.json"
@@ -144,7 +144,8 @@ def test_cad_balance_is_predicted_with_and_without_key_cuts_on_the_cpu(tmp_path,
     line = capsys.readouterr().out.strip()
     assert line.startswith("predict prolong 128k W=64 seeds 1: without ")
     without, with_cuts = line.split("without ")[1].split("; with key cuts ")
-    assert float(with_cuts.split()[0]) < float(without) and "rect.)" in with_cuts
+    assert float(with_cuts.split()[0]) < float(without.split()[0]) and "rect.)" in with_cuts
+    assert without.endswith(" s]") and with_cuts.endswith(" s]")  # each schedule's seconds on this host
     assert _script().main(["--predict", "prolong:128k:64"]) == 2
     assert "give --load LAUNCH_MODEL.json" in capsys.readouterr().err
 
