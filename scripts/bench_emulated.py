@@ -36,8 +36,9 @@ memory after every W (allocated, reserved and free), so growth would show. (On a
 torch_flash it stayed at the 5 GiB of the global tensors from ProLong W=4 through Pretrain W=64.)
 One configuration alone can still exceed the device: CAD on ProLong at W=64 holds the gathered key
 rows of all 64 ranks at once and ran out of memory on an H200 in four of its five variants; such a
-row reports the error and the run goes on. ``--stage-on-host`` keeps every rank's all_to_all send buffers on
-the host until the collective completes, so that only the receive buffers share the device.
+row reports the error and the run goes on. ``--stage-on-host`` keeps every rank's all_to_all buffers on the
+host instead; each such row then gives the largest all_to_all's bytes (about what the host holds at once),
+and the memory lines the process's peak resident host memory.
 
 Configurations run in order (mix, then W, then backend); each mix gets its share of ``--budget-s``
 (time a mix leaves unused carries over), and the configurations left out are listed in the output.
@@ -61,7 +62,14 @@ from hf_longctx.backends.cad.launch_cost import LaunchCostModel
 from hf_longctx.backends.cad.profiled import ProfileBudget, SegmentShape, profiled_cost_model
 from hf_longctx.backends.cad.runtime import cad_schedule, server_costs
 from hf_longctx.benchmarking import table_header, table_row
-from hf_longctx.emulation import EmulatedStep, device_memory, emulate_step, link_sources, release_memory
+from hf_longctx.emulation import (
+    EmulatedStep,
+    device_memory,
+    emulate_step,
+    host_peak_memory,
+    link_sources,
+    release_memory,
+)
 from hf_longctx.emulation.choose import choose_from_steps
 from hf_longctx.emulation.timing import KernelTimer
 from hf_longctx.emulation.workloads import doc_lengths
@@ -189,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                    "the interpolated grid profile too (when the kernel declares a launch grid)")
     p.add_argument("--cad-runs", default="", help="comma-separated labels of the CAD runs to make (default: all), "
                    "e.g. 'cad flops eps0.1,cad profiled eps0.01'")
-    p.add_argument("--stage-on-host", action="store_true", help="all_to_all send buffers wait on the host "
+    p.add_argument("--stage-on-host", action="store_true", help="all_to_all buffers live on the host "
                    "(EmulationHub's stage_on_host): for steps whose ranks' buffers do not fit on the device together")
     p.add_argument("--seed", type=int, default=0, help="which batch of each mix's documents (the lengths' seed)")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes, reference kernel")
@@ -303,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
                     if timers:
                         dump_calls(Path(args.dump_calls) / f"{mix}_w{w}_{_slug(label)}.json", step, batch, options,
                                    predicted, [t.call_log() for t in timers[args.warmup:]])
+                if args.stage_on_host:
+                    notes.append(f"largest all_to_all {step.largest_all_to_all / float(1 << 30):.1f} GiB (staged on "
+                                 "the host)")
                 if step.noise_floor is not None:
                     notes.append(f"timing noise {step.timing_noise * 100:.2f}% per repetition, noise alone max/mean "
                                  f"{step.noise_floor:.3f}")
@@ -318,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                 sweep_rows += eps_sweep(batch, w, tensors, profiled, emulate, mix, total)
             del steps
             release_memory(device)
-            memory.append(f"- after {mix} W={w}: {device_memory(device)}")
+            memory.append(f"- after {mix} W={w}: {device_memory(device)}; {host_peak_memory()}")
             print(memory[-1], flush=True)
         del tensors
         release_memory(device)

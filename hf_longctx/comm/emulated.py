@@ -24,7 +24,6 @@ are freed as soon as the caller drops them, without waiting for the garbage coll
 
 from __future__ import annotations
 
-import itertools
 import math
 import queue
 import threading
@@ -148,11 +147,12 @@ class EmulationHub:
     ``cache``: state the package keeps per group for the hub's lifetime (freed with it, unlike a module-level
     dict keyed by ``id(group)``, whose keys a later group may reuse).
 
-    ``stage_on_host``: an all_to_all's send buffers wait in host memory for the collective to complete. A real
-    device holds its own rank's buffers; one device emulating W ranks holds all of them, since every rank posts
-    before any completes. CAD's backward returns fp32 key gradients for every gathered row: at 64 ranks of
-    ProLong 256K about 65 GiB sent, as much again received. Staged, only the receive buffers stay on the device,
-    at the price of a copy to the host and back (outside the timed kernel calls).
+    ``stage_on_host``: an all_to_all's send and receive buffers live in host memory (see
+    :class:`~hf_longctx.comm.gather.GatherPlan`, which allocates the receive buffers). A real device holds its own
+    rank's buffers; one device emulating W ranks holds all of them, since every rank posts before any
+    collective completes, and CAD's backward returns fp32 key gradients for every gathered row.
+    :attr:`largest_all_to_all` (bytes) is about what staging then holds on the host at once; the price is a copy
+    to the host and back per transfer, outside the timed kernel calls.
     """
 
     def __init__(self, world: int, timeout_s: float = 600.0, stage_on_host: bool = False) -> None:
@@ -161,6 +161,7 @@ class EmulationHub:
         self.world = world
         self.timeout_s = timeout_s
         self.stage_on_host = stage_on_host
+        self.largest_all_to_all = 0  # bytes: the most one all_to_all moved between ranks, all senders together
         self.lock = threading.Lock()  # held by the one rank that runs
         self._wakeup = [threading.Condition(self.lock) for _ in range(world)]
         self._waiting: dict[int, Callable[[], bool]] = {}  # rank -> what it waits for
@@ -320,34 +321,27 @@ class EmulationHub:
 
         def complete(parts: dict[int, tuple]) -> None:
             for r in range(world):
-                r_in, s_out = parts[r][2], [parts[s][3][r] for s in range(world)]
                 for s in range(world):
-                    if r_in[s] != s_out[s]:
-                        raise EmulationError(f"emulated all_to_all: rank {s} sends {s_out[s]} rows to rank {r}, "
-                                             f"which expects {r_in[s]}")
-            if not self.stage_on_host:
-                starts = {s: [0, *itertools.accumulate(parts[s][3])] for s in range(world)}
-                for r in range(world):
-                    r_recv, _, r_in, _ = parts[r]
-                    pieces = [parts[s][1][starts[s][r]:starts[s][r + 1]] for s in range(world) if r_in[s]]
-                    if pieces:  # one copy per receiver
-                        torch.cat(pieces, out=r_recv.view(-1, *pieces[0].shape[1:]))
-                return
-            # staged: sender by sender, each one's buffer let go of once its rows are copied out (the host then
-            # holds about one copy of the collective's rows, not two)
-            at = [0] * world  # rows of each receiver filled so far
+                    if parts[r][2][s] != parts[s][3][r]:
+                        raise EmulationError(f"emulated all_to_all: rank {s} sends {parts[s][3][r]} rows to rank "
+                                             f"{r}, which expects {parts[r][2][s]}")
+            # sender by sender, each one's buffer let go of once its rows are copied out: staged on the host, the
+            # host then holds about one copy of the collective's rows, not two
+            filled = [0] * world  # rows of each receiver filled so far
+            moved = 0  # bytes sent to other ranks, all senders together
             for s in range(world):
                 s_recv, s_send, s_in, s_out = parts[s]
-                begin = 0
-                for r in range(world):
-                    n = s_out[r]
+                at = 0
+                for r, n in enumerate(s_out):
                     if n:
                         rows = parts[r][0].view(-1, *s_send.shape[1:])
-                        rows[at[r]:at[r] + n].copy_(s_send[begin:begin + n])
-                        at[r] += n
-                        begin += n
+                        rows[filled[r]:filled[r] + n].copy_(s_send[at:at + n])
+                        filled[r] += n
+                        at += n
+                moved += (s_send.shape[0] - s_out[s]) * s_send[:1].numel() * s_send.element_size()
                 parts[s] = (s_recv, None, s_in, s_out)
                 del s_send
+            self.largest_all_to_all = max(self.largest_all_to_all, moved)
 
         work = self._join(rank, "all_to_all", (recv, send, in_split, out_split), complete)
         return work if async_op else work.wait() and None

@@ -5,6 +5,7 @@ from .runner import (
     RankStep,
     device_memory,
     emulate_step,
+    host_peak_memory,
     link_sources,
     median_rep,
     noise_only_imbalance,
@@ -12,5 +13,5 @@ from .runner import (
     step_flops,
 )
 
-__all__ = ["EmulatedStep", "RankStep", "device_memory", "emulate_step", "link_sources", "median_rep",
-           "noise_only_imbalance", "release_memory", "step_flops"]
+__all__ = ["EmulatedStep", "RankStep", "device_memory", "emulate_step", "host_peak_memory", "link_sources",
+           "median_rep", "noise_only_imbalance", "release_memory", "step_flops"]

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import gc
 import math
+import resource
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -86,6 +87,7 @@ class EmulatedStep:
     flops: float  # forward+backward attention FLOPs of the whole batch
     device: str
     ranks: list[RankStep] = field(default_factory=list)
+    largest_all_to_all: int = 0  # bytes one all_to_all moved between ranks, at most (what staging holds at once)
 
     @property
     def kernel_s(self) -> list[float]:
@@ -196,7 +198,7 @@ def emulate_step(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ..
     the lower median over them (:func:`median_rep`). ``keep_results`` keeps every rank's ``(out, dq, dk, dv)``
     of the last step (in ``RankStep.results``, local row order). Traffic and kernel calls are those of the
     last step. ``make_timer(hub, device)`` builds each step's kernel timer (:class:`~.timing.KernelTimer`).
-    ``stage_on_host``: all_to_all send buffers wait on the host (see :class:`~hf_longctx.comm.emulated.EmulationHub`),
+    ``stage_on_host``: all_to_all buffers live on the host (see :class:`~hf_longctx.comm.emulated.EmulationHub`),
     for steps whose W ranks' buffers do not fit on the one device together.
     """
     if reps < 1 or warmup < 0:
@@ -208,6 +210,7 @@ def emulate_step(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ..
     calls = [0] * world
     results: list = [None] * world
     traffic: list[list[tuple[str, int]]] = [[] for _ in range(world)]
+    largest = 0
     for i in range(warmup + reps):
         hub = EmulationHub(world, timeout_s, stage_on_host)
         timer = make_timer(hub, q.device)
@@ -218,11 +221,13 @@ def emulate_step(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ..
         if i < warmup:
             continue
         seconds = timer.seconds()
+        largest = max(largest, hub.largest_all_to_all)
         for r in range(world):
             per_rank[r].append((seconds.get((r, "forward"), 0.0), seconds.get((r, "backward"), 0.0)))
             calls[r] = timer.calls.get((r, "forward"), 0) + timer.calls.get((r, "backward"), 0)
             traffic[r] = list(hub.traffic[r].calls)
-    step = EmulatedStep(backend, world, strategy, step_flops(batch, q.shape[1], q.shape[2]), str(q.device))
+    step = EmulatedStep(backend, world, strategy, step_flops(batch, q.shape[1], q.shape[2]), str(q.device),
+                        largest_all_to_all=largest)
     for r in range(world):
         forward_s, backward_s = median_rep(per_rank[r])
         step.ranks.append(RankStep(r, forward_s, backward_s, calls[r], traffic[r], results[r],
@@ -236,6 +241,12 @@ def release_memory(device: torch.device | str | None = None) -> None:
     gc.collect()
     if (device is None or torch.device(device).type == "cuda") and torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def host_peak_memory() -> str:
+    """This process's peak resident host memory so far (with staged collectives, most of it is theirs)."""
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return f"host peak resident {kib / float(1 << 20):.1f} GiB"
 
 
 def device_memory(device: torch.device) -> str:

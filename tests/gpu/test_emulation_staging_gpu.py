@@ -31,6 +31,7 @@ def test_staged_sends_change_nothing_but_the_device_peak():
         steps[staged] = emulate_step(batch, 8, tensors, "cad", options={"eps": 0.01}, kernel="torch_flash",
                                      keep_results=True, stage_on_host=staged)
         peaks[staged] = torch.cuda.max_memory_allocated(device) - base
+    assert steps[True].largest_all_to_all == steps[False].largest_all_to_all > 0
     for plain, staged in zip(steps[False].ranks, steps[True].ranks):
         assert plain.traffic == staged.traffic
         assert torch.equal(plain.results[0], staged.results[0])
