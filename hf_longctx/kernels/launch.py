@@ -213,31 +213,27 @@ def forward_block_steps(q_lens: Sequence[int], k_lens: Sequence[int], grid: Laun
     return per_head * heads
 
 
-def paired_makespan(steps: Sequence[float], sms: int, pairing: float, empty: float = 0.0) -> float:
-    """Finish time (in a lone block's tile steps) of blocks of ``steps`` started in launch order on ``2 * sms``
-    slots: a block that starts while more than ``sms`` blocks run shares an SM and takes ``pairing`` times its
-    steps; an empty block (0 steps) holds its slot for ``empty``.
+def paired_makespan(steps: Sequence[float], sms: int, pairing: float, empty: float = 0.0, repeats: int = 1) -> float:
+    """Finish time (in a lone block's tile steps) of blocks of ``steps`` (launched ``repeats`` times over, e.g. one
+    head's blocks of a call) started in launch order on ``2 * sms`` slots: a block that starts while more than
+    ``sms`` blocks run shares an SM and takes ``pairing`` times its steps; an empty block (0 steps) holds its slot
+    for ``empty``.
 
     Why: torch's flash forward runs up to one block per SM alone; past that, long blocks mostly end up two to
     an SM and take 1.6x as long, whatever separates them in the launch order (``scripts/profile_cad.py
     --placement`` on an H200 and an H100). The blocks before the last :data:`EXACT_WAVES` waves of ``2 * sms``
-    are taken as spread evenly, two to an SM."""
-    return _periodic_makespan(tuple(steps), 1, sms, pairing, empty)
-
-
-def _periodic_makespan(per_head: tuple[float, ...], heads: int, sms: int, pairing: float, empty: float) -> float:
-    """:func:`paired_makespan` of ``per_head`` launched ``heads`` times over, without building the whole launch:
-    a forward call of 32 heads launches tens of thousands of blocks, and a schedule prices thousands of calls."""
-    if sms < 1 or pairing < 1.0 or empty < 0:
-        raise ValueError(f"paired_makespan needs sms >= 1, pairing >= 1 and empty >= 0, got {sms}, {pairing}, "
-                         f"{empty}")
-    works = [w if w > 0 else empty for w in per_head]
-    n, slots = len(works) * heads, 2 * sms
+    are taken as spread evenly, two to an SM; the launch is never built whole (a forward call of 32 heads
+    launches tens of thousands of blocks, and a schedule prices thousands of calls)."""
+    if sms < 1 or pairing < 1.0 or empty < 0 or repeats < 0:
+        raise ValueError(f"paired_makespan needs sms >= 1, pairing >= 1, empty >= 0 and repeats >= 0, got {sms}, "
+                         f"{pairing}, {empty}, {repeats}")
+    works = [w if w > 0 else empty for w in steps]
+    n, slots = len(works) * repeats, 2 * sms
     if n == 0:
         return 0.0
     if n <= slots:  # every block starts at once: the first ``sms`` that take time run alone, the rest paired
         alone, paired, running = 0.0, 0.0, 0
-        for work in works * heads:
+        for work in works * repeats:
             if work <= 0:
                 continue
             if running < sms:
@@ -251,9 +247,9 @@ def _periodic_makespan(per_head: tuple[float, ...], heads: int, sms: int, pairin
     if n > exact:
         copies = -(-exact // len(works))
         tail = (works * copies)[-exact:]
-        now = (sum(works) * heads - sum(tail)) * pairing / slots
+        now = (sum(works) * repeats - sum(tail)) * pairing / slots
     else:
-        tail = works * heads
+        tail = works * repeats
     return _simulated_finish(tail, now, sms, pairing)
 
 
@@ -292,7 +288,7 @@ def _paired_forward_steps(q_lens: tuple[int, ...], k_lens: tuple[int, ...], grid
     per_head = forward_block_steps(q_lens, k_lens, grid, 1, causal)
     if not per_head:
         return 0.0
-    makespan = _periodic_makespan(tuple(per_head), heads, grid.slots, grid.forward_pairing, grid.empty_hold)
+    makespan = paired_makespan(per_head, grid.slots, grid.forward_pairing, grid.empty_hold, repeats=heads)
     return makespan * 2 * grid.slots / grid.forward_pairing / heads
 
 

@@ -42,8 +42,9 @@ def fit_forward_placement(dumps: Sequence[dict], grid: LaunchGrid, heads: int, p
         rows = []
         for call, _ in calls:
             q, k = call["q_lens"], call["k_lens"]
-            blocks = forward_block_steps(q, k, grid, heads, call.get("causal", True))
-            rows.append([paired_makespan(blocks, grid.slots, pair_factor, empty), sum(q), sum(k), len(blocks), 1.0])
+            per_head = forward_block_steps(q, k, grid, 1, call.get("causal", True))
+            rows.append([paired_makespan(per_head, grid.slots, pair_factor, empty, repeats=heads), sum(q), sum(k),
+                         len(per_head) * heads, 1.0])
         per_dump.append(([call["rank"] for call, _ in calls], np.array(rows), np.array([ms for _, ms in calls])))
     x = np.vstack([f for _, f, _ in per_dump])
     y = np.concatenate([t for _, _, t in per_dump])
