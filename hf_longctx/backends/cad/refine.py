@@ -27,7 +27,7 @@ import numpy as np
 
 from ...layout import ShardPlan
 from .cost_model import CostModel
-from .tasks import CadTask, all_pieces, rows_cost
+from .tasks import CadTask, first_row_in_doc, rows_cost
 
 REFINE_MOVES = 64  # moves (or cuts) at most per schedule (it stops sooner when no move helps)
 # least busy servers tried as receivers per move: a receiver whose forward calls would pass one block per SM runs
@@ -63,8 +63,7 @@ def _first_keys_for(plan: ShardPlan, model: CostModel, t: CadTask, amount: float
     on a model that cannot price rectangles, or fewer keys before its first row than a cut leaves)."""
     if t.is_rect or plan.window is not None or not hasattr(model, "rect_cost"):
         return None
-    piece, _ = all_pieces(plan)[t.owner][t.piece]
-    before = piece.start - plan.batch.doc_starts[piece.doc] + t.q_start - t.key_lo  # keys every row sees
+    before = first_row_in_doc(plan, t) - t.key_lo  # keys every row sees
     lo, hi = 1, before // CUT_KEYS
     if hi < lo:
         return None

@@ -737,7 +737,7 @@ def task_bytes(docs_per_rank: Sequence[Sequence[DocItem]], task_owner: np.ndarra
     per_rank, per_server = np.zeros(n_ranks), np.zeros(num_servers)
     if not len(item):
         return per_rank, per_server
-    if task_key_lo is not None and (np.any(task_key_lo) or np.any(task_key_hi >= 0)):
+    if _has_key_cuts(task_key_lo, task_key_hi):
         return _key_cut_bytes(off, rank, item, task_q_start, task_q_end, task_server, task_key_lo, task_key_hi, tb,
                               per_rank, per_server)
     keys, inv = np.unique(item * num_servers + task_server, return_inverse=True)
@@ -751,6 +751,11 @@ def task_bytes(docs_per_rank: Sequence[Sequence[DocItem]], task_owner: np.ndarra
     per_rank += np.bincount(owner, weights=b, minlength=n_ranks)
     per_server += np.bincount(srv, weights=b, minlength=num_servers)
     return per_rank, per_server
+
+
+def _has_key_cuts(key_lo: np.ndarray | None, key_hi: np.ndarray | None) -> bool:
+    """Whether any task reads only part of its rows' keys (see :mod:`.tasks`; None: no key columns)."""
+    return key_lo is not None and bool(np.any(key_lo) or np.any(key_hi >= 0))
 
 
 def _key_cut_bytes(off, rank, item, q_start, q_end, server, key_lo, key_hi, tb: TokenBytes, per_rank, per_server):
@@ -809,8 +814,7 @@ def verify_schedule(docs_per_rank: Sequence[Sequence[DocItem]], sched: CadSchedu
     ``cost_model``, FLOPs by default)."""
     length, off, rank, doc = parse_docs(docs_per_rank)
     item = _item_of(docs_per_rank, sched.task_owner, sched.task_piece)
-    cuts = sched.task_key_lo is not None and (np.any(sched.task_key_lo) or np.any(sched.task_key_hi >= 0))
-    if cuts:
+    if _has_key_cuts(sched.task_key_lo, sched.task_key_hi):
         _verify_key_cuts(length, off, item, sched)
     else:
         _verify_rows(length, item, sched)

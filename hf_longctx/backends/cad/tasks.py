@@ -94,6 +94,12 @@ def key_start(plan: ShardPlan, piece: Piece, q_start: int) -> int:
     return doc_start if plan.window is None else max(doc_start, piece.start + q_start - plan.window + 1)
 
 
+def first_row_in_doc(plan: ShardPlan, task: CadTask) -> int:
+    """``task``'s first query row as a position in its document: the keys before it, which all its rows see."""
+    piece, _ = all_pieces(plan)[task.owner][task.piece]
+    return piece.start - plan.batch.doc_starts[piece.doc] + task.q_start
+
+
 def task_keys(plan: ShardPlan, task: CadTask) -> tuple[int, int]:
     """Global key positions ``[first, last)`` that ``task`` reads."""
     piece, _ = all_pieces(plan)[task.owner][task.piece]
@@ -108,8 +114,7 @@ def check_key_range(plan: ShardPlan, task: CadTask) -> None:
     rectangle before its first row (see the module); key cuts only without a sliding window."""
     if task.key_lo == 0 and not task.is_rect:
         return
-    piece, _ = all_pieces(plan)[task.owner][task.piece]
-    first_row = piece.start - plan.batch.doc_starts[piece.doc] + task.q_start  # document-relative
+    first_row = first_row_in_doc(plan, task)
     if plan.window is not None:
         raise ValueError(f"{task}: key cuts are not made under a sliding window")
     end = task.key_hi if task.is_rect else first_row
