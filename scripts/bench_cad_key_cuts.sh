@@ -2,10 +2,11 @@
 # What key cuts buy CAD, emulated on one GPU: the same batches scheduled with and without them (a task's first
 # keys given away as a rectangle, see hf_longctx.backends.cad.tasks), CAD on the launch cost model at eps 0.01.
 # PART=w64: Pretrain and SFT at 512K tokens and ProLong at 128K, W = 64; PART=w8_w16: ProLong and Pretrain at
-# 256K, W = 8 and 16; PART=w64_long: ProLong at 256K and Pretrain at 512K, W = 64, with every rank's send buffers
-# staged on the host (bench_emulated.py --stage-on-host: 64 ranks' gathered rows and returned fp32 gradients do not
-# fit on one device together; about a minute per configuration, mostly host copies outside the timed calls).
-# Each part is one call of about 5-8 minutes on an H100 or H200.
+# 256K, W = 8 and 16 (each part one call of about 5-8 minutes on an H100 or H200); PART=w64_long: ProLong at 256K,
+# then Pretrain at 512K if the budget is left, W = 64, every rank's all_to_all buffers on the host
+# (bench_emulated.py --stage-on-host: 64 ranks' gathered rows and returned fp32 gradients do not fit on one device
+# together). Staged, ProLong 256K took 4.6-6.4 minutes on an H200, mostly host copies outside the timed calls: one
+# seed per call (SEEDS=0).
 #
 #   PART=w64 OUT=bench/logs scripts/bench_cad_key_cuts.sh
 #
