@@ -60,6 +60,7 @@ from hf_longctx.backends.cad.call_profile import (
     mix_pairs,
     placement_probes,
     profile_launch_cost,
+    replay_dumped_calls,
     server_phase_errors,
     sweep_shapes,
     time_placement,
@@ -136,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="with a launch model: time calls whose long forward blocks sit at chosen launch positions")
     p.add_argument("--calls", default=None, metavar="DUMP",
                    help="with --load of a launch model: price an emulated step's dumped kernel calls per server")
+    p.add_argument("--replay", action="store_true",
+                   help="with --calls: also time every dumped call again alone on the device, beside its time in the "
+                        "step and the model's price")
     p.add_argument("--predict", default=None, metavar="MIX:TOKENS:W,...",
                    help="with --load of a launch model: CAD's predicted per-server max/mean at eps 0.01 with and "
                         "without key cuts on these emulation mixes (e.g. prolong:128k:64), on the CPU")
@@ -147,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(tile steps), each value fitted apart")
     p.add_argument("--scale", type=float, default=1.0, help=argparse.SUPPRESS)  # small sweep shapes, CPU tests
     args = p.parse_args(argv)
+    if args.calls and args.replay:
+        return report_replayed_calls(args)
     if args.calls:
         return report_dumped_calls(args)
     if args.predict:
@@ -164,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     tile = default_tile(device) if args.tile is None else args.tile
     if args.launch:
         kernel = resolved_kernel(kernel, shape, device)
-        grid = launch_grid(kernel, device, shape.head_dim)
+        grid = launch_grid(kernel, device, shape.head_dim, shape=shape)
         if grid is None:
             print(f"kernel {kernel} declares no launch grid at head dim {shape.head_dim} on {device}: no launch "
                   "cost model (profile the grid without --launch)", file=sys.stderr)
@@ -305,6 +311,57 @@ def report_dumped_calls(args: argparse.Namespace) -> int:
         f"{np.max(e) * 100:+.1f}%" for p, e in errors.items())
         + f"; max/mean measured {totals['measured'].max() / totals['measured'].mean():.3f}, predicted "
         f"{totals['predicted'].max() / totals['predicted'].mean():.3f}", flush=True)
+    return 0
+
+
+def report_replayed_calls(args: argparse.Namespace) -> int:
+    """``--calls DUMP --replay``: each dumped call timed again alone; per server and phase its time in the step,
+    alone and priced, then the spreads of step over alone (what the step adds to the kernels) and alone over price
+    (the model's own error), the calls where either is large, and the step's max/mean all three ways."""
+    model = loaded_launch_model(args, "--replay prices dumped kernel calls with a launch cost model")
+    if model is None:
+        return 2
+    device = torch.device(args.device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        print("--replay times the dumped calls again: it needs a CUDA device", file=sys.stderr)
+        return 2
+    dump = json.loads(Path(args.calls).read_text())
+    kernel = dump.get("kernel") or (None if args.kernel == "auto" else args.kernel)
+    if kernel is None:
+        print("--replay: the dump names no kernel; give --kernel", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    rows = replay_dumped_calls(dump, kernel, model.heads, args.kv_heads, args.head_dim, DTYPES[args.dtype], device,
+                               args.warmup, args.reps)
+    kinds = ("step", "alone", "priced")
+    servers: dict[int, dict] = {}
+    ratios: dict[str, dict[str, list[float]]] = {p: {"step/alone": [], "alone/priced": []} for p in PHASES}
+    for call, in_step, alone in rows:
+        phase = call["phase"]
+        priced = model.phase_cost(phase, call["q_lens"], call["k_lens"], causal=call.get("causal", True))
+        row = servers.setdefault(call["rank"], {p: dict.fromkeys(kinds, 0.0) for p in PHASES})
+        for kind, ms in zip(kinds, (in_step, alone, priced)):
+            row[phase][kind] += ms
+        ratios[phase]["step/alone"].append(in_step / alone - 1.0)
+        ratios[phase]["alone/priced"].append(alone / priced - 1.0)
+        if in_step >= 0.5 and (abs(in_step / alone - 1.0) > 0.02 or abs(alone / priced - 1.0) > 0.04):
+            print(f"call: server {call['rank']:>3} {phase:8s} step {in_step:7.3f} ms, alone {alone:7.3f}, priced "
+                  f"{priced:7.3f} (step {(in_step / alone - 1) * 100:+.1f}% over alone, alone "
+                  f"{(alone / priced - 1) * 100:+.1f}% over priced); q {call['q_lens']} k {call['k_lens']}"
+                  + ("" if call.get("causal", True) else " rectangles"), flush=True)
+    for rank in sorted(servers):
+        print(f"server {rank:>3}: " + "; ".join(
+            f"{p} step {servers[rank][p]['step']:8.3f} ms, alone {servers[rank][p]['alone']:8.3f}, priced "
+            f"{servers[rank][p]['priced']:8.3f}" for p in PHASES), flush=True)
+    for phase in PHASES:
+        for name, errs in ratios[phase].items():
+            e = np.array(errs)
+            print(f"{phase} calls, {name}: mean {e.mean() * 100:+.2f}%, std {e.std() * 100:.2f}%, "
+                  f"max {e.max() * 100:+.1f}%, min {e.min() * 100:+.1f}%", flush=True)
+    totals = {kind: np.array([sum(servers[r][p][kind] for p in PHASES) for r in servers]) for kind in kinds}
+    print(f"replayed {len(rows)} calls of {len(servers)} servers in {time.perf_counter() - t0:.0f} s on "
+          f"{torch.cuda.get_device_name(device)}; per-server max/mean: " + ", ".join(
+              f"{kind} {t.max() / t.mean():.3f}" for kind, t in totals.items()), flush=True)
     return 0
 
 

@@ -30,6 +30,8 @@ from hf_longctx.layout import PackedBatch, shard_plan
 DOC_LENS = [700, 40, 33, 90, 12, 64, 300, 25]  # one long document among short ones
 CUT_EVERYWHERE = CallTerms(call=0.0, q_tile=1.0, k_tile=1.0, tile=16)  # calls free, every surplus tile priced
 OPTIONS = {"call_terms": CUT_EVERYWHERE, "eps": 0.0, "min_shard": 16}
+KEYS_LIMIT = 400  # keys one call may hold (a kernel that slows down past them); calls free, tiles unpriced
+UNDER_A_KEYS_LIMIT = {"call_terms": CallTerms(max_keys=KEYS_LIMIT), "eps": 0.0, "min_shard": 16}
 CPU = torch.device("cpu")
 TOL = dict(rtol=1e-9, atol=1e-9)
 
@@ -60,17 +62,17 @@ def segment_lens(nb):
     return [b - a for a, b in zip(nb.cu_q, nb.cu_q[1:])], [b - a for a, b in zip(nb.cu_k, nb.cu_k[1:])]
 
 
-@pytest.mark.parametrize("world", [3, 4])
-def test_cad_with_batches_cut_into_calls_matches_one_device(world):
+@pytest.mark.parametrize("world,options", [(3, OPTIONS), (4, OPTIONS), (3, UNDER_A_KEYS_LIMIT)])
+def test_cad_with_batches_cut_into_calls_matches_one_device(world, options):
     batch = PackedBatch.from_doc_lens(DOC_LENS)
     q, k, v, dout = make_tensors(batch, seed=world)
     want = single_device(batch, q, k, v, dout)
     plan = shard_plan(batch, world, "cad")
 
-    batches = server_batches(plan, OPTIONS)
+    batches = server_batches(plan, options)
     assert any(len(nb.calls) > 1 for nbs in batches for nb in nbs), "no server cut its batch: the test tests nothing"
 
-    step = emulate_step(batch, world, (q, k, v, dout), "cad", options=OPTIONS, kernel="reference",
+    step = emulate_step(batch, world, (q, k, v, dout), "cad", options=options, kernel="reference",
                         keep_results=True)
     assert len(step.ranks) == world
     for r in step.ranks:
@@ -93,6 +95,23 @@ def test_free_calls_leave_every_run_without_surplus_tiles(world):
             assert k_lens == sorted(k_lens, reverse=True)  # longest keys first
             for a, b in nb.calls:
                 assert len({(-(-nq // tile), -(-nk // tile)) for nq, nk in zip(q_lens[a:b], k_lens[a:b])}) == 1
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_server_keeps_each_call_under_the_kernels_keys_limit(world):
+    """Under a keys limit a server cuts its batch into as few calls as keep each under it (calls are free here);
+    only a segment longer than the limit is a call of its own over it."""
+    plan = shard_plan(PackedBatch.from_doc_lens(DOC_LENS), world, "cad")
+    cut = 0
+    for nbs in server_batches(plan, UNDER_A_KEYS_LIMIT):
+        for nb in nbs:
+            q_lens, k_lens = segment_lens(nb)
+            for a, b in nb.calls:
+                assert b - a == 1 or sum(k_lens[a:b]) <= KEYS_LIMIT, (k_lens, nb.calls)
+            if sum(k_lens) <= KEYS_LIMIT:
+                assert len(nb.calls) <= 1, (k_lens, nb.calls)
+            cut += len(nb.calls) > 1
+    assert cut, "no batch passed the limit: the test tests nothing"
 
 
 def test_a_cpu_server_runs_one_call_per_batch_by_default():

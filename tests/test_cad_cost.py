@@ -189,7 +189,7 @@ def test_a_profile_with_a_launch_grid_keeps_each_cells_work_without_its_copies_t
         return per_pair * sum(PAIRS.cost(a, b) for a, b in step.shapes) * tail_factor(q, k, SHAPE.heads, grid)
 
     monkeypatch.setattr(profiled, "_run_ms", run_ms)
-    monkeypatch.setattr(profiled, "launch_grid", lambda kernel, device, head_dim, mode="fwd+bwd": grid)
+    monkeypatch.setattr(profiled, "launch_grid", lambda kernel, device, head_dim, mode="fwd+bwd", shape=None: grid)
     args = ("reference", "cpu", SHAPE, (16, 64), (16, 64, 256), TINY["budget"])
     model, meta = profiled.profile_segment_costs(*args, tile=0, segment_cost=False)
     assert model.launch == grid and model.launch_heads == SHAPE.heads
@@ -198,7 +198,7 @@ def test_a_profile_with_a_launch_grid_keeps_each_cells_work_without_its_copies_t
         assert model.cost(q, k) == pytest.approx(per_pair * PAIRS.cost(q, k), rel=1e-9), (q, k)
         assert model.cost(q, k) * model.call_factor([q], [k]) == pytest.approx(
             per_pair * PAIRS.cost(q, k) * tail_factor([q], [k], SHAPE.heads, grid), rel=1e-9)
-    monkeypatch.setattr(profiled, "launch_grid", lambda kernel, device, head_dim, mode="fwd+bwd": None)
+    monkeypatch.setattr(profiled, "launch_grid", lambda kernel, device, head_dim, mode="fwd+bwd", shape=None: None)
     plain, meta = profiled.profile_segment_costs(*args, tile=0, segment_cost=False)
     assert plain.launch is None and meta["tail_factors"] == []
     assert plain.cost(64, 64) > model.cost(64, 64)  # the copies' tail stays in the cell

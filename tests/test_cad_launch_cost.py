@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -128,6 +129,46 @@ def test_the_profiler_times_both_phases_of_random_calls_and_fits_them(monkeypatc
     assert max(meta["held_out_relative_error_std"].values()) < 1e-9 and meta["calls"] == 32
 
 
+def test_the_profiler_prices_backward_keys_past_the_kernels_limit(monkeypatch):
+    """Where the kernel slows down past a keys limit, the profile also times single segments on both sides of it,
+    and the fit recovers what every key of a backward call past the limit costs on top."""
+    grid = LaunchGrid(forward_tile=(16, 8), backward_tile=(8, 16), slots=6, backward_keys_limit=300)
+    assert [k for (call,) in call_profile.keys_limit_calls(grid, 1 / 256) for _, k in [call]] == [225, 375, 525] * 2
+    assert call_profile.keys_limit_calls(GRID) == []
+    truth = {"forward": PhaseTerms(2e-3, 1e-4, 2e-4, 1e-3, 0.0, 0.05),
+             "backward": PhaseTerms(5e-3, 3e-4, 2e-4, 2e-3, 1e-2, 0.08, 4e-4)}
+    monkeypatch.setattr(call_profile, "_run_ms", _fake_call_clock(truth, grid, heads=2))
+    model, meta = profile_launch_cost("reference", torch.device("cpu"), grid, heads=2, kv_heads=1, head_dim=8,
+                                      dtype=torch.float32, count=32, warmup=0, reps=1, scale=1 / 256)
+    np.testing.assert_allclose(model.backward.as_vector(), truth["backward"].as_vector(), rtol=1e-6, atol=1e-12)
+    assert model.forward.k_spill == 0.0 and meta["calls"] == 32 + 6
+
+
+def test_a_backward_past_the_keys_limit_pays_the_spill_on_every_key():
+    """A call over the limit pays ``k_spill`` on all its keys, in its backward only; a segment over it alone pays it
+    in the scheduler's price too; the runtime cuts calls under the limit (the call terms carry it)."""
+    limit = 262_144
+    model = LaunchCostModel(replace(GRID, backward_keys_limit=limit), 32, H200.forward,
+                            replace(H200.backward, k_spill=2e-6))
+    under, over = ([256], [limit]), ([256], [limit + 8000])
+    assert call_features("backward", *under, model.launch, 32)[-1] == 0
+    assert call_features("backward", *over, model.launch, 32)[-1] == limit + 8000
+    assert call_features("forward", *over, model.launch, 32)[-1] == 0
+    extra = model.phase_cost("backward", *over) - H200.phase_cost("backward", *over)
+    assert extra == pytest.approx(2e-6 * (limit + 8000), rel=1e-12)
+    assert model.phase_cost("forward", *over) == H200.phase_cost("forward", *over)
+    assert model.cost(256, limit + 8000) - H200.cost(256, limit + 8000) == pytest.approx(extra, rel=1e-12)
+    assert model.cost(256, limit) == H200.cost(256, limit)
+    np.testing.assert_allclose(model.cost_array(np.array([256, 256]), np.array([limit, limit + 8000])),
+                               [model.cost(256, limit), model.cost(256, limit + 8000)], rtol=1e-12)
+    assert model.call_terms.max_keys == limit and H200.call_terms.max_keys is None
+    # a model saved without the limit or the spill (before they existed) loads with neither
+    old = H200.to_dict()
+    del old["backward"]["k_spill"], old["launch"]["backward_keys_limit"]
+    assert LaunchCostModel.from_dict(old) == H200
+    assert LaunchCostModel.from_dict(model.to_dict()) == model
+
+
 def test_sweep_lines_hold_one_thing_fixed_and_grow_the_other():
     """``prefix``: the same query rows over longer prefixes; ``waves``: one forward query tile (one block per head)
     more each call over a fixed prefix; ``square``: whole documents."""
@@ -235,7 +276,7 @@ def test_profiled_picks_the_launch_model_where_the_kernel_declares_a_grid(tmp_pa
     grid = LaunchGrid(forward_tile=(16, 8), backward_tile=(8, 16), slots=6)
     truth = {p: PhaseTerms(1e-3, 1e-4, 1e-4, 1e-3, 1e-3, 0.05) for p in PHASES}
     monkeypatch.setattr(call_profile, "_run_ms", _fake_call_clock(truth, grid, heads=2))
-    monkeypatch.setattr(profiled, "launch_grid", lambda kernel, device, head_dim, mode="fwd+bwd": grid)
+    monkeypatch.setattr(profiled, "launch_grid", lambda kernel, device, head_dim, mode="fwd+bwd", shape=None: grid)
     real = profiled.profile_launch_cost
     fits = []
 
@@ -253,7 +294,7 @@ def test_profiled_picks_the_launch_model_where_the_kernel_declares_a_grid(tmp_pa
                                         kv_lens=(16, 64, 256), budget=profiled.ProfileBudget(
                                             min_tokens=64, max_kv_tokens=1024, max_pairs=4096, warmup=0, reps=1))
     assert isinstance(grid_model, ProfiledCostModel)
-    monkeypatch.setattr(profiled, "launch_grid", lambda kernel, device, head_dim, mode="fwd+bwd": None)
+    monkeypatch.setattr(profiled, "launch_grid", lambda kernel, device, head_dim, mode="fwd+bwd", shape=None: None)
     flops, source = profiled_cost_model("reference", "cpu", shape, model="launch")
     assert "declares no launch grid" in source  # asked for, impossible: said why, FLOPs stand in
     with pytest.raises(ValueError, match="model must be one of"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import time
 
 import pytest
 import torch
@@ -98,6 +99,67 @@ def test_plan_calls_is_the_cheapest_cut_on_seeded_batches():
             (q_lens, k_lens, terms, runs)
 
 
+def limit_respected(cut, k_lens, limit: int) -> bool:
+    """No run of more than one segment holds more than ``limit`` keys."""
+    return all(b - a == 1 or sum(k_lens[a:b]) <= limit for a, b in cut)
+
+
+def test_plan_calls_is_the_cheapest_cut_under_a_keys_limit():
+    """With ``max_keys`` (a kernel that slows down past so many keys per call), the plan is the cheapest of the
+    cuts whose runs stay under the limit (a segment over it alone is a run of its own), and of cuts that cost the
+    same, the one with the fewest calls."""
+    rng = random.Random(1)
+    binding = 0
+    for _ in range(600):
+        n = rng.randint(1, 8)
+        k_lens = [rng.choice([rng.randint(1, 2000), rng.choice([128, 129, 256, 300])]) for _ in range(n)]
+        q_lens = [rng.randint(1, k) for k in k_lens]
+        order = call_order(q_lens, k_lens)
+        q_lens, k_lens = [q_lens[i] for i in order], [k_lens[i] for i in order]
+        terms = CallTerms(call=rng.choice([0.0, 0.01, 0.3]), q_tile=rng.choice([0.0, 1e-3, 0.05]),
+                          k_tile=rng.choice([0.0, 1e-3, 0.05]), tile=rng.choice([16, 128]),
+                          max_keys=rng.choice([300, 600, 1000, 2500, 5000]))
+        runs = plan_calls(q_lens, k_lens, terms)
+        check_runs_cover(runs, n)
+        assert limit_respected(runs, k_lens, terms.max_keys), (k_lens, terms, runs)
+        allowed = [cut for cut in all_cuts(n) if limit_respected(cut, k_lens, terms.max_keys)]
+        binding += len(allowed) < 1 << (n - 1)
+        best = min(calls_overhead(q_lens, k_lens, cut, terms) for cut in allowed)
+        got = calls_overhead(q_lens, k_lens, runs, terms)
+        assert got == pytest.approx(best, rel=1e-9, abs=1e-12), (q_lens, k_lens, terms, runs)
+        fewest = min(len(cut) for cut in allowed
+                     if calls_overhead(q_lens, k_lens, cut, terms) == pytest.approx(best, rel=1e-9, abs=1e-12))
+        assert len(runs) == fewest, (q_lens, k_lens, terms, runs)
+    assert binding > 200, "the limit seldom bound: the test tests little"
+
+
+def test_a_keys_limit_alone_cuts_a_batch_into_the_fewest_calls_under_it():
+    """Free calls and no tile prices: without a limit one call; with one, as few calls as keep each under it,
+    and a segment longer than the limit alone."""
+    q_lens, k_lens = [100, 90, 80, 70, 60, 50], [900, 500, 400, 300, 200, 100]
+    free = CallTerms()
+    assert plan_calls(q_lens, k_lens, free) == [(0, 6)]
+    runs = plan_calls(q_lens, k_lens, CallTerms(max_keys=800))
+    # 900 keys alone; the other 1500 in runs of at most 800 contiguous keys need three
+    assert limit_respected(runs, k_lens, 800) and len(runs) == 4 and runs[0] == (0, 1), runs
+    assert plan_calls(q_lens, k_lens, CallTerms(max_keys=2400)) == [(0, 6)]
+
+
+def test_a_large_batch_over_the_keys_limit_is_cut_under_it_quickly():
+    """Thousands of short documents over the limit: planned by blocks cut greedily (not segment by segment),
+    every run under the limit."""
+    rng = random.Random(2)
+    k_lens = sorted((rng.randint(16, 400) for _ in range(3000)), reverse=True)
+    q_lens = list(k_lens)
+    terms = CallTerms(call=0.02, q_tile=1e-4, k_tile=1e-4, tile=128, max_keys=100_000)
+    started = time.perf_counter()
+    runs = plan_calls(q_lens, k_lens, terms)
+    assert time.perf_counter() - started < 2.0
+    check_runs_cover(runs, len(k_lens))
+    assert limit_respected(runs, k_lens, terms.max_keys)
+    assert len(runs) >= -(-sum(k_lens) // terms.max_keys)
+
+
 def test_call_order_puts_longest_keys_first_then_longest_queries_stably():
     q_lens = [5, 7, 3, 7, 1]
     k_lens = [10, 30, 30, 30, 2]
@@ -164,6 +226,12 @@ def test_calls_overhead_prices_calls_and_surplus_tiles():
 def test_call_terms_reject_negative_or_non_finite_prices(field, value):
     with pytest.raises(ValueError, match=field):
         CallTerms(**{field: value})
+
+
+@pytest.mark.parametrize("max_keys", [0, -5, 2.5, True])
+def test_call_terms_reject_a_keys_limit_that_is_not_a_positive_int(max_keys):
+    with pytest.raises(ValueError, match="max_keys"):
+        CallTerms(max_keys=max_keys)
 
 
 @pytest.mark.parametrize("tile", [0, -128, 1.5, True, "128"])

@@ -87,10 +87,25 @@ def test_a_lone_causal_square_has_a_tail_that_copies_fill():
 
 def test_launch_grid_checks_and_round_trips():
     assert LaunchGrid.from_dict(GRID.to_dict()) == GRID
+    limited = LaunchGrid(backward_keys_limit=262_144)
+    assert LaunchGrid.from_dict(limited.to_dict()) == limited
     with pytest.raises(ValueError, match="forward_weight"):
         LaunchGrid(forward_weight=1.5)
     with pytest.raises(ValueError, match="slots"):
         LaunchGrid(slots=0)
+    with pytest.raises(ValueError, match="backward_keys_limit"):
+        LaunchGrid(backward_keys_limit=0)
+
+
+def test_torch_flash_declares_where_its_gqa_backward_slows_down():
+    """Its grouped-query backward sums per-head dK and dV that pass 2 GiB at this many keys (bf16: 32 heads of 128
+    at 262,144 keys); without grouped heads it writes dK and dV directly and has no limit."""
+    from hf_longctx.kernels import torch_flash
+
+    assert torch_flash.backward_keys_limit(32, 8, 128, 2) == 262_144
+    assert torch_flash.backward_keys_limit(64, 8, 128, 2) == 131_072
+    assert torch_flash.backward_keys_limit(32, 8, 128, 4) == 131_072
+    assert torch_flash.backward_keys_limit(32, 32, 128, 2) is None
 
 
 def test_a_profile_keeps_its_launch_grid_and_prices_a_call_by_it(tmp_path):

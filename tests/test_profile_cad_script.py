@@ -57,7 +57,7 @@ def _script_with_a_cpu_launch_grid(monkeypatch):
 
     script = _script()
     grid = LaunchGrid(forward_tile=(16, 8), backward_tile=(8, 16), slots=4)
-    monkeypatch.setattr(script, "launch_grid", lambda kernel, device, head_dim: grid)
+    monkeypatch.setattr(script, "launch_grid", lambda kernel, device, head_dim, shape=None: grid)
     real = call_profile.random_calls
     monkeypatch.setattr(call_profile, "random_calls", lambda count, seed=0, **kw: real(count, seed, scale=1 / 256))
     return script, grid

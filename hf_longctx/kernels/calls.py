@@ -28,6 +28,7 @@ import torch
 __all__ = ["CallTerms", "backward_in_calls", "call_order", "calls_overhead", "forward_in_calls", "plan_calls"]
 
 CallRange = tuple[int, int]  # segments [first, end) of one kernel call
+TIE = 1e-12  # costs this close (relative) are equal: the cut with fewer calls wins
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class CallTerms:
     - ``k_tile``: the same per key tile (the backward's grid runs over key tiles).
 
     ``tile`` is the kernel's tile in rows. All zero: cutting never pays, a batch stays one call.
+    ``max_keys``: keys one call may hold (the kernel's ``backward_keys_limit``: past it the backward slows down
+    per key); a segment over it alone is a call of its own. None: no limit.
     """
 
     call: float = 0.0
@@ -46,6 +49,7 @@ class CallTerms:
     k_tile: float = 0.0
     tile: int = 128
     units: str = "ms"
+    max_keys: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("call", "q_tile", "k_tile"):
@@ -54,11 +58,15 @@ class CallTerms:
                 raise ValueError(f"CallTerms.{name} must be finite and >= 0, got {value!r}")
         if isinstance(self.tile, bool) or not isinstance(self.tile, int) or self.tile < 1:
             raise ValueError(f"CallTerms.tile must be an int >= 1, got {self.tile!r}")
+        if self.max_keys is not None and (isinstance(self.max_keys, bool) or not isinstance(self.max_keys, int)
+                                          or self.max_keys < 1):
+            raise ValueError(f"CallTerms.max_keys must be None or an int >= 1, got {self.max_keys!r}")
 
     @property
     def active(self) -> bool:
-        """Whether surplus tiles cost anything (else one call is always cheapest)."""
-        return self.q_tile > 0 or self.k_tile > 0
+        """Whether a batch may be cut: surplus tiles cost something, or calls have a keys limit (else one call is
+        always cheapest)."""
+        return self.q_tile > 0 or self.k_tile > 0 or self.max_keys is not None
 
 
 def _tiles(n: int, tile: int) -> int:
@@ -85,11 +93,15 @@ def call_order(q_lens: Sequence[int], k_lens: Sequence[int]) -> list[int]:
 
 
 def plan_calls(q_lens: Sequence[int], k_lens: Sequence[int], terms: CallTerms | None) -> list[CallRange]:
-    """The cheapest cut of segments, given in :func:`call_order`, into contiguous runs (one kernel call each).
+    """The cheapest cut of segments, given in :func:`call_order`, into contiguous runs (one kernel call each),
+    none holding more than ``terms.max_keys`` keys unless it is one segment.
 
-    Exact over contiguous cuts: a dynamic program over blocks of segments with equal tile counts (which one
-    call always serves without surplus), so a batch of thousands of short documents plans in milliseconds.
-    ``terms`` None, or without a tile price: one call.
+    A dynamic program over blocks of segments with equal tile counts (which one call always serves without
+    surplus), so a batch of thousands of short documents plans in milliseconds; where the keys limit binds, over
+    single segments (up to :data:`SPLIT_EXACTLY` of them). Exact over contiguous cuts (of equal cost, the one
+    with fewer calls), except a batch of more segments over the limit: its blocks are cut under the limit
+    greedily first, which can cost a call more than the cheapest cut. ``terms`` None, or without a tile price
+    or keys limit: one call.
     """
     n = len(q_lens)
     if n == 0:
@@ -98,31 +110,67 @@ def plan_calls(q_lens: Sequence[int], k_lens: Sequence[int], terms: CallTerms | 
         return [(0, n)]
     qt = [_tiles(x, terms.tile) for x in q_lens]
     kt = [_tiles(x, terms.tile) for x in k_lens]
-    # blocks of consecutive segments with the same (query tiles, key tiles)
-    starts = [0] + [i for i in range(1, n) if (qt[i], kt[i]) != (qt[i - 1], kt[i - 1])]
+    limit = terms.max_keys
+    keys_before = [0]
+    for x in k_lens:
+        keys_before.append(keys_before[-1] + int(x))
+    if limit is not None and keys_before[n] > limit and n <= SPLIT_EXACTLY:
+        starts = list(range(n))  # the limit binds: any cut may be the cheapest, so every segment is a block
+    else:  # blocks of consecutive segments with the same (query tiles, key tiles), cut under the limit
+        starts = [0] + [i for i in range(1, n) if (qt[i], kt[i]) != (qt[i - 1], kt[i - 1])]
+        if limit is not None:
+            starts = _under_limit(starts, keys_before, limit)
     ends = starts[1:] + [n]
     m = len(starts)
-    best = [0.0] * (m + 1)
+    best = [(0.0, 0)] * (m + 1)  # (cost, calls) of the segments from each block on; fewer calls break ties
     cut = [m] * (m + 1)
     for a in range(m - 1, -1, -1):
         mk = kt[starts[a]]  # keys are sorted longest first: the run's first block has the most key tiles
         mq, sum_q, sum_k, count = 0, 0, 0, 0
-        best[a] = float("inf")
+        best[a] = (float("inf"), 0)
         for b in range(a, m):
+            if b > a and limit is not None and keys_before[ends[b]] - keys_before[starts[a]] > limit:
+                break  # every longer run holds more keys still
             c = ends[b] - starts[b]
             mq = max(mq, qt[starts[b]])
             sum_q += qt[starts[b]] * c
             sum_k += kt[starts[b]] * c
             count += c
             cost = (terms.call + terms.q_tile * (mq * count - sum_q) + terms.k_tile * (mk * count - sum_k)
-                    + best[b + 1])
-            if cost < best[a]:
+                    + best[b + 1][0], best[b + 1][1] + 1)
+            if _cheaper(cost, best[a]):
                 best[a], cut[a] = cost, b + 1
     runs, a = [], 0
     while a < m:
         runs.append((starts[a], ends[cut[a] - 1]))
         a = cut[a]
     return runs
+
+
+SPLIT_EXACTLY = 256  # segments up to which a batch over the keys limit is planned segment by segment (exact)
+
+
+def _under_limit(starts: list[int], keys_before: list[int], limit: int) -> list[int]:
+    """Block starts with every block over ``limit`` keys cut greedily into the fewest blocks under it (a block of
+    one segment stays whole). For batches of more than :data:`SPLIT_EXACTLY` segments, where a program over
+    single segments would take seconds."""
+    n = len(keys_before) - 1
+    out = []
+    for a, b in zip(starts, starts[1:] + [n]):
+        out.append(a)
+        if keys_before[b] - keys_before[a] > limit:
+            for i in range(a + 1, b):
+                if keys_before[i + 1] - keys_before[out[-1]] > limit:
+                    out.append(i)
+    return out
+
+
+def _cheaper(cost: tuple[float, int], than: tuple[float, int]) -> bool:
+    """Whether (cost, calls) beats ``than``: a lower cost, or one equal within :data:`TIE` with fewer calls."""
+    if than[0] == float("inf"):
+        return True
+    slack = TIE * abs(than[0])
+    return cost[0] < than[0] - slack or (cost[0] <= than[0] + slack and cost[1] < than[1])
 
 
 def _rebased(cu: Sequence[int], a: int, b: int) -> list[int]:

@@ -56,6 +56,9 @@ class LaunchGrid:
     # blocks never share), and how long an empty block (a segment shorter than the call's longest) holds its slot
     forward_pairing: float = 1.0
     empty_hold: float = 0.0
+    # keys per backward call past which the kernel slows down per key (the kernel's ``backward_keys_limit`` for the
+    # attention shape priced); None: no limit
+    backward_keys_limit: int | None = None
 
     def __post_init__(self) -> None:
         if self.slots < 1 or min(*self.forward_tile, *self.backward_tile) < 1:
@@ -64,16 +67,20 @@ class LaunchGrid:
             raise ValueError(f"LaunchGrid.forward_weight must lie in [0, 1], got {self.forward_weight}")
         if not (1.0 <= self.forward_pairing <= 2.0 and self.empty_hold >= 0.0):
             raise ValueError(f"LaunchGrid needs forward_pairing in [1, 2] and empty_hold >= 0, got {self}")
+        if self.backward_keys_limit is not None and self.backward_keys_limit < 1:
+            raise ValueError(f"LaunchGrid.backward_keys_limit must be None or >= 1, got {self.backward_keys_limit}")
 
     def to_dict(self) -> dict:
         return {"forward_tile": list(self.forward_tile), "backward_tile": list(self.backward_tile),
                 "forward_weight": self.forward_weight, "slots": self.slots,
-                "forward_pairing": self.forward_pairing, "empty_hold": self.empty_hold}
+                "forward_pairing": self.forward_pairing, "empty_hold": self.empty_hold,
+                "backward_keys_limit": self.backward_keys_limit}
 
     @classmethod
     def from_dict(cls, data: dict) -> LaunchGrid:
         return cls(tuple(data["forward_tile"]), tuple(data["backward_tile"]), float(data["forward_weight"]),
-                   int(data["slots"]), float(data.get("forward_pairing", 1.0)), float(data.get("empty_hold", 0.0)))
+                   int(data["slots"]), float(data.get("forward_pairing", 1.0)), float(data.get("empty_hold", 0.0)),
+                   data.get("backward_keys_limit"))
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -42,6 +42,22 @@ def launch_grid(head_dim: int) -> LaunchGrid | None:
                       forward_pairing=FORWARD_PAIRING, empty_hold=EMPTY_HOLD)
 
 
+def backward_keys_limit(heads: int, kv_heads: int, head_dim: int, itemsize: int) -> int | None:
+    """Keys per backward call past which the call runs slower per key (None: no such limit).
+
+    Why: with grouped-query attention the backward computes every query head's dK and dV (``heads`` of them, in
+    the input dtype) and sums each group into its KV head with a torch reduction. Once that buffer passes 2 GiB
+    the reduction leaves 32-bit indexing and slows down: measured on an H200 (32 heads, 8 KV heads, head dim 128,
+    bf16; ``scripts/profile_cad.py``), one 256-row segment over 262,000 keys ran 1.4% under the launch model and
+    over 270,000 keys 3.9% over, in one call or in three, about 2e-6 ms more per key; the reduction itself took
+    1.32x as long per key. A CAD server cuts its batch into calls under this limit
+    (:func:`~hf_longctx.kernels.calls.plan_calls`), and the launch cost model prices what a longer single segment
+    pays (:class:`~hf_longctx.backends.cad.launch_cost.PhaseTerms`' ``k_spill``)."""
+    if heads == kv_heads:
+        return None  # no expanded gradients: the kernel writes dK and dV directly
+    return (1 << 31) // (heads * head_dim * itemsize)
+
+
 def supports(call: KernelCall) -> str | None:
     """Why this kernel cannot take the call, or None when it can."""
     problem = gpu_input_problem("torch_flash", call.q, SUPPORTED_DTYPES, MAX_HEAD_DIM,

@@ -33,9 +33,9 @@ from ...kernels.launch import LaunchGrid
 from .cost_model import PAIRS
 from .launch_cost import PHASES, LaunchCostModel, call_features, fit_phase_terms
 
-__all__ = ["CALL_KINDS", "SWEEPS", "check_call_mix", "check_launch_cost", "dumped_calls", "mix_pairs",
-           "placement_probes", "profile_launch_cost", "random_calls", "segment_batch", "server_phase_errors",
-           "sweep_shapes", "time_call_phases", "time_placement"]
+__all__ = ["CALL_KINDS", "SWEEPS", "check_call_mix", "check_launch_cost", "dumped_calls", "keys_limit_calls",
+           "mix_pairs", "placement_probes", "profile_launch_cost", "random_calls", "replay_dumped_calls",
+           "segment_batch", "server_phase_errors", "sweep_shapes", "time_call_phases", "time_placement"]
 
 CALL_KINDS = ("short documents", "shards", "long shard beside short documents", "one large segment")
 SWEEPS = ("prefix", "waves", "square")  # the lines of :func:`sweep_shapes`
@@ -81,6 +81,17 @@ def random_calls(count: int, seed: int = 0, max_pairs: float = MAX_CALL_PAIRS, s
     return calls
 
 
+def keys_limit_calls(grid: LaunchGrid, scale: float = 1.0) -> list[list[tuple[int, int]]]:
+    """Single segments of a few rows over keys below and past the kernel's backward keys limit (none without one):
+    what a server still runs past the limit is one long segment (its calls are cut under the limit otherwise),
+    and random calls hold few of those, so the fit sees the spill's price on them. ``scale`` shrinks the rows (the
+    limit is the grid's own)."""
+    limit = grid.backward_keys_limit
+    if limit is None:
+        return []
+    return [[(max(1, int(q * scale)), int(limit * f))] for q in (256, 1024) for f in (0.75, 1.25, 1.75)]
+
+
 def _run_ms(step: Callable[[], None], device: torch.device) -> float:
     """Milliseconds of ``step`` (device events with the stream queued ahead on a GPU; the host clock on the CPU)."""
     return one_run_ms(step, device.type == "cuda", ahead=True)
@@ -102,19 +113,20 @@ def segment_batch(shapes: Sequence[tuple[int, int]], heads: int, kv_heads: int, 
 
 
 def time_call_phases(shapes: Sequence[tuple[int, int]], kernel: str, heads: int, kv_heads: int, head_dim: int,
-                     dtype: torch.dtype, device: torch.device, warmup: int = 1, reps: int = 5, seed: int = 0
-                     ) -> tuple[float, float]:
+                     dtype: torch.dtype, device: torch.device, warmup: int = 1, reps: int = 5, seed: int = 0,
+                     causal: bool = True) -> tuple[float, float]:
     """(forward ms, backward ms) of one varlen call over ``shapes`` (in the order given), each the median of
-    ``reps`` after ``warmup`` untimed runs; every segment has keys of its own, as a server's gathered batch."""
+    ``reps`` after ``warmup`` untimed runs; every segment has keys of its own, as a server's gathered batch.
+    ``causal`` False: rectangles (every row sees all its segment's keys), as a key cut's part before its rows."""
     cu_q, cu_k, max_q, max_k, q, k, v = segment_batch(shapes, heads, kv_heads, head_dim, dtype, device, seed)
     dout = torch.randn_like(q)
-    out, lse = attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, kernel=kernel)
+    out, lse = attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, kernel=kernel)
 
     def forward() -> None:
-        attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, kernel=kernel)
+        attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, kernel=kernel)
 
     def backward() -> None:
-        attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=True, kernel=kernel)
+        attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=causal, kernel=kernel)
 
     times = []
     for phase, step in (("forward", forward), ("backward", backward)):
@@ -129,11 +141,12 @@ def profile_launch_cost(kernel: str, device: torch.device, grid: LaunchGrid, hea
                         head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, count: int = 160, seed: int = 0,
                         warmup: int = 1, reps: int = 5, scale: float = 1.0,
                         report: Callable[[str], None] | None = None) -> tuple[LaunchCostModel, dict]:
-    """Time ``count`` random calls (:func:`random_calls`) of ``kernel`` and fit both phases' terms (ms):
+    """Time ``count`` random calls (:func:`random_calls`, and :func:`keys_limit_calls` where the grid has a keys
+    limit) of ``kernel`` and fit both phases' terms (ms):
     (model, metadata with the held-out check and the fit's own error). ``grid``: the kernel's launch grid on this
     device (its slots the SM count)."""
     t0 = time.perf_counter()
-    calls = random_calls(count, seed, scale=scale)
+    calls = random_calls(count, seed, scale=scale) + keys_limit_calls(grid, scale)
     timed = []
     for i, shapes in enumerate(calls):
         fwd, bwd = time_call_phases(shapes, kernel, heads, kv_heads, head_dim, dtype, device, warmup, reps, seed + i)
@@ -300,6 +313,28 @@ def dumped_calls(dump: dict) -> list[tuple[dict, float]]:
     if not reps or any([key(c) for c in rep] != [key(c) for c in reps[0]] for rep in reps):
         raise ValueError("the dump's repetitions do not hold the same kernel calls")
     return [(call, statistics.median(rep[i]["seconds"] for rep in reps) * 1e3) for i, call in enumerate(reps[0])]
+
+
+def replay_dumped_calls(dump: dict, kernel: str, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        device: torch.device, warmup: int = 1, reps: int = 5) -> list[tuple[dict, float, float]]:
+    """Every call of a dumped emulated step (:func:`dumped_calls`) timed again alone: (call, ms in the step, ms
+    alone), each distinct call's phases timed once (:func:`time_call_phases`, fresh tensors).
+
+    Why: a cost model is fitted to calls timed alone, and checked against calls timed inside an emulated step, where
+    one device runs every rank's calls back to back and holds every rank's buffers. Where a call's time in the step
+    and alone differ, the step measured something besides the kernel (the allocator, the device's state); where
+    they agree and the model is off, the model is."""
+    timed: dict[tuple, tuple[float, float]] = {}
+    out = []
+    for call, in_step in dumped_calls(dump):
+        causal = call.get("causal", True)
+        key = (tuple(call["q_lens"]), tuple(call["k_lens"]), causal)
+        if key not in timed:
+            shapes = [(q, k) for q, k in zip(call["q_lens"], call["k_lens"]) if q > 0]
+            timed[key] = time_call_phases(shapes, kernel, heads, kv_heads, head_dim, dtype, device, warmup, reps,
+                                          causal=causal)
+        out.append((call, in_step, timed[key][PHASES.index(call["phase"])]))
+    return out
 
 
 def server_phase_errors(model: LaunchCostModel, dump: dict) -> list[dict]:

@@ -13,12 +13,14 @@ mix, so the busiest of 16-64 servers ran 3-4% over the mean while the prediction
 (:class:`~hf_longctx.kernels.launch.LaunchGrid`) makes it do::
 
     step * tile_steps * tail + q_token * query_rows + k_token * keys + block * launched_blocks
-        + segment * segments + call
+        + segment * segments + call + k_spill * keys_over_limit
 
 ``tile_steps`` are the exact causal tile steps of the blocks (:func:`~hf_longctx.kernels.launch.forward_step_total`),
 ``tail`` the launch simulation's factor for the call (:func:`~hf_longctx.kernels.launch.phase_factor`),
-``launched_blocks`` every segment's blocks up to the call's longest segment (a varlen grid is sized by it). The six
-coefficients per phase are fitted by :func:`fit_phase_terms` to calls timed on the device (see
+``launched_blocks`` every segment's blocks up to the call's longest segment (a varlen grid is sized by it),
+``keys_over_limit`` a backward call's keys when they pass the grid's ``backward_keys_limit`` (0 under it: see
+:func:`~hf_longctx.kernels.torch_flash.backward_keys_limit`; a server's calls stay under it where they can). The
+seven coefficients per phase are fitted by :func:`fit_phase_terms` to calls timed on the device (see
 :mod:`.call_profile`); fitted on two mixes and checked on a third (H200, torch_flash), the per-server error fell
 to 0.4-0.8%.
 
@@ -48,7 +50,7 @@ from ...kernels.launch import (
     phase_factor,
 )
 
-__all__ = ["LaunchCostModel", "PHASES", "PhaseTerms", "call_features", "fit_phase_terms"]
+__all__ = ["LaunchCostModel", "PHASES", "PhaseTerms", "call_features", "fit_phase_terms", "spilled_keys"]
 
 PHASES = ("forward", "backward")
 KIND = "launch"  # a saved model's "kind", beside the grid profile's files
@@ -57,7 +59,8 @@ KIND = "launch"  # a saved model's "kind", beside the grid profile's files
 @dataclass(frozen=True)
 class PhaseTerms:
     """One phase's price (``units`` per item): per tile step at full throughput, per query row, per key, per
-    launched block (per head set: every block is launched once per head), per segment and per call."""
+    launched block (per head set: every block is launched once per head), per segment, per call, and per key of a
+    call past the kernel's keys limit (:attr:`~hf_longctx.kernels.launch.LaunchGrid.backward_keys_limit`)."""
 
     step: float = 0.0
     q_token: float = 0.0
@@ -65,6 +68,7 @@ class PhaseTerms:
     block: float = 0.0
     segment: float = 0.0
     call: float = 0.0
+    k_spill: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -120,12 +124,20 @@ def _phase_steps(phase: str, pairs: Sequence[tuple[int, int]], grid: LaunchGrid,
     return full * phase_factor(per_block, heads, grid.slots), full
 
 
+def spilled_keys(phase: str, keys: int, grid: LaunchGrid) -> int:
+    """A call's keys when its ``phase`` pays the kernel's keys limit (the backward past
+    ``grid.backward_keys_limit``), else 0."""
+    limit = grid.backward_keys_limit
+    return keys if phase == "backward" and limit is not None and keys > limit else 0
+
+
 def call_features(phase: str, q_lens: Sequence[int], k_lens: Sequence[int], grid: LaunchGrid, heads: int,
                   causal: bool = True) -> np.ndarray:
-    """The six quantities of one call's ``phase`` that :class:`PhaseTerms` prices (in its field order), the
+    """The seven quantities of one call's ``phase`` that :class:`PhaseTerms` prices (in its field order), the
     segments in launch order: tile steps times the call's tail factor, query rows, keys, launched blocks
-    (every segment up to the longest), segments, 1. ``causal`` False: a call of rectangles (every row of a
-    segment sees all its keys), which runs the same blocks over more tile steps."""
+    (every segment up to the longest), segments, 1, keys past the kernel's limit (:func:`spilled_keys`).
+    ``causal`` False: a call of rectangles (every row of a segment sees all its keys), which runs the same blocks
+    over more tile steps."""
     pairs = [(int(q), int(k)) for q, k in zip(q_lens, k_lens) if q > 0]
     if not pairs:
         return np.zeros(len(TERM_NAMES))
@@ -134,7 +146,9 @@ def call_features(phase: str, q_lens: Sequence[int], k_lens: Sequence[int], grid
         launched = len(pairs) * -(-max(q for q, _ in pairs) // grid.forward_tile[0])
     else:
         launched = len(pairs) * -(-max(k for _, k in pairs) // grid.backward_tile[1])
-    return np.array([steps, sum(q for q, _ in pairs), sum(k for _, k in pairs), launched, len(pairs), 1.0])
+    keys = sum(k for _, k in pairs)
+    return np.array([steps, sum(q for q, _ in pairs), keys, launched, len(pairs), 1.0,
+                     spilled_keys(phase, keys, grid)])
 
 
 def fit_phase_terms(features: np.ndarray, seconds: np.ndarray) -> tuple[PhaseTerms, float]:
@@ -204,11 +218,12 @@ class LaunchCostModel:
             raise ValueError(f"call terms need the forward's query tile and the backward's key tile alike, got "
                              f"{self.launch}")
         return CallTerms(self.forward.call + self.backward.call, self.forward.block, self.backward.block, tile,
-                         self.units)
+                         self.units, self.launch.backward_keys_limit)
 
     def cost(self, q_len: int, kv_len: int, causal: bool = True) -> float:
         """One segment alone at full throughput (no call constant, no tail): both phases' steps, tokens, own
-        blocks and segment term. Plain Python: the scheduler's inner loop prices a few candidates per move."""
+        blocks and segment term, and its keys' spill past the kernel's limit (a segment over the limit is a call
+        of its own). Plain Python: the scheduler's inner loop prices a few candidates per move."""
         q, kv = int(q_len), int(kv_len)
         if q <= 0:
             return 0.0
@@ -217,7 +232,7 @@ class LaunchCostModel:
                 + b.step * backward_step_total(q, kv, grid.backward_tile, causal)
                 + (f.q_token + b.q_token) * q + (f.k_token + b.k_token) * kv
                 + f.block * -(-q // grid.forward_tile[0]) + b.block * -(-kv // grid.backward_tile[1])
-                + f.segment + b.segment)
+                + f.segment + b.segment + b.k_spill * spilled_keys("backward", kv, grid))
 
     def rect_cost(self, q_len: int, kv_len: int) -> float:
         """A rectangle alone at full throughput: ``q_len`` rows that all see ``kv_len`` keys (a key cut's part
@@ -232,6 +247,9 @@ class LaunchCostModel:
             t = self.terms(phase)
             total += (t.step * _steps(phase, q, kv, self.launch) + t.q_token * q + t.k_token * kv
                       + t.block * _own_blocks(phase, q, kv, self.launch) + t.segment)
+        limit = self.launch.backward_keys_limit
+        if limit is not None and self.backward.k_spill:
+            total += self.backward.k_spill * np.where(kv > limit, kv, 0)
         return np.where(q > 0, total, 0.0)
 
     def tail_cost(self, q_lens: Sequence[int], k_lens: Sequence[int], causal: bool = True) -> float:

@@ -273,16 +273,24 @@ def random_shapes(count: int, seed: int = 0, max_q: int = 8192, max_kv: int = 65
     return shapes
 
 
-def launch_grid(kernel: str, device: torch.device, head_dim: int, mode: str = "fwd+bwd") -> LaunchGrid | None:
+def launch_grid(kernel: str, device: torch.device, head_dim: int, mode: str = "fwd+bwd",
+                shape: SegmentShape | None = None) -> LaunchGrid | None:
     """The launch grid of ``kernel`` on ``device`` (its blocks' tiles, one slot per SM), when the kernel declares
     one for ``head_dim`` (``launch_grid(head_dim)`` on the registered kernel: a non-persistent kernel whose launch
-    order leaves a tail); None otherwise, and on the CPU. A forward-only profile weighs the forward alone."""
-    declare = getattr(get_kernel(kernel), "launch_grid", None)
+    order leaves a tail); None otherwise, and on the CPU. A forward-only profile weighs the forward alone. With
+    the attention ``shape`` priced, the grid also holds the kernel's ``backward_keys_limit`` for it (keys per
+    backward call past which it slows down; the kernel declares it or has none)."""
+    module = get_kernel(kernel)
+    declare = getattr(module, "launch_grid", None)
     declared = declare(head_dim) if declare is not None else None
     if declared is None or torch.device(device).type != "cuda":
         return None
     slots = torch.cuda.get_device_properties(device).multi_processor_count
-    return replace(declared, slots=slots, forward_weight=1.0 if mode == "fwd" else declared.forward_weight)
+    limit = None
+    if shape is not None and hasattr(module, "backward_keys_limit"):
+        limit = module.backward_keys_limit(shape.heads, shape.kv_heads, shape.head_dim, shape.dtype.itemsize)
+    return replace(declared, slots=slots, forward_weight=1.0 if mode == "fwd" else declared.forward_weight,
+                   backward_keys_limit=limit)
 
 
 def resolved_kernel(kernel: str, shape: SegmentShape, device: torch.device) -> str:
@@ -419,7 +427,7 @@ def profiled_cost_model(kernel: str = "auto", device: torch.device | str | None 
     device = torch.device(device)
     try:
         name = resolved_kernel(kernel, shape, device)
-        grid = launch_grid(name, device, shape.head_dim) if model != "grid" else None
+        grid = launch_grid(name, device, shape.head_dim, shape=shape) if model != "grid" else None
         if model == "launch" and grid is None:
             raise ValueError(f"kernel {name} declares no launch grid at head dim {shape.head_dim} on {device}; "
                              "use the grid profile (model='grid')")
@@ -453,7 +461,7 @@ def _write_atomically(path: Path, model, meta: dict) -> None:
 
 def _same_launch(cached: LaunchGrid, grid: LaunchGrid) -> bool:
     """Whether a cached launch model was fitted on this grid (its terms mean something else on another)."""
-    fields = ("forward_tile", "backward_tile", "slots", "forward_pairing", "empty_hold")
+    fields = ("forward_tile", "backward_tile", "slots", "forward_pairing", "empty_hold", "backward_keys_limit")
     return all(getattr(cached, f) == getattr(grid, f) for f in fields)
 
 
