@@ -56,6 +56,7 @@ import torch
 from hf_longctx.backends.cad.call_profile import (
     SWEEPS,
     check_call_mix,
+    check_keys_limit,
     check_launch_cost,
     mix_pairs,
     placement_probes,
@@ -135,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="with a launch model: time a long prefix beside short documents as one call and as two")
     p.add_argument("--placement", action="store_true",
                    help="with a launch model: time calls whose long forward blocks sit at chosen launch positions")
+    p.add_argument("--keys-limit", action="store_true",
+                   help="with a launch model: time the backward of one segment on both sides of the kernel's keys "
+                        "limit, and three segments over it as one call and as the calls a server cuts them into")
     p.add_argument("--calls", default=None, metavar="DUMP",
                    help="with --load of a launch model: price an emulated step's dumped kernel calls per server")
     p.add_argument("--replay", action="store_true",
@@ -184,21 +188,23 @@ def main(argv: list[str] | None = None) -> int:
         run_sweeps(model, args, kernel, shape, device)
         run_mix(model, args, kernel, shape, device)
         run_placement(model, args, kernel, shape, device)
+        run_keys_limit(model, args, kernel, shape, device)
         return 0
     loaded = json.loads(Path(args.load).read_text()) if args.load else None
     if loaded is not None and loaded.get("kind") == LAUNCH_KIND:
-        if not (args.sweep or args.mix or args.placement):
-            print("--load of a launch cost model checks it along --sweep lines, --mix or --placement; give one",
-                  file=sys.stderr)
+        if not (args.sweep or args.mix or args.placement or args.keys_limit):
+            print("--load of a launch cost model checks it along --sweep lines, --mix, --placement or --keys-limit; "
+                  "give one", file=sys.stderr)
             return 2
         kernel = loaded.get("meta", {}).get("kernel") or resolved_kernel(kernel, shape, device)
         launch_model = LaunchCostModel.from_dict(loaded)
         run_sweeps(launch_model, args, kernel, shape, device)
         run_mix(launch_model, args, kernel, shape, device)
         run_placement(launch_model, args, kernel, shape, device)
+        run_keys_limit(launch_model, args, kernel, shape, device)
         return 0
-    if args.sweep or args.mix or args.placement:
-        flag = "sweep" if args.sweep else "mix" if args.mix else "placement"
+    if args.sweep or args.mix or args.placement or args.keys_limit:
+        flag = "sweep" if args.sweep else "mix" if args.mix else "placement" if args.placement else "keys-limit"
         print(f"--{flag} checks a launch cost model: give --launch N or --load a launch model", file=sys.stderr)
         return 2
     if loaded is not None:
@@ -278,6 +284,30 @@ def run_mix(model: LaunchCostModel, args: argparse.Namespace, kernel: str, shape
         measured, predicted = [m for m, _ in extras], [p for _, p in extras]
         print(f"mix kv {keys:>6}: one call minus two, forward+backward, measured {min(measured):+.4f} to "
               f"{max(measured):+.4f} ms, predicted {min(predicted):+.4f} to {max(predicted):+.4f} ms", flush=True)
+
+
+def run_keys_limit(model: LaunchCostModel, args: argparse.Namespace, kernel: str, shape: SegmentShape,
+                   device: torch.device) -> None:
+    """``--keys-limit``: one line per timed segment (backward ms, per 1K keys, priced with and without the spill),
+    then the batch over the limit as one call and cut under it."""
+    if not args.keys_limit:
+        return
+    if model.launch.backward_keys_limit is None:
+        print(f"--keys-limit: {kernel} declares no backward keys limit for this shape", flush=True)
+        return
+    out = check_keys_limit(model, kernel, shape.kv_heads, shape.head_dim, shape.dtype, device, args.warmup, args.reps)
+    limit = model.launch.backward_keys_limit
+    for row in out["sweep"]:
+        measured = row["measured"]
+        print(f"keys limit {limit}: one segment over {row['keys']:>7} keys ({row['keys'] / limit:.2f}x): backward "
+              f"{measured:8.3f} ms, {measured / row['keys'] * 1e3:.4f} ms per 1K keys; priced {row['priced']:8.3f} "
+              f"({(measured / row['priced'] - 1) * 100:+.1f}% off), without the spill "
+              f"{row['priced_without_spill']:8.3f} ({(measured / row['priced_without_spill'] - 1) * 100:+.1f}% off)",
+              flush=True)
+    batch = out["batch"]
+    print(f"keys limit {limit}: {len(batch['segments'])} segments of {batch['segments'][0]} (q, keys): backward as one "
+          f"call {batch['one_call']:.3f} ms, as {len(batch['runs'])} calls under the limit {batch['cut_calls']:.3f} ms "
+          f"({(batch['cut_calls'] / batch['one_call'] - 1) * 100:+.1f}%)", flush=True)
 
 
 def loaded_launch_model(args: argparse.Namespace, need: str) -> LaunchCostModel | None:

@@ -169,6 +169,29 @@ def test_a_backward_past_the_keys_limit_pays_the_spill_on_every_key():
     assert LaunchCostModel.from_dict(model.to_dict()) == model
 
 
+def test_the_keys_limit_check_times_both_sides_of_the_limit_and_a_batch_cut_under_it():
+    """``profile_cad.py --keys-limit``'s measurements (here on the CPU's reference kernel, tiny): segments straddle
+    the limit, only those past it are priced with the spill, and the batch over it is timed as one call and as
+    the calls a server would cut it into, every one under the limit."""
+    from hf_longctx.backends.cad.call_profile import KEYS_LIMIT_SWEEP, check_keys_limit
+
+    limit = 60
+    model = LaunchCostModel(replace(GRID, backward_keys_limit=limit), 2, H200.forward,
+                            replace(H200.backward, k_spill=1e-3))
+    out = check_keys_limit(model, "reference", 1, 8, torch.float64, torch.device("cpu"), warmup=0, reps=1, rows=4)
+    assert [row["keys"] for row in out["sweep"]] == [int(limit * f) for f in KEYS_LIMIT_SWEEP]
+    for row in out["sweep"]:
+        assert row["measured"] > 0
+        spill = row["priced"] - row["priced_without_spill"]
+        assert spill == (pytest.approx(1e-3 * row["keys"]) if row["keys"] > limit else 0.0)
+    batch = out["batch"]
+    assert sum(k for _, k in batch["segments"]) > limit and len(batch["runs"]) == 2
+    assert all(sum(k for _, k in batch["segments"][a:b]) <= limit for a, b in batch["runs"])
+    assert batch["one_call"] > 0 and batch["cut_calls"] > 0
+    with pytest.raises(ValueError, match="keys limit"):
+        check_keys_limit(H200, "reference", 1, 8, torch.float64, torch.device("cpu"))
+
+
 def test_sweep_lines_hold_one_thing_fixed_and_grow_the_other():
     """``prefix``: the same query rows over longer prefixes; ``waves``: one forward query tile (one block per head)
     more each call over a fixed prefix; ``square``: whole documents."""

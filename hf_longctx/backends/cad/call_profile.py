@@ -22,20 +22,22 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from ...benchmarking import one_run_ms
 from ...kernels import attention_backward, attention_forward
-from ...kernels.calls import call_order
+from ...kernels.calls import call_order, plan_calls
 from ...kernels.launch import LaunchGrid
 from .cost_model import PAIRS
 from .launch_cost import PHASES, LaunchCostModel, call_features, fit_phase_terms
 
-__all__ = ["CALL_KINDS", "SWEEPS", "check_call_mix", "check_launch_cost", "dumped_calls", "keys_limit_calls",
-           "mix_pairs", "placement_probes", "profile_launch_cost", "random_calls", "replay_dumped_calls",
-           "segment_batch", "server_phase_errors", "sweep_shapes", "time_call_phases", "time_placement"]
+__all__ = ["CALL_KINDS", "SWEEPS", "check_call_mix", "check_keys_limit", "check_launch_cost", "dumped_calls",
+           "keys_limit_calls", "mix_pairs", "placement_probes", "profile_launch_cost", "random_calls",
+           "replay_dumped_calls", "segment_batch", "server_phase_errors", "sweep_shapes", "time_call_phases",
+           "time_placement"]
 
 CALL_KINDS = ("short documents", "shards", "long shard beside short documents", "one large segment")
 SWEEPS = ("prefix", "waves", "square")  # the lines of :func:`sweep_shapes`
@@ -90,6 +92,37 @@ def keys_limit_calls(grid: LaunchGrid, scale: float = 1.0) -> list[list[tuple[in
     if limit is None:
         return []
     return [[(max(1, int(q * scale)), int(limit * f))] for q in (256, 1024) for f in (0.75, 1.25, 1.75)]
+
+
+KEYS_LIMIT_SWEEP = (0.85, 0.95, 0.99, 1.01, 1.05, 1.25, 1.5)  # keys of :func:`check_keys_limit`'s segments / limit
+
+
+def check_keys_limit(model: LaunchCostModel, kernel: str, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                     device: torch.device, warmup: int = 1, reps: int = 5, rows: int = 256) -> dict:
+    """What the kernel's backward keys limit (``model.launch.backward_keys_limit``) is worth, timed: one segment
+    of ``rows`` rows over keys on both sides of it (:data:`KEYS_LIMIT_SWEEP`), each backward timed and priced with
+    and without the spill; and three such segments over 1.2x the limit together, as one call and as the calls a
+    server cuts them into (:func:`~hf_longctx.kernels.calls.plan_calls` under the model's call terms).
+    ``{"sweep": [{keys, measured, priced, priced_without_spill}], "batch": {segments, one_call, cut_calls, runs}}``
+    (ms)."""
+    limit = model.launch.backward_keys_limit
+    if limit is None:
+        raise ValueError("check_keys_limit needs a model whose launch grid has a backward keys limit")
+    plain = replace(model, backward=replace(model.backward, k_spill=0.0))
+    sweep = []
+    for f in KEYS_LIMIT_SWEEP:
+        keys = int(limit * f)
+        _, measured = time_call_phases([(rows, keys)], kernel, model.heads, kv_heads, head_dim, dtype, device, warmup,
+                                       reps)
+        sweep.append({"keys": keys, "measured": measured, "priced": model.phase_cost("backward", [rows], [keys]),
+                      "priced_without_spill": plain.phase_cost("backward", [rows], [keys])})
+    segments = [(rows, int(limit * 0.4))] * 3
+    q_lens, k_lens = [q for q, _ in segments], [k for _, k in segments]
+    runs = plan_calls(q_lens, k_lens, model.call_terms)
+    _, one_call = time_call_phases(segments, kernel, model.heads, kv_heads, head_dim, dtype, device, warmup, reps)
+    cut = sum(time_call_phases(segments[a:b], kernel, model.heads, kv_heads, head_dim, dtype, device, warmup,
+                               reps)[1] for a, b in runs)
+    return {"sweep": sweep, "batch": {"segments": segments, "one_call": one_call, "cut_calls": cut, "runs": runs}}
 
 
 def _run_ms(step: Callable[[], None], device: torch.device) -> float:
