@@ -102,6 +102,7 @@ def test_all_to_all_moves_rows_and_counts_only_remote_bytes():
     assert got[2] == [4.0, 5.0, 6.0, 104.0, 105.0, 106.0, 206.0]
     assert [t.calls for t in hub.traffic] == [[("a2a", 20)], [("a2a", 20)], [("a2a", 24)]]
     assert hub.largest_all_to_all == 64  # what staging holds on the host at once: every sender's remote rows
+    assert hub.largest_all_to_all_on_device == 0  # on the CPU nothing is on a device
 
 
 def test_a_failing_rank_stops_its_peers_and_an_unanswered_receive_times_out():

@@ -152,7 +152,8 @@ class EmulationHub:
     rank's buffers; one device emulating W ranks holds all of them, since every rank posts before any
     collective completes, and CAD's backward returns fp32 key gradients for every gathered row.
     :attr:`largest_all_to_all` (bytes) is about what staging then holds on the host at once; the price is a copy
-    to the host and back per transfer, outside the timed kernel calls.
+    to the host and back per transfer, outside the timed kernel calls. :attr:`largest_all_to_all_on_device`: the
+    most one all_to_all's buffers held on a device (0 when every one was staged).
     """
 
     def __init__(self, world: int, timeout_s: float = 600.0, stage_on_host: bool = False) -> None:
@@ -162,6 +163,8 @@ class EmulationHub:
         self.timeout_s = timeout_s
         self.stage_on_host = stage_on_host
         self.largest_all_to_all = 0  # bytes: the most one all_to_all moved between ranks, all senders together
+        # bytes: the most one all_to_all's send and receive buffers held on a device (0 when staged on the host)
+        self.largest_all_to_all_on_device = 0
         self.lock = threading.Lock()  # held by the one rank that runs
         self._wakeup = [threading.Condition(self.lock) for _ in range(world)]
         self._waiting: dict[int, Callable[[], bool]] = {}  # rank -> what it waits for
@@ -329,6 +332,9 @@ class EmulationHub:
             # host then holds about one copy of the collective's rows, not two
             filled = [0] * world  # rows of each receiver filled so far
             moved = 0  # bytes sent to other ranks, all senders together
+            on_device = sum(t.numel() * t.element_size() for p in parts.values() for t in p[:2]
+                            if t is not None and t.device.type != "cpu")
+            self.largest_all_to_all_on_device = max(self.largest_all_to_all_on_device, on_device)
             for s in range(world):
                 s_recv, s_send, s_in, s_out = parts[s]
                 at = 0

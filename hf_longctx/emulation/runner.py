@@ -88,6 +88,7 @@ class EmulatedStep:
     device: str
     ranks: list[RankStep] = field(default_factory=list)
     largest_all_to_all: int = 0  # bytes one all_to_all moved between ranks, at most (what staging holds at once)
+    largest_all_to_all_on_device: int = 0  # bytes one all_to_all's buffers held on the device, at most (0: staged)
 
     @property
     def kernel_s(self) -> list[float]:
@@ -210,7 +211,7 @@ def emulate_step(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ..
     calls = [0] * world
     results: list = [None] * world
     traffic: list[list[tuple[str, int]]] = [[] for _ in range(world)]
-    largest = 0
+    largest, on_device = 0, 0
     for i in range(warmup + reps):
         hub = EmulationHub(world, timeout_s, stage_on_host)
         timer = make_timer(hub, q.device)
@@ -222,12 +223,13 @@ def emulate_step(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ..
             continue
         seconds = timer.seconds()
         largest = max(largest, hub.largest_all_to_all)
+        on_device = max(on_device, hub.largest_all_to_all_on_device)
         for r in range(world):
             per_rank[r].append((seconds.get((r, "forward"), 0.0), seconds.get((r, "backward"), 0.0)))
             calls[r] = timer.calls.get((r, "forward"), 0) + timer.calls.get((r, "backward"), 0)
             traffic[r] = list(hub.traffic[r].calls)
     step = EmulatedStep(backend, world, strategy, step_flops(batch, q.shape[1], q.shape[2]), str(q.device),
-                        largest_all_to_all=largest)
+                        largest_all_to_all=largest, largest_all_to_all_on_device=on_device)
     for r in range(world):
         forward_s, backward_s = median_rep(per_rank[r])
         step.ranks.append(RankStep(r, forward_s, backward_s, calls[r], traffic[r], results[r],

@@ -2,8 +2,9 @@
 
 One device emulating W ranks holds every rank's collective buffers at once, since every rank posts before any
 all_to_all completes (CAD's backward returns fp32 key gradients for every gathered row). With ``stage_on_host``
-both the send and the receive buffers live on the host. The forward must give bit for bit what it gives without;
-the gradients differ only as two runs of torch's flash backward do (it adds query gradients atomically).
+both the send and the receive buffers live on the host: the hub counts what every all_to_all held on the device.
+The forward must give bit for bit what it gives without; the gradients differ only as two runs of torch's flash
+backward do (it adds query gradients atomically).
 """
 
 from __future__ import annotations
@@ -37,8 +38,11 @@ def test_staged_sends_change_nothing_but_the_device_peak():
         assert torch.equal(plain.results[0], staged.results[0])
         for a, b in zip(plain.results[1:], staged.results[1:]):
             assert (a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max()
-    # unstaged, the largest all_to_all's sends and receives are on the device together with the step's other
-    # buffers (measured: 2.9-3.0x its bytes more than staged; with only the sends staged 1.8-1.9x, with only the
-    # receives 0.9-1.5x)
+    # staged, no all_to_all buffer is on the device; unstaged, the largest one's sends and receives both are
     largest = steps[True].largest_all_to_all
-    assert peaks[False] - peaks[True] > 2.5 * largest, (peaks, largest)
+    assert steps[True].largest_all_to_all_on_device == 0
+    assert steps[False].largest_all_to_all_on_device >= 2 * largest
+    # and the device's peak shows it: measured 2.0-3.0x the largest all_to_all's bytes lower staged (which ranks'
+    # buffers meet at the peak depends on how the emulated ranks' threads interleave; with only the sends staged
+    # 1.8-1.9x, with only the receives 0.9-1.5x)
+    assert peaks[False] - peaks[True] > largest, (peaks, largest)
