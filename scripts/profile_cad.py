@@ -352,8 +352,9 @@ def report_replayed_calls(args: argparse.Namespace) -> int:
     if model is None:
         return 2
     device = torch.device(args.device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        print("--replay times the dumped calls again: it needs a CUDA device", file=sys.stderr)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("--replay times the dumped calls again: it needs a CUDA device (or --device cpu for a smoke run)",
+              file=sys.stderr)
         return 2
     dump = json.loads(Path(args.calls).read_text())
     kernel = dump.get("kernel") or (None if args.kernel == "auto" else args.kernel)
@@ -389,8 +390,9 @@ def report_replayed_calls(args: argparse.Namespace) -> int:
             print(f"{phase} calls, {name}: mean {e.mean() * 100:+.2f}%, std {e.std() * 100:.2f}%, "
                   f"max {e.max() * 100:+.1f}%, min {e.min() * 100:+.1f}%", flush=True)
     totals = {kind: np.array([sum(servers[r][p][kind] for p in PHASES) for r in servers]) for kind in kinds}
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
     print(f"replayed {len(rows)} calls of {len(servers)} servers in {time.perf_counter() - t0:.0f} s on "
-          f"{torch.cuda.get_device_name(device)}; per-server max/mean: " + ", ".join(
+          f"{where}; per-server max/mean: " + ", ".join(
               f"{kind} {t.max() / t.mean():.3f}" for kind, t in totals.items()), flush=True)
     return 0
 

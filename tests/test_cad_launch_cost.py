@@ -277,6 +277,30 @@ def test_dumped_calls_are_priced_per_server_and_phase():
         server_phase_errors(H200, uneven)
 
 
+def test_a_replayed_dump_times_each_distinct_call_once_alone(monkeypatch):
+    """``--replay``: every dumped call comes back once with its median time in the step and its time alone; a call
+    of the same segments on several servers (or phases) is timed once, rectangles as rectangles."""
+    from hf_longctx.backends.cad.call_profile import dumped_calls, replay_dumped_calls
+
+    dump = _dump_with_errors(H200, dict.fromkeys([(r, p) for r in (0, 1) for p in PHASES], 0.0))
+    for rep in dump["reps"]:
+        rep.append({"rank": 1, "phase": "backward", "q_lens": [16], "k_lens": [64], "causal": False,
+                    "seconds": 1e-4})
+    timed = []
+
+    def fake_time(shapes, kernel, heads, kv_heads, head_dim, dtype, device, warmup, reps, seed=0, causal=True):
+        timed.append((tuple(shapes), causal))
+        return 1.0 + len(shapes) + (not causal), 10.0 + len(shapes) + (not causal)
+
+    monkeypatch.setattr(call_profile, "time_call_phases", fake_time)
+    rows = replay_dumped_calls(dump, "reference", 32, 8, 128, torch.float32, torch.device("cpu"))
+    assert [(c, ms) for c, ms, _ in rows] == dumped_calls(dump)
+    for call, _, alone in rows:
+        causal = call.get("causal", True)
+        assert alone == (1.0 if call["phase"] == "forward" else 10.0) + len(call["q_lens"]) + (not causal)
+    assert sorted(timed) == sorted([(((64, 64), (32, 256)), True), (((16, 16),), True), (((16, 64),), False)])
+
+
 def test_random_calls_cover_every_kind_in_launch_order():
     calls = random_calls(60, seed=2)
     kinds = len(call_profile.CALL_KINDS)

@@ -119,6 +119,26 @@ def test_dumped_calls_of_an_emulated_step_are_priced_per_server(tmp_path, capsys
     assert "give --load LAUNCH_MODEL.json" in capsys.readouterr().err
 
 
+def test_a_dumped_step_is_replayed_call_by_call_beside_its_step_and_price(tmp_path, capsys):
+    """``--calls DUMP --replay`` times each call again alone (here the CPU's reference kernel, a smoke run) and
+    prints the calls far off, each server's three times, the spreads and the step's max/mean three ways."""
+    from test_cad_launch_cost import H200, _dump_with_errors
+
+    model, dump = tmp_path / "launch.json", tmp_path / "step.json"
+    H200.save(model)
+    dump.write_text(json.dumps(_dump_with_errors(H200, dict.fromkeys([(r, p) for r in (0, 1)
+                                                                      for p in ("forward", "backward")], 0.0))))
+    args = ["--load", str(model), "--calls", str(dump), "--replay", "--device", "cpu", "--dtype", "fp32",
+            "--warmup", "0", "--reps", "1"]
+    assert _script().main(args) == 2
+    assert "the dump names no kernel; give --kernel" in capsys.readouterr().err
+    assert _script().main([*args, "--kernel", "reference"]) == 0
+    printed = capsys.readouterr().out
+    lines = printed.splitlines()
+    assert sum(line.startswith("server ") for line in lines) == 2 and printed.count(", alone/priced: mean") == 2
+    assert "replayed 8 calls of 2 servers" in printed and "on the CPU" in printed and "per-server max/mean: step" in printed
+
+
 def test_sweep_mistakes_are_refused_before_anything_is_timed(tmp_path, capsys):
     """A sweep needs a launch model, a launch model loaded needs a sweep, and a line must exist."""
     script = _script()
