@@ -11,8 +11,9 @@ balanced on per-task costs was 1.3-1.5x off in kernel time).
 
 The cure is cheap: sort a batch's segments by key length (longest first) and cut it into runs, one kernel
 call each, so that each run's grid fits its own longest segment. A call has a fixed cost of its own, so a
-run is cut only where the surplus tiles it saves cost more than one more call. :class:`CallTerms` holds the
-three measured prices and :func:`plan_calls` finds the cheapest cuts (an exact dynamic program over the
+run is cut only where the surplus tiles it saves cost more than one more call, or where the kernel slows down
+past a number of keys per call. :class:`CallTerms` holds the three measured prices and that limit, and
+:func:`plan_calls` finds the cheapest cuts (an exact dynamic program over the
 sorted segments). The forward and backward of a cut batch (:func:`forward_in_calls`,
 :func:`backward_in_calls`) are the plain calls on contiguous slices, concatenated: the same numbers as one
 call, since segments never see each other.

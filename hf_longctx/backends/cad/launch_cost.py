@@ -124,11 +124,15 @@ def _phase_steps(phase: str, pairs: Sequence[tuple[int, int]], grid: LaunchGrid,
     return full * phase_factor(per_block, heads, grid.slots), full
 
 
-def spilled_keys(phase: str, keys: int, grid: LaunchGrid) -> int:
+def spilled_keys(phase: str, keys, grid: LaunchGrid):
     """A call's keys when its ``phase`` pays the kernel's keys limit (the backward past
-    ``grid.backward_keys_limit``), else 0."""
+    ``grid.backward_keys_limit``), else 0; for an int or a numpy array of key counts."""
     limit = grid.backward_keys_limit
-    return keys if phase == "backward" and limit is not None and keys > limit else 0
+    if phase != "backward" or limit is None:
+        return 0 if isinstance(keys, int) else np.zeros_like(keys)
+    if isinstance(keys, int):
+        return keys if keys > limit else 0
+    return np.where(keys > limit, keys, 0)
 
 
 def call_features(phase: str, q_lens: Sequence[int], k_lens: Sequence[int], grid: LaunchGrid, heads: int,
@@ -247,9 +251,7 @@ class LaunchCostModel:
             t = self.terms(phase)
             total += (t.step * _steps(phase, q, kv, self.launch) + t.q_token * q + t.k_token * kv
                       + t.block * _own_blocks(phase, q, kv, self.launch) + t.segment)
-        limit = self.launch.backward_keys_limit
-        if limit is not None and self.backward.k_spill:
-            total += self.backward.k_spill * np.where(kv > limit, kv, 0)
+        total += self.backward.k_spill * spilled_keys("backward", kv, self.launch)
         return np.where(q > 0, total, 0.0)
 
     def tail_cost(self, q_lens: Sequence[int], k_lens: Sequence[int], causal: bool = True) -> float:
