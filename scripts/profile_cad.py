@@ -48,6 +48,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +83,7 @@ from hf_longctx.backends.cad.profiled import (
 )
 from hf_longctx.backends.cad.runtime import prepare, server_costs
 from hf_longctx.emulation.workloads import doc_lengths
+from hf_longctx.kernels.key_split import KeySplit, plan_key_split
 from hf_longctx.layout import PackedBatch, shard_plan
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -141,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                         "limit, and three segments over it as one call and as the calls a server cuts them into")
     p.add_argument("--calls", default=None, metavar="DUMP",
                    help="with --load of a launch model: price an emulated step's dumped kernel calls per server")
+    p.add_argument("--key-split", action="store_true",
+                   help="--replay: also time every forward call cut into chunks of its keys, against it whole")
     p.add_argument("--replay", action="store_true",
                    help="with --calls: also time every dumped call again alone on the device, beside its time in the "
                         "step and the model's price")
@@ -384,6 +388,8 @@ def report_replayed_calls(args: argparse.Namespace) -> int:
         print(f"server {rank:>3}: " + "; ".join(
             f"{p} step {servers[rank][p]['step']:8.3f} ms, alone {servers[rank][p]['alone']:8.3f}, priced "
             f"{servers[rank][p]['priced']:8.3f}" for p in PHASES), flush=True)
+    if args.key_split:
+        report_split_forward(args, model, dump, kernel, device, servers, rows)
     for phase in PHASES:
         for name, errs in ratios[phase].items():
             e = np.array(errs)
@@ -395,6 +401,55 @@ def report_replayed_calls(args: argparse.Namespace) -> int:
           f"{where}; per-server max/mean: " + ", ".join(
               f"{kind} {t.max() / t.mean():.3f}" for kind, t in totals.items()), flush=True)
     return 0
+
+
+def report_split_forward(args: argparse.Namespace, model, dump: dict, kernel: str, device: torch.device,
+                         servers: dict[int, dict], whole_rows: list[tuple[dict, float, float]]) -> None:
+    """``--replay --key-split``: the dump's forward calls timed again as chunks of their keys (the grid's
+    :class:`~hf_longctx.kernels.key_split.KeySplit` on this device), beside the whole calls just timed: per server
+    the forward whole and split, the split's price (the model's terms on a grid that splits), and the step's
+    max/mean with either forward (the backward as timed alone)."""
+    grid = replace(model.launch, forward_key_split=model.launch.forward_key_split or KeySplit(1).rule)
+    if device.type == "cuda":
+        grid = replace(grid, slots=torch.cuda.get_device_properties(device).multi_processor_count)
+    split_model = replace(model, launch=grid)
+    forward_only = {**dump, "reps": [[c for c in rep if c["phase"] == "forward"] for rep in dump["reps"]]}
+    rows = replay_dumped_calls(forward_only, kernel, model.heads, args.kv_heads, args.head_dim, DTYPES[args.dtype],
+                               device, args.warmup, args.reps, key_split=KeySplit.for_grid(grid))
+    split = {r: {"alone": 0.0, "priced": 0.0} for r in servers}
+    errors = []
+    key_split = KeySplit.for_grid(grid)
+    whole_ms = {(c["rank"], tuple(c["q_lens"]), tuple(c["k_lens"]), c.get("causal", True)): alone
+                for c, _, alone in whole_rows if c["phase"] == "forward"}
+    for call, _, alone in rows:
+        causal = call.get("causal", True)
+        priced = split_model.phase_cost("forward", call["q_lens"], call["k_lens"], causal=causal)
+        split[call["rank"]]["alone"] += alone
+        split[call["rank"]]["priced"] += priced
+        errors.append(alone / priced - 1.0)
+        if plan_key_split(call["q_lens"], call["k_lens"], model.heads, key_split, causal) is not None:
+            whole = whole_ms[call["rank"], tuple(call["q_lens"]), tuple(call["k_lens"]), causal]
+            print(f"split call: server {call['rank']:>3} whole {whole:7.3f} ms, split {alone:7.3f} "
+                  f"({(alone / whole - 1) * 100:+.1f}%), priced {priced:7.3f} ({(alone / priced - 1) * 100:+.1f}% "
+                  f"over); q {call['q_lens']} k {call['k_lens']}" + ("" if causal else " rectangles"), flush=True)
+    for rank in sorted(servers):
+        whole = servers[rank]["forward"]["alone"]
+        print(f"server {rank:>3}: forward whole {whole:8.3f} ms, split {split[rank]['alone']:8.3f} "
+              f"({(split[rank]['alone'] / whole - 1) * 100:+.1f}%), split priced {split[rank]['priced']:8.3f}",
+              flush=True)
+    e = np.array(errors)
+    per_server = np.array([split[r]["alone"] / split[r]["priced"] - 1.0 for r in sorted(servers)])
+    whole_total = sum(servers[r]["forward"]["alone"] for r in servers)
+    split_total = sum(split[r]["alone"] for r in servers)
+    backward = np.array([servers[r]["backward"]["alone"] for r in sorted(servers)])
+    with_whole = backward + np.array([servers[r]["forward"]["alone"] for r in sorted(servers)])
+    with_split = backward + np.array([split[r]["alone"] for r in sorted(servers)])
+    print(f"split forward calls, alone/priced: mean {e.mean() * 100:+.2f}%, std {e.std() * 100:.2f}%, max "
+          f"{e.max() * 100:+.1f}%, min {e.min() * 100:+.1f}%; per server: mean {per_server.mean() * 100:+.2f}%, std "
+          f"{per_server.std() * 100:.2f}%, max {per_server.max() * 100:+.1f}%", flush=True)
+    print(f"forward over all servers: whole {whole_total:.1f} ms, split {split_total:.1f} ms "
+          f"({(split_total / whole_total - 1) * 100:+.1f}%); per-server max/mean alone with the forward whole "
+          f"{with_whole.max() / with_whole.mean():.3f}, split {with_split.max() / with_split.mean():.3f}", flush=True)
 
 
 def report_predicted_balance(args: argparse.Namespace) -> int:

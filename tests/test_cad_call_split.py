@@ -23,8 +23,9 @@ from hf_longctx.backends.cad.runtime import (
     server_costs,
 )
 from hf_longctx.emulation import emulate_step
-from hf_longctx.kernels import attention_backward, attention_forward
+from hf_longctx.kernels import attention_backward, attention_forward, reset_stats, stats
 from hf_longctx.kernels.calls import CallTerms, calls_overhead
+from hf_longctx.kernels.key_split import KeySplit
 from hf_longctx.layout import PackedBatch, shard_plan
 
 DOC_LENS = [700, 40, 33, 90, 12, 64, 300, 25]  # one long document among short ones
@@ -32,6 +33,9 @@ CUT_EVERYWHERE = CallTerms(call=0.0, q_tile=1.0, k_tile=1.0, tile=16)  # calls f
 OPTIONS = {"call_terms": CUT_EVERYWHERE, "eps": 0.0, "min_shard": 16}
 KEYS_LIMIT = 400  # keys one call may hold (a kernel that slows down past them); calls free, tiles unpriced
 UNDER_A_KEYS_LIMIT = {"call_terms": CallTerms(max_keys=KEYS_LIMIT), "eps": 0.0, "min_shard": 16}
+# forward calls of few long blocks run as chunks of their keys, on a device of 64 SMs (tiny tiles and chunks)
+KEY_SPLIT = KeySplit(sms=64, tile=(16, 8), min_keys=16, min_shared=64)
+SPLIT_FORWARDS = {"call_terms": CallTerms(key_split=KEY_SPLIT), "eps": 0.0, "min_shard": 16}
 CPU = torch.device("cpu")
 TOL = dict(rtol=1e-9, atol=1e-9)
 
@@ -81,6 +85,28 @@ def test_cad_with_batches_cut_into_calls_matches_one_device(world, options):
             torch.testing.assert_close(got, ref[idx], **TOL,
                                        msg=lambda m, w=f"W={world} rank {r.rank} {name}": f"{w}: {m}")
         # one forward and one backward kernel call per run of every nano-batch that has tasks
+        assert r.kernel_calls == 2 * sum(len(nb.calls) for nb in batches[r.rank] if nb.tasks), r.rank
+
+
+@pytest.mark.parametrize("world", [3, 5])
+def test_cad_with_forwards_cut_into_chunks_of_their_keys_matches_one_device(world):
+    """A server whose forward call launches few long blocks runs it as chunks of its keys merged by log-sum-exp
+    (:mod:`hf_longctx.kernels.key_split`), and its backward on the merged results: still one device's numbers, and
+    still one observed forward per call."""
+    batch = PackedBatch.from_doc_lens(DOC_LENS)
+    q, k, v, dout = make_tensors(batch, seed=world)
+    want = single_device(batch, q, k, v, dout)
+    plan = shard_plan(batch, world, "cad")
+    reset_stats()
+    step = emulate_step(batch, world, (q, k, v, dout), "cad", options=SPLIT_FORWARDS, kernel="reference",
+                        keep_results=True)
+    assert stats().get("forward.key_split", 0) > 0, "no forward was cut: the test tests nothing"
+    batches = server_batches(plan, SPLIT_FORWARDS)
+    for r in step.ranks:
+        idx = plan.local_indices(r.rank)
+        for name, got, ref in zip(("out", "dq", "dk", "dv"), r.results, want):
+            torch.testing.assert_close(got, ref[idx], **TOL,
+                                       msg=lambda m, w=f"W={world} rank {r.rank} {name}": f"{w}: {m}")
         assert r.kernel_calls == 2 * sum(len(nb.calls) for nb in batches[r.rank] if nb.tasks), r.rank
 
 

@@ -288,7 +288,8 @@ def test_a_replayed_dump_times_each_distinct_call_once_alone(monkeypatch):
                     "seconds": 1e-4})
     timed = []
 
-    def fake_time(shapes, kernel, heads, kv_heads, head_dim, dtype, device, warmup, reps, seed=0, causal=True):
+    def fake_time(shapes, kernel, heads, kv_heads, head_dim, dtype, device, warmup, reps, seed=0, causal=True,
+                  key_split=None):
         timed.append((tuple(shapes), causal))
         return 1.0 + len(shapes) + (not causal), 10.0 + len(shapes) + (not causal)
 

@@ -121,7 +121,8 @@ def test_dumped_calls_of_an_emulated_step_are_priced_per_server(tmp_path, capsys
 
 def test_a_dumped_step_is_replayed_call_by_call_beside_its_step_and_price(tmp_path, capsys):
     """``--calls DUMP --replay`` times each call again alone (here the CPU's reference kernel, a smoke run) and
-    prints the calls far off, each server's three times, the spreads and the step's max/mean three ways."""
+    prints the calls far off, each server's three times, the spreads and the step's max/mean three ways; with
+    ``--key-split``, each server's forward also split, and what the split changes."""
     from test_cad_launch_cost import H200, _dump_with_errors
 
     model, dump = tmp_path / "launch.json", tmp_path / "step.json"
@@ -138,6 +139,12 @@ def test_a_dumped_step_is_replayed_call_by_call_beside_its_step_and_price(tmp_pa
     assert sum(line.startswith("server ") for line in lines) == 2 and printed.count(", alone/priced: mean") == 2
     assert "replayed 8 calls of 2 servers" in printed and "on the CPU" in printed
     assert "per-server max/mean: step" in printed
+    # --key-split: the forward calls timed again as chunks of their keys, beside them whole
+    assert _script().main([*args, "--kernel", "reference", "--key-split"]) == 0
+    printed = capsys.readouterr().out
+    assert sum(line.startswith("server ") and "forward whole" in line for line in printed.splitlines()) == 2
+    assert "split forward calls, alone/priced: mean" in printed
+    assert "forward over all servers: whole" in printed and "max/mean alone with the forward whole" in printed
 
 
 def test_sweep_mistakes_are_refused_before_anything_is_timed(tmp_path, capsys):

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .key_split import KeySplit
+
 __all__ = ["CallTerms", "backward_in_calls", "call_order", "calls_overhead", "forward_in_calls", "plan_calls"]
 
 CallRange = tuple[int, int]  # segments [first, end) of one kernel call
@@ -43,6 +45,8 @@ class CallTerms:
     ``tile`` is the kernel's tile in rows. All zero: cutting never pays, a batch stays one call.
     ``max_keys``: keys one call may hold (the kernel's ``backward_keys_limit``: past it the backward slows down
     per key); a segment over it alone is a call of its own. None: no limit.
+    ``key_split``: how a forward call of few long blocks is run as chunks of its keys (:mod:`.key_split`); None:
+    every forward call whole.
     """
 
     call: float = 0.0
@@ -51,6 +55,7 @@ class CallTerms:
     tile: int = 128
     units: str = "ms"
     max_keys: int | None = None
+    key_split: KeySplit | None = None
 
     def __post_init__(self) -> None:
         for name in ("call", "q_tile", "k_tile"):
@@ -186,7 +191,8 @@ def forward_in_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Se
                      runs: Sequence[CallRange], **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the packed segments, one :func:`~hf_longctx.kernels.attention_forward` call per run.
 
-    ``runs`` must cover the segments in order (as :func:`plan_calls` returns them); ``kwargs`` go to every call.
+    ``runs`` must cover the segments in order (as :func:`plan_calls` returns them); ``kwargs`` go to every call
+    (``key_split`` among them: a call of few long blocks runs as chunks of its keys).
     """
     from . import attention_forward  # the observed entry point, so per-call observers see every call
 

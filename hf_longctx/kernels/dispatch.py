@@ -21,6 +21,7 @@ from collections import Counter
 import torch
 
 from .contract import Kernel, KernelCall
+from .key_split import KeySplit, plan_key_split, split_forward
 from .registry import AUTO, REGISTRY, auto_order, get_kernel
 from .validate import check_attention_inputs, check_window
 
@@ -204,6 +205,7 @@ def attention_forward(
     softmax_scale: float | None = None,
     kernel: str = AUTO,
     window: int | None = None,
+    key_split: KeySplit | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Core attention over packed segments: (out (Tq, Hq, D), lse (Hq, Tq)).
 
@@ -222,10 +224,22 @@ def attention_forward(
 
     ``window`` is an int >= 1 or None (no window); one window applies to every segment of the call.
     Rows without a visible key give out 0, lse -inf (never NaN). lse is float32 (float64 for
-    float64 inputs). The same as ``kernel_forward(kernel_call(...), kernel)``.
+    float64 inputs). The same as ``kernel_forward(kernel_call(...), kernel)``, except with ``key_split``: a call
+    of few long blocks then runs as chunks of its keys, merged (:mod:`.key_split`; never under a window).
     """
     call = kernel_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                        softmax_scale=softmax_scale, window=window)
+    if key_split is not None and call.window is None:
+        cu_q, cu_k = call.cu_seqlens_q, call.cu_seqlens_k
+        cuts = plan_key_split([b - a for a, b in zip(cu_q, cu_q[1:])], [b - a for a, b in zip(cu_k, cu_k[1:])],
+                              q.shape[1], key_split, causal)
+        if cuts is not None:
+            def one_call(q_, k_, v_, cq, ck, mq, mk, causal):
+                return kernel_forward(kernel_call(q_, k_, v_, cq, ck, mq, mk, causal=causal,
+                                                  softmax_scale=call.softmax_scale), kernel)
+
+            count("forward.key_split")
+            return split_forward(q, k, v, cu_q, cu_k, cuts, causal, one_call)
     return kernel_forward(call, kernel)
 
 

@@ -59,6 +59,9 @@ class LaunchGrid:
     # keys per backward call past which the kernel slows down per key (the kernel's ``backward_keys_limit`` for the
     # attention shape priced); None: no limit
     backward_keys_limit: int | None = None
+    # the rule (gain, waves, min_keys, min_shared) of the key_split.KeySplit by which a forward call of few long
+    # blocks runs as chunks of its keys; None: forward calls run whole
+    forward_key_split: tuple[float, float, int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.slots < 1 or min(*self.forward_tile, *self.backward_tile) < 1:
@@ -69,18 +72,29 @@ class LaunchGrid:
             raise ValueError(f"LaunchGrid needs forward_pairing in [1, 2] and empty_hold >= 0, got {self}")
         if self.backward_keys_limit is not None and self.backward_keys_limit < 1:
             raise ValueError(f"LaunchGrid.backward_keys_limit must be None or >= 1, got {self.backward_keys_limit}")
+        if self.forward_key_split is not None and len(self.forward_key_split) != 4:
+            raise ValueError(f"LaunchGrid.forward_key_split must be None or (gain, waves, min_keys, min_shared), got "
+                             f"{self.forward_key_split}")
 
     def to_dict(self) -> dict:
         return {"forward_tile": list(self.forward_tile), "backward_tile": list(self.backward_tile),
                 "forward_weight": self.forward_weight, "slots": self.slots,
                 "forward_pairing": self.forward_pairing, "empty_hold": self.empty_hold,
-                "backward_keys_limit": self.backward_keys_limit}
+                "backward_keys_limit": self.backward_keys_limit,
+                "forward_key_split": None if self.forward_key_split is None else list(self.forward_key_split)}
 
     @classmethod
     def from_dict(cls, data: dict) -> LaunchGrid:
         return cls(tuple(data["forward_tile"]), tuple(data["backward_tile"]), float(data["forward_weight"]),
                    int(data["slots"]), float(data.get("forward_pairing", 1.0)), float(data.get("empty_hold", 0.0)),
-                   data.get("backward_keys_limit"))
+                   data.get("backward_keys_limit"), _key_split_rule(data.get("forward_key_split")))
+
+
+def _key_split_rule(value) -> tuple[float, float, int, int] | None:
+    if value is None or len(value) != 4:  # None, or a rule of an older form: fitted again
+        return None
+    gain, waves, min_keys, min_shared = value
+    return float(gain), float(waves), int(min_keys), int(min_shared)
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -9,7 +9,9 @@ queued ahead, as the emulation times a server's calls), the median of ``reps`` a
 
 Two further kinds were tried and dropped: a few tiny documents and few rows over long keys. With them (192 calls)
 the held-out error rose from 0.6-1.2% to 2.3-2.6% (H200, H100) and ProLong servers, whose time is one long
-document's tile steps, were priced up to 6% off (max/mean 1.036 at 4 ranks on the H100, 1.011 without).
+document's tile steps, were priced up to 6% off (max/mean 1.036 at 4 ranks on the H100, 1.011 without). Where the
+kernel's forward runs few rows over long keys as chunks of them (:mod:`~hf_longctx.kernels.key_split`), their time
+is no longer where the GPU puts a few long blocks, and :func:`split_forward_calls` adds a fixed set of them.
 
 The fit is checked before it is kept: the terms are fitted on three calls in four and priced on the fourth
 (:func:`profile_launch_cost`'s metadata holds that held-out error), then fitted on all.
@@ -30,14 +32,15 @@ import torch
 from ...benchmarking import one_run_ms
 from ...kernels import attention_backward, attention_forward
 from ...kernels.calls import call_order, plan_calls
+from ...kernels.key_split import KeySplit
 from ...kernels.launch import LaunchGrid
 from .cost_model import PAIRS
 from .launch_cost import PHASES, LaunchCostModel, call_features, fit_phase_terms
 
 __all__ = ["CALL_KINDS", "SWEEPS", "check_call_mix", "check_keys_limit", "check_launch_cost", "dumped_calls",
            "keys_limit_calls", "mix_pairs", "placement_probes", "profile_launch_cost", "random_calls",
-           "replay_dumped_calls", "segment_batch", "server_phase_errors", "sweep_shapes", "time_call_phases",
-           "time_placement"]
+           "replay_dumped_calls", "segment_batch", "server_phase_errors", "split_forward_calls", "sweep_shapes",
+           "time_call_phases", "time_placement"]
 
 CALL_KINDS = ("short documents", "shards", "long shard beside short documents", "one large segment")
 SWEEPS = ("prefix", "waves", "square")  # the lines of :func:`sweep_shapes`
@@ -94,6 +97,21 @@ def keys_limit_calls(grid: LaunchGrid, scale: float = 1.0) -> list[list[tuple[in
     return [[(max(1, int(q * scale)), int(limit * f))] for q in (256, 1024) for f in (0.75, 1.25, 1.75)]
 
 
+def split_forward_calls(grid: LaunchGrid, scale: float = 1.0) -> list[list[tuple[int, int]]]:
+    """Calls of few rows over long keys (none unless the grid's forward runs them as chunks of their keys): a key
+    cut's rows, a long document's last rows on a server, several of them together. Random calls hold few of these,
+    which are most of a CAD server's forward at 64 ranks (whole, such calls were priced 2-6% off and left out, see
+    the module). ``scale`` shrinks every length."""
+    if grid.forward_key_split is None:
+        return []
+    shapes = [[(q, k)] for q in (128, 512, 2048) for k in (36000, 65536, 131072)]
+    shapes += [[(q, k)] for q, k in ((256, 34000), (320, 49000), (384, 42000), (192, 56000), (640, 40000))]
+    shapes += [[(506, 107000), (506, 95000), (320, 84000)], [(1088, 91000)], [(128, 112000), (128, 90000)],
+               [(3904, 44000)], [(634, 90000), (128, 71000)], [(2572, 60871), (1172, 3584)],
+               [(256, 36000), (128, 30000)], [(128, 36000), (102, 102)], [(448, 38000), (256, 20000), (64, 9000)]]
+    return [[(max(1, int(q * scale)), max(1, int(k * scale))) for q, k in call] for call in shapes]
+
+
 KEYS_LIMIT_SWEEP = (0.85, 0.95, 0.99, 1.01, 1.05, 1.25, 1.5)  # keys of :func:`check_keys_limit`'s segments / limit
 
 
@@ -147,16 +165,17 @@ def segment_batch(shapes: Sequence[tuple[int, int]], heads: int, kv_heads: int, 
 
 def time_call_phases(shapes: Sequence[tuple[int, int]], kernel: str, heads: int, kv_heads: int, head_dim: int,
                      dtype: torch.dtype, device: torch.device, warmup: int = 1, reps: int = 5, seed: int = 0,
-                     causal: bool = True) -> tuple[float, float]:
+                     causal: bool = True, key_split: KeySplit | None = None) -> tuple[float, float]:
     """(forward ms, backward ms) of one varlen call over ``shapes`` (in the order given), each the median of
     ``reps`` after ``warmup`` untimed runs; every segment has keys of its own, as a server's gathered batch.
-    ``causal`` False: rectangles (every row sees all its segment's keys), as a key cut's part before its rows."""
+    ``causal`` False: rectangles (every row sees all its segment's keys), as a key cut's part before its rows.
+    ``key_split``: the forward as a server runs it (a call of few long blocks as chunks of its keys)."""
     cu_q, cu_k, max_q, max_k, q, k, v = segment_batch(shapes, heads, kv_heads, head_dim, dtype, device, seed)
     dout = torch.randn_like(q)
-    out, lse = attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, kernel=kernel)
+    out, lse = attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, kernel=kernel, key_split=key_split)
 
     def forward() -> None:
-        attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, kernel=kernel)
+        attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, kernel=kernel, key_split=key_split)
 
     def backward() -> None:
         attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=causal, kernel=kernel)
@@ -174,15 +193,16 @@ def profile_launch_cost(kernel: str, device: torch.device, grid: LaunchGrid, hea
                         head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, count: int = 160, seed: int = 0,
                         warmup: int = 1, reps: int = 5, scale: float = 1.0,
                         report: Callable[[str], None] | None = None) -> tuple[LaunchCostModel, dict]:
-    """Time ``count`` random calls (:func:`random_calls`, and :func:`keys_limit_calls` where the grid has a keys
-    limit) of ``kernel`` and fit both phases' terms (ms):
+    """Time ``count`` random calls (:func:`random_calls`, :func:`keys_limit_calls` where the grid has a keys
+    limit, :func:`split_forward_calls` where its forward splits keys) of ``kernel`` and fit both phases' terms (ms):
     (model, metadata with the held-out check and the fit's own error). ``grid``: the kernel's launch grid on this
     device (its slots the SM count)."""
     t0 = time.perf_counter()
-    calls = random_calls(count, seed, scale=scale) + keys_limit_calls(grid, scale)
+    calls = random_calls(count, seed, scale=scale) + keys_limit_calls(grid, scale) + split_forward_calls(grid, scale)
     timed = []
     for i, shapes in enumerate(calls):
-        fwd, bwd = time_call_phases(shapes, kernel, heads, kv_heads, head_dim, dtype, device, warmup, reps, seed + i)
+        fwd, bwd = time_call_phases(shapes, kernel, heads, kv_heads, head_dim, dtype, device, warmup, reps, seed + i,
+                                    key_split=KeySplit.for_grid(grid))
         if device.type == "cuda":
             torch.cuda.empty_cache()
         timed.append((shapes, fwd, bwd))
@@ -309,7 +329,8 @@ def _timed_and_priced(model: LaunchCostModel, segments: Sequence[tuple[int, int]
                       head_dim: int, dtype: torch.dtype, device: torch.device, warmup: int, reps: int) -> dict:
     """One call over ``segments`` timed per phase (:func:`time_call_phases`, the model's heads) and priced by
     ``model``: {phase: {"measured": ms, "predicted": ms}}."""
-    times = time_call_phases(segments, kernel, model.heads, kv_heads, head_dim, dtype, device, warmup, reps)
+    times = time_call_phases(segments, kernel, model.heads, kv_heads, head_dim, dtype, device, warmup, reps,
+                             key_split=KeySplit.for_grid(model.launch))
     q_lens, k_lens = [q for q, _ in segments], [k for _, k in segments]
     return {phase: {"measured": measured, "predicted": model.phase_cost(phase, q_lens, k_lens)}
             for phase, measured in zip(PHASES, times)}
@@ -349,9 +370,11 @@ def dumped_calls(dump: dict) -> list[tuple[dict, float]]:
 
 
 def replay_dumped_calls(dump: dict, kernel: str, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                        device: torch.device, warmup: int = 1, reps: int = 5) -> list[tuple[dict, float, float]]:
+                        device: torch.device, warmup: int = 1, reps: int = 5, key_split: KeySplit | None = None
+                        ) -> list[tuple[dict, float, float]]:
     """Every call of a dumped emulated step (:func:`dumped_calls`) timed again alone: (call, ms in the step, ms
-    alone), each distinct call's phases timed once (:func:`time_call_phases`, fresh tensors).
+    alone), each distinct call's phases timed once (:func:`time_call_phases`, fresh tensors; the forward under
+    ``key_split``, which need not be the step's, so that a split can be timed against the calls a step made whole).
 
     Why: a cost model is fitted to calls timed alone, and checked against calls timed inside an emulated step, where
     one device runs every rank's calls back to back and holds every rank's buffers. Where a call's time in the step
@@ -365,7 +388,7 @@ def replay_dumped_calls(dump: dict, kernel: str, heads: int, kv_heads: int, head
         if key not in timed:
             shapes = [(q, k) for q, k in zip(call["q_lens"], call["k_lens"]) if q > 0]
             timed[key] = time_call_phases(shapes, kernel, heads, kv_heads, head_dim, dtype, device, warmup, reps,
-                                          causal=causal)
+                                          causal=causal, key_split=key_split)
         out.append((call, in_step, timed[key][PHASES.index(call["phase"])]))
     return out
 

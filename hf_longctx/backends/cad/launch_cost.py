@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from ...kernels.calls import CallTerms, calls_overhead
+from ...kernels.key_split import KeySplit, plan_key_split, split_calls
 from ...kernels.launch import (
     LaunchGrid,
     backward_step_total,
@@ -139,19 +140,41 @@ def call_features(phase: str, q_lens: Sequence[int], k_lens: Sequence[int], grid
                   causal: bool = True) -> np.ndarray:
     """The seven quantities of one call's ``phase`` that :class:`PhaseTerms` prices (in its field order), the
     segments in launch order: tile steps times the call's tail factor, query rows, keys, launched blocks
-    (every segment up to the longest), segments, 1, keys past the kernel's limit (:func:`spilled_keys`).
+    (every segment up to the longest), segments, calls, keys past the kernel's limit (:func:`spilled_keys`).
     ``causal`` False: a call of rectangles (every row of a segment sees all its keys), which runs the same blocks
-    over more tile steps."""
+    over more tile steps. A forward the kernel runs as chunks of its keys (the grid's ``forward_key_split``, see
+    :mod:`~hf_longctx.kernels.key_split`) is priced as the two calls it makes."""
+    if phase == "forward":
+        cuts = plan_key_split(q_lens, k_lens, heads, KeySplit.for_grid(grid), causal)
+        if cuts is not None:
+            cu_q, cu_k = [0], [0]
+            for q, k in zip(q_lens, k_lens):
+                cu_q.append(cu_q[-1] + int(q))
+                cu_k.append(cu_k[-1] + int(k))
+            calls = split_calls(cu_q, cu_k, cuts, causal)
+            total = np.zeros(len(TERM_NAMES))
+            for segments, kind in ((calls.causal, True), (calls.rect, False)):
+                if segments:
+                    total += _one_call_features(phase, [b - a for a, b, _, _ in segments],
+                                                [d - c for _, _, c, d in segments], grid, heads, kind)
+            return total
+    return _one_call_features(phase, q_lens, k_lens, grid, heads, causal)
+
+
+def _one_call_features(phase: str, q_lens: Sequence[int], k_lens: Sequence[int], grid: LaunchGrid, heads: int,
+                       causal: bool, tails: bool = True) -> np.ndarray:
+    """:func:`call_features` of one kernel call (its steps at full throughput with ``tails`` off). Segments of no
+    rows launch empty blocks like any shorter segment, and are not priced as segments."""
     pairs = [(int(q), int(k)) for q, k in zip(q_lens, k_lens) if q > 0]
     if not pairs:
         return np.zeros(len(TERM_NAMES))
-    steps, _ = _phase_steps(phase, pairs, grid, heads, causal)
+    steps, full = _phase_steps(phase, pairs, grid, heads, causal)
     if phase == "forward":
-        launched = len(pairs) * -(-max(q for q, _ in pairs) // grid.forward_tile[0])
+        launched = len(q_lens) * -(-max(q for q, _ in pairs) // grid.forward_tile[0])
     else:
         launched = len(pairs) * -(-max(k for _, k in pairs) // grid.backward_tile[1])
     keys = sum(k for _, k in pairs)
-    return np.array([steps, sum(q for q, _ in pairs), keys, launched, len(pairs), 1.0,
+    return np.array([steps if tails else full, sum(q for q, _ in pairs), keys, launched, len(pairs), 1.0,
                      spilled_keys(phase, keys, grid)])
 
 
@@ -222,7 +245,7 @@ class LaunchCostModel:
             raise ValueError(f"call terms need the forward's query tile and the backward's key tile alike, got "
                              f"{self.launch}")
         return CallTerms(self.forward.call + self.backward.call, self.forward.block, self.backward.block, tile,
-                         self.units, self.launch.backward_keys_limit)
+                         self.units, self.launch.backward_keys_limit, KeySplit.for_grid(self.launch))
 
     def cost(self, q_len: int, kv_len: int, causal: bool = True) -> float:
         """One segment alone at full throughput (no call constant, no tail): both phases' steps, tokens, own
@@ -301,11 +324,13 @@ class LaunchCostModel:
 
 @functools.lru_cache(maxsize=65536)
 def _tail_cost(q_lens: tuple[int, ...], k_lens: tuple[int, ...], model: LaunchCostModel, causal: bool) -> float:
-    pairs = [(q, k) for q, k in zip(q_lens, k_lens) if q > 0]
-    if not pairs:
+    """Both phases of the call as the kernel runs it (:func:`call_features`: tails, and a forward cut into chunks of
+    its keys) less the same call whole at full throughput (what its segments' costs and the call terms price)."""
+    if not any(q > 0 for q in q_lens):
         return 0.0
     total = 0.0
     for phase in PHASES:
-        steps, full = _phase_steps(phase, pairs, model.launch, model.heads, causal)
-        total += model.terms(phase).step * (steps - full)
+        run = call_features(phase, q_lens, k_lens, model.launch, model.heads, causal)
+        whole = _one_call_features(phase, q_lens, k_lens, model.launch, model.heads, causal, tails=False)
+        total += float((run - whole) @ model.terms(phase).as_vector())
     return total

@@ -461,7 +461,8 @@ def _write_atomically(path: Path, model, meta: dict) -> None:
 
 def _same_launch(cached: LaunchGrid, grid: LaunchGrid) -> bool:
     """Whether a cached launch model was fitted on this grid (its terms mean something else on another)."""
-    fields = ("forward_tile", "backward_tile", "slots", "forward_pairing", "empty_hold", "backward_keys_limit")
+    fields = ("forward_tile", "backward_tile", "slots", "forward_pairing", "empty_hold", "backward_keys_limit",
+              "forward_key_split")
     return all(getattr(cached, f) == getattr(grid, f) for f in fields)
 
 

@@ -41,6 +41,7 @@ from ...comm.emulated import EmulatedGroup
 from ...comm.gather import GatherPlan, Run
 from ...kernels import accumulation_dtype
 from ...kernels.calls import CallTerms, backward_in_calls, call_order, calls_overhead, forward_in_calls, plan_calls
+from ...kernels.key_split import KeySplit
 from ...layout import ShardPlan
 from ..contract import Backend
 from ..engine import RunContext
@@ -81,6 +82,7 @@ class NanoBatch:
     calls: list[tuple[int, int]]  # segment ranges, one kernel call each (see hf_longctx.kernels.calls)
     causal: list[bool]  # per call: bottom-right causal segments, or rectangles (key cuts, see .tasks)
     partial: bool = False  # some row's keys are cut over several tasks: results merge by log-sum-exp
+    key_split: KeySplit | None = None  # forward calls of few long blocks run as chunks of their keys
 
 
 def _segment_shape(plan: ShardPlan, t: CadTask) -> tuple[int, int]:
@@ -163,7 +165,8 @@ def build_nano_batch(plan: ShardPlan, tasks: Sequence[CadTask], rank: int, terms
     causal_calls = plan_calls(q_lens[:n_causal], k_lens[:n_causal], terms)
     rect_calls = [(a + n_causal, b + n_causal) for a, b in plan_calls(q_lens[n_causal:], k_lens[n_causal:], terms)]
     return NanoBatch(mine, GatherPlan(q_runs, rank, rows), GatherPlan(kv_runs, rank, rows), cu_q, cu_k,
-                     causal_calls + rect_calls, [True] * len(causal_calls) + [False] * len(rect_calls), partial)
+                     causal_calls + rect_calls, [True] * len(causal_calls) + [False] * len(rect_calls), partial,
+                     terms.key_split if terms is not None else None)
 
 
 def nano_batches(plan: ShardPlan, tasks: Sequence[CadTask], rank: int, pingpong: bool, device: torch.device,
@@ -465,7 +468,8 @@ def _forward_segments(ctx: RunContext, nb: NanoBatch, qb, kb, vb) -> tuple[torch
         if kind is not None:
             runs, qs, ks, cu_q, cu_k = kind
             o, lse = forward_in_calls(qb[qs], kb[ks], vb[ks], cu_q, cu_k, runs, causal=causal,
-                                      softmax_scale=ctx.scale, kernel=ctx.kernel, window=ctx.plan.window)
+                                      softmax_scale=ctx.scale, kernel=ctx.kernel, window=ctx.plan.window,
+                                      key_split=nb.key_split)
             outs.append(o)
             lses.append(lse)
     if len(outs) == 1:
