@@ -170,3 +170,32 @@ def test_key_cuts_are_counted_in_bytes_once_per_key_and_server():
     _, overlap = task_bytes(docs, owner, piece, np.array([0, 100]), np.array([100, 200]), server, 2, tb,
                             np.array([0, 0]), np.array([600, -1]))
     assert overlap[0] == pytest.approx(200 * (1.0 + 100.0) + 1200 * 10.0)
+
+
+def test_when_the_least_busy_servers_can_take_nothing_the_next_ones_are_tried():
+    """The busiest server's work goes to the least busy servers first; when none of them can take any of it (here
+    they are made to refuse), the next least busy are tried (up to ``widest`` in all) before the refinement stops."""
+    from hf_longctx.backends.cad.cost_model import FlopsCostModel
+    from hf_longctx.backends.cad.tasks import CadTask, rows_cost
+
+    world = 12
+    plan = shard_plan(PackedBatch.from_doc_lens([256] * world), world, "cad")
+    model = FlopsCostModel()
+    # every rank serves its own document, and server 0 also rank 11's: server 11 is idle, the others alike
+    tasks = [CadTask(r, 0, 0, 256, r) for r in range(world - 1)] + [CadTask(world - 1, 0, 0, 256, 0)]
+    refusing = {11, 1, 2, 3, 4, 5, 6, 7}  # the eight least busy (ties in server order) take none of server 0's work
+    given = {0, world - 1}  # the owners of server 0's tasks
+
+    def server_cost(ts):
+        if any(t.server in refusing and t.owner in given for t in ts):
+            return float("inf")
+        return sum(rows_cost(plan, t, t.q_start, t.q_end, model) for t in ts)
+
+    def busiest(ts):
+        return max(server_cost([t for t in ts if t.server == s]) for s in range(world))
+
+    before = busiest(tasks)
+    assert busiest(refine_in_time(plan, tasks, model, server_cost, targets=8, widest=8)) == before
+    widened = refine_in_time(plan, tasks, model, server_cost, targets=8, widest=16)
+    assert busiest(widened) < before
+    assert all(t.server not in refusing or t.owner not in given for t in widened)
