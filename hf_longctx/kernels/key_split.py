@@ -3,21 +3,20 @@
 Why: a non-persistent forward kernel launches one block per query tile and head, and each block sweeps all the
 keys its rows see. A call of few rows over a long prefix (a CAD server's share of a long document's last rows, or
 a key cut's rectangle) launches few blocks that each run long: one 128-row segment over 112K keys is 32 blocks of
-1,755 key tiles each on an H200's 132 SMs, and took 3.28 ms (72 TFLOP/s) in a W = 64 ProLong step. Such calls held
+1,755 key tiles each on an H200's 132 SMs, and took 3.2 ms (72 TFLOP/s) in a W = 64 ProLong step. Such calls held
 three quarters of those servers' forward time, and their time is set by where the GPU places the blocks, which
 the launch model prices 3-15% off. Cut into chunks of keys, the same call launches many short blocks that fill the
-device, and is then priced by its work.
+device: 0.9 ms for that call, and 9-10% off those servers' forward (``scripts/bench_key_split.sh``).
 
-:func:`plan_key_split` chooses the chunks: the keys every row of a segment sees (all of a rectangle's; under a
-causal mask the prefix before the segment's first row's diagonal) are cut into near-equal chunks, no longer than
-a slot's share of the call over :attr:`KeySplit.waves`, nor shorter than :attr:`KeySplit.min_keys` (each chunk
-reads its rows again and writes an output to merge). A call whose longest block is already within twice that is
-left whole. :func:`split_forward` runs the chunks as one non-causal call and what is left (each split segment's
+:func:`plan_key_split` decides by :class:`KeySplit`'s rule which calls are cut and into which chunks of the keys
+every row of a segment sees (all of a rectangle's; under a causal mask the prefix before the segment's first
+row's diagonal). :func:`split_forward` runs the chunks as one non-causal call and what is left (each cut segment's
 rows over their own diagonal block, the other segments whole) as one causal call, on views of the packed keys (a
-segment of no rows spans the keys between), and merges each split row's parts in the accumulation dtype.
+segment of no rows spans the keys between), and merges each cut row's parts in the accumulation dtype.
 
-Only the forward is split. The backward's blocks are key tiles (many, short) and it takes the merged output and
-log-sum-exp, which are the whole row's. Sliding windows are never split (a window's rows see different keys).
+Only the forward is split: the backward's blocks are key tiles, many over a long prefix, and it takes the merged
+output and log-sum-exp, which are the whole row's. (Its mirror case, many rows over few keys, where few backward
+blocks each sweep all the rows, is not cut.) Sliding windows are never split (a window's rows see different keys).
 """
 
 from __future__ import annotations
