@@ -83,7 +83,7 @@ from hf_longctx.backends.cad.profiled import (
 )
 from hf_longctx.backends.cad.runtime import prepare, server_costs
 from hf_longctx.emulation.workloads import doc_lengths
-from hf_longctx.kernels.key_split import KeySplit, plan_key_split
+from hf_longctx.kernels.key_split import RULE, KeySplit, plan_key_split
 from hf_longctx.layout import PackedBatch, shard_plan
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -409,7 +409,7 @@ def report_split_forward(args: argparse.Namespace, model, dump: dict, kernel: st
     :class:`~hf_longctx.kernels.key_split.KeySplit` on this device), beside the whole calls just timed: per server
     the forward whole and split, the split's price (the model's terms on a grid that splits), and the step's
     max/mean with either forward (the backward as timed alone)."""
-    grid = replace(model.launch, forward_key_split=model.launch.forward_key_split or KeySplit(1).rule)
+    grid = replace(model.launch, forward_key_split=model.launch.forward_key_split or RULE)
     if device.type == "cuda":
         grid = replace(grid, slots=torch.cuda.get_device_properties(device).multi_processor_count)
     split_model = replace(model, launch=grid)

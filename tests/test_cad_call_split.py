@@ -66,6 +66,18 @@ def segment_lens(nb):
     return [b - a for a, b in zip(nb.cu_q, nb.cu_q[1:])], [b - a for a, b in zip(nb.cu_k, nb.cu_k[1:])]
 
 
+def assert_every_rank_is_one_device(step, plan, want, batches):
+    """Every emulated rank's out, dq, dk, dv equal one device's over its rows, with one forward and one backward
+    kernel call per run of every nano-batch that has tasks (``batches``: :func:`server_batches`)."""
+    assert len(step.ranks) == plan.world_size
+    for r in step.ranks:
+        idx = plan.local_indices(r.rank)
+        for name, got, ref in zip(("out", "dq", "dk", "dv"), r.results, want):
+            torch.testing.assert_close(got, ref[idx], **TOL,
+                                       msg=lambda m, w=f"W={plan.world_size} rank {r.rank} {name}": f"{w}: {m}")
+        assert r.kernel_calls == 2 * sum(len(nb.calls) for nb in batches[r.rank] if nb.tasks), r.rank
+
+
 @pytest.mark.parametrize("world,options", [(3, OPTIONS), (4, OPTIONS), (3, UNDER_A_KEYS_LIMIT)])
 def test_cad_with_batches_cut_into_calls_matches_one_device(world, options):
     batch = PackedBatch.from_doc_lens(DOC_LENS)
@@ -78,14 +90,7 @@ def test_cad_with_batches_cut_into_calls_matches_one_device(world, options):
 
     step = emulate_step(batch, world, (q, k, v, dout), "cad", options=options, kernel="reference",
                         keep_results=True)
-    assert len(step.ranks) == world
-    for r in step.ranks:
-        idx = plan.local_indices(r.rank)
-        for name, got, ref in zip(("out", "dq", "dk", "dv"), r.results, want):
-            torch.testing.assert_close(got, ref[idx], **TOL,
-                                       msg=lambda m, w=f"W={world} rank {r.rank} {name}": f"{w}: {m}")
-        # one forward and one backward kernel call per run of every nano-batch that has tasks
-        assert r.kernel_calls == 2 * sum(len(nb.calls) for nb in batches[r.rank] if nb.tasks), r.rank
+    assert_every_rank_is_one_device(step, plan, want, batches)
 
 
 @pytest.mark.parametrize("world", [3, 5])
@@ -101,13 +106,7 @@ def test_cad_with_forwards_cut_into_chunks_of_their_keys_matches_one_device(worl
     step = emulate_step(batch, world, (q, k, v, dout), "cad", options=SPLIT_FORWARDS, kernel="reference",
                         keep_results=True)
     assert stats().get("forward.key_split", 0) > 0, "no forward was cut: the test tests nothing"
-    batches = server_batches(plan, SPLIT_FORWARDS)
-    for r in step.ranks:
-        idx = plan.local_indices(r.rank)
-        for name, got, ref in zip(("out", "dq", "dk", "dv"), r.results, want):
-            torch.testing.assert_close(got, ref[idx], **TOL,
-                                       msg=lambda m, w=f"W={world} rank {r.rank} {name}": f"{w}: {m}")
-        assert r.kernel_calls == 2 * sum(len(nb.calls) for nb in batches[r.rank] if nb.tasks), r.rank
+    assert_every_rank_is_one_device(step, plan, want, server_batches(plan, SPLIT_FORWARDS))
 
 
 @pytest.mark.parametrize("world", [3, 4])

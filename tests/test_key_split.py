@@ -23,7 +23,7 @@ from hf_longctx.backends.cad.launch_cost import (
     call_features,
 )
 from hf_longctx.kernels import attention_forward, reset_stats, stats, torch_flash
-from hf_longctx.kernels.key_split import KeySplit, plan_key_split, split_calls
+from hf_longctx.kernels.key_split import RULE, KeySplit, plan_key_split, split_calls
 from hf_longctx.kernels.launch import LaunchGrid
 
 H200 = KeySplit(sms=132, tile=(128, 64), pairing=1.6)  # what torch_flash's grid declares on an H200
@@ -129,7 +129,7 @@ def test_key_split_rules_are_checked_and_travel_with_the_launch_grid():
     with pytest.raises(ValueError, match="forward_key_split"):
         LaunchGrid(forward_key_split=(1.2, 4.0))
     grid = torch_flash.launch_grid(128)
-    assert KeySplit.for_grid(grid).rule == grid.forward_key_split == torch_flash.KEY_SPLIT
+    assert KeySplit.for_grid(grid).rule == grid.forward_key_split == RULE
     assert LaunchGrid.from_dict(grid.to_dict()) == grid
     old = {k: v for k, v in grid.to_dict().items() if k != "forward_key_split"}
     assert LaunchGrid.from_dict(old).forward_key_split is None  # an older model: fitted again, never guessed

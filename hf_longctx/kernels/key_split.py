@@ -30,13 +30,14 @@ import torch
 from .launch import LaunchGrid, forward_steps, paired_makespan
 from .merge import accumulation_dtype
 
-__all__ = ["GAIN", "MIN_KEYS", "MIN_SHARED", "WAVES", "KeySplit", "SplitCall", "plan_key_split", "split_calls",
+__all__ = ["GAIN", "MIN_KEYS", "MIN_SHARED", "RULE", "WAVES", "KeySplit", "SplitCall", "plan_key_split", "split_calls",
            "split_forward"]
 
 # a call is cut when its blocks, placed as they launch, take GAIN times what they would spread evenly; into chunks
 # that launch about WAVES waves of blocks, none under MIN_KEYS keys; only segments sharing MIN_SHARED keys are cut
 # (see KeySplit)
 GAIN, WAVES, MIN_KEYS, MIN_SHARED = 1.2, 4.0, 4096, 32768
+RULE = (GAIN, WAVES, MIN_KEYS, MIN_SHARED)  # what a kernel's launch grid declares to have its forwards cut
 Segment = tuple[int, int, int, int]  # query rows [start, end) and keys [start, end) of one segment, packed offsets
 
 

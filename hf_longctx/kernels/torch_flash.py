@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .contract import KernelCall
-from .key_split import GAIN, MIN_KEYS, MIN_SHARED, WAVES
+from .key_split import RULE
 from .launch import LaunchGrid
 from .validate import gpu_input_problem
 
@@ -25,8 +25,6 @@ MAX_HEAD_DIM = 256
 
 
 FORWARD_PAIRING = 1.6  # two forward blocks on one SM each take this times their time alone (H200, H100)
-# a forward call whose few long blocks leave SMs idle runs as chunks of its keys (see key_split)
-KEY_SPLIT = (GAIN, WAVES, MIN_KEYS, MIN_SHARED)
 EMPTY_HOLD = 0.3  # tile steps an empty forward block holds its slot (fitted to dumped CAD steps)
 
 
@@ -39,12 +37,12 @@ def launch_grid(head_dim: int) -> LaunchGrid | None:
     each 1.6x slower (``scripts/profile_cad.py --placement`` on an H200 and an H100), an empty block holding its
     slot for 0.3 tile steps (fitted to dumped CAD steps of three mixes: per-server forward error 2.0-2.8%, against
     2.2-12.5% with one slot per SM). A forward call whose few long blocks leave SMs idle runs as chunks of its keys
-    (:data:`KEY_SPLIT`, see :mod:`.key_split`): the forward of ProLong servers at W = 64 ran 9-10% faster on an H200.
+    (:data:`.key_split.RULE`): the forward of ProLong servers at W = 64 ran 9-10% faster on an H200.
     Other head dims use other tiles: not modelled."""
     if head_dim != 128:
         return None
     return LaunchGrid(forward_tile=(128, 64), backward_tile=(64, 128), forward_weight=0.15,
-                      forward_pairing=FORWARD_PAIRING, empty_hold=EMPTY_HOLD, forward_key_split=KEY_SPLIT)
+                      forward_pairing=FORWARD_PAIRING, empty_hold=EMPTY_HOLD, forward_key_split=RULE)
 
 
 def backward_keys_limit(heads: int, kv_heads: int, head_dim: int, itemsize: int) -> int | None:

@@ -200,9 +200,10 @@ def profile_launch_cost(kernel: str, device: torch.device, grid: LaunchGrid, hea
     t0 = time.perf_counter()
     calls = random_calls(count, seed, scale=scale) + keys_limit_calls(grid, scale) + split_forward_calls(grid, scale)
     timed = []
+    key_split = KeySplit.for_grid(grid)  # the forward as the kernel's servers run it
     for i, shapes in enumerate(calls):
         fwd, bwd = time_call_phases(shapes, kernel, heads, kv_heads, head_dim, dtype, device, warmup, reps, seed + i,
-                                    key_split=KeySplit.for_grid(grid))
+                                    key_split=key_split)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         timed.append((shapes, fwd, bwd))

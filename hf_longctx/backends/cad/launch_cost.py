@@ -35,6 +35,7 @@ import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from itertools import accumulate
 from pathlib import Path
 
 import numpy as np
@@ -147,11 +148,8 @@ def call_features(phase: str, q_lens: Sequence[int], k_lens: Sequence[int], grid
     if phase == "forward":
         cuts = plan_key_split(q_lens, k_lens, heads, KeySplit.for_grid(grid), causal)
         if cuts is not None:
-            cu_q, cu_k = [0], [0]
-            for q, k in zip(q_lens, k_lens):
-                cu_q.append(cu_q[-1] + int(q))
-                cu_k.append(cu_k[-1] + int(k))
-            calls = split_calls(cu_q, cu_k, cuts, causal)
+            calls = split_calls([0, *accumulate(int(q) for q in q_lens)], [0, *accumulate(int(k) for k in k_lens)],
+                                cuts, causal)
             total = np.zeros(len(TERM_NAMES))
             for segments, kind in ((calls.causal, True), (calls.rect, False)):
                 if segments:

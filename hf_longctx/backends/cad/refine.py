@@ -161,12 +161,11 @@ def refine_in_time(plan: ShardPlan, tasks: Sequence[CadTask], model: CostModel, 
     for _ in range(moves):
         top = int(np.argmax(cost))
         order = [int(s) for s in np.argsort(cost, kind="stable") if s != top]
-        tried, best = 0, None
-        # the least busy servers first; when none of them takes a part, the next ones (up to ``widest``)
-        while best is None and tried < min(len(order), max(targets, widest) if tried else targets):
-            width = targets if not tried else min(2 * tried, widest, len(order))
+        # the least busy servers first; when none of them takes a part, twice as many (up to ``widest``)
+        tried, width, best = 0, min(targets, len(order)), None
+        while best is None and tried < width:
             best = best_move(top, order[tried:width])
-            tried = width
+            tried, width = width, min(2 * width, widest, len(order))
         if best is None:
             break
         _, kept, dst, given, after_top, after_dst = best
