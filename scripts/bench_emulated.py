@@ -58,7 +58,7 @@ import torch
 
 from hf_longctx.backends.cad.cost_model import ProfiledCostModel
 from hf_longctx.backends.cad.eps import EPS_CANDIDATES, a2a_bandwidth, candidate, choose_eps
-from hf_longctx.backends.cad.launch_cost import LaunchCostModel
+from hf_longctx.backends.cad.launch_cost import TERM_NAMES, LaunchCostModel
 from hf_longctx.backends.cad.profiled import ProfileBudget, SegmentShape, profiled_cost_model
 from hf_longctx.backends.cad.runtime import cad_schedule, server_costs
 from hf_longctx.benchmarking import table_header, table_row
@@ -148,9 +148,8 @@ def segment_terms(model) -> str:
     header."""
     if isinstance(model, LaunchCostModel):
         terms = "; ".join(f"{p}: " + ", ".join(f"{k} {v:.3g}" for k, v in zip(
-            ("step", "q token", "k token", "block", "segment", "call"), model.terms(p).as_vector())) + f" {model.units}"
-            for p in ("forward", "backward"))
-        return f"; fitted terms per tile step, token, launched block, segment and call ({terms})"
+            TERM_NAMES, model.terms(p).as_vector())) + f" {model.units}" for p in ("forward", "backward"))
+        return f"; fitted terms per tile step, row, key, launched block, segment, call, spilled key and merge ({terms})"
     if not isinstance(model, ProfiledCostModel):
         return ""
     tile = f", partial tiles of {model.tile} priced whole" if model.tile else ""

@@ -23,7 +23,14 @@ from hf_longctx.backends.cad.call_profile import (
     sweep_shapes,
 )
 from hf_longctx.backends.cad.cost_model import ProfiledCostModel
-from hf_longctx.backends.cad.launch_cost import PHASES, LaunchCostModel, PhaseTerms, call_features, fit_phase_terms
+from hf_longctx.backends.cad.launch_cost import (
+    PHASES,
+    TERM_NAMES,
+    LaunchCostModel,
+    PhaseTerms,
+    call_features,
+    fit_phase_terms,
+)
 from hf_longctx.backends.cad.profiled import SegmentShape, profiled_cost_model
 from hf_longctx.backends.cad.runtime import prepare, server_costs
 from hf_longctx.emulation import emulate_step
@@ -151,9 +158,10 @@ def test_a_backward_past_the_keys_limit_pays_the_spill_on_every_key():
     model = LaunchCostModel(replace(GRID, backward_keys_limit=limit), 32, H200.forward,
                             replace(H200.backward, k_spill=2e-6))
     under, over = ([256], [limit]), ([256], [limit + 8000])
-    assert call_features("backward", *under, model.launch, 32)[-1] == 0
-    assert call_features("backward", *over, model.launch, 32)[-1] == limit + 8000
-    assert call_features("forward", *over, model.launch, 32)[-1] == 0
+    spill = TERM_NAMES.index("k_spill")
+    assert call_features("backward", *under, model.launch, 32)[spill] == 0
+    assert call_features("backward", *over, model.launch, 32)[spill] == limit + 8000
+    assert call_features("forward", *over, model.launch, 32)[spill] == 0
     extra = model.phase_cost("backward", *over) - H200.phase_cost("backward", *over)
     assert extra == pytest.approx(2e-6 * (limit + 8000), rel=1e-12)
     assert model.phase_cost("forward", *over) == H200.phase_cost("forward", *over)
@@ -162,9 +170,9 @@ def test_a_backward_past_the_keys_limit_pays_the_spill_on_every_key():
     np.testing.assert_allclose(model.cost_array(np.array([256, 256]), np.array([limit, limit + 8000])),
                                [model.cost(256, limit), model.cost(256, limit + 8000)], rtol=1e-12)
     assert model.call_terms.max_keys == limit and H200.call_terms.max_keys is None
-    # a model saved without the limit or the spill (before they existed) loads with neither
+    # a model saved without the limit, the spill or the merge (before they existed) loads with none of them
     old = H200.to_dict()
-    del old["backward"]["k_spill"], old["launch"]["backward_keys_limit"]
+    del old["backward"]["k_spill"], old["launch"]["backward_keys_limit"], old["forward"]["merge"]
     assert LaunchCostModel.from_dict(old) == H200
     assert LaunchCostModel.from_dict(model.to_dict()) == model
 
@@ -338,6 +346,12 @@ def test_profiled_picks_the_launch_model_where_the_kernel_declares_a_grid(tmp_pa
     assert isinstance(model, LaunchCostModel) and source.startswith("launch-fitted") and "now" in source
     again, source = profiled_cost_model("reference", "cpu", shape)
     assert again == model and "now" not in source and len(fits) == 1  # read from the cache
+    cached = profiled.launch_cache_path(torch.device("cpu"), "reference", shape)
+    older = json.loads(cached.read_text())
+    del older["forward"]["merge"], older["backward"]["merge"]  # saved before the merge term existed: fitted again
+    cached.write_text(json.dumps(older))
+    _, source = profiled_cost_model("reference", "cpu", shape)
+    assert "now" in source and len(fits) == 2
     grid_model, _ = profiled_cost_model("reference", "cpu", shape, model="grid", q_lens=(16, 64),
                                         kv_lens=(16, 64, 256), budget=profiled.ProfileBudget(
                                             min_tokens=64, max_kv_tokens=1024, max_pairs=4096, warmup=0, reps=1))

@@ -17,13 +17,14 @@ import pytest
 import torch
 
 from hf_longctx.backends.cad.launch_cost import (
+    MERGE,
     LaunchCostModel,
     PhaseTerms,
     _one_call_features,
     call_features,
 )
 from hf_longctx.kernels import attention_forward, reset_stats, stats, torch_flash
-from hf_longctx.kernels.key_split import RULE, KeySplit, plan_key_split, split_calls
+from hf_longctx.kernels.key_split import RULE, KeySplit, merged_segments, plan_key_split, split_calls
 from hf_longctx.kernels.launch import LaunchGrid
 
 H200 = KeySplit(sms=132, tile=(128, 64), pairing=1.6)  # what torch_flash's grid declares on an H200
@@ -145,6 +146,8 @@ def test_the_launch_model_prices_a_split_forward_as_the_two_calls_it_makes():
                               [d - c for _, _, c, d in calls.causal], grid, 32, True)
     want += _one_call_features("forward", [b - a for a, b, _, _ in calls.rect], [d - c for _, _, c, d in calls.rect],
                                grid, 32, False)
+    assert merged_segments(q_lens, cuts, causal=True) == 2  # both segments are cut, and each merges its parts
+    want[MERGE] = 2
     got = call_features("forward", q_lens, k_lens, grid, 32)
     np.testing.assert_allclose(got, want)
     assert got[5] == 2  # two calls
@@ -157,6 +160,19 @@ def test_the_launch_model_prices_a_split_forward_as_the_two_calls_it_makes():
     assert split_model.tail_cost(q_lens, k_lens) < whole_model.tail_cost(q_lens, k_lens)
     assert split_model.call_cost(q_lens, k_lens) == pytest.approx(
         split_model.phase_cost("forward", q_lens, k_lens) + split_model.phase_cost("backward", q_lens, k_lens))
+    # each merge is priced on its own, in the call and in the tail the scheduler adds to a server
+    merging = LaunchCostModel(grid, 32, replace(terms, merge=0.05), PhaseTerms())
+    assert merging.phase_cost("forward", q_lens, k_lens) == pytest.approx(
+        split_model.phase_cost("forward", q_lens, k_lens) + 2 * 0.05)
+    assert merging.tail_cost(q_lens, k_lens) == pytest.approx(split_model.tail_cost(q_lens, k_lens) + 2 * 0.05)
+    assert merging.call_cost([128, 384], [1000, 900]) == whole_model.call_cost([128, 384], [1000, 900])  # not cut
+
+
+def test_merged_segments_are_the_ones_split_forward_merges():
+    """A causal segment merges when it is cut (its chunks with its diagonal block), a rectangle when it has two
+    chunks or more; a segment without rows never does."""
+    assert merged_segments([4, 4, 0], [(0, 8, 16), (), (0, 8, 16)], causal=True) == 1
+    assert merged_segments([4, 4, 4], [(0, 8, 16), (), (0, 8)], causal=False) == 1
 
 
 def test_the_emulations_timer_warms_each_split_call_apart():

@@ -30,8 +30,8 @@ import torch
 from .launch import LaunchGrid, forward_steps, paired_makespan
 from .merge import accumulation_dtype
 
-__all__ = ["GAIN", "MIN_KEYS", "MIN_SHARED", "RULE", "WAVES", "KeySplit", "SplitCall", "plan_key_split", "split_calls",
-           "split_forward"]
+__all__ = ["GAIN", "MIN_KEYS", "MIN_SHARED", "RULE", "WAVES", "KeySplit", "SplitCall", "merged_segments",
+           "plan_key_split", "split_calls", "split_forward"]
 
 # a call is cut when its blocks, placed as they launch, take GAIN times what they would spread evenly; into chunks
 # that launch about WAVES waves of blocks, none under MIN_KEYS keys; only segments sharing MIN_SHARED keys are cut
@@ -178,6 +178,24 @@ def split_calls(cu_q: Sequence[int], cu_k: Sequence[int], cuts: Sequence[tuple[i
     return SplitCall(tuple(causal_segs), tuple(rect))
 
 
+def _parts(cut: tuple[int, ...], causal: bool) -> int:
+    """A segment's parts in the rect call: its chunks (a rectangle left whole is one part, a causal segment left
+    whole none)."""
+    return len(cut) - 1 if cut else (0 if causal else 1)
+
+
+def _merges(rows: int, cut: tuple[int, ...], causal: bool) -> bool:
+    """Whether :func:`split_forward` merges a segment's parts: it has rows, and more than one part to merge (under
+    a causal mask its chunks merge with its diagonal block)."""
+    return rows > 0 and _parts(cut, causal) > (0 if causal else 1)
+
+
+def merged_segments(q_lens: Sequence[int], cuts: Sequence[tuple[int, ...]], causal: bool) -> int:
+    """How many segments :func:`split_forward` merges (each merge is a few small kernels, whatever its parts: a
+    cost of the split beyond its two calls, which the launch model prices per merged segment)."""
+    return sum(_merges(int(q), c, causal) for q, c in zip(q_lens, cuts))
+
+
 def _offsets(segments: Sequence[Segment]) -> tuple[list[int], list[int], int, int]:
     """(cu_q, cu_k, max rows, max keys) of ``segments`` packed one after another."""
     cu_q, cu_k = [0], [0]
@@ -229,17 +247,16 @@ def split_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Seque
     at = 0  # the next row of the rect call's output: a segment's chunks follow one another, each over all its rows
     for i, c in enumerate(cuts):
         a, b = cu_q[i], cu_q[i + 1]
-        parts = len(c) - 1 if c else (0 if causal else 1)  # the segment's parts in the rect call
-        if b == a or parts == 0:
+        parts, rows = _parts(c, causal), b - a
+        if rows == 0 or parts == 0:
             continue
-        rows = b - a
         chunks = r_out[at: at + parts * rows].view(parts, rows, *q.shape[1:])
         chunk_lse = r_lse[:, at: at + parts * rows].view(q.shape[1], parts, rows)
         at += parts * rows
-        if causal:  # merged with the rows over their own diagonal block, from the causal call
-            out[a:b], lse[:, a:b] = _merged(chunks, chunk_lse, out[a:b], lse[:, a:b], q.dtype)
-        elif parts > 1:
-            out[a:b], lse[:, a:b] = _merged(chunks, chunk_lse, None, None, q.dtype)
-        else:
+        if not _merges(rows, c, causal):  # a rectangle left whole: its one part is its output
             out[a:b], lse[:, a:b] = chunks[0], chunk_lse[:, 0]
+        elif causal:  # merged with the rows over their own diagonal block, from the causal call
+            out[a:b], lse[:, a:b] = _merged(chunks, chunk_lse, out[a:b], lse[:, a:b], q.dtype)
+        else:
+            out[a:b], lse[:, a:b] = _merged(chunks, chunk_lse, None, None, q.dtype)
     return out, lse

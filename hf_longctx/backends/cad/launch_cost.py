@@ -13,16 +13,18 @@ mix, so the busiest of 16-64 servers ran 3-4% over the mean while the prediction
 (:class:`~hf_longctx.kernels.launch.LaunchGrid`) makes it do::
 
     step * tile_steps * tail + q_token * query_rows + k_token * keys + block * launched_blocks
-        + segment * segments + call + k_spill * keys_over_limit
+        + segment * segments + call + k_spill * keys_over_limit + merge * merged_segments
 
 ``tile_steps`` are the exact causal tile steps of the blocks (:func:`~hf_longctx.kernels.launch.forward_step_total`),
 ``tail`` the launch simulation's factor for the call (:func:`~hf_longctx.kernels.launch.phase_factor`),
 ``launched_blocks`` every segment's blocks up to the call's longest segment (a varlen grid is sized by it),
 ``keys_over_limit`` a backward call's keys when they pass the grid's ``backward_keys_limit`` (0 under it: see
-:func:`~hf_longctx.kernels.torch_flash.backward_keys_limit`; a server's calls stay under it where they can). The
-seven coefficients per phase are fitted by :func:`fit_phase_terms` to calls timed on the device (see
-:mod:`.call_profile`); fitted on two mixes and checked on a third (H200, torch_flash), the per-server error fell
-to 0.4-0.8%.
+:func:`~hf_longctx.kernels.torch_flash.backward_keys_limit`; a server's calls stay under it where they can),
+``merged_segments`` the segments a forward cut into chunks of its keys merges (0 for a call run whole: see
+:mod:`~hf_longctx.kernels.key_split`). Each merge is a few small kernels; without the term, cut calls over 30-65K
+keys ran 5-14% over their price (``scripts/bench_cad_calls.sh``, H200). The coefficients per phase are fitted by
+:func:`fit_phase_terms` to calls timed on the device (see :mod:`.call_profile`); fitted on two mixes and checked
+on a third (H200, torch_flash), the per-server error fell to 0.4-0.8%.
 
 The scheduler prices a task alone, at full throughput (:meth:`LaunchCostModel.cost`); what a call adds beyond
 its segments (its constant and the surplus blocks) is :attr:`LaunchCostModel.call_terms`, and its tail
@@ -41,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from ...kernels.calls import CallTerms, calls_overhead
-from ...kernels.key_split import KeySplit, plan_key_split, split_calls
+from ...kernels.key_split import KeySplit, merged_segments, plan_key_split, split_calls
 from ...kernels.launch import (
     LaunchGrid,
     backward_step_total,
@@ -52,7 +54,8 @@ from ...kernels.launch import (
     phase_factor,
 )
 
-__all__ = ["LaunchCostModel", "PHASES", "PhaseTerms", "call_features", "fit_phase_terms", "spilled_keys"]
+__all__ = ["MERGE", "PHASES", "TERM_NAMES", "LaunchCostModel", "PhaseTerms", "call_features", "fit_phase_terms",
+           "spilled_keys"]
 
 PHASES = ("forward", "backward")
 KIND = "launch"  # a saved model's "kind", beside the grid profile's files
@@ -61,8 +64,11 @@ KIND = "launch"  # a saved model's "kind", beside the grid profile's files
 @dataclass(frozen=True)
 class PhaseTerms:
     """One phase's price (``units`` per item): per tile step at full throughput, per query row, per key, per
-    launched block (per head set: every block is launched once per head), per segment, per call, and per key of a
-    call past the kernel's keys limit (:attr:`~hf_longctx.kernels.launch.LaunchGrid.backward_keys_limit`)."""
+    launched block (per head set: every block is launched once per head), per segment, per call, per key of a
+    call past the kernel's keys limit (:attr:`~hf_longctx.kernels.launch.LaunchGrid.backward_keys_limit`), and per
+    segment whose parts a forward cut into chunks of its keys merges
+    (:func:`~hf_longctx.kernels.key_split.merged_segments`). A model saved before a term existed loads with it at
+    0."""
 
     step: float = 0.0
     q_token: float = 0.0
@@ -71,6 +77,7 @@ class PhaseTerms:
     segment: float = 0.0
     call: float = 0.0
     k_spill: float = 0.0
+    merge: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -87,6 +94,7 @@ class PhaseTerms:
 
 
 TERM_NAMES = tuple(f.name for f in fields(PhaseTerms))
+MERGE = TERM_NAMES.index("merge")  # where call_features puts a cut forward's merged segments
 
 
 def _steps(phase: str, q_len, k_len, grid: LaunchGrid, causal: bool = True):
@@ -139,12 +147,12 @@ def spilled_keys(phase: str, keys, grid: LaunchGrid):
 
 def call_features(phase: str, q_lens: Sequence[int], k_lens: Sequence[int], grid: LaunchGrid, heads: int,
                   causal: bool = True) -> np.ndarray:
-    """The seven quantities of one call's ``phase`` that :class:`PhaseTerms` prices (in its field order), the
-    segments in launch order: tile steps times the call's tail factor, query rows, keys, launched blocks
-    (every segment up to the longest), segments, calls, keys past the kernel's limit (:func:`spilled_keys`).
+    """The quantities of one call's ``phase`` that :class:`PhaseTerms` prices (in its field order), the segments in
+    launch order: tile steps times the call's tail factor, query rows, keys, launched blocks (every segment up to
+    the longest), segments, calls, keys past the kernel's limit (:func:`spilled_keys`), merged segments.
     ``causal`` False: a call of rectangles (every row of a segment sees all its keys), which runs the same blocks
     over more tile steps. A forward the kernel runs as chunks of its keys (the grid's ``forward_key_split``, see
-    :mod:`~hf_longctx.kernels.key_split`) is priced as the two calls it makes."""
+    :mod:`~hf_longctx.kernels.key_split`) is priced as the two calls it makes and the segments it merges."""
     if phase == "forward":
         cuts = plan_key_split(q_lens, k_lens, heads, KeySplit.for_grid(grid), causal)
         if cuts is not None:
@@ -155,6 +163,7 @@ def call_features(phase: str, q_lens: Sequence[int], k_lens: Sequence[int], grid
                 if segments:
                     total += _one_call_features(phase, [b - a for a, b, _, _ in segments],
                                                 [d - c for _, _, c, d in segments], grid, heads, kind)
+            total[MERGE] = merged_segments(q_lens, cuts, causal)
             return total
     return _one_call_features(phase, q_lens, k_lens, grid, heads, causal)
 
@@ -173,7 +182,7 @@ def _one_call_features(phase: str, q_lens: Sequence[int], k_lens: Sequence[int],
         launched = len(pairs) * -(-max(k for _, k in pairs) // grid.backward_tile[1])
     keys = sum(k for _, k in pairs)
     return np.array([steps if tails else full, sum(q for q, _ in pairs), keys, launched, len(pairs), 1.0,
-                     spilled_keys(phase, keys, grid)])
+                     spilled_keys(phase, keys, grid), 0.0])
 
 
 def fit_phase_terms(features: np.ndarray, seconds: np.ndarray) -> tuple[PhaseTerms, float]:

@@ -45,7 +45,7 @@ from ...kernels.launch import LaunchGrid, tail_factor
 from .call_profile import profile_launch_cost, segment_batch
 from .cost_model import PAIRS, CostModel, FlopsCostModel, ProfiledCostModel
 from .launch_cost import KIND as LAUNCH_KIND
-from .launch_cost import LaunchCostModel
+from .launch_cost import PHASES, TERM_NAMES, LaunchCostModel
 
 log = logging.getLogger(__name__)
 
@@ -466,6 +466,12 @@ def _same_launch(cached: LaunchGrid, grid: LaunchGrid) -> bool:
     return all(getattr(cached, f) == getattr(grid, f) for f in fields)
 
 
+def _every_term(data: dict) -> bool:
+    """Whether a cached launch model was fitted with every term the model prices now (one saved before a term
+    existed loads with it at 0, which would price what the term measures as free)."""
+    return all(set(TERM_NAMES) <= set(data.get(phase, {})) for phase in PHASES)
+
+
 def _launch_model(name: str, device: torch.device, shape: SegmentShape, grid: LaunchGrid, profile_if_missing: bool
                   ) -> tuple[CostModel, str]:
     """The cached launch cost model of ``name`` here (fitted again when its grid or timing differs), or fitted now."""
@@ -473,7 +479,8 @@ def _launch_model(name: str, device: torch.device, shape: SegmentShape, grid: La
     if path.exists():
         data = json.loads(path.read_text())
         cached = LaunchGrid.from_dict(data["launch"]) if data.get("kind") == LAUNCH_KIND else None
-        if cached is not None and data.get("meta", {}).get("timing") == TIMING and _same_launch(cached, grid):
+        if cached is not None and data.get("meta", {}).get("timing") == TIMING and _same_launch(cached, grid) \
+                and _every_term(data):
             return LaunchCostModel.from_dict(data), f"launch-fitted {name} ({path})"
     if not profile_if_missing:
         return FlopsCostModel(4.0 * shape.heads * shape.head_dim), f"FLOPs (no launch cost model at {path})"
