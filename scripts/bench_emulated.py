@@ -149,7 +149,8 @@ def segment_terms(model) -> str:
     if isinstance(model, LaunchCostModel):
         terms = "; ".join(f"{p}: " + ", ".join(f"{k} {v:.3g}" for k, v in zip(
             TERM_NAMES, model.terms(p).as_vector())) + f" {model.units}" for p in ("forward", "backward"))
-        return f"; fitted terms per tile step, row, key, launched block, segment, call, spilled key and merge ({terms})"
+        names = "tile step, row, key, launched block, segment, call, spilled key and merged row"
+        return f"; fitted terms per {names} ({terms})"
     if not isinstance(model, ProfiledCostModel):
         return ""
     tile = f", partial tiles of {model.tile} priced whole" if model.tile else ""

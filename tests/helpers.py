@@ -76,3 +76,43 @@ def schedule_backends() -> list[str]:
     """Backends of :func:`matrix_backends` that the engine runs from a schedule."""
     return [b.name for b in registered_backends()
             if b.name in matrix_backends() and isinstance(b, ScheduleBackend)]
+
+
+def row_parts_problem(seed: int, dtype: torch.dtype, device: str | torch.device, heads: int = 6, dim: int = 40):
+    """A merge of rows from strided parts (:class:`~hf_longctx.kernels.merge.RowParts`), with what it must give.
+
+    Returns (out, lse, parts, part_out, part_lse, expected): ``out``/``lse`` a running result of 40 rows (those no
+    block touches keep theirs), parts laid out as a key split lays its chunks, parts and rows that saw no key; and
+    ``expected[include_self]`` = (out, lse) by folding each row's parts pairwise with ``merge_partials`` in fp64."""
+    from hf_longctx.kernels import merge_partials
+    from hf_longctx.kernels.merge import RowParts
+
+    g = torch.Generator().manual_seed(seed)
+    rows = 40
+    blocks = [(0, 5, 0, 3), (9, 2, 15, 1), (12, 7, 17, 4), (30, 3, 45, 2)]  # (first row, rows, first part, parts)
+    total = blocks[-1][2] + blocks[-1][1] * blocks[-1][3]
+    out = torch.randn(rows, heads, dim, generator=g, dtype=torch.float64)
+    lse = torch.randn(heads, rows, generator=g, dtype=torch.float64)
+    part_out = torch.randn(total, heads, dim, generator=g, dtype=torch.float64)
+    part_lse = torch.randn(heads, total, generator=g, dtype=torch.float64) * 3
+    part_lse[1, 17 + 2] = float("-inf")  # a part that saw no key of one head of row 14
+    part_lse[:, [17 + 6 + 7 * j for j in range(4)]] = float("-inf")  # row 18 sees no key in any part...
+    lse[2, 18] = float("-inf")  # ...and one head of it none of its own either
+    lse[:, 31] = float("-inf")  # row 31 only through its parts
+    out, lse, part_out, part_lse = (t.to(dtype) for t in (out, lse, part_out, part_lse))
+    expected = {}
+    for include_self in (True, False):
+        want_out, want_lse = out.double().clone(), lse.double().clone()
+        for a, n, first, count in blocks:
+            for r in range(n):
+                o = want_out[a + r] if include_self else torch.zeros(heads, dim, dtype=torch.float64)
+                s = want_lse[:, a + r] if include_self else torch.full((heads,), float("-inf"), dtype=torch.float64)
+                for j in range(count):
+                    p = first + j * n + r
+                    o, s = merge_partials(o[None], s[:, None], part_out[p].double()[None],
+                                          part_lse[:, p].double()[:, None])
+                    o, s = o[0], s[:, 0]
+                want_out[a + r], want_lse[:, a + r] = o, s
+        expected[include_self] = (want_out, want_lse)
+    dev = torch.device(device)
+    return (out.to(dev), lse.to(dev), RowParts.of_blocks(blocks), part_out.to(dev), part_lse.to(dev), expected)

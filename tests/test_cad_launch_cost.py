@@ -172,7 +172,7 @@ def test_a_backward_past_the_keys_limit_pays_the_spill_on_every_key():
     assert model.call_terms.max_keys == limit and H200.call_terms.max_keys is None
     # a model saved without the limit, the spill or the merge (before they existed) loads with none of them
     old = H200.to_dict()
-    del old["backward"]["k_spill"], old["launch"]["backward_keys_limit"], old["forward"]["merge"]
+    del old["backward"]["k_spill"], old["launch"]["backward_keys_limit"], old["forward"]["merge_row"]
     assert LaunchCostModel.from_dict(old) == H200
     assert LaunchCostModel.from_dict(model.to_dict()) == model
 
@@ -348,10 +348,16 @@ def test_profiled_picks_the_launch_model_where_the_kernel_declares_a_grid(tmp_pa
     assert again == model and "now" not in source and len(fits) == 1  # read from the cache
     cached = profiled.launch_cache_path(torch.device("cpu"), "reference", shape)
     older = json.loads(cached.read_text())
-    del older["forward"]["merge"], older["backward"]["merge"]  # saved before the merge term existed: fitted again
+    del older["forward"]["merge_row"], older["backward"]["merge_row"]  # saved before the term existed: fitted again
     cached.write_text(json.dumps(older))
     _, source = profiled_cost_model("reference", "cpu", shape)
     assert "now" in source and len(fits) == 2
+    fitted = json.loads(cached.read_text())
+    assert fitted["meta"]["merge"] == "torch"  # the CPU merges cut forwards with torch's index ops
+    fitted["meta"]["merge"] = "triton"  # fitted where one Triton kernel merged them: priced for another merge
+    cached.write_text(json.dumps(fitted))
+    _, source = profiled_cost_model("reference", "cpu", shape)
+    assert "now" in source and len(fits) == 3
     grid_model, _ = profiled_cost_model("reference", "cpu", shape, model="grid", q_lens=(16, 64),
                                         kv_lens=(16, 64, 256), budget=profiled.ProfileBudget(
                                             min_tokens=64, max_kv_tokens=1024, max_pairs=4096, warmup=0, reps=1))

@@ -22,7 +22,7 @@ from hf_longctx.kernels import (
     stats,
 )
 
-from helpers import cumulative, naive_attention, random_doc_lens
+from helpers import cumulative, naive_attention, random_doc_lens, row_parts_problem
 
 KERNELS = available_kernels("cpu")
 
@@ -317,3 +317,22 @@ def test_rows_merge_in_place_from_parts_in_any_order_several_per_row():
     torch.testing.assert_close(out[:rows], want_out, rtol=1e-13, atol=1e-13)
     torch.testing.assert_close(lse[:rows], want_lse.t(), rtol=1e-13, atol=1e-13)
     assert (out[rows:] == 5.0).all() and (lse[rows:] == 3.0).all()
+
+
+@pytest.mark.parametrize("include_self", [True, False])
+def test_strided_row_parts_merge_in_one_pass(include_self):
+    """A key split's chunks leave each cut row several parts, one block of the segment's rows apart:
+    ``merge_row_parts_`` merges every row at once, with the row's own result (a causal call's diagonal block) or
+    without, equal to folding the parts pairwise; rows that saw no key give out 0 and lse -inf, and rows no block
+    names keep theirs."""
+    from hf_longctx.kernels.merge import merge_row_parts_
+
+    out, lse, parts, part_out, part_lse, expected = row_parts_problem(0, torch.float64, "cpu")
+    before = out.clone(), lse.clone()
+    merge_row_parts_(out, lse, parts, part_out, part_lse, include_self=include_self)
+    want_out, want_lse = expected[include_self]
+    torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
+    assert (out[18, 2] == 0).all() and lse[2, 18] == float("-inf")  # no key for that head anywhere
+    untouched = [r for r in range(len(out)) if r not in set(parts.rows.tolist())]
+    assert (out[untouched] == before[0][untouched]).all() and (lse[:, untouched] == before[1][:, untouched]).all()

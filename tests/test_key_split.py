@@ -24,7 +24,7 @@ from hf_longctx.backends.cad.launch_cost import (
     call_features,
 )
 from hf_longctx.kernels import attention_forward, reset_stats, stats, torch_flash
-from hf_longctx.kernels.key_split import RULE, KeySplit, merged_segments, plan_key_split, split_calls
+from hf_longctx.kernels.key_split import RULE, KeySplit, merged_rows, plan_key_split, row_parts, split_calls
 from hf_longctx.kernels.launch import LaunchGrid
 
 H200 = KeySplit(sms=132, tile=(128, 64), pairing=1.6)  # what torch_flash's grid declares on an H200
@@ -146,8 +146,10 @@ def test_the_launch_model_prices_a_split_forward_as_the_two_calls_it_makes():
                               [d - c for _, _, c, d in calls.causal], grid, 32, True)
     want += _one_call_features("forward", [b - a for a, b, _, _ in calls.rect], [d - c for _, _, c, d in calls.rect],
                                grid, 32, False)
-    assert merged_segments(q_lens, cuts, causal=True) == 2  # both segments are cut, and each merges its parts
-    want[MERGE] = 2
+    parts = [len(c) - 1 for c in cuts]
+    assert min(parts) >= 2  # both segments are cut: the merge reads each row once per chunk and once more
+    assert merged_rows(q_lens, cuts, causal=True) == 128 * (parts[0] + 1) + 384 * (parts[1] + 1)
+    want[MERGE] = merged_rows(q_lens, cuts, causal=True)
     got = call_features("forward", q_lens, k_lens, grid, 32)
     np.testing.assert_allclose(got, want)
     assert got[5] == 2  # two calls
@@ -160,19 +162,31 @@ def test_the_launch_model_prices_a_split_forward_as_the_two_calls_it_makes():
     assert split_model.tail_cost(q_lens, k_lens) < whole_model.tail_cost(q_lens, k_lens)
     assert split_model.call_cost(q_lens, k_lens) == pytest.approx(
         split_model.phase_cost("forward", q_lens, k_lens) + split_model.phase_cost("backward", q_lens, k_lens))
-    # each merge is priced on its own, in the call and in the tail the scheduler adds to a server
-    merging = LaunchCostModel(grid, 32, replace(terms, merge=0.05), PhaseTerms())
+    # the merge is priced per row it reads, in the call and in the tail the scheduler adds to a server
+    merging = LaunchCostModel(grid, 32, replace(terms, merge_row=1e-6), PhaseTerms())
+    read = merged_rows(q_lens, cuts, causal=True)
     assert merging.phase_cost("forward", q_lens, k_lens) == pytest.approx(
-        split_model.phase_cost("forward", q_lens, k_lens) + 2 * 0.05)
-    assert merging.tail_cost(q_lens, k_lens) == pytest.approx(split_model.tail_cost(q_lens, k_lens) + 2 * 0.05)
+        split_model.phase_cost("forward", q_lens, k_lens) + read * 1e-6)
+    assert merging.tail_cost(q_lens, k_lens) == pytest.approx(split_model.tail_cost(q_lens, k_lens) + read * 1e-6)
     assert merging.call_cost([128, 384], [1000, 900]) == whole_model.call_cost([128, 384], [1000, 900])  # not cut
 
 
-def test_merged_segments_are_the_ones_split_forward_merges():
-    """A causal segment merges when it is cut (its chunks with its diagonal block), a rectangle when it has two
-    chunks or more; a segment without rows never does."""
-    assert merged_segments([4, 4, 0], [(0, 8, 16), (), (0, 8, 16)], causal=True) == 1
-    assert merged_segments([4, 4, 4], [(0, 8, 16), (), (0, 8)], causal=False) == 1
+def test_the_merge_reads_each_rows_parts_where_the_rect_call_wrote_them():
+    """A causal segment is merged when it is cut (its chunks with its diagonal block); under no mask every segment
+    with rows goes through the merge (a rectangle left whole is its one part); a segment without rows never does.
+    Each row's parts lie one block of the segment's rows apart in the rect call's output."""
+    assert merged_rows([4, 4, 0], [(0, 8, 16), (), (0, 8, 16)], causal=True) == 4 * 3
+    assert merged_rows([4, 4, 4], [(0, 8, 16), (), (0, 8)], causal=False) == 4 * 2 + 4 + 4
+    parts = row_parts([0, 4, 7, 7, 9], [(0, 8, 16, 24), (), (0, 8), (0, 8, 16)], causal=True)
+    assert parts.rows.tolist() == [0, 1, 2, 3, 7, 8]
+    assert parts.first.tolist() == [0, 1, 2, 3, 12, 13] and parts.stride.tolist() == [4, 4, 4, 4, 2, 2]
+    assert parts.count.tolist() == [3, 3, 3, 3, 2, 2]
+    index, owner = parts.owners()
+    assert index.tolist() == [0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11, 12, 14, 13, 15]
+    assert owner.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 5, 5]
+    whole = row_parts([0, 4, 7], [(0, 8, 16), ()], causal=False)
+    assert whole.rows.tolist() == [0, 1, 2, 3, 4, 5, 6] and whole.count.tolist() == [2] * 4 + [1] * 3
+    assert whole.first.tolist() == [0, 1, 2, 3, 8, 9, 10] and whole.stride.tolist() == [4] * 4 + [3] * 3
 
 
 def test_the_emulations_timer_warms_each_split_call_apart():

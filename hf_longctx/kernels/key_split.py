@@ -12,7 +12,8 @@ device: 0.9 ms for that call, and 9-10% off those servers' forward (``scripts/be
 every row of a segment sees (all of a rectangle's; under a causal mask the prefix before the segment's first
 row's diagonal). :func:`split_forward` runs the chunks as one non-causal call and what is left (each cut segment's
 rows over their own diagonal block, the other segments whole) as one causal call, on views of the packed keys (a
-segment of no rows spans the keys between), and merges each cut row's parts in the accumulation dtype.
+segment of no rows spans the keys between), and merges each cut row's parts in the accumulation dtype, every row
+at once (:func:`~hf_longctx.kernels.merge.merge_row_parts_`: one Triton kernel on CUDA).
 
 Only the forward is split: the backward's blocks are key tiles, many over a long prefix, and it takes the merged
 output and log-sum-exp, which are the whole row's. (Its mirror case, many rows over few keys, where few backward
@@ -28,10 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from .launch import LaunchGrid, forward_steps, paired_makespan
-from .merge import accumulation_dtype
+from .merge import RowParts, merge_row_parts_
 
-__all__ = ["GAIN", "MIN_KEYS", "MIN_SHARED", "RULE", "WAVES", "KeySplit", "SplitCall", "merged_segments",
-           "plan_key_split", "split_calls", "split_forward"]
+__all__ = ["GAIN", "MIN_KEYS", "MIN_SHARED", "RULE", "WAVES", "KeySplit", "SplitCall", "merged_rows",
+           "plan_key_split", "row_parts", "split_calls", "split_forward"]
 
 # a call is cut when its blocks, placed as they launch, take GAIN times what they would spread evenly; into chunks
 # that launch about WAVES waves of blocks, none under MIN_KEYS keys; only segments sharing MIN_SHARED keys are cut
@@ -184,16 +185,27 @@ def _parts(cut: tuple[int, ...], causal: bool) -> int:
     return len(cut) - 1 if cut else (0 if causal else 1)
 
 
-def _merges(rows: int, cut: tuple[int, ...], causal: bool) -> bool:
-    """Whether :func:`split_forward` merges a segment's parts: it has rows, and more than one part to merge (under
-    a causal mask its chunks merge with its diagonal block)."""
-    return rows > 0 and _parts(cut, causal) > (0 if causal else 1)
+def merged_rows(q_lens: Sequence[int], cuts: Sequence[tuple[int, ...]], causal: bool) -> int:
+    """The rows :func:`split_forward`'s merge reads: each segment's rows once per part in the rect call, and under
+    a causal mask once more for a cut segment's diagonal block (the merge is one kernel over these rows: what the
+    split costs beyond its two calls, which the launch model prices per row)."""
+    total = 0
+    for q, c in zip(q_lens, cuts):
+        parts = _parts(c, causal)
+        total += int(q) * (parts + (causal and parts > 0))
+    return total
 
 
-def merged_segments(q_lens: Sequence[int], cuts: Sequence[tuple[int, ...]], causal: bool) -> int:
-    """How many segments :func:`split_forward` merges (each merge is a few small kernels, whatever its parts: a
-    cost of the split beyond its two calls, which the launch model prices per merged segment)."""
-    return sum(_merges(int(q), c, causal) for q, c in zip(q_lens, cuts))
+def row_parts(cu_q: Sequence[int], cuts: Sequence[tuple[int, ...]], causal: bool) -> RowParts:
+    """Where each merged row's parts lie in the rect call's output: a segment's chunks follow one another, each
+    over all its rows (see :func:`split_calls`)."""
+    blocks, at = [], 0
+    for i, c in enumerate(cuts):
+        rows, parts = cu_q[i + 1] - cu_q[i], _parts(c, causal)
+        if rows > 0 and parts > 0:
+            blocks.append((cu_q[i], rows, at, parts))
+            at += parts * rows
+    return RowParts.of_blocks(blocks)
 
 
 def _offsets(segments: Sequence[Segment]) -> tuple[list[int], list[int], int, int]:
@@ -207,25 +219,6 @@ def _offsets(segments: Sequence[Segment]) -> tuple[list[int], list[int], int, in
 
 
 Forward = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (q, k, v, cu_q, cu_k, max_q, max_k, causal=) -> (out, lse)
-
-
-def _merged(chunks: torch.Tensor, chunk_lse: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None,
-            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of one segment's rows from its parts over disjoint keys: ``chunks`` (n, q, H, D) and ``chunk_lse``
-    (H, n, q) from the rect call, and (``out`` (q, H, D), ``lse`` (H, q)) over the rows' own diagonal block or None.
-    Every row sees a key in some part. In the accumulation dtype, a few kernels whatever the number of parts."""
-    acc = accumulation_dtype(dtype)
-    lses = chunk_lse.to(acc).transpose(0, 1)  # (n, H, q)
-    if lse is not None:
-        lses = torch.cat([lses, lse.to(acc).unsqueeze(0)])
-    peak = lses.amax(0)
-    weights = torch.exp(lses - peak)
-    total = weights.sum(0)
-    scale = (weights / total).transpose(1, 2).unsqueeze(-1)  # (parts, q, H, 1)
-    merged = (scale[:len(chunks)] * chunks.to(acc)).sum(0)
-    if out is not None:
-        merged.addcmul_(scale[-1], out.to(acc))
-    return merged.to(dtype), peak + torch.log(total)
 
 
 def split_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Sequence[int], cu_k: Sequence[int],
@@ -244,19 +237,5 @@ def split_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Seque
     else:
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[1], q.shape[0], dtype=r_lse.dtype, device=q.device)
-    at = 0  # the next row of the rect call's output: a segment's chunks follow one another, each over all its rows
-    for i, c in enumerate(cuts):
-        a, b = cu_q[i], cu_q[i + 1]
-        parts, rows = _parts(c, causal), b - a
-        if rows == 0 or parts == 0:
-            continue
-        chunks = r_out[at: at + parts * rows].view(parts, rows, *q.shape[1:])
-        chunk_lse = r_lse[:, at: at + parts * rows].view(q.shape[1], parts, rows)
-        at += parts * rows
-        if not _merges(rows, c, causal):  # a rectangle left whole: its one part is its output
-            out[a:b], lse[:, a:b] = chunks[0], chunk_lse[:, 0]
-        elif causal:  # merged with the rows over their own diagonal block, from the causal call
-            out[a:b], lse[:, a:b] = _merged(chunks, chunk_lse, out[a:b], lse[:, a:b], q.dtype)
-        else:
-            out[a:b], lse[:, a:b] = _merged(chunks, chunk_lse, None, None, q.dtype)
+    merge_row_parts_(out, lse, row_parts(cu_q, cuts, causal), r_out, r_lse, include_self=causal)
     return out, lse

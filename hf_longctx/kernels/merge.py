@@ -8,6 +8,10 @@ The merge runs in at least float32 so long rings do not drift from the single-de
 
 from __future__ import annotations
 
+import functools
+import os
+from dataclasses import dataclass
+
 import torch
 
 
@@ -99,3 +103,93 @@ def merge_rows_(
     merged_lse = torch.where(seen, safe + torch.log(denom), torch.full_like(safe, float("-inf")))
     out.index_copy_(0, rows, merged.to(out.dtype))
     lse_rows.index_copy_(0, rows, merged_lse.to(lse_rows.dtype))
+
+
+@dataclass(frozen=True)
+class RowParts:
+    """Where the parts of merged rows lie: result row ``rows[m]`` merges parts ``first[m] + j * stride[m]`` for
+    ``j < count[m]`` (one int64 CPU tensor each, of M rows). Planned on the host, where the split is decided; one
+    copy takes it to the device (:meth:`table`)."""
+
+    rows: torch.Tensor
+    first: torch.Tensor
+    stride: torch.Tensor
+    count: torch.Tensor
+
+    @classmethod
+    def of_blocks(cls, blocks: list[tuple[int, int, int, int]]) -> RowParts:
+        """Rows ``[a, a + n)`` each merging ``count`` parts laid out one block of ``n`` rows after another from
+        part ``first``: ``blocks`` of (a, n, first, count), the layout of a key split's chunks."""
+        blocks = [b for b in blocks if b[1] > 0]
+        if not blocks:
+            empty = torch.zeros(0, dtype=torch.int64)
+            return cls(empty, empty, empty, empty)
+        n = torch.tensor([b[1] for b in blocks], dtype=torch.int64)
+        offset = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+        per_row = {name: torch.repeat_interleave(torch.tensor([b[i] for b in blocks], dtype=torch.int64), n)
+                   for i, name in enumerate(("a", "n", "first", "count"))}
+        return cls(per_row["a"] + offset, per_row["first"] + offset, per_row["n"], per_row["count"])
+
+    def table(self, device: torch.device) -> torch.Tensor:
+        """(4, M) int64 on ``device``: rows, first, stride, count (pinned and copied without a host wait)."""
+        table = torch.stack([self.rows, self.first, self.stride, self.count])
+        if device.type != "cuda":
+            return table.to(device)
+        return table.pin_memory().to(device, non_blocking=True)
+
+    def owners(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(part indices, the index in :attr:`rows` of the row each part belongs to), one entry per part."""
+        owner = torch.repeat_interleave(torch.arange(len(self.rows)), self.count)
+        j = torch.arange(len(owner)) - torch.repeat_interleave(torch.cumsum(self.count, 0) - self.count, self.count)
+        return self.first[owner] + j * self.stride[owner], owner
+
+
+_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_merge():
+    try:
+        from . import triton_merge
+    except ImportError:  # Triton missing or too old: the torch merge serves
+        return None
+    return triton_merge
+
+
+def merge_implementation(device: torch.device | str, dtype: torch.dtype) -> str:
+    """Which merge :func:`merge_row_parts_` runs for tensors of ``dtype`` on ``device``: "triton" (CUDA, bf16, fp16
+    or fp32, Triton importable, ``HF_LONGCTX_MERGE_TRITON`` not 0) or "torch". A cost model fitted with one prices
+    cut forwards wrongly under the other."""
+    if (torch.device(device).type == "cuda" and dtype in _TRITON_DTYPES
+            and os.environ.get("HF_LONGCTX_MERGE_TRITON", "1") != "0" and _triton_merge() is not None):
+        return "triton"
+    return "torch"
+
+
+def triton_merges(*tensors: torch.Tensor) -> bool:
+    """Whether :func:`merge_row_parts_` runs as one Triton kernel on these tensors (:func:`merge_implementation`,
+    and unit stride along the head dimension)."""
+    return (all(merge_implementation(t.device, t.dtype) == "triton" for t in tensors)
+            and all(t.stride(-1) == 1 for t in tensors if t.dim() == 3))
+
+
+def merge_row_parts_(out: torch.Tensor, lse: torch.Tensor, parts: RowParts, part_out: torch.Tensor,
+                     part_lse: torch.Tensor, include_self: bool) -> None:
+    """Merge each row of ``parts`` from its partial results, in place, in the accumulation dtype.
+
+    ``out`` (T, H, D), ``lse`` (H, T); ``part_out`` (P, H, D), ``part_lse`` (H, P). With ``include_self`` a row's
+    own (out, lse) is one more part (a causal call's diagonal block), else it is overwritten. A row that saw no
+    key anywhere gets out 0, lse -inf. Why one call: merging segment by segment costs a dozen small kernels per
+    segment; on CUDA this is one Triton kernel whatever the rows and parts, elsewhere one pass of index ops
+    (:func:`merge_rows_`)."""
+    if len(parts.rows) == 0:
+        return
+    if triton_merges(out, lse, part_out, part_lse):
+        _triton_merge().merge_row_parts(out, lse, parts.table(out.device), part_out, part_lse, include_self)
+        return
+    rows = parts.rows.to(out.device)
+    if not include_self:
+        out.index_fill_(0, rows, 0.0)
+        lse.index_fill_(1, rows, float("-inf"))
+    index, owner = (t.to(out.device) for t in parts.owners())
+    merge_rows_(out, lse.t(), rows, owner, part_out.index_select(0, index), part_lse.t().index_select(0, index))

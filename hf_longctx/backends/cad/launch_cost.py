@@ -13,16 +13,15 @@ mix, so the busiest of 16-64 servers ran 3-4% over the mean while the prediction
 (:class:`~hf_longctx.kernels.launch.LaunchGrid`) makes it do::
 
     step * tile_steps * tail + q_token * query_rows + k_token * keys + block * launched_blocks
-        + segment * segments + call + k_spill * keys_over_limit + merge * merged_segments
+        + segment * segments + call + k_spill * keys_over_limit + merge_row * merged_rows
 
 ``tile_steps`` are the exact causal tile steps of the blocks (:func:`~hf_longctx.kernels.launch.forward_step_total`),
 ``tail`` the launch simulation's factor for the call (:func:`~hf_longctx.kernels.launch.phase_factor`),
 ``launched_blocks`` every segment's blocks up to the call's longest segment (a varlen grid is sized by it),
 ``keys_over_limit`` a backward call's keys when they pass the grid's ``backward_keys_limit`` (0 under it: see
 :func:`~hf_longctx.kernels.torch_flash.backward_keys_limit`; a server's calls stay under it where they can),
-``merged_segments`` the segments a forward cut into chunks of its keys merges (0 for a call run whole: see
-:mod:`~hf_longctx.kernels.key_split`). Each merge is a few small kernels; without the term, cut calls over 30-65K
-keys ran 5-14% over their price (``scripts/bench_cad_calls.sh``, H200). The coefficients per phase are fitted by
+``merged_rows`` the rows the merge of a forward cut into chunks of its keys reads (0 for a call run whole: see
+:mod:`~hf_longctx.kernels.key_split`; the merge is one kernel over them). The coefficients per phase are fitted by
 :func:`fit_phase_terms` to calls timed on the device (see :mod:`.call_profile`); fitted on two mixes and checked
 on a third (H200, torch_flash), the per-server error fell to 0.4-0.8%.
 
@@ -43,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from ...kernels.calls import CallTerms, calls_overhead
-from ...kernels.key_split import KeySplit, merged_segments, plan_key_split, split_calls
+from ...kernels.key_split import KeySplit, merged_rows, plan_key_split, split_calls
 from ...kernels.launch import (
     LaunchGrid,
     backward_step_total,
@@ -66,8 +65,8 @@ class PhaseTerms:
     """One phase's price (``units`` per item): per tile step at full throughput, per query row, per key, per
     launched block (per head set: every block is launched once per head), per segment, per call, per key of a
     call past the kernel's keys limit (:attr:`~hf_longctx.kernels.launch.LaunchGrid.backward_keys_limit`), and per
-    segment whose parts a forward cut into chunks of its keys merges
-    (:func:`~hf_longctx.kernels.key_split.merged_segments`). A model saved before a term existed loads with it at
+    row the merge of a forward cut into chunks of its keys reads
+    (:func:`~hf_longctx.kernels.key_split.merged_rows`). A model saved before a term existed loads with it at
     0."""
 
     step: float = 0.0
@@ -77,7 +76,7 @@ class PhaseTerms:
     segment: float = 0.0
     call: float = 0.0
     k_spill: float = 0.0
-    merge: float = 0.0
+    merge_row: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -94,7 +93,7 @@ class PhaseTerms:
 
 
 TERM_NAMES = tuple(f.name for f in fields(PhaseTerms))
-MERGE = TERM_NAMES.index("merge")  # where call_features puts a cut forward's merged segments
+MERGE = TERM_NAMES.index("merge_row")  # where call_features puts the rows a cut forward's merge reads
 
 
 def _steps(phase: str, q_len, k_len, grid: LaunchGrid, causal: bool = True):
@@ -149,10 +148,10 @@ def call_features(phase: str, q_lens: Sequence[int], k_lens: Sequence[int], grid
                   causal: bool = True) -> np.ndarray:
     """The quantities of one call's ``phase`` that :class:`PhaseTerms` prices (in its field order), the segments in
     launch order: tile steps times the call's tail factor, query rows, keys, launched blocks (every segment up to
-    the longest), segments, calls, keys past the kernel's limit (:func:`spilled_keys`), merged segments.
+    the longest), segments, calls, keys past the kernel's limit (:func:`spilled_keys`), merged rows.
     ``causal`` False: a call of rectangles (every row of a segment sees all its keys), which runs the same blocks
     over more tile steps. A forward the kernel runs as chunks of its keys (the grid's ``forward_key_split``, see
-    :mod:`~hf_longctx.kernels.key_split`) is priced as the two calls it makes and the segments it merges."""
+    :mod:`~hf_longctx.kernels.key_split`) is priced as the two calls it makes and the rows its merge reads."""
     if phase == "forward":
         cuts = plan_key_split(q_lens, k_lens, heads, KeySplit.for_grid(grid), causal)
         if cuts is not None:
@@ -163,7 +162,7 @@ def call_features(phase: str, q_lens: Sequence[int], k_lens: Sequence[int], grid
                 if segments:
                     total += _one_call_features(phase, [b - a for a, b, _, _ in segments],
                                                 [d - c for _, _, c, d in segments], grid, heads, kind)
-            total[MERGE] = merged_segments(q_lens, cuts, causal)
+            total[MERGE] = merged_rows(q_lens, cuts, causal)
             return total
     return _one_call_features(phase, q_lens, k_lens, grid, heads, causal)
 

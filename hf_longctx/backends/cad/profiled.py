@@ -42,6 +42,7 @@ from ...benchmarking import one_run_ms
 from ...kernels import attention_backward, attention_forward, get_kernel, kernel_call, select_kernel
 from ...kernels.calls import CallTerms
 from ...kernels.launch import LaunchGrid, tail_factor
+from ...kernels.merge import merge_implementation
 from .call_profile import profile_launch_cost, segment_batch
 from .cost_model import PAIRS, CostModel, FlopsCostModel, ProfiledCostModel
 from .launch_cost import KIND as LAUNCH_KIND
@@ -474,18 +475,21 @@ def _every_term(data: dict) -> bool:
 
 def _launch_model(name: str, device: torch.device, shape: SegmentShape, grid: LaunchGrid, profile_if_missing: bool
                   ) -> tuple[CostModel, str]:
-    """The cached launch cost model of ``name`` here (fitted again when its grid or timing differs), or fitted now."""
+    """The cached launch cost model of ``name`` here (fitted again when its grid, terms, timing or the merge of cut
+    forwards differ), or fitted now."""
     path = launch_cache_path(device, name, shape)
     if path.exists():
         data = json.loads(path.read_text())
         cached = LaunchGrid.from_dict(data["launch"]) if data.get("kind") == LAUNCH_KIND else None
-        if cached is not None and data.get("meta", {}).get("timing") == TIMING and _same_launch(cached, grid) \
-                and _every_term(data):
+        meta = data.get("meta", {})
+        if cached is not None and meta.get("timing") == TIMING and _same_launch(cached, grid) and _every_term(data) \
+                and meta.get("merge") == merge_implementation(device, shape.dtype):
             return LaunchCostModel.from_dict(data), f"launch-fitted {name} ({path})"
     if not profile_if_missing:
         return FlopsCostModel(4.0 * shape.heads * shape.head_dim), f"FLOPs (no launch cost model at {path})"
     model, meta = profile_launch_cost(name, device, grid, shape.heads, shape.kv_heads, shape.head_dim, shape.dtype)
-    meta.update(device=device_name(device), torch=torch.__version__, timing=TIMING)
+    meta.update(device=device_name(device), torch=torch.__version__, timing=TIMING,
+                merge=merge_implementation(device, shape.dtype))
     _write_atomically(path, model, meta)
     log.info("hf_longctx cad: fitted %s's launch cost on %s in %.1f s (held-out error %s) -> %s", name,
              meta["device"], meta["seconds"], meta["held_out_relative_error_std"], path)

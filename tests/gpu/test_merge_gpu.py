@@ -1,0 +1,66 @@
+"""A key split's merge on the GPU: one Triton kernel that gives the pairwise merge's numbers, faster than torch's.
+
+:func:`hf_longctx.kernels.merge.merge_row_parts_` merges every cut row of a forward at once. On CUDA it is one
+Triton launch; the torch version (index ops, the CPU's path, ``HF_LONGCTX_MERGE_TRITON=0``) is the reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_longctx.kernels.merge import RowParts, merge_row_parts_, triton_merges
+
+from helpers import row_parts_problem
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("include_self", [True, False])
+def test_the_triton_merge_equals_the_pairwise_merge(dtype, include_self):
+    out, lse, parts, part_out, part_lse, expected = row_parts_problem(1, dtype, "cuda", heads=32, dim=128)
+    lse = lse.float()  # kernels return lse in float32 whatever the inputs
+    part_lse = part_lse.float()
+    assert triton_merges(out, lse, part_out, part_lse)
+    merge_row_parts_(out, lse, parts, part_out, part_lse, include_self=include_self)
+    want_out, want_lse = expected[include_self]
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double().cpu(), want_out, **tol)
+    torch.testing.assert_close(lse.double().cpu(), want_lse, atol=1e-4, rtol=1e-5)  # merged in float32
+    assert not out.isnan().any() and not lse.isnan().any()
+
+
+def _strided_problem(segments: int, rows: int, parts: int, heads: int = 32, dim: int = 128):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    total_rows = segments * rows
+    out = torch.randn(total_rows, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    lse = torch.randn(heads, total_rows, device="cuda", generator=g)
+    blocks = [(s * rows, rows, s * rows * parts, parts) for s in range(segments)]
+    part_out = torch.randn(total_rows * parts, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    part_lse = torch.randn(heads, total_rows * parts, device="cuda", generator=g)
+    return out, lse, RowParts.of_blocks(blocks), part_out, part_lse
+
+
+def _median_ms(fn, reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def test_one_triton_merge_is_faster_than_torchs_index_ops(monkeypatch):
+    """Four cut segments of 512 rows in 8 chunks each, 32 heads of 128 in bf16 (a CAD server's cut forward)."""
+    out, lse, parts, part_out, part_lse = _strided_problem(segments=4, rows=512, parts=8)
+    fused = _median_ms(lambda: merge_row_parts_(out, lse, parts, part_out, part_lse, include_self=True))
+    monkeypatch.setenv("HF_LONGCTX_MERGE_TRITON", "0")
+    assert not triton_merges(out, lse, part_out, part_lse)
+    plain = _median_ms(lambda: merge_row_parts_(out, lse, parts, part_out, part_lse, include_self=True))
+    assert fused < 0.5 * plain, (fused, plain)
