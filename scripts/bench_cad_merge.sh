@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The key split's merge as one Triton kernel, and CAD's balance at W = 64 after it, emulated on one GPU in one call
 # (about 6-7 minutes on an H200):
-# 1. the GPU tests of the merge, the key split and key cuts;
+# 1. the GPU tests (tests/gpu, the merge's among them);
 # 2. scripts/bench_merge.py: the merge alone and inside cut forwards, Triton against torch's index ops;
 # 3. CAD at W = 64 on Pretrain and SFT at 512K tokens and ProLong at 128K, eps 0.01 on the launch model, which the
 #    first run fits again (a model cached with another merge is not reused), each seed's calls dumped;
@@ -16,8 +16,7 @@ source "$(dirname "$0")/bench_env.sh"
 SEEDS=${SEEDS:-0 1 2}
 REPS=${REPS:-2}
 work=$(mktemp -d)
-$PY -m pytest -m gpu -q tests/gpu/test_merge_gpu.py tests/gpu/test_key_split_gpu.py tests/gpu/test_cad_key_cuts_gpu.py \
-  > "$OUT/merge_gpu_tests.log" 2>&1
+$PY -m pytest -m gpu -q tests/gpu > "$OUT/merge_gpu_tests.log" 2>&1
 tail -2 "$OUT/merge_gpu_tests.log"
 $PY scripts/bench_merge.py > "$OUT/merge_bench.md" 2>&1
 cat "$OUT/merge_bench.md"
