@@ -134,6 +134,11 @@ def test_the_profiler_times_both_phases_of_random_calls_and_fits_them(monkeypatc
     for phase in PHASES:
         np.testing.assert_allclose(model.terms(phase).as_vector(), truth[phase].as_vector(), rtol=1e-6, atol=1e-12)
     assert max(meta["held_out_relative_error_std"].values()) < 1e-9 and meta["calls"] == 32
+    # every timed call is kept beside the fit, so the fit can be checked again away from the device
+    assert len(meta["timed"]) == 32 and all(t["forward"] > 0 and t["backward"] > 0 for t in meta["timed"])
+    first = meta["timed"][0]
+    q, k = [a for a, _ in first["shapes"]], [b for _, b in first["shapes"]]
+    assert first["forward"] == pytest.approx(truth["forward"].as_vector() @ call_features("forward", q, k, grid, 2))
 
 
 def test_the_profiler_prices_backward_keys_past_the_kernels_limit(monkeypatch):

@@ -99,7 +99,8 @@ def test_the_chunks_cover_each_segments_shared_keys_once_and_the_calls_cover_the
 def test_a_call_that_fills_the_device_or_shares_few_keys_runs_whole():
     assert plan_key_split([128], [112000], 32, H200) is not None  # 32 blocks on 132 SMs
     assert plan_key_split([16384], [16384 + 65536], 32, H200) is None  # 4096 blocks: the device is full
-    assert plan_key_split([128], [20000], 32, H200) is None  # under min_shared keys: not worth a merge
+    assert plan_key_split([128], [20000], 32, H200) is not None  # 20K shared keys: cut
+    assert plan_key_split([128], [16000], 32, H200) is None  # under min_shared keys: not worth a merge
     assert plan_key_split([1024, 1024], [120000, 118000], 32, H200) is None  # 512 blocks, two even waves
     assert plan_key_split([128], [112000], 32, None) is None
     # a rectangle's rows share all its keys

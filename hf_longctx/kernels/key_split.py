@@ -37,7 +37,7 @@ __all__ = ["GAIN", "MIN_KEYS", "MIN_SHARED", "RULE", "WAVES", "KeySplit", "Split
 # a call is cut when its blocks, placed as they launch, take GAIN times what they would spread evenly; into chunks
 # that launch about WAVES waves of blocks, none under MIN_KEYS keys; only segments sharing MIN_SHARED keys are cut
 # (see KeySplit)
-GAIN, WAVES, MIN_KEYS, MIN_SHARED = 1.2, 4.0, 4096, 32768
+GAIN, WAVES, MIN_KEYS, MIN_SHARED = 1.2, 4.0, 4096, 16384
 RULE = (GAIN, WAVES, MIN_KEYS, MIN_SHARED)  # what a kernel's launch grid declares to have its forwards cut
 Segment = tuple[int, int, int, int]  # query rows [start, end) and keys [start, end) of one segment, packed offsets
 
@@ -52,10 +52,11 @@ class KeySplit:
     over the SMs: too few blocks to fill them (a long document's last rows over its whole prefix), or a last wave
     that leaves most of them idle. The chunks are as long as gives the call about ``waves`` waves of ``2 * sms``
     blocks, and no shorter than ``min_keys`` (each chunk reads its rows again and writes an output to merge); a call
-    is cut only where some segment's rows all share ``min_shared`` keys (below 32K, cut calls ran no faster on an
-    H200, and were priced 15-40% low), and then every segment sharing more than a chunk is cut (one left whole
-    keeps the call's long blocks). The rule was chosen on the forward calls of CAD steps at 64 servers on an H200
-    (``scripts/bench_key_split.sh``).
+    is cut only where some segment's rows all share ``min_shared`` keys, and then every segment sharing more than a
+    chunk is cut (one left whole keeps the call's long blocks). The rule was chosen on the forward calls of CAD
+    steps at 64 servers on an H200 (``scripts/bench_key_split.sh``); ``min_shared`` was 32K while each cut segment's
+    merge took a dozen kernels (below it cut calls then ran no faster), and is 16K since the merge is one kernel
+    (``scripts/bench_merge.py --calls``).
     """
 
     sms: int

@@ -108,7 +108,8 @@ def split_forward_calls(grid: LaunchGrid, scale: float = 1.0) -> list[list[tuple
     shapes += [[(q, k)] for q, k in ((256, 34000), (320, 49000), (384, 42000), (192, 56000), (640, 40000))]
     shapes += [[(506, 107000), (506, 95000), (320, 84000)], [(1088, 91000)], [(128, 112000), (128, 90000)],
                [(3904, 44000)], [(634, 90000), (128, 71000)], [(2572, 60871), (1172, 3584)],
-               [(256, 36000), (128, 30000)], [(128, 36000), (102, 102)], [(448, 38000), (256, 20000), (64, 9000)]]
+               [(256, 36000), (128, 30000)], [(128, 36000), (102, 102)], [(448, 38000), (256, 20000), (64, 9000)],
+               [(256, 20000)], [(128, 24000), (192, 18000)], [(512, 28000)], [(320, 17500), (1536, 9000)]]
     return [[(max(1, int(q * scale)), max(1, int(k * scale))) for q, k in call] for call in shapes]
 
 
@@ -195,8 +196,8 @@ def profile_launch_cost(kernel: str, device: torch.device, grid: LaunchGrid, hea
                         report: Callable[[str], None] | None = None) -> tuple[LaunchCostModel, dict]:
     """Time ``count`` random calls (:func:`random_calls`, :func:`keys_limit_calls` where the grid has a keys
     limit, :func:`split_forward_calls` where its forward splits keys) of ``kernel`` and fit both phases' terms (ms):
-    (model, metadata with the held-out check and the fit's own error). ``grid``: the kernel's launch grid on this
-    device (its slots the SM count)."""
+    (model, metadata with the held-out check, the fit's own error and every timed call). ``grid``: the kernel's
+    launch grid on this device (its slots the SM count)."""
     t0 = time.perf_counter()
     calls = random_calls(count, seed, scale=scale) + keys_limit_calls(grid, scale) + split_forward_calls(grid, scale)
     timed = []
@@ -228,7 +229,9 @@ def profile_launch_cost(kernel: str, device: torch.device, grid: LaunchGrid, hea
     meta = {"kernel": kernel, "calls": len(timed), "seed": seed, "reps": reps,
             "held_out_relative_error_std": check,
             "fit_relative_error_std": {p: fitted[p][1] for p in PHASES},
-            "seconds": round(time.perf_counter() - t0, 1)}
+            "seconds": round(time.perf_counter() - t0, 1),
+            "timed": [{"shapes": [list(x) for x in shapes], "forward": fwd, "backward": bwd}
+                      for shapes, fwd, bwd in timed]}  # every call's time: the fit can be checked again anywhere
     if report is not None:
         report("held-out calls, relative error std: " + ", ".join(f"{p} {v * 100:.2f}%" for p, v in check.items()))
     return model, meta
