@@ -4,7 +4,8 @@
 
 Part 1 times ``merge_row_parts_`` alone on a server's cut rows (segments x rows x chunks, 32 heads of 128, bf16).
 Part 2 times whole forward calls that torch_flash runs cut into chunks of their keys (the shapes of CAD servers'
-calls at 64 ranks), with each merge. Medians of CUDA-event timings; the ratio is torch over Triton.
+calls at 64 ranks), with each merge. Medians of device time (CUDA events, the stream queued ahead); the ratio is
+torch over Triton. Part 2 also times the first cut call of the launch model's profile five times in a row.
 Part 3 (``--calls``: calls dumped by ``bench_emulated.py --dump-calls``) times every distinct forward call that the
 key split's rule would cut with a lower ``min_shared`` than the one in force, whole and cut (Triton merge), binned
 by the keys its segments' rows all share: where cutting starts to pay now that the merge is one kernel.
@@ -22,6 +23,7 @@ from dataclasses import replace
 import torch
 
 from hf_longctx.backends.cad.call_profile import segment_batch, time_call_phases
+from hf_longctx.benchmarking import one_run_ms
 from hf_longctx.kernels import attention_forward, torch_flash
 from hf_longctx.kernels.key_split import KeySplit, plan_key_split
 from hf_longctx.kernels.merge import RowParts, merge_row_parts_
@@ -33,18 +35,13 @@ CALLS = [[(128, 112000)], [(256, 129718)], [(1088, 110145)], [(506, 90000), (506
          [(384, 60000), (200, 45000), (640, 3000)]]  # (rows, keys) of cut forward calls
 
 
-def _ms(fn, reps: int) -> float:
+def _ms(fn, reps: int, ahead: bool = True) -> float:
+    """Median ms of ``fn`` after 3 untimed runs: device time with the stream queued ahead (what a step that runs
+    ahead of its device pays, and what the emulation times), or with ``ahead`` False as launched alone (the
+    host's work between launches included)."""
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(one_run_ms(fn, cuda=True, ahead=ahead) for _ in range(reps))
 
 
 def merge_alone(segments: int, rows: int, chunks: int, reps: int) -> dict[str, float]:
@@ -85,18 +82,20 @@ def cut_sweep(paths: list[str], split: KeySplit, reps: int) -> None:
         cu_q, cu_k, max_q, max_k, q, k, v = segment_batch(list(zip(q_lens, k_lens)), HEADS, KV_HEADS, HEAD_DIM,
                                                           DTYPE, DEVICE, 0)
         args = (q, k, v, cu_q, cu_k, max_q, max_k)
-        whole, cut = (_ms(functools.partial(attention_forward, *args, causal=causal, kernel="torch_flash",
-                                            key_split=s), reps) for s in (None, low))
-        rows.append((_shared(call), whole, cut))
+        whole, cut = (functools.partial(attention_forward, *args, causal=causal, kernel="torch_flash", key_split=s)
+                      for s in (None, low))
+        rows.append((_shared(call), _ms(whole, reps), _ms(cut, reps), _ms(whole, reps, False), _ms(cut, reps, False)))
     print(f"\n| shared keys (calls cut at min_shared {SHARED_BINS[0]}, whole under {split.min_shared}) | calls | "
-          "whole ms | cut ms | cut / whole, all | median | worst |\n|---|---|---|---|---|---|---|")
+          "whole ms | cut ms | cut / whole, all | median | worst | as launched alone: cut / whole, all |")
+    print("|---|---|---|---|---|---|---|---|")
     for lo, hi in zip(SHARED_BINS, SHARED_BINS[1:] + (1 << 40,)):
         got = [r for r in rows if lo <= r[0] < hi]
         if got:
-            ratios = sorted(c / w for _, w, c in got)
-            whole, cut = sum(w for _, w, _ in got), sum(c for _, _, c in got)
+            ratios = sorted(r[2] / r[1] for r in got)
+            whole, cut = (sum(r[i] for r in got) for i in (1, 2))
+            alone = sum(r[4] for r in got) / sum(r[3] for r in got)
             print(f"| {lo}-{hi if hi < 1 << 40 else ''} | {len(got)} | {whole:.2f} | {cut:.2f} | {cut / whole:.3f} | "
-                  f"{statistics.median(ratios):.3f} | {ratios[-1]:.3f} |")
+                  f"{statistics.median(ratios):.3f} | {ratios[-1]:.3f} | {alone:.3f} |")
 
 
 def main() -> None:
@@ -126,6 +125,10 @@ def main() -> None:
         print(f"| {shapes} | {cut} | {times['triton']:.3f} | {times['torch']:.3f} | "
               f"{times['torch'] / times['triton']:.3f} |")
     os.environ.pop("HF_LONGCTX_MERGE_TRITON")
+    first = [(128, 36000)]  # the first cut call of the profile, which once took the whole call's time there
+    runs = [time_call_phases(first, "torch_flash", HEADS, KV_HEADS, HEAD_DIM, DTYPE, device, warmup=1, reps=5,
+                             key_split=key)[0] for key in (None, split, split, split)]
+    print(f"\n{first} forward ms: whole {runs[0]:.3f}, cut " + ", ".join(f"{t:.3f}" for t in runs[1:]))
     if args.calls:
         cut_sweep(args.calls.split(","), split, max(5, args.reps // 2))
 
