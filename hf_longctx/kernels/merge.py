@@ -8,11 +8,11 @@ The merge runs in at least float32 so long rings do not drift from the single-de
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 
 import torch
+
+from ..optional_triton import TRITON_DTYPES, switched_on, triton_module
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -144,24 +144,16 @@ class RowParts:
         return self.first[owner] + j * self.stride[owner], owner
 
 
-_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@functools.lru_cache(maxsize=1)
 def _triton_merge():
-    try:
-        from . import triton_merge
-    except ImportError:  # Triton missing or too old: the torch merge serves
-        return None
-    return triton_merge
+    return triton_module("hf_longctx.kernels.triton_merge")
 
 
 def merge_implementation(device: torch.device | str, dtype: torch.dtype) -> str:
     """Which merge :func:`merge_row_parts_` runs for tensors of ``dtype`` on ``device``: "triton" (CUDA, bf16, fp16
     or fp32, Triton importable, ``HF_LONGCTX_MERGE_TRITON`` not 0) or "torch". A cost model fitted with one prices
     cut forwards wrongly under the other."""
-    if (torch.device(device).type == "cuda" and dtype in _TRITON_DTYPES
-            and os.environ.get("HF_LONGCTX_MERGE_TRITON", "1") != "0" and _triton_merge() is not None):
+    if (torch.device(device).type == "cuda" and dtype in TRITON_DTYPES and switched_on("HF_LONGCTX_MERGE_TRITON")
+            and _triton_merge() is not None):
         return "triton"
     return "torch"
 

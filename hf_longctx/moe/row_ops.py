@@ -19,31 +19,22 @@ and machines without Triton; ``HF_LONGCTX_MOE_TRITON=0`` forces them on GPUs too
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 from torch import nn
 
 from ..kernels import accumulation_dtype
+from ..optional_triton import TRITON_DTYPES, switched_on, triton_module
 
-_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-
-@functools.lru_cache(maxsize=1)
 def _triton_ops():
-    try:
-        from . import triton_row_ops
-    except ImportError:  # Triton missing or too old: the torch versions serve
-        return None
-    return triton_row_ops
+    return triton_module("hf_longctx.moe.triton_row_ops")
 
 
 def triton_serves(*tensors: torch.Tensor) -> bool:
     """True where the Triton kernels run: CUDA tensors of bf16/fp16/fp32, Triton importable, not disabled."""
-    if os.environ.get("HF_LONGCTX_MOE_TRITON", "1") == "0":
+    if not switched_on("HF_LONGCTX_MOE_TRITON"):
         return False
-    return (all(t.is_cuda and t.dtype in _TRITON_DTYPES for t in tensors)
+    return (all(t.is_cuda and t.dtype in TRITON_DTYPES for t in tensors)
             and _triton_ops() is not None)
 
 
