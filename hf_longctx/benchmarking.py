@@ -54,12 +54,13 @@ def one_run_ms(fn: Callable[[], object], cuda: bool, ahead: bool = False) -> flo
     return (time.perf_counter() - t0) * 1e3
 
 
-def timed(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
-    """Median milliseconds of ``fn()`` over ``reps`` runs after ``warmup`` runs (CUDA events; host clock on CPU)."""
+def timed(fn: Callable[[], object], reps: int, warmup: int = 1, ahead: bool = False) -> float:
+    """Median milliseconds of ``fn()`` over ``reps`` runs after ``warmup`` runs (CUDA events; host clock on CPU;
+    ``ahead``: device time alone, see :func:`one_run_ms`)."""
     for _ in range(warmup):
         fn()
     cuda = torch.cuda.is_available()
-    return statistics.median(one_run_ms(fn, cuda) for _ in range(reps))
+    return statistics.median(one_run_ms(fn, cuda, ahead) for _ in range(reps))
 
 
 def timed_slowest_rank(fn: Callable[[], object], reps: int, device: torch.device, warmup: int = 1,

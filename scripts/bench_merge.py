@@ -23,7 +23,7 @@ from dataclasses import replace
 import torch
 
 from hf_longctx.backends.cad.call_profile import segment_batch, time_call_phases
-from hf_longctx.benchmarking import one_run_ms
+from hf_longctx.benchmarking import timed
 from hf_longctx.kernels import attention_forward, torch_flash
 from hf_longctx.kernels.key_split import KeySplit, plan_key_split
 from hf_longctx.kernels.merge import RowParts, merge_row_parts_
@@ -36,12 +36,10 @@ CALLS = [[(128, 112000)], [(256, 129718)], [(1088, 110145)], [(506, 90000), (506
 
 
 def _ms(fn, reps: int, ahead: bool = True) -> float:
-    """Median ms of ``fn`` after 3 untimed runs: device time with the stream queued ahead (what a step that runs
-    ahead of its device pays, and what the emulation times), or with ``ahead`` False as launched alone (the
-    host's work between launches included)."""
-    for _ in range(3):
-        fn()
-    return statistics.median(one_run_ms(fn, cuda=True, ahead=ahead) for _ in range(reps))
+    """Median ms of ``fn``: device time with the stream queued ahead (what a step that runs ahead of its device
+    pays, and what the emulation times), or with ``ahead`` False as launched alone (the host's work between
+    launches included)."""
+    return timed(fn, reps, warmup=3, ahead=ahead)
 
 
 def merge_alone(segments: int, rows: int, chunks: int, reps: int) -> dict[str, float]:
@@ -103,14 +101,13 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--calls", default=None, help="comma-separated call dumps of bench_emulated.py for part 3")
     args = parser.parse_args()
-    device = DEVICE
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, {HEADS} heads of {HEAD_DIM}\n")
     print("| merge alone: segments x rows x chunks | triton ms | torch ms | torch / triton |\n|---|---|---|---|")
     for segments, rows, chunks in ALONE:
         t = merge_alone(segments, rows, chunks, args.reps)
         print(f"| {segments} x {rows} x {chunks} | {t['triton']:.4f} | {t['torch']:.4f} | "
               f"{t['torch'] / t['triton']:.2f} |")
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     split = KeySplit.for_grid(replace(torch_flash.launch_grid(HEAD_DIM), slots=sms))
     print("\n| cut forward: (rows, keys) | cut segments | triton ms | torch ms | torch / triton |")
     print("|---|---|---|---|---|")
@@ -119,14 +116,14 @@ def main() -> None:
         times = {}
         for name, flag in MERGES:
             os.environ["HF_LONGCTX_MERGE_TRITON"] = flag
-            times[name], _ = time_call_phases(shapes, "torch_flash", HEADS, KV_HEADS, HEAD_DIM, DTYPE, device,
+            times[name], _ = time_call_phases(shapes, "torch_flash", HEADS, KV_HEADS, HEAD_DIM, DTYPE, DEVICE,
                                               warmup=2, reps=args.reps, key_split=split)
         cut = "whole" if cuts is None else sum(bool(c) for c in cuts)
         print(f"| {shapes} | {cut} | {times['triton']:.3f} | {times['torch']:.3f} | "
               f"{times['torch'] / times['triton']:.3f} |")
     os.environ.pop("HF_LONGCTX_MERGE_TRITON")
     first = [(128, 36000)]  # the first cut call of the profile, which once took the whole call's time there
-    runs = [time_call_phases(first, "torch_flash", HEADS, KV_HEADS, HEAD_DIM, DTYPE, device, warmup=1, reps=5,
+    runs = [time_call_phases(first, "torch_flash", HEADS, KV_HEADS, HEAD_DIM, DTYPE, DEVICE, warmup=1, reps=5,
                              key_split=key)[0] for key in (None, split, split, split)]
     print(f"\n{first} forward ms: whole {runs[0]:.3f}, cut " + ", ".join(f"{t:.3f}" for t in runs[1:]))
     if args.calls:

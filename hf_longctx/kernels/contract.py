@@ -69,13 +69,18 @@ class KernelCall:
                 bucket(self.num_segments), bucket(longest))
 
 
-def int32_on(cu: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """``cu`` as int32 on ``device``. To a GPU through pinned host memory: a copy from pageable memory makes the
-    host wait for the device's stream to drain first, so every kernel call would stall the launch queue."""
-    host = torch.tensor(cu, dtype=torch.int32)
+def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor (a call's offsets or index table) on ``device``. To a GPU through pinned host memory: a
+    copy from pageable memory makes the host wait for the device's stream to drain first, so every kernel call
+    would stall the launch queue."""
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def int32_on(cu: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``cu`` as int32 on ``device`` (:func:`host_to_device`)."""
+    return host_to_device(torch.tensor(cu, dtype=torch.int32), device)
 
 
 @runtime_checkable

@@ -187,26 +187,34 @@ def _parts(cut: tuple[int, ...], causal: bool) -> int:
     return len(cut) - 1 if cut else (0 if causal else 1)
 
 
-def merged_rows(q_lens: Sequence[int], cuts: Sequence[tuple[int, ...]], causal: bool) -> int:
-    """The rows :func:`split_forward`'s merge reads: each segment's rows once per part in the rect call, and under
-    a causal mask once more for a cut segment's diagonal block (the merge is one kernel over these rows: what the
-    split costs beyond its two calls, which the launch model prices per row)."""
-    total = 0
-    for q, c in zip(q_lens, cuts):
+def _merged(q_lens: Sequence[int], cuts: Sequence[tuple[int, ...]], causal: bool):
+    """(segment, rows, parts) of each segment :func:`split_forward` merges: it has rows, and parts in the rect call
+    (under a causal mask only a cut segment, whose chunks merge with its diagonal block)."""
+    for i, (q, c) in enumerate(zip(q_lens, cuts)):
         parts = _parts(c, causal)
-        total += int(q) * (parts + (causal and parts > 0))
-    return total
+        if q > 0 and parts > 0:
+            yield i, int(q), parts
+
+
+def merged_rows(q_lens: Sequence[int], cuts: Sequence[tuple[int, ...]], causal: bool) -> int:
+    """The rows :func:`split_forward`'s merge reads: each merged segment's rows once per part, and under a causal
+    mask once more for its diagonal block (the merge is one kernel over these rows: what the split costs beyond its
+    two calls, which the launch model prices per row)."""
+    return sum(rows * (parts + causal) for _, rows, parts in _merged(q_lens, cuts, causal))
 
 
 def row_parts(cu_q: Sequence[int], cuts: Sequence[tuple[int, ...]], causal: bool) -> RowParts:
     """Where each merged row's parts lie in the rect call's output: a segment's chunks follow one another, each
-    over all its rows (see :func:`split_calls`)."""
+    over all its rows (see :func:`split_calls`). Cached: every layer of a step makes the same calls."""
+    return _row_parts(tuple(int(x) for x in cu_q), tuple(tuple(c) for c in cuts), bool(causal))
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_parts(cu_q: tuple[int, ...], cuts: tuple[tuple[int, ...], ...], causal: bool) -> RowParts:
     blocks, at = [], 0
-    for i, c in enumerate(cuts):
-        rows, parts = cu_q[i + 1] - cu_q[i], _parts(c, causal)
-        if rows > 0 and parts > 0:
-            blocks.append((cu_q[i], rows, at, parts))
-            at += parts * rows
+    for i, rows, parts in _merged([b - a for a, b in zip(cu_q, cu_q[1:])], cuts, causal):
+        blocks.append((cu_q[i], rows, at, parts))
+        at += parts * rows
     return RowParts.of_blocks(blocks)
 
 

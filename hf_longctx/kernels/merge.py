@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..optional_triton import TRITON_DTYPES, switched_on, triton_module
+from .contract import host_to_device
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -105,43 +106,39 @@ def merge_rows_(
     lse_rows.index_copy_(0, rows, merged_lse.to(lse_rows.dtype))
 
 
+def _within(counts: torch.Tensor) -> torch.Tensor:
+    """Each item's position inside its group, for groups of ``counts`` items laid one after another."""
+    return torch.arange(int(counts.sum())) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+
+
 @dataclass(frozen=True)
 class RowParts:
     """Where the parts of merged rows lie: result row ``rows[m]`` merges parts ``first[m] + j * stride[m]`` for
-    ``j < count[m]`` (one int64 CPU tensor each, of M rows). Planned on the host, where the split is decided; one
-    copy takes it to the device (:meth:`table`)."""
+    ``j < count[m]``. ``table`` holds the four as rows of one (4, M) int64 CPU tensor: planned on the host, where
+    the split is decided, it reaches the device in one copy."""
 
-    rows: torch.Tensor
-    first: torch.Tensor
-    stride: torch.Tensor
-    count: torch.Tensor
+    table: torch.Tensor
+
+    rows = property(lambda self: self.table[0])
+    first = property(lambda self: self.table[1])
+    stride = property(lambda self: self.table[2])
+    count = property(lambda self: self.table[3])
 
     @classmethod
     def of_blocks(cls, blocks: list[tuple[int, int, int, int]]) -> RowParts:
         """Rows ``[a, a + n)`` each merging ``count`` parts laid out one block of ``n`` rows after another from
         part ``first``: ``blocks`` of (a, n, first, count), the layout of a key split's chunks."""
-        blocks = [b for b in blocks if b[1] > 0]
-        if not blocks:
-            empty = torch.zeros(0, dtype=torch.int64)
-            return cls(empty, empty, empty, empty)
-        n = torch.tensor([b[1] for b in blocks], dtype=torch.int64)
-        offset = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
-        per_row = {name: torch.repeat_interleave(torch.tensor([b[i] for b in blocks], dtype=torch.int64), n)
-                   for i, name in enumerate(("a", "n", "first", "count"))}
-        return cls(per_row["a"] + offset, per_row["first"] + offset, per_row["n"], per_row["count"])
-
-    def table(self, device: torch.device) -> torch.Tensor:
-        """(4, M) int64 on ``device``: rows, first, stride, count (pinned and copied without a host wait)."""
-        table = torch.stack([self.rows, self.first, self.stride, self.count])
-        if device.type != "cuda":
-            return table.to(device)
-        return table.pin_memory().to(device, non_blocking=True)
+        per_block = torch.tensor([b for b in blocks if b[1] > 0], dtype=torch.int64).reshape(-1, 4)
+        per_row = torch.repeat_interleave(per_block, per_block[:, 1], dim=0).t().contiguous()
+        offset = _within(per_block[:, 1])
+        per_row[0] += offset  # each row its own
+        per_row[2] += offset  # and its first part
+        return cls(per_row[[0, 2, 1, 3]])  # (a, n, first, count) -> (rows, first, stride, count)
 
     def owners(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(part indices, the index in :attr:`rows` of the row each part belongs to), one entry per part."""
-        owner = torch.repeat_interleave(torch.arange(len(self.rows)), self.count)
-        j = torch.arange(len(owner)) - torch.repeat_interleave(torch.cumsum(self.count, 0) - self.count, self.count)
-        return self.first[owner] + j * self.stride[owner], owner
+        owner = torch.repeat_interleave(torch.arange(len(self.count)), self.count)
+        return self.first[owner] + _within(self.count) * self.stride[owner], owner
 
 
 def _triton_merge():
@@ -177,7 +174,8 @@ def merge_row_parts_(out: torch.Tensor, lse: torch.Tensor, parts: RowParts, part
     if len(parts.rows) == 0:
         return
     if triton_merges(out, lse, part_out, part_lse):
-        _triton_merge().merge_row_parts(out, lse, parts.table(out.device), part_out, part_lse, include_self)
+        table = host_to_device(parts.table, out.device)
+        _triton_merge().merge_row_parts(out, lse, table, part_out, part_lse, include_self)
         return
     rows = parts.rows.to(out.device)
     if not include_self:

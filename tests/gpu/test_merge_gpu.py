@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_longctx.benchmarking import timed
 from hf_longctx.kernels.merge import RowParts, merge_row_parts_, triton_merges
 
 from helpers import row_parts_problem
@@ -42,25 +43,11 @@ def _strided_problem(segments: int, rows: int, parts: int, heads: int = 32, dim:
     return out, lse, RowParts.of_blocks(blocks), part_out, part_lse
 
 
-def _median_ms(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def test_one_triton_merge_is_faster_than_torchs_index_ops(monkeypatch):
     """Four cut segments of 512 rows in 8 chunks each, 32 heads of 128 in bf16 (a CAD server's cut forward)."""
     out, lse, parts, part_out, part_lse = _strided_problem(segments=4, rows=512, parts=8)
-    fused = _median_ms(lambda: merge_row_parts_(out, lse, parts, part_out, part_lse, include_self=True))
+    fused = timed(lambda: merge_row_parts_(out, lse, parts, part_out, part_lse, include_self=True), 20, warmup=3)
     monkeypatch.setenv("HF_LONGCTX_MERGE_TRITON", "0")
     assert not triton_merges(out, lse, part_out, part_lse)
-    plain = _median_ms(lambda: merge_row_parts_(out, lse, parts, part_out, part_lse, include_self=True))
+    plain = timed(lambda: merge_row_parts_(out, lse, parts, part_out, part_lse, include_self=True), 20, warmup=3)
     assert fused < 0.5 * plain, (fused, plain)
