@@ -36,14 +36,35 @@ def queue_ahead() -> None:
     torch.cuda._sleep(HOST_AHEAD_CYCLES)
 
 
-def one_run_ms(fn: Callable[[], object], cuda: bool, ahead: bool = False) -> float:
+_L2_SCRATCH: dict[int, torch.Tensor] = {}  # per device index: a buffer twice its L2, written to evict it
+L2_FALLBACK_BYTES = 128 << 20  # where torch does not report the L2 size (H100 and H200 have 50 MiB)
+
+
+def flush_l2() -> None:
+    """Evict the current CUDA device's L2 cache: write a buffer twice its size (queued on the current stream).
+
+    Why: a kernel timed again and again over the same buffers finds its inputs, and the output it wrote last
+    time, in L2; a training step's call reads inputs the step wrote elsewhere since. Short calls (a CAD server's
+    batch of short documents: 0.1-0.3 ms) are priced low by a profile timed warm."""
+    index = torch.cuda.current_device()
+    scratch = _L2_SCRATCH.get(index)
+    if scratch is None:
+        size = getattr(torch.cuda.get_device_properties(index), "L2_cache_size", 0) or L2_FALLBACK_BYTES
+        scratch = _L2_SCRATCH[index] = torch.empty(2 * size, dtype=torch.uint8, device=torch.device("cuda", index))
+    scratch.fill_(1)
+
+
+def one_run_ms(fn: Callable[[], object], cuda: bool, ahead: bool = False, cold: bool = False) -> float:
     """Milliseconds of one ``fn()``: CUDA events around it (``ahead``: after :func:`queue_ahead`, so they time
-    the device's work alone), the host clock on the CPU."""
+    the device's work alone; ``cold``: with the L2 cache evicted first, see :func:`flush_l2`), the host clock on
+    the CPU (where ``cold`` does nothing)."""
     if cuda:
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if ahead:
             queue_ahead()
+        if cold:
+            flush_l2()
         start.record()
         fn()
         end.record()
@@ -54,13 +75,13 @@ def one_run_ms(fn: Callable[[], object], cuda: bool, ahead: bool = False) -> flo
     return (time.perf_counter() - t0) * 1e3
 
 
-def timed(fn: Callable[[], object], reps: int, warmup: int = 1, ahead: bool = False) -> float:
+def timed(fn: Callable[[], object], reps: int, warmup: int = 1, ahead: bool = False, cold: bool = False) -> float:
     """Median milliseconds of ``fn()`` over ``reps`` runs after ``warmup`` runs (CUDA events; host clock on CPU;
-    ``ahead``: device time alone, see :func:`one_run_ms`)."""
+    ``ahead``: device time alone; ``cold``: L2 evicted before each run; see :func:`one_run_ms`)."""
     for _ in range(warmup):
         fn()
     cuda = torch.cuda.is_available()
-    return statistics.median(one_run_ms(fn, cuda, ahead) for _ in range(reps))
+    return statistics.median(one_run_ms(fn, cuda, ahead, cold) for _ in range(reps))
 
 
 def timed_slowest_rank(fn: Callable[[], object], reps: int, device: torch.device, warmup: int = 1,

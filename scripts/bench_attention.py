@@ -31,15 +31,17 @@ from hf_longctx.backends import default_strategy, sequence_parallel_attention
 from hf_longctx.backends.auto import auto_decisions
 from hf_longctx.benchmarking import attention_tflops, table_header, timed, timed_slowest_rank
 from hf_longctx.comm import comm_stats, reset_comm_stats
+from hf_longctx.emulation import real_rank_kernel_times
+from hf_longctx.emulation.workloads import WORKLOAD_MIXES, doc_lengths
 from hf_longctx.kernels import SKIP_KERNEL, attention_backward, attention_forward
 from hf_longctx.layout import PackedBatch, shard_plan
 
 
-def long_tailed_doc_lens(total: int, seed: int, mix: str) -> list[int]:
-    """Document lengths summing to ``total`` from the named mix (``pretrain`` or ``prolong``)."""
-    from hf_longctx.data.synthetic_lengths import synthetic_doc_lengths
-
-    return synthetic_doc_lengths(mix, total, seed=seed, max_doc_len=total)
+def packed_workloads(args) -> list[tuple[str, int, int, list[int]]]:
+    """(name, tokens, kv heads, document lengths) of every packed workload: each ``--mix`` at each
+    ``--packed-seqs`` (the lengths seeded by the token count, the same in a real and an emulated run)."""
+    return [(f"{mix} mix", s, hkv, doc_lengths(mix, s, seed=s)) for mix in args.mix for s in args.packed_seqs
+            for hkv in args.kv_heads]
 
 
 def global_tensors(total, hq, hkv, d, dtype, device, seed):
@@ -47,7 +49,8 @@ def global_tensors(total, hq, hkv, d, dtype, device, seed):
     return [torch.randn(total, h, d, generator=g, device=device, dtype=dtype) for h in (hq, hkv, hkv, hq)]
 
 
-VARIANTS = {"cad-nopp": ("cad", {"pingpong": False})}  # label -> (backend, options)
+# label -> (backend, options): CAD without ping-pong, and CAD on the kernel's profiled launch cost at eps 0.01
+VARIANTS = {"cad-nopp": ("cad", {"pingpong": False}), "cad-profiled": ("cad", {"cost_model": "profiled", "eps": 0.01})}
 
 
 class _DoneWork:
@@ -74,7 +77,8 @@ def communication_skipped():
             setattr(dist, name, fn)
 
 
-def run_ours(backend, batch, tensors, world, rank, reps, device, strategy=None, breakdown=False, reference=None):
+def run_ours(backend, batch, tensors, world, rank, reps, device, strategy=None, breakdown=False, reference=None,
+             kernel_times=False):
     q, k, v, dout = tensors
     backend, options = VARIANTS.get(backend, (backend, None))
     plan = shard_plan(batch, world, strategy or default_strategy(backend))
@@ -113,6 +117,8 @@ def run_ours(backend, batch, tensors, world, rank, reps, device, strategy=None, 
         parts["kernels"] = timed_slowest_rank(lambda: fwd_bwd(SKIP_KERNEL), reps, device)
         with communication_skipped():
             parts["comm"] = timed_slowest_rank(fwd_bwd, reps, device)
+    if kernel_times:  # every rank's kernel time, as the emulation measures it
+        parts["rank_kernel_s"] = [f + b for f, b, _ in real_rank_kernel_times(fwd_bwd, device, reps=3)]
     return t_f, t_fb, sent, parts, errors
 
 
@@ -172,13 +178,7 @@ def worker(rank, world, args):
     dtype = torch.float32 if quick else torch.bfloat16
     hq, d = (4, 16) if quick else (32, 128)
     rows, checks = [], []
-    workloads = []
-    for s in args.seqs:
-        for hkv in args.kv_heads:
-            workloads.append(("1 doc", s, hkv, [s]))
-    for s in args.packed_seqs:
-        for hkv in args.kv_heads:
-            workloads.append((f"{args.mix} mix", s, hkv, long_tailed_doc_lens(s, seed=s, mix=args.mix)))
+    workloads = [("1 doc", s, hkv, [s]) for s in args.seqs for hkv in args.kv_heads] + packed_workloads(args)
     for name, total, hkv, lens in workloads:
         hkv = min(hkv, hq)
         batch = PackedBatch.from_doc_lens(lens)
@@ -204,7 +204,8 @@ def worker(rank, world, args):
                     t_f, t_fb, sent, parts, _ = run_torch_cp(backend[3:], tensors, world, args.reps, device)
                 else:
                     t_f, t_fb, sent, parts, errors = run_ours(backend, batch, tensors, world, rank, args.reps,
-                                                              device, strategy, args.breakdown, reference)
+                                                              device, strategy, args.breakdown, reference,
+                                                              args.kernel_times)
                     if errors and rank == 0:
                         worst = max(errors.values())
                         checks.append(f"{name} {total // 1024}K kv{hkv} {label}: relative error vs 1 GPU "
@@ -236,8 +237,10 @@ def worker(rank, world, args):
             for label, (tf, tfb, sent, ms, parts) in result.items():
                 ratio = tfb / best_single if best_single == best_single else math.nan
                 comm, comp = parts.get("kernels", math.nan), parts.get("comm", math.nan)
+                kernel_s = parts.get("rank_kernel_s") or [math.nan]
                 row = (f"| {name} | {total // 1024}K | {hkv} | {label} | {tf:.0f} | {tfb:.0f} | {ratio:.2f} | "
-                       f"{sent / 2**20:.0f} | {ms:.1f} | {comm:.1f} | {comp:.1f} | {comp / comm:.2f} |")
+                       f"{sent / 2**20:.0f} | {ms:.1f} | {comm:.1f} | {comp:.1f} | {comp / comm:.2f} | "
+                       f"{max(kernel_s) / (sum(kernel_s) / len(kernel_s)):.3f} | {max(kernel_s) * 1e3:.2f} |")
                 rows.append(row)
                 print(row, flush=True)
         del tensors, reference
@@ -246,7 +249,7 @@ def worker(rank, world, args):
         print(f"\n{world} x {gpu}, torch {torch.__version__}")
         print(table_header(["workload", "tokens", "kv heads", "backend", "fwd TFLOP/s/GPU", "fwd+bwd TFLOP/s/GPU",
                             "vs 1 GPU (fwd+bwd)", "MiB sent/rank/iter", "fwd+bwd ms", "comm-only ms",
-                            "compute-only ms", "compute/comm"]))
+                            "compute-only ms", "compute/comm", "max/mean kernel (real)", "max kernel ms"]))
         print("\n".join(rows))
         if checks:
             print("\n" + "\n".join(checks))
@@ -261,16 +264,14 @@ def emulated(args) -> int:
     dtype = torch.float32 if args.quick else torch.bfloat16
     hq, d = (4, 16) if args.quick else (32, 128)
     world = args.emulate
-    workloads = [("1 doc", s, hkv, [s]) for s in args.seqs for hkv in args.kv_heads]
-    workloads += [(f"{args.mix} mix", s, hkv, long_tailed_doc_lens(s, seed=s, mix=args.mix))
-                  for s in args.packed_seqs for hkv in args.kv_heads]
+    workloads = [("1 doc", s, hkv, [s]) for s in args.seqs for hkv in args.kv_heads] + packed_workloads(args)
     rows = []
     for name, total, hkv, lens in workloads:
         hkv = min(hkv, hq)
         batch = PackedBatch.from_doc_lens(lens)
         tensors = global_tensors(total, hq, hkv, d, dtype, device, seed=total + hkv)
-        for backend in (b for b in args.backends if not b.startswith("cp_")):
-            backend, options = VARIANTS.get(backend, (backend, None))
+        for label in (b for b in args.backends if not b.startswith("cp_")):
+            backend, options = VARIANTS.get(label, (label, None))
             try:
                 step = emulate_step(batch, world, tensors, backend, options=options,
                                     kernel="reference" if args.quick else "auto", warmup=1, reps=args.reps)
@@ -278,7 +279,7 @@ def emulated(args) -> int:
                 print(f"{name} {total} kv{hkv} {backend}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                 continue
             ms = [t * 1e3 for t in step.kernel_s]
-            rows.append(f"| {name} | {total // 1024}K | {hkv} | {backend} | {step.imbalance:.3f} | {max(ms):.2f} | "
+            rows.append(f"| {name} | {total // 1024}K | {hkv} | {label} | {step.imbalance:.3f} | {max(ms):.2f} | "
                         f"{min(ms):.2f} | {max(step.sent_bytes) / 2**20:.0f} | {step.predicted_step_s * 1e3:.2f} | "
                         f"{step.tflops_per_device:.0f} |")
             print(rows[-1], flush=True)
@@ -298,7 +299,8 @@ def main() -> int:
     p.add_argument("--packed-seqs", default="262144")
     p.add_argument("--kv-heads", default="8,32")
     p.add_argument("--backends", default="ring,zigzag,distfa,cp_flash,cp_cudnn")
-    p.add_argument("--mix", default="prolong")
+    p.add_argument("--mix", default="prolong", help="packed workloads' length mixes, comma-separated: prolong, "
+                   "pretrain, sft")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--single-max", type=int, default=262144, help="largest sequence timed on one GPU")
     p.add_argument("--quick", action="store_true", help="CPU smoke run with gloo and tiny sizes")
@@ -307,6 +309,8 @@ def main() -> int:
     p.add_argument("--emulate", type=int, default=0, metavar="W",
                    help="run W ranks emulated on one device (hf_longctx.emulation): per-rank kernel time, bytes, "
                         "predicted step time; no process group")
+    p.add_argument("--kernel-times", action="store_true",
+                   help="real runs: also every rank's kernel time, as --emulate measures it (max/mean and max ms)")
     p.add_argument("--breakdown", action="store_true",
                    help="also time fwd+bwd with kernels stubbed (communication) and collectives stubbed (compute)")
     args = p.parse_args()
@@ -316,6 +320,10 @@ def main() -> int:
     args.packed_seqs = [int(s) for s in args.packed_seqs.split(",") if s]
     args.kv_heads = [int(s) for s in args.kv_heads.split(",")]
     args.backends = args.backends.split(",")
+    args.mix = args.mix.split(",")
+    unknown = [m for m in args.mix if m not in WORKLOAD_MIXES]
+    if unknown:
+        p.error(f"unknown --mix {', '.join(unknown)}; choose from {', '.join(WORKLOAD_MIXES)}")
     if args.emulate:
         return emulated(args)
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))

@@ -148,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replay", action="store_true",
                    help="with --calls: also time every dumped call again alone on the device, beside its time in the "
                         "step and the model's price")
+    p.add_argument("--cold", action="store_true",
+                   help="--launch and --replay: evict the L2 cache before every timed run (as HF_LONGCTX_PROFILE_L2="
+                        "evicted fits the backend's model), where calls are otherwise timed again over warm buffers")
     p.add_argument("--predict", default=None, metavar="MIX:TOKENS:W,...",
                    help="with --load of a launch model: CAD's predicted per-server max/mean at eps 0.01 with and "
                         "without key cuts on these emulation mixes (e.g. prolong:128k:64), on the CPU")
@@ -185,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         model, meta = profile_launch_cost(kernel, device, grid, shape.heads, shape.kv_heads, shape.head_dim,
                                           shape.dtype, count=args.launch, warmup=args.warmup, reps=args.reps,
-                                          report=lambda line: print(line, flush=True))
+                                          report=lambda line: print(line, flush=True), cold=args.cold)
         model.save(args.out, **meta)
         print(f"wrote {args.out}: launch cost model of {kernel}, held-out error std "
               f"{meta['held_out_relative_error_std']}")
@@ -367,7 +370,7 @@ def report_replayed_calls(args: argparse.Namespace) -> int:
         return 2
     t0 = time.perf_counter()
     rows = replay_dumped_calls(dump, kernel, model.heads, args.kv_heads, args.head_dim, DTYPES[args.dtype], device,
-                               args.warmup, args.reps)
+                               args.warmup, args.reps, cold=args.cold)
     kinds = ("step", "alone", "priced")
     servers: dict[int, dict] = {}
     ratios: dict[str, dict[str, list[float]]] = {p: {"step/alone": [], "alone/priced": []} for p in PHASES}
@@ -398,7 +401,7 @@ def report_replayed_calls(args: argparse.Namespace) -> int:
     totals = {kind: np.array([sum(servers[r][p][kind] for p in PHASES) for r in servers]) for kind in kinds}
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
     print(f"replayed {len(rows)} calls of {len(servers)} servers in {time.perf_counter() - t0:.0f} s on "
-          f"{where}; per-server max/mean: " + ", ".join(
+          f"{where} (L2 {'evicted' if args.cold else 'warm'} before each run); per-server max/mean: " + ", ".join(
               f"{kind} {t.max() / t.mean():.3f}" for kind, t in totals.items()), flush=True)
     return 0
 

@@ -115,9 +115,12 @@ def test_the_fit_recovers_the_terms_and_keeps_them_non_negative():
         fit_phase_terms(np.ones((3, 6)), np.ones(3))
 
 
-def _fake_call_clock(terms: dict[str, PhaseTerms], grid: LaunchGrid, heads: int):
-    """A stand-in for the profiler's clock: each phase of a call takes exactly what ``terms`` price it at."""
-    def run_ms(step, device):
+def _fake_call_clock(terms: dict[str, PhaseTerms], grid: LaunchGrid, heads: int, l2: list | None = None):
+    """A stand-in for the profiler's clock: each phase of a call takes exactly what ``terms`` price it at (and
+    ``l2``, when given, collects whether each run was asked to evict the L2 cache first)."""
+    def run_ms(step, device, cold=False):
+        if l2 is not None:
+            l2.append(cold)
         q, k = [a for a, _ in step.shapes], [b for _, b in step.shapes]
         return float(np.dot(terms[step.phase].as_vector(), call_features(step.phase, q, k, grid, heads)))
 
@@ -302,17 +305,20 @@ def test_a_replayed_dump_times_each_distinct_call_once_alone(monkeypatch):
     timed = []
 
     def fake_time(shapes, kernel, heads, kv_heads, head_dim, dtype, device, warmup, reps, seed=0, causal=True,
-                  key_split=None):
-        timed.append((tuple(shapes), causal))
+                  key_split=None, cold=False):
+        timed.append((tuple(shapes), causal, cold))
         return 1.0 + len(shapes) + (not causal), 10.0 + len(shapes) + (not causal)
 
     monkeypatch.setattr(call_profile, "time_call_phases", fake_time)
-    rows = replay_dumped_calls(dump, "reference", 32, 8, 128, torch.float32, torch.device("cpu"))
-    assert [(c, ms) for c, ms, _ in rows] == dumped_calls(dump)
-    for call, _, alone in rows:
-        causal = call.get("causal", True)
-        assert alone == (1.0 if call["phase"] == "forward" else 10.0) + len(call["q_lens"]) + (not causal)
-    assert sorted(timed) == sorted([(((64, 64), (32, 256)), True), (((16, 16),), True), (((16, 64),), False)])
+    for cold in (False, True):
+        timed.clear()
+        rows = replay_dumped_calls(dump, "reference", 32, 8, 128, torch.float32, torch.device("cpu"), cold=cold)
+        assert [(c, ms) for c, ms, _ in rows] == dumped_calls(dump)
+        for call, _, alone in rows:
+            causal = call.get("causal", True)
+            assert alone == (1.0 if call["phase"] == "forward" else 10.0) + len(call["q_lens"]) + (not causal)
+        assert sorted(timed) == sorted([(((64, 64), (32, 256)), True, cold), (((16, 16),), True, cold),
+                                        (((16, 64),), False, cold)])
 
 
 def test_random_calls_cover_every_kind_in_launch_order():
@@ -336,14 +342,16 @@ def test_profiled_picks_the_launch_model_where_the_kernel_declares_a_grid(tmp_pa
     monkeypatch.setenv("HF_LONGCTX_CACHE", str(tmp_path))
     grid = LaunchGrid(forward_tile=(16, 8), backward_tile=(8, 16), slots=6)
     truth = {p: PhaseTerms(1e-3, 1e-4, 1e-4, 1e-3, 1e-3, 0.05) for p in PHASES}
-    monkeypatch.setattr(call_profile, "_run_ms", _fake_call_clock(truth, grid, heads=2))
+    evicted = []
+    monkeypatch.setattr(call_profile, "_run_ms", _fake_call_clock(truth, grid, heads=2, l2=evicted))
+    monkeypatch.delenv("HF_LONGCTX_PROFILE_L2", raising=False)
     monkeypatch.setattr(profiled, "launch_grid", lambda kernel, device, head_dim, mode="fwd+bwd", shape=None: grid)
     real = profiled.profile_launch_cost
     fits = []
 
     def small_fit(*args, **kwargs):
         fits.append(1)
-        return real(*args, count=24, warmup=0, reps=1, scale=1 / 256)
+        return real(*args, **{**kwargs, "count": 24, "warmup": 0, "reps": 1, "scale": 1 / 256})
 
     monkeypatch.setattr(profiled, "profile_launch_cost", small_fit)
     shape = SegmentShape(2, 1, 8, torch.float32)
@@ -363,6 +371,18 @@ def test_profiled_picks_the_launch_model_where_the_kernel_declares_a_grid(tmp_pa
     cached.write_text(json.dumps(fitted))
     _, source = profiled_cost_model("reference", "cpu", shape)
     assert "now" in source and len(fits) == 3
+    # the L2 state the profile times calls in: a model timed warm is fitted again where calls are to be timed cold
+    assert json.loads(cached.read_text())["meta"]["l2"] == "warm" and not any(evicted)
+    monkeypatch.setenv("HF_LONGCTX_PROFILE_L2", "evicted")
+    _, source = profiled_cost_model("reference", "cpu", shape)
+    assert "now" in source and len(fits) == 4 and json.loads(cached.read_text())["meta"]["l2"] == "evicted"
+    assert evicted and all(evicted[-10:])
+    _, source = profiled_cost_model("reference", "cpu", shape)
+    assert "now" not in source and len(fits) == 4
+    monkeypatch.setenv("HF_LONGCTX_PROFILE_L2", "cold")
+    with pytest.raises(ValueError, match="HF_LONGCTX_PROFILE_L2='cold': choose one of evicted, warm"):
+        profiled_cost_model("reference", "cpu", shape)
+    monkeypatch.delenv("HF_LONGCTX_PROFILE_L2")
     grid_model, _ = profiled_cost_model("reference", "cpu", shape, model="grid", q_lens=(16, 64),
                                         kv_lens=(16, 64, 256), budget=profiled.ProfileBudget(
                                             min_tokens=64, max_kv_tokens=1024, max_pairs=4096, warmup=0, reps=1))

@@ -8,15 +8,19 @@ matching, byte counts, a failing rank and a transfer nobody answers.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_backends import make_problem, reference
 
-from hf_longctx.backends import sequence_parallel_attention
+from hf_longctx.backends import default_strategy, sequence_parallel_attention
 from hf_longctx.comm.emulated import EmulationError, EmulationHub
 from hf_longctx.comm.links import LINKS, MB, transfer_seconds
-from hf_longctx.emulation import EmulatedStep, RankStep, emulate_step, noise_only_imbalance
+from hf_longctx.emulation import EmulatedStep, RankStep, emulate_step, noise_only_imbalance, real_rank_kernel_times
 from hf_longctx.layout import shard_plan
+
+from distributed import run_distributed
 
 BACKENDS = ("ring", "zigzag", "distfa", "tasp", "cad", "ulysses")
 
@@ -349,3 +353,35 @@ def test_a_kept_call_log_names_every_calls_segments_whichever_entry_point_made_i
         (0, "forward", [4, 6], [6, 8]), (0, "forward", [10], [14])]
     assert all(c["seconds"] > 0 for c in log)
     assert sum(c["seconds"] for c in log) == pytest.approx(timer.seconds()[0, "forward"])
+
+
+def _real_kernel_times(rank, world, backends, out_path):
+    """Each backend's real step on this gloo group, its kernel calls timed per rank as the emulation times them."""
+    batch, q, k, v, dout = make_problem(5, world, torch.float64)
+    found = {}
+    for backend in backends:
+        plan = shard_plan(batch, world, default_strategy(backend))
+        idx = plan.local_indices(rank)
+        ql, kl, vl = (t[idx].clone().requires_grad_() for t in (q, k, v))
+
+        def step(ql=ql, kl=kl, vl=vl, plan=plan, backend=backend, grad=dout[idx]):
+            out = sequence_parallel_attention(ql, kl, vl, plan=plan, backend=backend, kernel="reference")
+            torch.autograd.backward(out, grad)
+
+        found[backend] = real_rank_kernel_times(step, torch.device("cpu"), reps=2)
+    if rank == 0:
+        out_path.write_text(json.dumps(found))
+
+
+def test_a_real_run_times_every_ranks_kernel_calls_as_the_emulation_does(tmp_path):
+    """The per-rank kernel time of a real run (one process per rank) is gathered on every rank, and each rank's
+    timed calls are those its emulated twin makes: an emulated max/mean and a real one measure the same calls."""
+    world, backends = 3, ["ring", "distfa", "cad"]
+    out = tmp_path / "times.json"
+    run_distributed(world, _real_kernel_times, backends, out)
+    real = json.loads(out.read_text())
+    batch, q, k, v, dout = make_problem(5, world, torch.float64)
+    for backend in backends:
+        emulated = emulate_step(batch, world, (q, k, v, dout), backend, kernel="reference")
+        assert [calls for _, _, calls in real[backend]] == [r.kernel_calls for r in emulated.ranks], backend
+        assert all(f > 0 and b > 0 for f, b, _ in real[backend]), backend

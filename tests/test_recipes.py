@@ -66,6 +66,25 @@ def test_environment_overrides_and_rejects_unknown_keys(monkeypatch, tmp_path):
         load_config(alone)
 
 
+def test_every_environment_variable_the_package_reads_is_accepted_by_the_recipe_loader(monkeypatch):
+    """A variable the package reads (its cache, its kernels' switches) set in a training run's environment is not
+    refused as a misspelled setting."""
+    import re
+    from dataclasses import fields
+
+    root = Path(__file__).resolve().parents[1]
+    read = set()
+    for folder in ("hf_longctx", "scripts"):
+        for source in (root / folder).rglob("*.py"):
+            read |= set(re.findall(r"HF_LONGCTX_[A-Z0-9_]*[A-Z0-9]", source.read_text()))
+    settings = {f"HF_LONGCTX_{f.name.upper()}" for f in fields(LongContextConfig)}
+    assert {"HF_LONGCTX_CACHE", "HF_LONGCTX_MERGE_TRITON", "HF_LONGCTX_PROFILE_L2"} <= read
+    assert sorted(read - settings - set(PACKAGE_ENVIRONMENT)) == []
+    for name in read - settings:
+        monkeypatch.setenv(name, str(RECIPES[0]) if name == "HF_LONGCTX_RECIPE" else "0")
+    assert load_config(RECIPES[0]).backend
+
+
 @pytest.mark.parametrize("given,closest", [
     ("1node-2gpux.yaml", "1node-2gpu.yaml"),
     ("cpu-2prc.yaml", "cpu-2proc.yaml"),

@@ -9,9 +9,10 @@ from .runner import (
     link_sources,
     median_rep,
     noise_only_imbalance,
+    real_rank_kernel_times,
     release_memory,
     step_flops,
 )
 
 __all__ = ["EmulatedStep", "RankStep", "device_memory", "emulate_step", "host_peak_memory", "link_sources",
-           "median_rep", "noise_only_imbalance", "release_memory", "step_flops"]
+           "median_rep", "noise_only_imbalance", "real_rank_kernel_times", "release_memory", "step_flops"]

@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from ..backends import default_strategy
 from ..backends.api import RankCall, check_group_agrees, make_run_context, resolve_backend
@@ -47,7 +48,7 @@ from ..comm.emulated import EmulatedGroup, EmulationHub
 from ..comm.links import LINKS, transfer_seconds
 from ..kernels import observe_kernels
 from ..layout import PackedBatch, ShardPlan, shard_plan
-from .timing import KernelTimer
+from .timing import KernelTimer, ThisProcess
 
 
 @dataclass
@@ -235,6 +236,31 @@ def emulate_step(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ..
         step.ranks.append(RankStep(r, forward_s, backward_s, calls[r], traffic[r], results[r],
                                    tuple(f + b for f, b in per_rank[r])))
     return step
+
+
+def real_rank_kernel_times(step: Callable[[], object], device: torch.device, reps: int = 3,
+                           group: dist.ProcessGroup | None = None) -> list[tuple[float, float, int]]:
+    """Every rank's (forward seconds, backward seconds, kernel calls) of ``step`` in a real run, one process per
+    device, gathered on every rank: what :func:`emulate_step` measures per emulated rank, taken where the ranks
+    really run. Each kernel call is timed as the emulation times it (:class:`~.timing.KernelTimer`: device
+    events, the stream queued ahead), and a rank's seconds are the lower-median repetition of ``reps``
+    (:func:`median_rep`), so an emulated max/mean and a real one compare.
+
+    ``step`` runs one forward+backward of this rank; it is called ``reps`` times (collectives and all)."""
+    if reps < 1:
+        raise ValueError(f"need reps >= 1, got {reps}")
+    rank = dist.get_rank(group)
+    samples, calls = [], 0
+    for _ in range(reps):
+        timer = KernelTimer(ThisProcess(rank), device)
+        with observe_kernels(timer):
+            step()
+        seconds = timer.seconds()
+        samples.append((seconds.get((rank, "forward"), 0.0), seconds.get((rank, "backward"), 0.0)))
+        calls = timer.calls.get((rank, "forward"), 0) + timer.calls.get((rank, "backward"), 0)
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (*median_rep(samples), calls), group=group)
+    return [tuple(x) for x in gathered]
 
 
 def release_memory(device: torch.device | str | None = None) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -68,6 +68,22 @@ def is_causal(args: tuple, kwargs: dict) -> bool:
     return bool(call.causal) if call is not None else bool(kwargs.get("causal", True))
 
 
+class RankSource(Protocol):
+    """Who is computing now: the rank a kernel call is charged to (None: nobody's, the call is not timed)."""
+
+    def current_rank(self) -> int | None: ...
+
+
+class ThisProcess:
+    """The :class:`RankSource` of a real run (one process per device): every call is this process's rank's."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def current_rank(self) -> int:
+        return self.rank
+
+
 class KernelTimer:
     """A kernel observer (:func:`hf_longctx.kernels.observe_kernels`) summing kernel seconds per (rank, phase).
 
@@ -76,10 +92,11 @@ class KernelTimer:
     kernels compile per configuration (FA4: 0.1-0.7 s), which would otherwise land in one rank's time.
 
     ``keep_calls``: also keep every timed call's segment lengths and seconds (:meth:`call_log`), so that a cost
-    model can be checked call by call against what the kernel took.
+    model can be checked call by call against what the kernel took. ``hub``: an emulation's hub, or
+    :class:`ThisProcess` in a real run (the same per-rank kernel time, measured where the ranks really run).
     """
 
-    def __init__(self, hub: EmulationHub, device: torch.device, keep_calls: bool = False) -> None:
+    def __init__(self, hub: EmulationHub | RankSource, device: torch.device, keep_calls: bool = False) -> None:
         self.hub = hub
         self.cuda = device.type == "cuda"
         self.keep_calls = keep_calls

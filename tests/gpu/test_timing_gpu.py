@@ -49,3 +49,23 @@ def test_emulated_kernel_time_is_device_time():
 
     hub.run(rank)
     assert timer.seconds()[0, "forward"] < 0.9e-3  # three calls of >= 1 ms host time each
+
+
+def test_a_cold_run_reads_its_inputs_from_memory_not_from_the_l2_cache():
+    """``cold`` evicts the L2 before the start event: a read of a buffer that fits in L2 (a quarter of it) takes
+    longer timed cold than timed again warm, and the eviction itself is not in the time."""
+    from hf_longctx.benchmarking import L2_FALLBACK_BYTES, flush_l2
+
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or L2_FALLBACK_BYTES
+    x = torch.ones(l2 // 4 // 4, device="cuda")
+
+    def read():
+        x.sum()
+
+    read()
+    flush_l2()
+    warm = sorted(one_run_ms(read, cuda=True, ahead=True) for _ in range(21))[10]
+    cold = sorted(one_run_ms(read, cuda=True, ahead=True, cold=True) for _ in range(21))[10]
+    evict = sorted(one_run_ms(flush_l2, cuda=True, ahead=True) for _ in range(5))[2]
+    assert cold > 1.1 * warm, (warm, cold)
+    assert cold < evict, (cold, evict)  # the eviction (2x the L2 written) ran before the start event

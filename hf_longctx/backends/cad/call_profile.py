@@ -144,9 +144,10 @@ def check_keys_limit(model: LaunchCostModel, kernel: str, kv_heads: int, head_di
     return {"sweep": sweep, "batch": {"segments": segments, "one_call": one_call, "cut_calls": cut, "runs": runs}}
 
 
-def _run_ms(step: Callable[[], None], device: torch.device) -> float:
-    """Milliseconds of ``step`` (device events with the stream queued ahead on a GPU; the host clock on the CPU)."""
-    return one_run_ms(step, device.type == "cuda", ahead=True)
+def _run_ms(step: Callable[[], None], device: torch.device, cold: bool = False) -> float:
+    """Milliseconds of ``step`` (device events with the stream queued ahead on a GPU, after evicting the L2 cache
+    where ``cold``; the host clock on the CPU)."""
+    return one_run_ms(step, device.type == "cuda", ahead=True, cold=cold)
 
 
 def segment_batch(shapes: Sequence[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -166,11 +167,13 @@ def segment_batch(shapes: Sequence[tuple[int, int]], heads: int, kv_heads: int, 
 
 def time_call_phases(shapes: Sequence[tuple[int, int]], kernel: str, heads: int, kv_heads: int, head_dim: int,
                      dtype: torch.dtype, device: torch.device, warmup: int = 1, reps: int = 5, seed: int = 0,
-                     causal: bool = True, key_split: KeySplit | None = None) -> tuple[float, float]:
+                     causal: bool = True, key_split: KeySplit | None = None, cold: bool = False
+                     ) -> tuple[float, float]:
     """(forward ms, backward ms) of one varlen call over ``shapes`` (in the order given), each the median of
     ``reps`` after ``warmup`` untimed runs; every segment has keys of its own, as a server's gathered batch.
     ``causal`` False: rectangles (every row sees all its segment's keys), as a key cut's part before its rows.
-    ``key_split``: the forward as a server runs it (a call of few long blocks as chunks of its keys)."""
+    ``key_split``: the forward as a server runs it (a call of few long blocks as chunks of its keys). ``cold``:
+    the L2 cache evicted before every timed run (:func:`~hf_longctx.benchmarking.flush_l2`)."""
     cu_q, cu_k, max_q, max_k, q, k, v = segment_batch(shapes, heads, kv_heads, head_dim, dtype, device, seed)
     dout = torch.randn_like(q)
     out, lse = attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, kernel=kernel, key_split=key_split)
@@ -186,25 +189,27 @@ def time_call_phases(shapes: Sequence[tuple[int, int]], kernel: str, heads: int,
         step.shapes, step.phase = list(shapes), phase  # what the call computes, for whoever reads the timings
         for _ in range(warmup):
             step()
-        times.append(statistics.median(_run_ms(step, device) for _ in range(reps)))
+        times.append(statistics.median(_run_ms(step, device, cold) for _ in range(reps)))
     return times[0], times[1]
 
 
 def profile_launch_cost(kernel: str, device: torch.device, grid: LaunchGrid, heads: int = 32, kv_heads: int = 8,
                         head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, count: int = 160, seed: int = 0,
                         warmup: int = 1, reps: int = 5, scale: float = 1.0,
-                        report: Callable[[str], None] | None = None) -> tuple[LaunchCostModel, dict]:
+                        report: Callable[[str], None] | None = None, cold: bool = False
+                        ) -> tuple[LaunchCostModel, dict]:
     """Time ``count`` random calls (:func:`random_calls`, :func:`keys_limit_calls` where the grid has a keys
     limit, :func:`split_forward_calls` where its forward splits keys) of ``kernel`` and fit both phases' terms (ms):
     (model, metadata with the held-out check, the fit's own error and every timed call). ``grid``: the kernel's
-    launch grid on this device (its slots the SM count)."""
+    launch grid on this device (its slots the SM count). ``cold``: every run with the L2 cache evicted first
+    (:func:`time_call_phases`)."""
     t0 = time.perf_counter()
     calls = random_calls(count, seed, scale=scale) + keys_limit_calls(grid, scale) + split_forward_calls(grid, scale)
     timed = []
     key_split = KeySplit.for_grid(grid)  # the forward as the kernel's servers run it
     for i, shapes in enumerate(calls):
         fwd, bwd = time_call_phases(shapes, kernel, heads, kv_heads, head_dim, dtype, device, warmup, reps, seed + i,
-                                    key_split=key_split)
+                                    key_split=key_split, cold=cold)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         timed.append((shapes, fwd, bwd))
@@ -226,7 +231,7 @@ def profile_launch_cost(kernel: str, device: torch.device, grid: LaunchGrid, hea
     check["forward+backward"] = float((both_pred / both_meas - 1.0).std())
     fitted = {p: fit_phase_terms(features[p], seconds[p]) for p in PHASES}
     model = LaunchCostModel(grid, heads, fitted["forward"][0], fitted["backward"][0], "ms")
-    meta = {"kernel": kernel, "calls": len(timed), "seed": seed, "reps": reps,
+    meta = {"kernel": kernel, "calls": len(timed), "seed": seed, "reps": reps, "l2": "evicted" if cold else "warm",
             "held_out_relative_error_std": check,
             "fit_relative_error_std": {p: fitted[p][1] for p in PHASES},
             "seconds": round(time.perf_counter() - t0, 1),
@@ -374,11 +379,12 @@ def dumped_calls(dump: dict) -> list[tuple[dict, float]]:
 
 
 def replay_dumped_calls(dump: dict, kernel: str, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                        device: torch.device, warmup: int = 1, reps: int = 5, key_split: KeySplit | None = None
-                        ) -> list[tuple[dict, float, float]]:
+                        device: torch.device, warmup: int = 1, reps: int = 5, key_split: KeySplit | None = None,
+                        cold: bool = False) -> list[tuple[dict, float, float]]:
     """Every call of a dumped emulated step (:func:`dumped_calls`) timed again alone: (call, ms in the step, ms
     alone), each distinct call's phases timed once (:func:`time_call_phases`, fresh tensors; the forward under
-    ``key_split``, which need not be the step's, so that a split can be timed against the calls a step made whole).
+    ``key_split``, which need not be the step's, so that a split can be timed against the calls a step made whole;
+    ``cold``: each run after evicting the L2 cache).
 
     Why: a cost model is fitted to calls timed alone, and checked against calls timed inside an emulated step, where
     one device runs every rank's calls back to back and holds every rank's buffers. Where a call's time in the step
@@ -392,7 +398,7 @@ def replay_dumped_calls(dump: dict, kernel: str, heads: int, kv_heads: int, head
         if key not in timed:
             shapes = [(q, k) for q, k in zip(call["q_lens"], call["k_lens"]) if q > 0]
             timed[key] = time_call_phases(shapes, kernel, heads, kv_heads, head_dim, dtype, device, warmup, reps,
-                                          causal=causal, key_split=key_split)
+                                          causal=causal, key_split=key_split, cold=cold)
         out.append((call, in_step, timed[key][PHASES.index(call["phase"])]))
     return out
 

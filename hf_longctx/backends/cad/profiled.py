@@ -60,6 +60,7 @@ CUT_KV_FACTORS = (1, 2, 8)
 MODES = ("fwd", "fwd+bwd")
 # how cells are timed (kept in a profile's metadata; a profile timed otherwise is measured again)
 TIMING = "device events, stream queued ahead"
+PROFILE_L2 = ("evicted", "warm")  # the L2 state the launch profile times calls in (see profile_l2)
 
 
 @dataclass(frozen=True)
@@ -421,6 +422,7 @@ def profiled_cost_model(kernel: str = "auto", device: torch.device | str | None 
     """
     if model not in COST_MODELS:
         raise ValueError(f"profiled_cost_model's model must be one of {COST_MODELS}, got {model!r}")
+    profile_l2()  # a misspelled setting is refused, not lost to the FLOPs fallback below
     if device is None:
         if not torch.cuda.is_available():
             return FlopsCostModel(4.0 * shape.heads * shape.head_dim), "FLOPs (no GPU to profile)"
@@ -467,6 +469,17 @@ def _same_launch(cached: LaunchGrid, grid: LaunchGrid) -> bool:
     return all(getattr(cached, f) == getattr(grid, f) for f in fields)
 
 
+def profile_l2() -> str:
+    """The L2 state the launch profile times its calls in: ``HF_LONGCTX_PROFILE_L2``, one of :data:`PROFILE_L2`
+    (default ``warm``). ``evicted`` writes a buffer twice the L2 before each timed run
+    (:func:`~hf_longctx.benchmarking.flush_l2`); ``warm`` times a call again over the buffers it just used. A
+    cached model timed in the other state is fitted again."""
+    value = os.environ.get("HF_LONGCTX_PROFILE_L2", "warm")
+    if value not in PROFILE_L2:
+        raise ValueError(f"HF_LONGCTX_PROFILE_L2={value!r}: choose one of {', '.join(PROFILE_L2)}")
+    return value
+
+
 def _every_term(data: dict) -> bool:
     """Whether a cached launch model was fitted with every term the model prices now (one saved before a term
     existed loads with it at 0, which would price what the term measures as free)."""
@@ -475,19 +488,22 @@ def _every_term(data: dict) -> bool:
 
 def _launch_model(name: str, device: torch.device, shape: SegmentShape, grid: LaunchGrid, profile_if_missing: bool
                   ) -> tuple[CostModel, str]:
-    """The cached launch cost model of ``name`` here (fitted again when its grid, terms, timing or the merge of cut
-    forwards differ), or fitted now."""
+    """The cached launch cost model of ``name`` here (fitted again when its grid, terms, timing, the L2 state it was
+    timed in (:func:`profile_l2`) or the merge of cut forwards differ), or fitted now."""
+    l2 = profile_l2()
     path = launch_cache_path(device, name, shape)
     if path.exists():
         data = json.loads(path.read_text())
         cached = LaunchGrid.from_dict(data["launch"]) if data.get("kind") == LAUNCH_KIND else None
         meta = data.get("meta", {})
         if cached is not None and meta.get("timing") == TIMING and _same_launch(cached, grid) and _every_term(data) \
-                and meta.get("merge") == merge_implementation(device, shape.dtype):
+                and meta.get("merge") == merge_implementation(device, shape.dtype) \
+                and meta.get("l2", "warm") == l2:
             return LaunchCostModel.from_dict(data), f"launch-fitted {name} ({path})"
     if not profile_if_missing:
         return FlopsCostModel(4.0 * shape.heads * shape.head_dim), f"FLOPs (no launch cost model at {path})"
-    model, meta = profile_launch_cost(name, device, grid, shape.heads, shape.kv_heads, shape.head_dim, shape.dtype)
+    model, meta = profile_launch_cost(name, device, grid, shape.heads, shape.kv_heads, shape.head_dim, shape.dtype,
+                                      cold=l2 == "evicted")
     meta.update(device=device_name(device), torch=torch.__version__, timing=TIMING,
                 merge=merge_implementation(device, shape.dtype))
     _write_atomically(path, model, meta)
