@@ -20,6 +20,7 @@ from hf_longctx.backends.cad.call_profile import (
     profile_launch_cost,
     random_calls,
     server_phase_errors,
+    short_document_calls,
     sweep_shapes,
 )
 from hf_longctx.backends.cad.cost_model import ProfiledCostModel
@@ -136,9 +137,12 @@ def test_the_profiler_times_both_phases_of_random_calls_and_fits_them(monkeypatc
                                       dtype=torch.float32, count=32, warmup=0, reps=1, scale=1 / 256)
     for phase in PHASES:
         np.testing.assert_allclose(model.terms(phase).as_vector(), truth[phase].as_vector(), rtol=1e-6, atol=1e-12)
-    assert max(meta["held_out_relative_error_std"].values()) < 1e-9 and meta["calls"] == 32
+    # the random calls and the batches of short documents (the grid neither limits keys nor splits forwards)
+    calls = 32 + len(short_document_calls())
+    assert max(meta["held_out_relative_error_std"].values()) < 1e-9 and meta["calls"] == calls
+    assert meta["call_set"] == call_profile.CALL_SET
     # every timed call is kept beside the fit, so the fit can be checked again away from the device
-    assert len(meta["timed"]) == 32 and all(t["forward"] > 0 and t["backward"] > 0 for t in meta["timed"])
+    assert len(meta["timed"]) == calls and all(t["forward"] > 0 and t["backward"] > 0 for t in meta["timed"])
     first = meta["timed"][0]
     q, k = [a for a, _ in first["shapes"]], [b for _, b in first["shapes"]]
     assert first["forward"] == pytest.approx(truth["forward"].as_vector() @ call_features("forward", q, k, grid, 2))
@@ -156,7 +160,7 @@ def test_the_profiler_prices_backward_keys_past_the_kernels_limit(monkeypatch):
     model, meta = profile_launch_cost("reference", torch.device("cpu"), grid, heads=2, kv_heads=1, head_dim=8,
                                       dtype=torch.float32, count=32, warmup=0, reps=1, scale=1 / 256)
     np.testing.assert_allclose(model.backward.as_vector(), truth["backward"].as_vector(), rtol=1e-6, atol=1e-12)
-    assert model.forward.k_spill == 0.0 and meta["calls"] == 32 + 6
+    assert model.forward.k_spill == 0.0 and meta["calls"] == 32 + 6 + len(short_document_calls())
 
 
 def test_a_backward_past_the_keys_limit_pays_the_spill_on_every_key():
@@ -234,6 +238,20 @@ def test_the_sweep_check_prices_each_timed_phase_with_the_model(monkeypatch):
         for phase in PHASES:
             assert row[phase]["measured"] == pytest.approx(row[phase]["predicted"], rel=1e-9)
             assert row[phase]["predicted"] > 0
+
+
+def test_short_document_calls_are_server_batches_of_short_documents_in_launch_order():
+    calls = short_document_calls()
+    assert calls == short_document_calls() and calls != short_document_calls(seed=1)  # seeded
+    assert len(calls) == 32 and all(2 <= len(c) <= 16 for c in calls)
+    segments = [s for c in calls for s in c]
+    assert all(1 <= q <= k <= 4096 for q, k in segments)
+    shards = sum(q < k for q, k in segments)
+    assert 0.1 < shards / len(segments) < 0.3  # some are a document's last rows over its prefix
+    assert 300 < sorted(k for _, k in segments)[len(segments) // 2] < 600  # SFT-like: a few hundred rows
+    for c in calls:
+        assert [c[i] for i in call_order([q for q, _ in c], [k for _, k in c])] == c
+    assert max(k for c in short_document_calls(scale=1 / 64) for _, k in c) <= 64
 
 
 def test_mix_pairs_put_a_long_prefix_beside_sets_of_short_documents():
@@ -383,6 +401,11 @@ def test_profiled_picks_the_launch_model_where_the_kernel_declares_a_grid(tmp_pa
     with pytest.raises(ValueError, match="HF_LONGCTX_PROFILE_L2='cold': choose one of evicted, warm"):
         profiled_cost_model("reference", "cpu", shape)
     monkeypatch.delenv("HF_LONGCTX_PROFILE_L2")
+    earlier = json.loads(cached.read_text())
+    earlier["meta"]["call_set"] = call_profile.CALL_SET - 1  # fitted on another set of calls: fitted again
+    cached.write_text(json.dumps(earlier))
+    _, source = profiled_cost_model("reference", "cpu", shape)
+    assert "now" in source and len(fits) == 5
     grid_model, _ = profiled_cost_model("reference", "cpu", shape, model="grid", q_lens=(16, 64),
                                         kv_lens=(16, 64, 256), budget=profiled.ProfileBudget(
                                             min_tokens=64, max_kv_tokens=1024, max_pairs=4096, warmup=0, reps=1))

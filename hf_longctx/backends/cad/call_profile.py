@@ -37,13 +37,16 @@ from ...kernels.launch import LaunchGrid
 from .cost_model import PAIRS
 from .launch_cost import PHASES, LaunchCostModel, call_features, fit_phase_terms
 
-__all__ = ["CALL_KINDS", "SWEEPS", "check_call_mix", "check_keys_limit", "check_launch_cost", "dumped_calls",
-           "keys_limit_calls", "mix_pairs", "placement_probes", "profile_launch_cost", "random_calls",
-           "replay_dumped_calls", "segment_batch", "server_phase_errors", "split_forward_calls", "sweep_shapes",
-           "time_call_phases", "time_placement"]
+__all__ = ["CALL_KINDS", "CALL_SET", "SWEEPS", "check_call_mix", "check_keys_limit", "check_launch_cost",
+           "dumped_calls", "keys_limit_calls", "mix_pairs", "placement_probes", "profile_launch_cost",
+           "random_calls", "replay_dumped_calls", "segment_batch", "server_phase_errors", "short_document_calls",
+           "split_forward_calls", "sweep_shapes", "time_call_phases", "time_placement"]
 
 CALL_KINDS = ("short documents", "shards", "long shard beside short documents", "one large segment")
 SWEEPS = ("prefix", "waves", "square")  # the lines of :func:`sweep_shapes`
+# Which calls :func:`profile_launch_cost` times, by version: a cached model fitted on another set is fitted again
+# (3: random calls, the keys limit's, split forwards' and short-document batches)
+CALL_SET = 3
 MAX_CALL_PAIRS = float(1 << 30)  # visible pairs of one timed call (about 0.2 s of an 8B layer's fwd+bwd on an H200)
 
 
@@ -111,6 +114,28 @@ def split_forward_calls(grid: LaunchGrid, scale: float = 1.0) -> list[list[tuple
                [(256, 36000), (128, 30000)], [(128, 36000), (102, 102)], [(448, 38000), (256, 20000), (64, 9000)],
                [(256, 20000)], [(128, 24000), (192, 18000)], [(512, 28000)], [(320, 17500), (1536, 9000)]]
     return [[(max(1, int(q * scale)), max(1, int(k * scale))) for q, k in call] for call in shapes]
+
+
+def short_document_calls(count: int = 32, seed: int = 0, scale: float = 1.0) -> list[list[tuple[int, int]]]:
+    """``count`` calls of short documents only, as a CAD server batches an SFT-like mix: 2-16 segments of lengths
+    drawn lognormal (median about 400 rows, 32 to 4096), one in five a document's last rows over its prefix, in
+    launch order. ``scale`` shrinks every length.
+
+    Why: random calls draw short documents log-uniform up to 4K rows beside longer ones, so few of them hold only
+    documents of a few hundred rows, whose blocks sweep a few key tiles each. Fitted without such calls, the
+    forward of SFT servers at W = 64 (an H200, torch's flash kernel) ran 7-9% over its price, more on the servers
+    whose calls held the shortest documents."""
+    rng = random.Random(seed + 7919)
+    calls = []
+    for _ in range(count):
+        shapes = []
+        for _ in range(rng.randint(2, 16)):
+            n = int(min(4096, max(32, rng.lognormvariate(6.0, 0.9))))
+            shapes.append((rng.randint(16, n - 1), n) if rng.random() < 0.2 else (n, n))
+        shapes = [(max(1, int(q * scale)), max(1, int(k * scale))) for q, k in shapes]
+        order = call_order([q for q, _ in shapes], [k for _, k in shapes])
+        calls.append([shapes[j] for j in order])
+    return calls
 
 
 KEYS_LIMIT_SWEEP = (0.85, 0.95, 0.99, 1.01, 1.05, 1.25, 1.5)  # keys of :func:`check_keys_limit`'s segments / limit
@@ -199,12 +224,14 @@ def profile_launch_cost(kernel: str, device: torch.device, grid: LaunchGrid, hea
                         report: Callable[[str], None] | None = None, cold: bool = False
                         ) -> tuple[LaunchCostModel, dict]:
     """Time ``count`` random calls (:func:`random_calls`, :func:`keys_limit_calls` where the grid has a keys
-    limit, :func:`split_forward_calls` where its forward splits keys) of ``kernel`` and fit both phases' terms (ms):
+    limit, :func:`split_forward_calls` where its forward splits keys, and :func:`short_document_calls`) of
+    ``kernel`` and fit both phases' terms (ms):
     (model, metadata with the held-out check, the fit's own error and every timed call). ``grid``: the kernel's
     launch grid on this device (its slots the SM count). ``cold``: every run with the L2 cache evicted first
     (:func:`time_call_phases`)."""
     t0 = time.perf_counter()
-    calls = random_calls(count, seed, scale=scale) + keys_limit_calls(grid, scale) + split_forward_calls(grid, scale)
+    calls = (random_calls(count, seed, scale=scale) + keys_limit_calls(grid, scale) + split_forward_calls(grid, scale)
+             + short_document_calls(seed=seed, scale=scale))
     timed = []
     key_split = KeySplit.for_grid(grid)  # the forward as the kernel's servers run it
     for i, shapes in enumerate(calls):
@@ -231,7 +258,8 @@ def profile_launch_cost(kernel: str, device: torch.device, grid: LaunchGrid, hea
     check["forward+backward"] = float((both_pred / both_meas - 1.0).std())
     fitted = {p: fit_phase_terms(features[p], seconds[p]) for p in PHASES}
     model = LaunchCostModel(grid, heads, fitted["forward"][0], fitted["backward"][0], "ms")
-    meta = {"kernel": kernel, "calls": len(timed), "seed": seed, "reps": reps, "l2": "evicted" if cold else "warm",
+    meta = {"kernel": kernel, "calls": len(timed), "call_set": CALL_SET, "seed": seed, "reps": reps,
+            "l2": "evicted" if cold else "warm",
             "held_out_relative_error_std": check,
             "fit_relative_error_std": {p: fitted[p][1] for p in PHASES},
             "seconds": round(time.perf_counter() - t0, 1),

@@ -43,7 +43,7 @@ from ...kernels import attention_backward, attention_forward, get_kernel, kernel
 from ...kernels.calls import CallTerms
 from ...kernels.launch import LaunchGrid, tail_factor
 from ...kernels.merge import merge_implementation
-from .call_profile import profile_launch_cost, segment_batch
+from .call_profile import CALL_SET, profile_launch_cost, segment_batch
 from .cost_model import PAIRS, CostModel, FlopsCostModel, ProfiledCostModel
 from .launch_cost import KIND as LAUNCH_KIND
 from .launch_cost import PHASES, TERM_NAMES, LaunchCostModel
@@ -489,7 +489,8 @@ def _every_term(data: dict) -> bool:
 def _launch_model(name: str, device: torch.device, shape: SegmentShape, grid: LaunchGrid, profile_if_missing: bool
                   ) -> tuple[CostModel, str]:
     """The cached launch cost model of ``name`` here (fitted again when its grid, terms, timing, the L2 state it was
-    timed in (:func:`profile_l2`) or the merge of cut forwards differ), or fitted now."""
+    timed in (:func:`profile_l2`), the set of calls it timed (:data:`~.call_profile.CALL_SET`) or the merge of cut
+    forwards differ), or fitted now."""
     l2 = profile_l2()
     path = launch_cache_path(device, name, shape)
     if path.exists():
@@ -498,7 +499,7 @@ def _launch_model(name: str, device: torch.device, shape: SegmentShape, grid: La
         meta = data.get("meta", {})
         if cached is not None and meta.get("timing") == TIMING and _same_launch(cached, grid) and _every_term(data) \
                 and meta.get("merge") == merge_implementation(device, shape.dtype) \
-                and meta.get("l2", "warm") == l2:
+                and meta.get("l2", "warm") == l2 and meta.get("call_set") == CALL_SET:
             return LaunchCostModel.from_dict(data), f"launch-fitted {name} ({path})"
     if not profile_if_missing:
         return FlopsCostModel(4.0 * shape.heads * shape.head_dim), f"FLOPs (no launch cost model at {path})"
