@@ -19,7 +19,7 @@ work=$(mktemp -d)
 common=(--kernel torch_flash --backends cad --eps-sweep none:0 --reps "$REPS" --cad-runs "cad profiled eps0.01")
 for s in $SEEDS_W16; do
   $PY scripts/bench_emulated.py "${common[@]}" --mixes sft,prolong,pretrain \
-    --tokens prolong:256k,pretrain:256k,sft:256k --worlds 8,16 --budget-s 200 --seed "$s" \
+    --tokens prolong:256k,pretrain:256k,sft:256k --worlds 8,16 --budget-s 300 --seed "$s" \
     --out "$OUT/cad_scale_w8_w16_seed$s.md" | grep -E "\| cad "
 done
 for s in $SEEDS; do

@@ -27,6 +27,9 @@ def test_past_the_sms_blocks_share_them_and_take_the_pair_factor():
     assert paired_makespan([500] * 320, 132, 1.6) == pytest.approx(1300)
     # one long block per head among empty ones past 128 blocks: paired (measured 1.58-1.59x on most spacings)
     assert paired_makespan(([500] + [0] * 4) * 32, 132, 1.6, empty=0.3) == pytest.approx(800)
+    # ... also where empty blocks take no time: in one wave, a block's place in the launch order decides
+    assert paired_makespan(([500] + [0] * 4) * 32, 132, 1.6, empty=0.0) == pytest.approx(800)
+    assert paired_makespan(([500] + [0] * 4) * 26, 132, 1.6, empty=0.0) == pytest.approx(500)  # all in the first 132
     with pytest.raises(ValueError, match="pairing >= 1"):
         paired_makespan([1], 132, 0.5)
 

@@ -238,7 +238,9 @@ def paired_makespan(steps: Sequence[float], sms: int, pairing: float, empty: flo
     """Finish time (in a lone block's tile steps) of blocks of ``steps`` (launched ``repeats`` times over, e.g. one
     head's blocks of a call) started in launch order on ``2 * sms`` slots: a block that starts while more than
     ``sms`` blocks run shares an SM and takes ``pairing`` times its steps; an empty block (0 steps) holds its slot
-    for ``empty``.
+    for ``empty``. Where every block starts at once (at most ``2 * sms``), blocks are placed by launch position,
+    empty ones too: the blocks past the first ``sms`` share SMs (measured: one long block per head among empty
+    ones pairs past 128 blocks).
 
     Why: torch's flash forward runs up to one block per SM alone; past that, long blocks mostly end up two to
     an SM and take 1.6x as long, whatever separates them in the launch order (``scripts/profile_cad.py
@@ -252,16 +254,13 @@ def paired_makespan(steps: Sequence[float], sms: int, pairing: float, empty: flo
     n, slots = len(works) * repeats, 2 * sms
     if n == 0:
         return 0.0
-    if n <= slots:  # every block starts at once: the first ``sms`` that take time run alone, the rest paired
-        alone, paired, running = 0.0, 0.0, 0
-        for work in works * repeats:
-            if work <= 0:
-                continue
-            if running < sms:
+    if n <= slots:  # every block starts at once, placed in launch order: the first ``sms`` alone, the rest paired
+        alone, paired = 0.0, 0.0
+        for position, work in enumerate(works * repeats):
+            if position < sms:
                 alone = max(alone, work)
             else:
                 paired = max(paired, work)
-            running += 1
         return max(alone, paired * pairing)
     exact = EXACT_WAVES * slots
     now = 0.0
