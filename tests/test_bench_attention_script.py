@@ -1,0 +1,50 @@
+"""``scripts/bench_attention.py`` runs end to end on the CPU with tiny sizes, emulated and for real (so neither
+rots): the same workloads, each real rank's kernel time measured as the emulation measures it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "bench_attention.py"
+
+
+def _run(*args: str, cache: Path) -> str:
+    env = {**os.environ, "HF_LONGCTX_CACHE": str(cache), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--seqs", "", "--kv-heads", "2",
+                           "--backends", "ring,cad-profiled", "--mix", "sft", *args],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def _rows(text: str, columns: int) -> dict[tuple[str, str], list[str]]:
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        if len(cells) == columns and cells[0].endswith(" mix"):
+            rows[cells[0], cells[3]] = cells
+    return rows
+
+
+def test_the_real_and_the_emulated_run_report_every_ranks_kernel_balance(tmp_path):
+    emulated = _rows(_run("--emulate", "2", cache=tmp_path), 10)
+    real_text = _run("--gpus", "2", "--kernel-times", cache=tmp_path)
+    real = _rows(real_text, 14)
+    for backend in ("ring", "cad-profiled"):
+        assert float(emulated["sft mix", backend][4]) >= 1.0  # max/mean kernel (emulated)
+        assert float(real["sft mix", backend][12]) >= 1.0 and float(real["sft mix", backend][13]) > 0  # (real), max ms
+    checks = [line for line in real_text.splitlines() if "relative error vs 1 GPU" in line]
+    assert checks and all(line.endswith("OK") for line in checks)  # outputs and gradients against one device
+    assert "max/mean kernel (real)" in real_text
+
+
+def test_an_unknown_mix_is_refused_before_anything_runs(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--mix", "prolong,chat"], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env=env)
+    assert done.returncode == 2 and "unknown --mix chat" in done.stderr
