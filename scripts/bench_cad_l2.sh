@@ -16,7 +16,6 @@
 set -uo pipefail
 source "$(dirname "$0")/bench_env.sh"
 SEEDS=${SEEDS:-0 1}
-REPS=${REPS:-2}
 DUMPS=${DUMPS:-bench/logs/cad_merge_min_shared16k_w64_dumps_1xH200_2026-11-28.tgz}
 MODEL=${MODEL:-bench/logs/launch_model_merge_min_shared16k_1xH200_2026-11-28.json}
 work=$(mktemp -d)
@@ -32,11 +31,6 @@ for mix in sft prolong; do
   done
 done
 export HF_LONGCTX_PROFILE_L2=evicted
-common=(--kernel torch_flash --backends cad --eps-sweep none:0 --reps "$REPS" --cad-runs "cad profiled eps0.01")
-for s in $SEEDS; do
-  $PY scripts/bench_emulated.py "${common[@]}" --mixes sft,prolong,pretrain \
-    --tokens pretrain:512k,sft:512k,prolong:128k --worlds 64 --budget-s 170 --seed "$s" --dump-calls "$work/s$s" \
-    --out "$OUT/cad_l2_w64_seed$s.md" | grep -E "\| cad "
-done
+for s in $SEEDS; do cad_w64 "$s" "$OUT/cad_l2_w64_seed$s.md" "$work/s$s"; done
 cp "$HF_LONGCTX_CACHE"/cad_cost/*-launch.json "$OUT/launch_model_l2_evicted.json"
 tar czf "$OUT/cad_l2_w64_dumps.tgz" -C "$work" --exclude earlier .

@@ -17,7 +17,6 @@ set -uo pipefail
 source "$(dirname "$0")/bench_env.sh"
 SEEDS=${SEEDS:-0 1 2}
 SEEDS_W16=${SEEDS_W16:-0}
-REPS=${REPS:-2}
 DUMPS=${DUMPS:-bench/logs/cad_merge_w64_dumps_1xH200_2026-11-28.tgz}
 work=$(mktemp -d)
 if [ "${TESTS:-merge}" = all ]; then tests=(tests/gpu); else
@@ -28,15 +27,9 @@ mkdir -p "$work/earlier" && tar xzf "$DUMPS" -C "$work/earlier"
 $PY scripts/bench_merge.py --calls "$(find "$work/earlier" -name '*_w64_*.json' | sort | paste -sd,)" \
   > "$OUT/merge_bench.md" 2>&1
 cat "$OUT/merge_bench.md"
-common=(--kernel torch_flash --backends cad --eps-sweep none:0 --reps "$REPS" --cad-runs "cad profiled eps0.01")
-for s in $SEEDS; do
-  $PY scripts/bench_emulated.py "${common[@]}" --mixes pretrain,sft,prolong \
-    --tokens pretrain:512k,sft:512k,prolong:128k --worlds 64 --budget-s 170 --seed "$s" --dump-calls "$work/s$s" \
-    --out "$OUT/cad_merge_w64_seed$s.md" | grep -E "\| cad "
-done
+for s in $SEEDS; do cad_w64 "$s" "$OUT/cad_merge_w64_seed$s.md" "$work/s$s"; done
 for s in $SEEDS_W16; do
-  $PY scripts/bench_emulated.py "${common[@]}" --mixes prolong,pretrain --worlds 8,16 --budget-s 150 --seed "$s" \
-    --out "$OUT/cad_merge_w16_seed$s.md" | grep -E "\| cad "
+  cad_emulated "$OUT/cad_merge_w16_seed$s.md" --mixes prolong,pretrain --worlds 8,16 --budget-s 150 --seed "$s"
 done
 cp "$HF_LONGCTX_CACHE"/cad_cost/*-launch.json "$OUT/launch_model_merge.json"
 tar czf "$OUT/cad_merge_w64_dumps.tgz" -C "$work" --exclude earlier .

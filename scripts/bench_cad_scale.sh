@@ -14,18 +14,11 @@ set -uo pipefail
 source "$(dirname "$0")/bench_env.sh"
 SEEDS=${SEEDS:-0 1 2}
 SEEDS_W16=${SEEDS_W16:-0}
-REPS=${REPS:-2}
 work=$(mktemp -d)
-common=(--kernel torch_flash --backends cad --eps-sweep none:0 --reps "$REPS" --cad-runs "cad profiled eps0.01")
 for s in $SEEDS_W16; do
-  $PY scripts/bench_emulated.py "${common[@]}" --mixes sft,prolong,pretrain \
-    --tokens prolong:256k,pretrain:256k,sft:256k --worlds 8,16 --budget-s 300 --seed "$s" \
-    --out "$OUT/cad_scale_w8_w16_seed$s.md" | grep -E "\| cad "
+  cad_emulated "$OUT/cad_scale_w8_w16_seed$s.md" --mixes sft,prolong,pretrain \
+    --tokens prolong:256k,pretrain:256k,sft:256k --worlds 8,16 --budget-s 300 --seed "$s"
 done
-for s in $SEEDS; do
-  $PY scripts/bench_emulated.py "${common[@]}" --mixes sft,prolong,pretrain \
-    --tokens pretrain:512k,sft:512k,prolong:128k --worlds 64 --budget-s 170 --seed "$s" --dump-calls "$work/s$s" \
-    --out "$OUT/cad_scale_w64_seed$s.md" | grep -E "\| cad "
-done
+for s in $SEEDS; do cad_w64 "$s" "$OUT/cad_scale_w64_seed$s.md" "$work/s$s"; done
 cp "$HF_LONGCTX_CACHE"/cad_cost/*-launch.json "$OUT/cad_scale_launch_model.json"
 tar czf "$OUT/cad_scale_w64_dumps.tgz" -C "$work" .

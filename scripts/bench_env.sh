@@ -7,3 +7,18 @@ mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-}:$PWD
 export HF_LONGCTX_CACHE=${HF_LONGCTX_CACHE:-$PWD/outputs/cache}
 PY=${PY:-python3}
+
+# CAD on the kernel's launch cost model at eps 0.01 (fitted on first use), emulated: cad_emulated OUT_FILE ARGS...
+# passes ARGS on to bench_emulated.py (--mixes, --worlds, --seed, ...) and prints CAD's rows; REPS timed steps each.
+cad_emulated() {
+  local out=$1; shift
+  $PY scripts/bench_emulated.py --kernel torch_flash --backends cad --eps-sweep none:0 --reps "${REPS:-2}" \
+    --cad-runs "cad profiled eps0.01" --out "$out" "$@" | grep -E "\| cad "
+}
+
+# The W = 64 row set of the CAD scripts: cad_w64 SEED OUT_FILE DUMP_DIR (SFT and Pretrain at 512K tokens, ProLong at
+# 128K; every kernel call dumped to DUMP_DIR).
+cad_w64() {
+  cad_emulated "$2" --mixes sft,prolong,pretrain --tokens pretrain:512k,sft:512k,prolong:128k --worlds 64 \
+    --budget-s 170 --seed "$1" --dump-calls "$3"
+}
