@@ -222,12 +222,11 @@ def emulate_step(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ..
                                                                                kernel, keep))
         if i < warmup:
             continue
-        seconds = timer.seconds()
         largest = max(largest, hub.largest_all_to_all)
         on_device = max(on_device, hub.largest_all_to_all_on_device)
-        for r in range(world):
-            per_rank[r].append((seconds.get((r, "forward"), 0.0), seconds.get((r, "backward"), 0.0)))
-            calls[r] = timer.calls.get((r, "forward"), 0) + timer.calls.get((r, "backward"), 0)
+        for r, (forward_s, backward_s, rank_calls) in enumerate(timer.rank_totals(range(world))):
+            per_rank[r].append((forward_s, backward_s))
+            calls[r] = rank_calls
             traffic[r] = list(hub.traffic[r].calls)
     step = EmulatedStep(backend, world, strategy, step_flops(batch, q.shape[1], q.shape[2]), str(q.device),
                         largest_all_to_all=largest, largest_all_to_all_on_device=on_device)
@@ -255,9 +254,8 @@ def real_rank_kernel_times(step: Callable[[], object], device: torch.device, rep
         timer = KernelTimer(ThisProcess(rank), device)
         with observe_kernels(timer):
             step()
-        seconds = timer.seconds()
-        samples.append((seconds.get((rank, "forward"), 0.0), seconds.get((rank, "backward"), 0.0)))
-        calls = timer.calls.get((rank, "forward"), 0) + timer.calls.get((rank, "backward"), 0)
+        forward_s, backward_s, calls = timer.rank_totals([rank])[0]
+        samples.append((forward_s, backward_s))
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, (*median_rep(samples), calls), group=group)
     return [tuple(x) for x in gathered]

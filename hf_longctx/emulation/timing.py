@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 
 from ..benchmarking import queue_ahead
-from ..comm.emulated import EmulationHub
 from ..kernels import KernelCall
 from ..kernels.key_split import plan_key_split
 
@@ -92,11 +91,11 @@ class KernelTimer:
     kernels compile per configuration (FA4: 0.1-0.7 s), which would otherwise land in one rank's time.
 
     ``keep_calls``: also keep every timed call's segment lengths and seconds (:meth:`call_log`), so that a cost
-    model can be checked call by call against what the kernel took. ``hub``: an emulation's hub, or
-    :class:`ThisProcess` in a real run (the same per-rank kernel time, measured where the ranks really run).
-    """
+    model can be checked call by call against what the kernel took. ``hub``: who computes now, an emulation's
+    hub (:class:`~hf_longctx.comm.emulated.EmulationHub`) or :class:`ThisProcess` in a real run (the same
+    per-rank kernel time, measured where the ranks really run)."""
 
-    def __init__(self, hub: EmulationHub | RankSource, device: torch.device, keep_calls: bool = False) -> None:
+    def __init__(self, hub: RankSource, device: torch.device, keep_calls: bool = False) -> None:
         self.hub = hub
         self.cuda = device.type == "cuda"
         self.keep_calls = keep_calls
@@ -140,6 +139,12 @@ class KernelTimer:
         return [{"rank": rank, "phase": name, "q_lens": list(ql), "k_lens": list(kl), "causal": causal,
                  "seconds": t if isinstance(t, float) else t[0].elapsed_time(t[1]) / 1e3}
                 for rank, name, ql, kl, causal, t in self._log]
+
+    def rank_totals(self, ranks: Sequence[int]) -> list[tuple[float, float, int]]:
+        """Per rank of ``ranks``: (forward seconds, backward seconds, kernel calls); synchronises the device once."""
+        seconds = self.seconds()
+        return [(seconds.get((r, "forward"), 0.0), seconds.get((r, "backward"), 0.0),
+                 self.calls.get((r, "forward"), 0) + self.calls.get((r, "backward"), 0)) for r in ranks]
 
     def seconds(self) -> dict[tuple[int, str], float]:
         """Kernel seconds per (rank, ``forward``/``backward``); synchronises the device once."""

@@ -422,7 +422,7 @@ def profiled_cost_model(kernel: str = "auto", device: torch.device | str | None 
     """
     if model not in COST_MODELS:
         raise ValueError(f"profiled_cost_model's model must be one of {COST_MODELS}, got {model!r}")
-    profile_l2()  # a misspelled setting is refused, not lost to the FLOPs fallback below
+    l2 = profile_l2()  # here: a misspelled setting is refused, not lost to the FLOPs fallback below
     if device is None:
         if not torch.cuda.is_available():
             return FlopsCostModel(4.0 * shape.heads * shape.head_dim), "FLOPs (no GPU to profile)"
@@ -435,7 +435,7 @@ def profiled_cost_model(kernel: str = "auto", device: torch.device | str | None 
             raise ValueError(f"kernel {name} declares no launch grid at head dim {shape.head_dim} on {device}; "
                              "use the grid profile (model='grid')")
         if grid is not None:
-            return _launch_model(name, device, shape, grid, profile_if_missing)
+            return _launch_model(name, device, shape, grid, profile_if_missing, l2)
         path = cache_path(device, name, shape)
         if path.exists():
             data = json.loads(path.read_text())
@@ -486,12 +486,11 @@ def _every_term(data: dict) -> bool:
     return all(set(TERM_NAMES) <= set(data.get(phase, {})) for phase in PHASES)
 
 
-def _launch_model(name: str, device: torch.device, shape: SegmentShape, grid: LaunchGrid, profile_if_missing: bool
-                  ) -> tuple[CostModel, str]:
+def _launch_model(name: str, device: torch.device, shape: SegmentShape, grid: LaunchGrid, profile_if_missing: bool,
+                  l2: str) -> tuple[CostModel, str]:
     """The cached launch cost model of ``name`` here (fitted again when its grid, terms, timing, the L2 state it was
     timed in (:func:`profile_l2`), the set of calls it timed (:data:`~.call_profile.CALL_SET`) or the merge of cut
     forwards differ), or fitted now."""
-    l2 = profile_l2()
     path = launch_cache_path(device, name, shape)
     if path.exists():
         data = json.loads(path.read_text())
