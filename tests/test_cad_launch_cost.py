@@ -401,11 +401,15 @@ def test_profiled_picks_the_launch_model_where_the_kernel_declares_a_grid(tmp_pa
     with pytest.raises(ValueError, match="HF_LONGCTX_PROFILE_L2='cold': choose one of evicted, warm"):
         profiled_cost_model("reference", "cpu", shape)
     monkeypatch.delenv("HF_LONGCTX_PROFILE_L2")
+    _, source = profiled_cost_model("reference", "cpu", shape)  # back to warm: fitted again, then read
+    assert "now" in source and len(fits) == 5
+    _, source = profiled_cost_model("reference", "cpu", shape)
+    assert "now" not in source and len(fits) == 5
     earlier = json.loads(cached.read_text())
     earlier["meta"]["call_set"] = call_profile.CALL_SET - 1  # fitted on another set of calls: fitted again
     cached.write_text(json.dumps(earlier))
     _, source = profiled_cost_model("reference", "cpu", shape)
-    assert "now" in source and len(fits) == 5
+    assert "now" in source and len(fits) == 6
     grid_model, _ = profiled_cost_model("reference", "cpu", shape, model="grid", q_lens=(16, 64),
                                         kv_lens=(16, 64, 256), budget=profiled.ProfileBudget(
                                             min_tokens=64, max_kv_tokens=1024, max_pairs=4096, warmup=0, reps=1))

@@ -18,6 +18,7 @@ from hf_longctx.backends import default_strategy, sequence_parallel_attention
 from hf_longctx.comm.emulated import EmulationError, EmulationHub
 from hf_longctx.comm.links import LINKS, MB, transfer_seconds
 from hf_longctx.emulation import EmulatedStep, RankStep, emulate_step, noise_only_imbalance, real_rank_kernel_times
+from hf_longctx.emulation.timing import KernelTimer
 from hf_longctx.layout import shard_plan
 
 from distributed import run_distributed
@@ -172,7 +173,6 @@ def test_median_rep_is_the_lower_median_of_the_totals():
 def test_each_rank_reports_the_median_of_its_timed_repetitions():
     """A timer that reports scripted seconds per step: warm-up steps are dropped, each rank gets the lower median of
     the timed ones, and a first-call outlier does not reach the result."""
-    from hf_longctx.emulation.timing import KernelTimer
 
     world = 3
     # seconds per step (warm-up first), per rank: (forward, backward)
@@ -335,7 +335,6 @@ def test_ranks_run_on_reused_threads():
 
 
 def test_a_kept_call_log_names_every_calls_segments_whichever_entry_point_made_it():
-    from hf_longctx.emulation.timing import KernelTimer
     from hf_longctx.kernels import attention_forward, kernel_call, kernel_forward, observe_kernels
 
     hub = EmulationHub(1, 30.0)
@@ -381,7 +380,14 @@ def test_a_real_run_times_every_ranks_kernel_calls_as_the_emulation_does(tmp_pat
     run_distributed(world, _real_kernel_times, backends, out)
     real = json.loads(out.read_text())
     batch, q, k, v, dout = make_problem(5, world, torch.float64)
+    timers = []
+
+    def logging_timer(hub, device):
+        timers.append(KernelTimer(hub, device, keep_calls=True))
+        return timers[-1]
+
     for backend in backends:
-        emulated = emulate_step(batch, world, (q, k, v, dout), backend, kernel="reference")
-        assert [calls for _, _, calls in real[backend]] == [r.kernel_calls for r in emulated.ranks], backend
+        emulate_step(batch, world, (q, k, v, dout), backend, kernel="reference", make_timer=logging_timer)
+        logged = [sum(c["rank"] == r for c in timers[-1].call_log()) for r in range(world)]  # every call, both phases
+        assert [calls for _, _, calls in real[backend]] == logged, backend
         assert all(f > 0 and b > 0 for f, b, _ in real[backend]), backend
