@@ -25,7 +25,7 @@ MAX_HEAD_DIM = 256
 
 
 FORWARD_PAIRING = 1.6  # two forward blocks on one SM each take this times their time alone (H200, H100)
-EMPTY_HOLD = 0.0  # tile steps an empty forward block holds its slot (fitted to dumped CAD steps of three mixes)
+EMPTY_HOLD = 0.0  # tile steps an empty forward block holds its slot past a one-wave launch (see launch_grid)
 
 
 def launch_grid(head_dim: int) -> LaunchGrid | None:
@@ -35,13 +35,12 @@ def launch_grid(head_dim: int) -> LaunchGrid | None:
     CAD steps of 8-64 emulated ranks on three document mixes there (per-server prediction error 1.4% standard
     deviation, against 1.5% at 0.27 and 1.9% without the tail). Forward blocks run two to an SM past one per SM,
     each 1.6x slower (``scripts/profile_cad.py --placement`` on an H200 and an H100). An empty block takes its
-    place in a one-wave launch (the blocks after it pair as if it ran) and no time past that: with the forward's
-    key split and its one-kernel merge, 16 dumped CAD steps of W = 64 over three mixes were priced closer per
-    server so than with empty blocks holding their slot for 0.3 tile steps (forward error standard deviation, mean
-    over the steps: SFT 2.9% against 3.5%, ProLong 3.8% against 4.2%, Pretrain 1.9% against 2.1%; 0.3 had fitted
-    best before the key split). A forward call whose
-    few long blocks leave SMs idle runs as chunks of its keys (:data:`.key_split.RULE`): the forward of ProLong
-    servers at W = 64 ran 9-10% faster on an H200.
+    place in a one-wave launch (the blocks after it pair as if it ran) and no time past that. With the forward's
+    key split and its one-kernel merge, that priced 16 dumped CAD steps of W = 64 over three mixes closer per
+    server than empty blocks holding their slot for 0.3 tile steps (forward error standard deviation, mean over
+    the steps: SFT 2.9% against 3.5%, ProLong 3.8% against 4.2%, Pretrain 1.9% against 2.1%; 0.3 had fitted best
+    before the key split). A forward call whose few long blocks leave SMs idle runs as chunks of its keys
+    (:data:`.key_split.RULE`): the forward of ProLong servers at W = 64 ran 9-10% faster on an H200.
     Other head dims use other tiles: not modelled."""
     if head_dim != 128:
         return None
