@@ -102,6 +102,64 @@ def timed_slowest_rank(fn: Callable[[], object], reps: int, device: torch.device
     return statistics.median(times)
 
 
+def host_and_device_ms(phases: Sequence[Callable[[], object]], device: torch.device) -> tuple[list[float], float]:
+    """Host milliseconds of each of ``phases`` run in order (until it returns: what the host spends launching it)
+    and the milliseconds until the device finished them all.
+
+    Why: a step whose host time is about its total time is host-bound, and kernel or transfer tuning does not
+    shorten it; one whose host time is far below its total waits on the device (kernels, transfers, or a
+    synchronisation the host made inside it)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    host, last = [], start
+    for phase in phases:
+        phase()
+        now = time.perf_counter()
+        host.append((now - last) * 1e3)
+        last = now
+    if cuda:
+        torch.cuda.synchronize(device)
+    return host, (time.perf_counter() - start) * 1e3
+
+
+def write_op_profile(fn: Callable[[], object], device: torch.device, path: str | os.PathLike, rows: int = 25) -> None:
+    """Profile one ``fn()`` with ``torch.profiler`` and write its op tables to ``path``: the ops ranked by host
+    time and by device time (and where they were called from), to find what a step spends outside its
+    kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, record_shapes=False, with_stack=True) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    events = prof.key_averages()
+    device_key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    stacks = prof.key_averages(group_by_stack_n=4)
+    text = ["# ops by host time (self)", events.table(sort_by="self_cpu_time_total", row_limit=rows),
+            "# ops by device time (self)", events.table(sort_by=device_key, row_limit=rows),
+            "# call sites by host time (self, 4 frames)",
+            stacks.table(sort_by="self_cpu_time_total", row_limit=rows)]
+    if device.type == "cuda":
+        text += ["# device timeline: kernels of 0.1 ms or more (start ms, duration ms, stream, name)",
+                 *device_timeline(prof)]
+    Path(path).write_text("\n".join(text))
+
+
+def device_timeline(prof, min_ms: float = 0.1) -> list[str]:
+    """The profiled device kernels of ``min_ms`` or more, in start order: when each ran, on which stream (a
+    communication kernel waiting for its peers shows as a long one beside the compute stream's)."""
+    kernels = [e for e in prof.profiler.kineto_results.events()
+               if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() >= min_ms * 1e6]
+    if not kernels:
+        return []
+    origin = min(e.start_ns() for e in kernels)
+    return [f"{(e.start_ns() - origin) / 1e6:9.2f} {e.duration_ns() / 1e6:8.2f}  s{e.device_resource_id():<3} "
+            f"{e.name()[:90]}" for e in sorted(kernels, key=lambda e: e.start_ns())]
+
+
 def first_call_seconds(fn: Callable[[], object]) -> float:
     """Wall seconds of one call including everything it builds or compiles on first use."""
     if torch.cuda.is_available():

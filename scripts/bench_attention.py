@@ -29,7 +29,14 @@ import torch.multiprocessing as mp
 
 from hf_longctx.backends import default_strategy, sequence_parallel_attention
 from hf_longctx.backends.auto import auto_decisions
-from hf_longctx.benchmarking import attention_tflops, table_header, timed, timed_slowest_rank
+from hf_longctx.benchmarking import (
+    attention_tflops,
+    host_and_device_ms,
+    table_header,
+    timed,
+    timed_slowest_rank,
+    write_op_profile,
+)
 from hf_longctx.comm import comm_stats, reset_comm_stats
 from hf_longctx.emulation import real_rank_kernel_times
 from hf_longctx.emulation.workloads import WORKLOAD_MIXES, doc_lengths
@@ -51,6 +58,30 @@ def global_tensors(total, hq, hkv, d, dtype, device, seed):
 
 # label -> (backend, options): CAD without ping-pong, and CAD on the kernel's profiled launch cost at eps 0.01
 VARIANTS = {"cad-nopp": ("cad", {"pingpong": False}), "cad-profiled": ("cad", {"cost_model": "profiled", "eps": 0.01})}
+
+
+def backend_and_options(label: str) -> tuple[str, dict | None]:
+    """A backend label's backend and options: a named variant (:data:`VARIANTS`), or ``backend:key=value:...``
+    (values read as numbers or booleans where they are), e.g. ``cad:eps=0.01:pingpong=false``."""
+    if label in VARIANTS:
+        return VARIANTS[label]
+    backend, *pairs = label.split(":")
+    if not pairs:
+        return backend, None
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"backend option {pair!r} of {label!r} is not key=value")
+        low = value.lower()
+        if low in ("true", "false"):
+            options[key] = low == "true"
+        else:
+            try:
+                options[key] = float(value) if "." in value or "e" in low else int(value)
+            except ValueError:
+                options[key] = value
+    return backend, options
 
 
 class _DoneWork:
@@ -78,9 +109,9 @@ def communication_skipped():
 
 
 def run_ours(backend, batch, tensors, world, rank, reps, device, strategy=None, breakdown=False, reference=None,
-             kernel_times=False):
+             kernel_times=False, trace_path=None):
     q, k, v, dout = tensors
-    backend, options = VARIANTS.get(backend, (backend, None))
+    backend, options = backend_and_options(backend)
     plan = shard_plan(batch, world, strategy or default_strategy(backend))
     idx = plan.local_indices(rank).to(device)
     ql, kl, vl, dl = (t.index_select(0, idx) for t in (q, k, v, dout))
@@ -119,7 +150,28 @@ def run_ours(backend, batch, tensors, world, rank, reps, device, strategy=None, 
             parts["comm"] = timed_slowest_rank(fwd_bwd, reps, device)
     if kernel_times:  # every rank's kernel time, as the emulation measures it
         parts["rank_kernel_s"] = [f + b for f, b, _ in real_rank_kernel_times(fwd_bwd, device, reps=3)]
+    if trace_path is not None:  # where the step's time goes: host per phase, and an op profile per rank
+        parts["host_ms"] = host_ms_per_rank(fwd_bwd, lambda: sequence_parallel_attention(
+            ql, kl, vl, plan=plan, backend=backend, options=options), dl, device)
+        write_op_profile(fwd_bwd, device, f"{trace_path}_rank{rank}.txt")
     return t_f, t_fb, sent, parts, errors
+
+
+def host_ms_per_rank(fwd_bwd, forward, dout, device, reps=3) -> list[tuple[float, float, float]]:
+    """Every rank's median (forward host ms, backward host ms, step ms) over ``reps`` steps, gathered: a rank whose
+    host ms are about its step ms is host-bound; one far below waits on the device."""
+    fwd_bwd()
+    held = {}
+    phases = [lambda: held.__setitem__("out", forward()), lambda: torch.autograd.backward(held.pop("out"), dout)]
+    samples = []
+    for _ in range(reps):
+        dist.barrier()
+        (host_f, host_b), total = host_and_device_ms(phases, device)
+        samples.append((host_f, host_b, total))
+    mine = tuple(sorted(column)[len(column) // 2] for column in zip(*samples))
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return gathered
 
 
 def run_torch_cp(sdpa_backend, tensors, world, reps, device):
@@ -203,9 +255,18 @@ def worker(rank, world, args):
                 if backend.startswith("cp_"):
                     t_f, t_fb, sent, parts, _ = run_torch_cp(backend[3:], tensors, world, args.reps, device)
                 else:
+                    trace_path = None
+                    if args.trace:
+                        os.makedirs(args.trace, exist_ok=True)
+                        trace_path = os.path.join(args.trace, f"{name.replace(' ', '_')}_{total // 1024}K_kv{hkv}_"
+                                                  f"{label.replace(':', '_')}")
                     t_f, t_fb, sent, parts, errors = run_ours(backend, batch, tensors, world, rank, args.reps,
                                                               device, strategy, args.breakdown, reference,
-                                                              args.kernel_times)
+                                                              args.kernel_times, trace_path)
+                    if rank == 0 and "host_ms" in parts:
+                        print(f"{name} {total // 1024}K kv{hkv} {label}: host ms forward, backward / step ms per "
+                              "rank: " + "; ".join(f"{f:.1f}, {b:.1f} / {t:.1f}" for f, b, t in parts["host_ms"]),
+                              flush=True)
                     if errors and rank == 0:
                         worst = max(errors.values())
                         checks.append(f"{name} {total // 1024}K kv{hkv} {label}: relative error vs 1 GPU "
@@ -271,7 +332,7 @@ def emulated(args) -> int:
         batch = PackedBatch.from_doc_lens(lens)
         tensors = global_tensors(total, hq, hkv, d, dtype, device, seed=total + hkv)
         for label in (b for b in args.backends if not b.startswith("cp_")):
-            backend, options = VARIANTS.get(label, (label, None))
+            backend, options = backend_and_options(label)
             try:
                 step = emulate_step(batch, world, tensors, backend, options=options,
                                     kernel="reference" if args.quick else "auto", warmup=1, reps=args.reps)
@@ -313,6 +374,8 @@ def main() -> int:
                    help="real runs: also every rank's kernel time, as --emulate measures it (max/mean and max ms)")
     p.add_argument("--breakdown", action="store_true",
                    help="also time fwd+bwd with kernels stubbed (communication) and collectives stubbed (compute)")
+    p.add_argument("--trace", metavar="DIR", help="real runs: also every rank's host ms per phase (printed) and an op "
+                   "profile of one step per rank and backend (DIR/<workload>_<backend>_rank<r>.txt)")
     args = p.parse_args()
     if args.quick:
         args.seqs, args.packed_seqs, args.reps, args.check_max = "512", "512", 1, 512

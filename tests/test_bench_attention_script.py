@@ -12,11 +12,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "bench_attention.py"
 
 
-def _run(*args: str, cache: Path) -> str:
+def _run(*args: str, cache: Path, backends: str = "ring,cad-profiled") -> str:
     env = {**os.environ, "HF_LONGCTX_CACHE": str(cache), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--seqs", "", "--kv-heads", "2",
-                           "--backends", "ring,cad-profiled", "--mix", "sft", *args],
+                           "--backends", backends, "--mix", "sft", *args],
                           capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
@@ -33,8 +33,15 @@ def _rows(text: str, columns: int) -> dict[tuple[str, str], list[str]]:
 
 def test_the_real_and_the_emulated_run_report_every_ranks_kernel_balance(tmp_path):
     emulated = _rows(_run("--emulate", "2", cache=tmp_path), 10)
-    real_text = _run("--gpus", "2", "--kernel-times", cache=tmp_path)
+    real_text = _run("--gpus", "2", "--kernel-times", "--trace", str(tmp_path / "trace"), cache=tmp_path,
+                     backends="ring,cad-profiled,cad:eps=0.05:pingpong=false")
     real = _rows(real_text, 14)
+    assert float(real["sft mix", "cad:eps=0.05:pingpong=false"][13]) > 0  # options given after the backend's name
+    # --trace: every rank's host ms per phase, and an op profile per rank and backend
+    hosts = [line for line in real_text.splitlines() if line.startswith("sft mix") and "host ms forward" in line]
+    assert len(hosts) == 3 and all(len(line.split("per rank: ")[1].split("; ")) == 2 for line in hosts), hosts
+    profile = (tmp_path / "trace" / "sft_mix_0K_kv2_cad_eps=0.05_pingpong=false_rank1.txt").read_text()
+    assert "# ops by host time (self)" in profile and "aten::" in profile
     for backend in ("ring", "cad-profiled"):
         assert float(emulated["sft mix", backend][4]) >= 1.0  # max/mean kernel (emulated)
         assert float(real["sft mix", backend][12]) >= 1.0 and float(real["sft mix", backend][13]) > 0  # (real), max ms
@@ -48,3 +55,10 @@ def test_an_unknown_mix_is_refused_before_anything_runs(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--mix", "prolong,chat"], capture_output=True,
                           text=True, timeout=120, cwd=ROOT, env=env)
     assert done.returncode == 2 and "unknown --mix chat" in done.stderr
+
+
+def test_a_backend_option_that_is_not_key_value_is_refused(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--emulate", "2", "--backends", "cad:eps"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert done.returncode != 0 and "backend option 'eps' of 'cad:eps' is not key=value" in done.stderr

@@ -64,3 +64,13 @@ def test_recorded_commands_name_no_path_of_the_machine_that_ran_them(tmp_path):
     command = portable_command("scripts/simulate_cad.py", ["--profile", "/tmp/cadsched/profile.json",
                                                            f"--out={repo}/bench/sim.md", "--ranks", "8"], repo)
     assert command == "python scripts/simulate_cad.py --profile profile.json --out=bench/sim.md --ranks 8"
+
+
+def test_host_and_device_ms_times_each_phase_on_the_host_and_the_whole_until_the_device_is_done():
+    import time
+
+    from hf_longctx.benchmarking import host_and_device_ms
+
+    host, total = host_and_device_ms([lambda: time.sleep(0.03), lambda: time.sleep(0.01)], torch.device("cpu"))
+    assert len(host) == 2 and 30 <= host[0] < 60 and 10 <= host[1] < 30
+    assert total >= sum(host) - 1e-6

@@ -127,6 +127,59 @@ def test_docs_per_rank_gives_pieces_with_their_prefix_offset():
     assert docs_per_rank(plan) == [[(5, 0), (3, 0)], [(7, 3), (1, 0)]]
 
 
+def check_fetches_land_before_kernels(rank, world, seeds):
+    """Run random ping-pong schedules, recording every fetch's transfer and every kernel call; at each kernel
+    call, every fetch posted so far must have been waited for (its stream ordered before the kernel)."""
+    import torch.distributed as dist
+
+    from hf_longctx.comm.gather import GatherPlan
+
+    fetches, waited, early = [], set(), []
+
+    class Recorded:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            waited.add(id(self))
+            return self.work.wait()
+
+    real_a2a, real_start = dist.all_to_all_single, GatherPlan.start
+    real_fwd, real_bwd = runtime.forward_in_calls, runtime.backward_in_calls
+
+    def a2a(*args, **kwargs):
+        work = real_a2a(*args, **kwargs)
+        return Recorded(work) if work is not None else None
+
+    def start(self, tensors, group):
+        pending = real_start(self, tensors, group)
+        fetches.extend(w for w, _, _ in pending.parts if w is not None)
+        return pending
+
+    def kernel(fn):
+        def call(*args, **kwargs):
+            early.extend(w for w in fetches if id(w) not in waited)
+            return fn(*args, **kwargs)
+        return call
+
+    dist.all_to_all_single, GatherPlan.start = a2a, start
+    runtime.forward_in_calls, runtime.backward_in_calls = kernel(real_fwd), kernel(real_bwd)
+    try:
+        check_random_schedules(rank, world, seeds, True)
+    finally:
+        dist.all_to_all_single, GatherPlan.start = real_a2a, real_start
+        runtime.forward_in_calls, runtime.backward_in_calls = real_fwd, real_bwd
+    assert fetches, "no row was fetched: the test tests nothing"
+    assert not early, f"rank {rank}: {len(early)} of {len(fetches)} fetches not waited for before a kernel call"
+
+
+def test_every_fetch_lands_before_the_first_kernel():
+    """With ping-pong, the second nano-batch's fetch must not reach the device behind the first's kernel: a
+    transfer queued after a kernel that fills every SM waits for all of it, and its peers wait in the same
+    collective. So the compute stream waits for every fetch before its first kernel (results stay exact)."""
+    run_distributed(3, check_fetches_land_before_kernels, range(2))
+
+
 # ----------------------------------------------------------------------------- traffic: only rows a server lacks
 
 

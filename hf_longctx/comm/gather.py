@@ -182,6 +182,14 @@ class GatherPlan:
                 parts.append((_a2a(recv, send, self.recv_counts, self.send_counts, group), recv, idx))
         return _Pending(parts)
 
+    @staticmethod
+    def wait(pending: _Pending) -> None:
+        """Order the current stream after :meth:`start`'s transfers (on a GPU the host does not wait; on the CPU it
+        does), so that work queued next runs after them. :meth:`gather` then finds them done."""
+        for work, _, _ in pending.parts:
+            if work is not None:
+                work.wait()
+
     def gather(self, pending: _Pending, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Wait for :meth:`start` and assemble this rank's segment sequence of each tensor."""
         received: list[torch.Tensor | None] = [None] * len(tensors)

@@ -1,10 +1,10 @@
 """Ping-pong: a server's CAD tasks split into two nano-batches of about equal attention cost.
 
-The runtime posts the transfers of both nano-batches before the first computes, so the second's
-communication hides behind the first's kernels; that only works when both halves carry work, on every
-server. The split keeps a document's tasks together where that costs little balance: tasks of one
-document on one server read overlapping key prefixes, whose union travels once per nano-batch (see
-:func:`pingpong_split`).
+The runtime fetches the rows of both nano-batches before the first computes, and returns the first's
+results while the second computes, so that transfer hides behind the second's kernels; that only works
+when both halves carry work, on every server. The split keeps a document's tasks together where that
+costs little balance: tasks of one document on one server read overlapping key prefixes, whose union
+travels once per nano-batch (see :func:`pingpong_split`).
 """
 
 from __future__ import annotations
