@@ -180,6 +180,43 @@ def test_every_fetch_lands_before_the_first_kernel():
     run_distributed(3, check_fetches_land_before_kernels, range(2))
 
 
+def check_query_gradient_buffers(rank, world):
+    """bf16 inputs: without key cuts every query row's gradient is copied into place in bf16; with key cuts its
+    parts add up in fp32. Key gradients add up in fp32 either way."""
+    from hf_longctx.comm.gather import GatherPlan
+
+    targets, real = [], GatherPlan.scatter_local
+
+    def scatter_local(self, segments, locals_, add):
+        targets.append((len(locals_), locals_[0].dtype, add))
+        return real(self, segments, locals_, add)
+
+    GatherPlan.scatter_local = scatter_local
+    try:
+        for key_cuts in (False, True):
+            batch, q, k, v, dout = make_problem(5, world, torch.bfloat16)
+            plan = shard_plan(batch, world, "contiguous")
+            tasks = random_key_cut_tasks(plan, 1) if key_cuts else random_tasks(plan, 1)
+            run = RunContext(plan, (), None, rank, 1 / math.sqrt(q.shape[-1]), "auto", runtime.run_forward,
+                             runtime.run_backward, {"tasks": tasks, "pingpong": True})
+            idx = plan.local_indices(rank)
+            ql, kl, vl = (t[idx].clone().requires_grad_() for t in (q, k, v))
+            out, _ = core_attention(ql, kl, vl, register_context(run))
+            targets.clear()
+            out.backward(dout[idx])
+            query = {(dtype, add) for n, dtype, add in targets if n == 1}
+            keys = {(dtype, add) for n, dtype, add in targets if n == 2}
+            assert query == ({(torch.float32, True)} if key_cuts else {(torch.bfloat16, False)}), (key_cuts, query)
+            assert keys == {(torch.float32, True)}, keys
+            assert ql.grad.dtype == torch.bfloat16 and torch.isfinite(ql.grad.float()).all()
+    finally:
+        GatherPlan.scatter_local = real
+
+
+def test_query_gradients_skip_the_fp32_buffer_unless_keys_are_cut():
+    run_distributed(2, check_query_gradient_buffers)
+
+
 # ----------------------------------------------------------------------------- traffic: only rows a server lacks
 
 

@@ -517,10 +517,15 @@ def run_backward(ctx: RunContext, dout: torch.Tensor, q: torch.Tensor, k: torch.
 
     Key gradients of tasks that read the same rows add up: in the server's unique-row buffer for
     remote rows (then once more at the holder, across servers), directly in dk/dv for local rows.
+    A query row's gradient comes from the one task that holds the row, unless its keys are cut over
+    several tasks: then its parts add up in fp32 too; otherwise it is copied into place in the input
+    dtype (the same values, without an fp32 buffer and two conversions of every query row).
     """
     acc = accumulation_dtype(q.dtype)
     nbs = _batches(ctx, q.device)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    partial = any(nb.partial for nb in nbs)  # the same on every rank: all see every server's tasks
+    dq_dtype = acc if partial else q.dtype
+    dq = torch.zeros(q.shape, dtype=dq_dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     q_side = [q, out, dout.contiguous(), _lse_rows(lse)]
@@ -532,14 +537,14 @@ def run_backward(ctx: RunContext, dout: torch.Tensor, q: torch.Tensor, k: torch.
         kb, vb = nb.kv.gather(pkv, [k, v])
         if nb.tasks:
             gq, gk, gv = _backward_segments(ctx, nb, db, qb, kb, vb, ob, lb.t().contiguous())
-            gq, gk, gv = gq.to(acc), gk.to(acc), gv.to(acc)
+            gq, gk, gv = gq.to(dq_dtype), gk.to(acc), gv.to(acc)
         else:
-            gq, gk, gv = _no_rows(q, acc), _no_rows(k, acc), _no_rows(v, acc)
-        nb.q.scatter_local([gq], [dq], add=True)
+            gq, gk, gv = _no_rows(q, dq_dtype), _no_rows(k, acc), _no_rows(v, acc)
+        nb.q.scatter_local([gq], [dq], add=partial)
         nb.kv.scatter_local([gk, gv], [dk, dv], add=True)
         returns.append((nb, nb.q.start_return([gq], ctx.group), nb.kv.start_return([gk, gv], ctx.group)))
     for nb, pq, pkv in returns:
-        nb.q.finish_return(pq, [dq], add=True)
+        nb.q.finish_return(pq, [dq], add=partial)
         nb.kv.finish_return(pkv, [dk, dv], add=True)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
