@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The same packed workloads run emulated on one GPU and for real on every GPU of the machine, in one call (about 6
+# The same packed workloads run emulated on one GPU and for real on every GPU of the machine, in one call (about 5
 # minutes on 4 H200s): per backend and mix, the emulation's per-rank kernel max/mean and predicted step time beside
 # the real run's per-rank kernel max/mean (each call timed as the emulation times it) and measured step time.
 #
