@@ -69,3 +69,36 @@ def test_a_cold_run_reads_its_inputs_from_memory_not_from_the_l2_cache():
     evict = sorted(one_run_ms(flush_l2, cuda=True, ahead=True) for _ in range(5))[2]
     assert cold > 1.1 * warm, (warm, cold)
     assert cold < evict, (cold, evict)  # the eviction (2x the L2 written) ran before the start event
+
+
+def test_host_ms_of_a_launch_is_far_below_the_device_time_it_queues():
+    from hf_longctx.benchmarking import host_and_device_ms
+
+    x = torch.ones(16, device="cuda")
+    x.add_(1)  # warm
+    host, total = host_and_device_ms([lambda: torch.cuda._sleep(50_000_000), lambda: x.add_(1)],
+                                     torch.device("cuda"))
+    assert total > 5.0 and sum(host) < total / 5  # the device was busy long after the host had queued it
+
+
+def test_an_op_profile_lists_device_kernels_in_start_order_with_their_stream(tmp_path):
+    from hf_longctx.benchmarking import write_op_profile
+
+    a = torch.randn(8192, 8192, device="cuda")  # over 1 ms per product, whatever the matmul precision
+    side = torch.cuda.Stream()
+
+    def step():
+        a @ a
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(2_000_000)
+        a @ a
+
+    step()  # warm
+    path = tmp_path / "profile.txt"
+    write_op_profile(step, torch.device("cuda"), path)
+    text = path.read_text()
+    assert "# ops by device time (self)" in text
+    timeline = text.split("# device timeline")[1].splitlines()[1:]
+    starts = [float(line.split()[0]) for line in timeline]
+    streams = {line.split()[2] for line in timeline}
+    assert len(timeline) >= 3 and starts == sorted(starts) and len(streams) >= 2, timeline
