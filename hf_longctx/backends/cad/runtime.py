@@ -418,9 +418,9 @@ def _land_fetches(posted: Sequence[tuple]) -> None:
     Why: a transfer kernel that reaches the device after a long attention kernel has filled every SM waits for
     that kernel to finish, however early it was queued, and its peers wait in the same collective. Measured on
     4 H200s (ProLong mix, 256K tokens, eps 0.01): one rank's second fetch waited behind its 245 ms first
-    nano-batch, the three others idled for it, and the step took 495 ms against 390. The fetches are a few ms
-    against the nano-batches' hundreds; what ping-pong must overlap is the returns, which still run beside the
-    next nano-batch's kernels."""
+    nano-batch, the three others idled for it, and the step took 496 ms (409 with the fetches landed first). The
+    fetches are a few ms against the nano-batches' hundreds; what ping-pong must overlap is the returns, which
+    still run beside the next nano-batch's kernels."""
     if len(posted) < 2:
         return  # one nano-batch: its gather waits for its fetches anyway
     for pending_q, pending_kv in posted:
