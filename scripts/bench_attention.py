@@ -119,19 +119,21 @@ def run_ours(backend, batch, tensors, world, rank, reps, device, strategy=None, 
     kl.requires_grad_()
     vl.requires_grad_()
 
+    def attend(kernel="auto"):
+        return sequence_parallel_attention(ql, kl, vl, plan=plan, backend=backend, options=options, kernel=kernel)
+
     def fwd():
         with torch.no_grad():
-            return sequence_parallel_attention(ql, kl, vl, plan=plan, backend=backend, options=options)
+            return attend()
 
     def fwd_bwd(kernel="auto"):
-        out = sequence_parallel_attention(ql, kl, vl, plan=plan, backend=backend, options=options, kernel=kernel)
-        torch.autograd.backward(out, dl)
+        torch.autograd.backward(attend(kernel), dl)
 
     errors = {}
     if reference is not None:  # one fwd+bwd against the single-GPU kernel on the whole sequence
         for t in (ql, kl, vl):
             t.grad = None
-        out = sequence_parallel_attention(ql, kl, vl, plan=plan, backend=backend, options=options)
+        out = attend()
         torch.autograd.backward(out, dl)
         for name, got, want in zip(("out", "dq", "dk", "dv"), (out, ql.grad, kl.grad, vl.grad), reference):
             want = want.index_select(0, idx).float()
@@ -151,16 +153,15 @@ def run_ours(backend, batch, tensors, world, rank, reps, device, strategy=None, 
     if kernel_times:  # every rank's kernel time, as the emulation measures it
         parts["rank_kernel_s"] = [f + b for f, b, _ in real_rank_kernel_times(fwd_bwd, device, reps=3)]
     if trace_path is not None:  # where the step's time goes: host per phase, and an op profile per rank
-        parts["host_ms"] = host_ms_per_rank(fwd_bwd, lambda: sequence_parallel_attention(
-            ql, kl, vl, plan=plan, backend=backend, options=options), dl, device)
+        parts["host_ms"] = host_ms_per_rank(attend, dl, device)
         write_op_profile(fwd_bwd, device, f"{trace_path}_rank{rank}.txt")
     return t_f, t_fb, sent, parts, errors
 
 
-def host_ms_per_rank(fwd_bwd, forward, dout, device, reps=3) -> list[tuple[float, float, float]]:
-    """Every rank's median (forward host ms, backward host ms, step ms) over ``reps`` steps, gathered: a rank whose
-    host ms are about its step ms is host-bound; one far below waits on the device."""
-    fwd_bwd()
+def host_ms_per_rank(forward, dout, device, reps=3) -> list[tuple[float, float, float]]:
+    """Every rank's median (forward host ms, backward host ms, step ms) over ``reps`` steps of ``forward()`` and its
+    backward from ``dout``, gathered: a rank whose host ms are about its step ms is host-bound; one far below waits
+    on the device. The caller has run the step before (nothing first-use is timed)."""
     held = {}
     phases = [lambda: held.__setitem__("out", forward()), lambda: torch.autograd.backward(held.pop("out"), dout)]
     samples = []

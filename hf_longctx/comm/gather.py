@@ -185,10 +185,11 @@ class GatherPlan:
     @staticmethod
     def wait(pending: _Pending) -> None:
         """Order the current stream after :meth:`start`'s transfers (on a GPU the host does not wait; on the CPU it
-        does), so that work queued next runs after them. :meth:`gather` then finds them done."""
+        does), so that work queued next runs after them. The handles are used up: :meth:`gather` waits no more."""
         for work, _, _ in pending.parts:
             if work is not None:
                 work.wait()
+        pending.parts = [(None, recv, idx) for _, recv, idx in pending.parts]
 
     def gather(self, pending: _Pending, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Wait for :meth:`start` and assemble this rank's segment sequence of each tensor."""
