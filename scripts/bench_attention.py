@@ -38,6 +38,7 @@ from hf_longctx.benchmarking import (
     write_op_profile,
 )
 from hf_longctx.comm import comm_stats, reset_comm_stats
+from hf_longctx.comm.groups import high_priority_options
 from hf_longctx.emulation import real_rank_kernel_times
 from hf_longctx.emulation.workloads import WORKLOAD_MIXES, doc_lengths
 from hf_longctx.kernels import SKIP_KERNEL, attention_backward, attention_forward
@@ -109,7 +110,7 @@ def communication_skipped():
 
 
 def run_ours(backend, batch, tensors, world, rank, reps, device, strategy=None, breakdown=False, reference=None,
-             kernel_times=False, trace_path=None):
+             kernel_times=False, trace_path=None, group=None):
     q, k, v, dout = tensors
     backend, options = backend_and_options(backend)
     plan = shard_plan(batch, world, strategy or default_strategy(backend))
@@ -120,7 +121,8 @@ def run_ours(backend, batch, tensors, world, rank, reps, device, strategy=None, 
     vl.requires_grad_()
 
     def attend(kernel="auto"):
-        return sequence_parallel_attention(ql, kl, vl, plan=plan, backend=backend, options=options, kernel=kernel)
+        return sequence_parallel_attention(ql, kl, vl, plan=plan, backend=backend, options=options, kernel=kernel,
+                                           group=group)
 
     def fwd():
         with torch.no_grad():
@@ -231,6 +233,11 @@ def worker(rank, world, args):
     dtype = torch.float32 if quick else torch.bfloat16
     hq, d = (4, 16) if quick else (32, 128)
     rows, checks = [], []
+    # every backend runs once per communication stream priority, on a group of all ranks whose NCCL streams have it
+    groups = {"normal": None}
+    if "high" in args.comm_priority:
+        groups["high"] = dist.new_group(list(range(world)), pg_options=high_priority_options())
+    groups = {p: groups[p] for p in args.comm_priority}
     workloads = [("1 doc", s, hkv, [s]) for s in args.seqs for hkv in args.kv_heads] + packed_workloads(args)
     for name, total, hkv, lens in workloads:
         hkv = min(hkv, hq)
@@ -250,8 +257,10 @@ def worker(rank, world, args):
         if len(lens) == 1 and not quick:
             candidates += [(b, None) for b in args.backends if b.startswith("cp_")]
         result = {}
-        for backend, strategy in candidates:
+        for (backend, strategy), priority in ((c, p) for c in candidates for p in groups):
             label = backend if strategy is None else f"{backend}+{strategy}"
+            if len(groups) > 1:
+                label += f"@{priority}"
             try:
                 if backend.startswith("cp_"):
                     t_f, t_fb, sent, parts, _ = run_torch_cp(backend[3:], tensors, world, args.reps, device)
@@ -263,7 +272,7 @@ def worker(rank, world, args):
                                                   f"{label.replace(':', '_')}")
                     t_f, t_fb, sent, parts, errors = run_ours(backend, batch, tensors, world, rank, args.reps,
                                                               device, strategy, args.breakdown, reference,
-                                                              args.kernel_times, trace_path)
+                                                              args.kernel_times, trace_path, groups[priority])
                     if rank == 0 and "host_ms" in parts:
                         print(f"{name} {total // 1024}K kv{hkv} {label}: host ms forward, backward / step ms per "
                               "rank: " + "; ".join(f"{f:.1f}, {b:.1f} / {t:.1f}" for f, b, t in parts["host_ms"]),
@@ -375,6 +384,9 @@ def main() -> int:
                    help="real runs: also every rank's kernel time, as --emulate measures it (max/mean and max ms)")
     p.add_argument("--breakdown", action="store_true",
                    help="also time fwd+bwd with kernels stubbed (communication) and collectives stubbed (compute)")
+    p.add_argument("--comm-priority", default="normal", help="real runs: normal, high or both (normal,high): the "
+                   "NCCL streams' priority of the group the backends communicate on; with both, each backend runs on "
+                   "each, labelled @normal and @high")
     p.add_argument("--trace", metavar="DIR", help="real runs: also every rank's host ms per phase (printed) and an op "
                    "profile of one step per rank and backend (DIR/<workload>_<backend>_rank<r>.txt)")
     args = p.parse_args()
@@ -385,6 +397,12 @@ def main() -> int:
     args.kv_heads = [int(s) for s in args.kv_heads.split(",")]
     args.backends = args.backends.split(",")
     args.mix = args.mix.split(",")
+    args.comm_priority = args.comm_priority.split(",")
+    if not set(args.comm_priority) <= {"normal", "high"}:
+        p.error(f"--comm-priority takes normal, high or normal,high, got {','.join(args.comm_priority)}")
+    if "high" in args.comm_priority and (args.quick or args.emulate or high_priority_options() is None):
+        p.error("--comm-priority high sets the priority of NCCL's streams: a real run on GPUs (not --quick or "
+                "--emulate, and a torch with NCCL)")
     unknown = [m for m in args.mix if m not in WORKLOAD_MIXES]
     if unknown:
         p.error(f"unknown --mix {', '.join(unknown)}; choose from {', '.join(WORKLOAD_MIXES)}")

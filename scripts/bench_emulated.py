@@ -111,6 +111,9 @@ def variants(backends: list[str], profiled, grid=None) -> list[tuple[str, str, d
             out.append(("cad profiled eps0.01 one call", "cad", {"cost_model": profiled, "eps": 0.01,
                                                                   "call_terms": None}))
             out.append(("cad profiled eps auto", "cad", {"cost_model": profiled, "eps": "auto"}))
+            # the refinement pricing every move in full, not the screened few (hf_longctx.backends.cad.refine)
+            out.append(("cad profiled eps0.01 every move", "cad", {"cost_model": profiled, "eps": 0.01,
+                                                                    "refine_screen": 0}))
             if grid is not None:
                 out.append(("cad grid-profiled eps0.01", "cad", {"cost_model": grid, "eps": 0.01}))
         else:

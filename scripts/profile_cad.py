@@ -155,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --load of a launch model: CAD's predicted per-server max/mean at eps 0.01 with and "
                         "without key cuts on these emulation mixes (e.g. prolong:128k:64), on the CPU")
     p.add_argument("--seeds", default="0,1,2", help="--predict: which batches of each mix")
+    p.add_argument("--refine-screen", type=int, default=None, metavar="N",
+                   help="--predict: the refinement's screen (0: every move priced; default: the runtime's)")
     p.add_argument("--fit-placement", default=None, metavar="DUMP,...",
                    help="with --load of a launch model: fit the paired-block forward simulation "
                         "(hf_longctx.backends.cad.placement) to these dumped steps' forward calls, on the CPU")
@@ -472,6 +474,8 @@ def report_predicted_balance(args: argparse.Namespace) -> int:
             for seed in seeds:
                 plan = shard_plan(PackedBatch.from_doc_lens(doc_lengths(mix, total, seed=seed)), int(world), "cad")
                 options = {"cost_model": model, "eps": 0.01, "key_cuts": key_cuts}
+                if args.refine_screen is not None:
+                    options["refine_screen"] = args.refine_screen
                 start = time.perf_counter()
                 tasks = prepare(plan, options)["tasks"]
                 took = time.perf_counter() - start

@@ -62,3 +62,11 @@ def test_a_backend_option_that_is_not_key_value_is_refused(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--emulate", "2", "--backends", "cad:eps"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert done.returncode != 0 and "backend option 'eps' of 'cad:eps' is not key=value" in done.stderr
+
+
+def test_high_priority_communication_is_refused_without_nccl(tmp_path):
+    """``--comm-priority high`` sets NCCL's stream priority: a CPU run says so instead of timing gloo twice."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--comm-priority", "normal,high"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert done.returncode == 2 and "--comm-priority high sets the priority of NCCL's streams" in done.stderr

@@ -199,3 +199,43 @@ def test_when_the_least_busy_servers_can_take_nothing_the_next_ones_are_tried():
     widened = refine_in_time(plan, tasks, model, server_cost, targets=8, widest=16)
     assert busiest(widened) < before
     assert all(t.server not in refusing or t.owner not in given for t in widened)
+
+
+def test_a_screened_refinement_prices_few_moves_and_keeps_the_guarantees():
+    """With ``screen``, each step prices in full only the moves an additive estimate ranks first: far fewer server
+    pricings on a busiest server of many short documents, every row still computed once, and the predicted
+    maximum still lowered (here about as far as pricing every move)."""
+    batch = PackedBatch.from_doc_lens(doc_lengths("sft", 64 << 10, seed=0))
+    plan = shard_plan(batch, 4, "cad")
+    docs = docs_per_rank(plan)
+    options = {"eps": 0.01, "cost_model": H200}
+    first = schedule(docs, 4, eps=0.01, cost_model=H200)
+    terms = call_terms_for(options, H200)
+    priced = {"every": 0, "screened": 0}
+
+    def counted(kind):
+        def server_cost(ts):
+            priced[kind] += 1
+            return _server_time(plan, ts, options, H200, terms)
+        return server_cost
+
+    every = refine_in_time(plan, first.tasks, H200, counted("every"))
+    screened = refine_in_time(plan, first.tasks, H200, counted("screened"), screen=8)
+    assert priced["screened"] * 4 < priced["every"], priced
+    refined = with_tasks(docs, first, screened, H200)
+    verify_schedule(docs, refined, H200)
+    before = _predicted_costs(plan, first.tasks, options, H200).max()
+    after_every = _predicted_costs(plan, every, options, H200).max()
+    after_screened = _predicted_costs(plan, refined.tasks, options, H200).max()
+    assert after_screened < before
+    assert after_screened <= after_every * 1.002
+
+
+def test_the_refinement_screen_option_is_checked():
+    plan = shard_plan(PackedBatch.from_doc_lens([512, 256]), 2, "cad")
+    with pytest.raises(ValueError, match="refine_screen must be a positive int"):
+        cad_schedule(plan, {"cost_model": H200, "eps": 0.01, "refine_screen": -3})
+    every = cad_schedule(plan, {"cost_model": H200, "eps": 0.01, "refine_screen": 0})
+    screened = cad_schedule(plan, {"cost_model": H200, "eps": 0.01})
+    verify_schedule(docs_per_rank(plan), every, H200)
+    verify_schedule(docs_per_rank(plan), screened, H200)

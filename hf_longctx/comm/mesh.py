@@ -28,13 +28,14 @@ The same 8 ranks with tp=1, ep=2, expert_tp_size=2: moe {0,1,2,3} {4,5,6,7}, exp
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from functools import cache
 
 import torch
 import torch.distributed as dist
 
-from .groups import mesh_device_type, remember_mesh
+from .groups import mesh_device_type, remember_mesh, sequence_parallel_override
 
 
 def check_parallel_sizes(world_size: int, sp_size: int = 1, tp_size: int = 1, ep_size: int = 1,
@@ -107,7 +108,12 @@ def _groups(world: int, sp: int, tp: int, ep: int, etp: int, device_type: str) -
     dp = world // (sp * tp)
     edp = world // (tp * ep * etp)
     ranks = torch.arange(world)
-    mesh = remember_mesh(DeviceMesh(device_type, ranks.view(dp, sp, tp), mesh_dim_names=("dp", "sp", "tp")))
+    # the "sp" groups on high-priority NCCL streams, as sequence_parallel_mesh makes them (see its override)
+    override = sequence_parallel_override(device_type, sp, world) \
+        if "backend_override" in inspect.signature(DeviceMesh).parameters else None
+    mesh = remember_mesh(DeviceMesh(device_type, ranks.view(dp, sp, tp), mesh_dim_names=("dp", "sp", "tp"),
+                                    **({"backend_override": ((None, None), override["sp"], (None, None))}
+                                       if override else {})))
     expert_mesh = remember_mesh(DeviceMesh(device_type, ranks.view(edp, ep, etp, tp),
                                            mesh_dim_names=("edp", "ep", "etp", "tp")))
     moe_mesh = remember_mesh(DeviceMesh(device_type, ranks.view(edp, ep * etp, tp),
