@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# CAD's per-server balance in kernel time at W = 8, 16 and 64, emulated on one GPU, in one call (about 8 minutes on
-# an H200): CAD on the kernel's launch cost model at eps 0.01, which the first run fits (a cached model fitted on
-# another grid, call set or merge is fitted again), on
+# CAD's per-server balance in kernel time at W = 8, 16 and 64, emulated, in one call: CAD on the kernel's launch cost
+# model at eps 0.01 (fitted first, once, into the cache the runs read; a cached model fitted on another grid, call
+# set or merge is fitted again), on
 # 1. W = 8 and 16: ProLong, Pretrain and SFT at 256K tokens (SEEDS_W16);
 # 2. W = 64: SFT and Pretrain at 512K tokens and ProLong at 128K (SEEDS), every seed's kernel calls dumped;
 # then the fitted model (with every call its fit timed) and the dumps copied to $OUT.
+# Each run emulates every rank on one GPU; on a machine of several GPUs the runs go round-robin over them, each
+# GPU's one after the other, the GPUs side by side (about 8 minutes on one H200; on four, 1 minute at REPS=2; on
+# two, 2.5 minutes at REPS=4).
 #
 #   SEEDS="0 1 2" SEEDS_W16=0 REPS=2 OUT=bench/logs scripts/bench_cad_scale.sh
 #
@@ -14,11 +17,24 @@ set -uo pipefail
 source "$(dirname "$0")/bench_env.sh"
 SEEDS=${SEEDS:-0 1 2}
 SEEDS_W16=${SEEDS_W16:-0}
+GPUS=${GPUS:-$($PY -c "import torch; print(max(torch.cuda.device_count(), 1))")}
 work=$(mktemp -d)
+$PY - "$OUT/cad_scale_launch_model.json" <<'PYEOF'
+import logging, shutil, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+import torch
+from hf_longctx.backends.cad.profiled import SegmentShape, launch_cache_path, profiled_cost_model
+print("model:", profiled_cost_model("torch_flash")[1])
+shutil.copy(launch_cache_path(torch.device("cuda"), "torch_flash", SegmentShape()), sys.argv[1])
+PYEOF
+runs=()
 for s in $SEEDS_W16; do
-  cad_emulated "$OUT/cad_scale_w8_w16_seed$s.md" --mixes sft,prolong,pretrain \
-    --tokens prolong:256k,pretrain:256k,sft:256k --worlds 8,16 --budget-s 300 --seed "$s"
+  runs+=("cad_emulated $OUT/cad_scale_w8_w16_seed$s.md --mixes sft,prolong,pretrain \
+--tokens prolong:256k,pretrain:256k,sft:256k --worlds 8,16 --budget-s 300 --seed $s")
 done
-for s in $SEEDS; do cad_w64 "$s" "$OUT/cad_scale_w64_seed$s.md" "$work/s$s"; done
-cp "$HF_LONGCTX_CACHE"/cad_cost/*-launch.json "$OUT/cad_scale_launch_model.json"
+for s in $SEEDS; do runs+=("cad_w64 $s $OUT/cad_scale_w64_seed$s.md $work/s$s"); done
+for ((g = 0; g < GPUS; g++)); do  # GPU g runs every GPUS-th run, one after the other, beside the other GPUs
+  (export CUDA_VISIBLE_DEVICES=$g; for ((i = g; i < ${#runs[@]}; i += GPUS)); do eval "${runs[i]}"; done) &
+done
+wait
 tar czf "$OUT/cad_scale_w64_dumps.tgz" -C "$work" .

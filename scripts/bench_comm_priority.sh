@@ -35,4 +35,4 @@ for mix, label in sorted({(m, b.split("@")[0]) for m, b in runs[0]}):
     print(f"| {mix} | {label} | {a[0]:.1f} | {a[1]:.1f} | {a[1] / a[0]:.3f} | {a[2]:.1f} | {a[3]:.1f} | "
           f"{a[3] / a[2]:.3f} |")
 PYEOF
-grep -E "Error|FAILED" "$OUT"/comm_priority*_w$W.md | head -5
+grep -E "Error|FAILED" "$OUT"/comm_priority*_w$W.md | head -5 || true
