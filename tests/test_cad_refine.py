@@ -201,34 +201,47 @@ def test_when_the_least_busy_servers_can_take_nothing_the_next_ones_are_tried():
     assert all(t.server not in refusing or t.owner not in given for t in widened)
 
 
-def test_a_screened_refinement_prices_few_moves_and_keeps_the_guarantees():
-    """With ``screen``, each step prices in full only the moves an additive estimate ranks first: far fewer server
-    pricings on a busiest server of many short documents, every row still computed once, and the predicted
-    maximum still lowered (here about as far as pricing every move)."""
+def _count_pricings(screen: int | None):
+    """(server pricings, final tasks, predicted maximum before, after) of refining SFT 64K's schedule at 4
+    servers on the H200 model with ``screen``."""
     batch = PackedBatch.from_doc_lens(doc_lengths("sft", 64 << 10, seed=0))
     plan = shard_plan(batch, 4, "cad")
-    docs = docs_per_rank(plan)
     options = {"eps": 0.01, "cost_model": H200}
-    first = schedule(docs, 4, eps=0.01, cost_model=H200)
+    first = schedule(docs_per_rank(plan), 4, eps=0.01, cost_model=H200)
     terms = call_terms_for(options, H200)
-    priced = {"every": 0, "screened": 0}
+    priced = [0]
 
-    def counted(kind):
-        def server_cost(ts):
-            priced[kind] += 1
-            return _server_time(plan, ts, options, H200, terms)
-        return server_cost
+    def server_cost(ts):
+        priced[0] += 1
+        return _server_time(plan, ts, options, H200, terms)
 
-    every = refine_in_time(plan, first.tasks, H200, counted("every"))
-    screened = refine_in_time(plan, first.tasks, H200, counted("screened"), screen=8)
-    assert priced["screened"] * 4 < priced["every"], priced
-    refined = with_tasks(docs, first, screened, H200)
-    verify_schedule(docs, refined, H200)
-    before = _predicted_costs(plan, first.tasks, options, H200).max()
-    after_every = _predicted_costs(plan, every, options, H200).max()
-    after_screened = _predicted_costs(plan, refined.tasks, options, H200).max()
+    tasks = refine_in_time(plan, first.tasks, H200, server_cost, screen=screen)
+    refined = with_tasks(docs_per_rank(plan), first, tasks, H200)
+    verify_schedule(docs_per_rank(plan), refined, H200)
+    return (priced[0], refined.tasks, _predicted_costs(plan, first.tasks, options, H200).max(),
+            _predicted_costs(plan, refined.tasks, options, H200).max())
+
+
+def test_a_screened_refinement_prices_few_moves_and_keeps_the_guarantees(monkeypatch):
+    """With ``screen``, a step prices in full only the moves an additive estimate ranks first: far fewer server
+    pricings on a busiest server of many short documents, every row still computed once, and the predicted
+    maximum still lowered (here about as far as pricing every move). The screen is applied to every step here."""
+    from hf_longctx.backends.cad import refine
+
+    every, _, before, after_every = _count_pricings(None)
+    monkeypatch.setattr(refine, "SCREEN_ABOVE", 0)
+    screened, _, _, after_screened = _count_pricings(8)
+    assert screened * 4 < every, (screened, every)
     assert after_screened < before
     assert after_screened <= after_every * 1.002
+
+
+def test_steps_of_few_moves_are_not_screened():
+    """Below SCREEN_ABOVE moves a step prices every move (the estimate ranks too many winners low there), so a
+    screened refinement of such steps is the full one, move for move."""
+    every, every_tasks, _, _ = _count_pricings(None)
+    screened, screened_tasks, _, _ = _count_pricings(8)
+    assert screened == every and screened_tasks == every_tasks
 
 
 def test_the_refinement_screen_option_is_checked():
@@ -239,3 +252,27 @@ def test_the_refinement_screen_option_is_checked():
     screened = cad_schedule(plan, {"cost_model": H200, "eps": 0.01})
     verify_schedule(docs_per_rank(plan), every, H200)
     verify_schedule(docs_per_rank(plan), screened, H200)
+
+
+def test_a_slow_schedule_is_said_once_per_process(monkeypatch, caplog):
+    """A schedule is made when a batch's first attention layer needs it, so a slow one slows every step: the first
+    schedule past the threshold is warned of, with the knobs that make it faster, and no later one."""
+    from hf_longctx.backends.cad import runtime
+
+    monkeypatch.setattr(runtime, "SLOW_SCHEDULE_S", 0.0)
+    monkeypatch.setattr(runtime, "_said_slow", False)
+    with caplog.at_level("WARNING", logger=runtime.__name__):
+        for lens in ([512, 256], [384, 384], [640, 128]):
+            cad_schedule(shard_plan(PackedBatch.from_doc_lens(lens), 2, "cad"), {"cost_model": H200, "eps": 0.01})
+    said = [r.getMessage() for r in caplog.records if "schedule took" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "2 servers" in said[0] and "eps 0.01" in said[0] and "cost_model='flops'" in said[0]
+
+
+def test_a_fast_schedule_says_nothing(monkeypatch, caplog):
+    from hf_longctx.backends.cad import runtime
+
+    monkeypatch.setattr(runtime, "_said_slow", False)
+    with caplog.at_level("WARNING", logger=runtime.__name__):
+        cad_schedule(shard_plan(PackedBatch.from_doc_lens([512, 256]), 2, "cad"), {"eps": 0.1})
+    assert not [r for r in caplog.records if "schedule took" in r.getMessage()]

@@ -31,11 +31,14 @@ scheduler and the nano-batch split price tasks on the pairs the window leaves vi
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ...comm.collectives import all_reduce_max, collective_device, is_distributed
 from ...comm.emulated import EmulatedGroup
@@ -335,8 +338,34 @@ def cad_schedule(plan: ShardPlan, options: dict) -> CadSchedule:
                                key_cuts=options.get("key_cuts", True), screen=screen)
         return with_tasks(docs, best, moved, model)
 
+    def timed_build() -> CadSchedule:
+        start = time.perf_counter()
+        sched = build()
+        _say_if_slow(time.perf_counter() - start, plan, eps, model)
+        return sched
+
     return plan.cached(("cad_schedule", eps, model, tuple(sorted(knobs.items())), options.get("key_cuts", True),
-                        screen), build)
+                        screen), timed_build)
+
+
+log = logging.getLogger(__name__)
+SLOW_SCHEDULE_S = 0.5  # a schedule that took longer on the host is said once per process (its first rank's)
+_said_slow = False
+
+
+def _say_if_slow(seconds: float, plan: ShardPlan, eps, model: CostModel) -> None:
+    """Warn once when a schedule took :data:`SLOW_SCHEDULE_S` or more. Why: a schedule is made when a batch's first
+    attention layer needs it, on every rank of the group, so in training each new batch waits for it; on a measured
+    cost model at a small eps that is seconds (SFT 256K at 8 servers: about 1 s on a 2-core host), which the user
+    should hear of rather than find as a slow step."""
+    global _said_slow
+    if seconds < SLOW_SCHEDULE_S or _said_slow or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    _said_slow = True
+    log.warning("hf_longctx cad: this batch's schedule took %.1f s on the host (%d servers, eps %s, %s cost model); "
+                "every new batch waits for its schedule before its first attention layer. A larger eps, a smaller "
+                "refine_screen, or cost_model='flops' (milliseconds) schedule faster.", seconds, plan.world_size,
+                eps, type(_base(model)).__name__)
 
 
 RUNTIME_OFFSET_ROUNDS = 2  # schedules made again with the runtime's per-server extra costs (see cad_schedule)
