@@ -36,9 +36,9 @@ memory after every W (allocated, reserved and free), so growth would show. (On a
 torch_flash it stayed at the 5 GiB of the global tensors from ProLong W=4 through Pretrain W=64.)
 One configuration alone can still exceed the device: CAD on ProLong at W=64 holds the gathered key
 rows of all 64 ranks at once and ran out of memory on an H200 in four of its five variants; such a
-row reports the error and the run goes on. ``--stage-on-host`` keeps every rank's all_to_all buffers on the
-host instead; each such row then gives the largest all_to_all's bytes (about what the host holds at once),
-and the memory lines the process's peak resident host memory.
+configuration runs again with its all_to_all buffers on the host (as ``--stage-on-host`` does for every
+one; its kernels are timed as before). Each such row gives the largest all_to_all's bytes (about what the host
+holds at once), and the memory lines the process's peak resident host memory.
 
 Configurations run in order (mix, then W, then backend); each mix gets its share of ``--budget-s``
 (time a mix leaves unused carries over), and the configurations left out are listed in the output.
@@ -256,13 +256,26 @@ def main(argv: list[str] | None = None) -> int:
         timers.append(KernelTimer(hub, dev, keep_calls=True))
         return timers[-1]
 
-    def emulate(batch, w, tensors, backend, options):
+    def emulate(batch, w, tensors, backend, options, stage_on_host=args.stage_on_host):
         timers.clear()
         dump = args.dump_calls and backend == "cad" and options and options.get("cost_model") is profiled \
             and isinstance(profiled, MEASURED_MODELS)
         return emulate_step(batch, w, tensors, backend, options=options, kernel=args.kernel, warmup=args.warmup,
-                            reps=args.reps, stage_on_host=args.stage_on_host,
+                            reps=args.reps, stage_on_host=stage_on_host,
                             make_timer=keep_calls if dump else KernelTimer)
+
+    def emulate_or_stage(batch, w, tensors, backend, options) -> tuple[EmulatedStep, bool]:
+        """The step, and whether its all_to_all buffers had to be staged on the host: a configuration whose ranks'
+        buffers do not fit on the device together runs again with them on the host (its kernels are timed the
+        same way; only the emulated transfers go through host memory), so one large configuration does not leave
+        a hole in the table."""
+        try:
+            return emulate(batch, w, tensors, backend, options), args.stage_on_host
+        except torch.cuda.OutOfMemoryError:
+            if args.stage_on_host:
+                raise
+        release_memory(device)
+        return emulate(batch, w, tensors, backend, options, stage_on_host=True), True
 
     if args.dump_calls and isinstance(profiled, MEASURED_MODELS):
         Path(args.dump_calls).mkdir(parents=True, exist_ok=True)
@@ -299,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 t0 = time.perf_counter()
                 try:
-                    step = emulate(batch, w, tensors, backend, options)
+                    step, staged = emulate_or_stage(batch, w, tensors, backend, options)
                 except Exception as exc:  # noqa: BLE001 - one call measures everything; report and go on
                     rows.append(table_row([mix, tokens_label(total), batch.num_docs, w, label] + ["-"] * 8
                                           + [f"{type(exc).__name__}: {str(exc)[:120]}"]))
@@ -314,9 +327,9 @@ def main(argv: list[str] | None = None) -> int:
                     if timers:
                         dump_calls(Path(args.dump_calls) / f"{mix}_w{w}_{_slug(label)}.json", step, batch, options,
                                    predicted, [t.call_log() for t in timers[args.warmup:]])
-                if args.stage_on_host:
+                if staged:
                     notes.append(f"largest all_to_all {step.largest_all_to_all / float(1 << 30):.1f} GiB (staged on "
-                                 "the host)")
+                                 "the host" + ("" if args.stage_on_host else ": the device ran out of memory") + ")")
                 if step.noise_floor is not None:
                     notes.append(f"timing noise {step.timing_noise * 100:.2f}% per repetition, noise alone max/mean "
                                  f"{step.noise_floor:.3f}")

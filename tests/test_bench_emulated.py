@@ -63,3 +63,33 @@ def test_cad_runs_choose_the_cad_variants_and_a_misspelt_one_is_refused_first(tm
                         "--eps-sweep", "none:0", "--cad-runs", "cad flops eps0.1", "--seed", str(seed)]) == 0
     row = next(line for line in out.read_text().splitlines() if line.startswith("| sft |"))
     assert row.split(" | ")[2] == str(counts[seed])
+
+
+def test_a_configuration_out_of_device_memory_runs_again_staged_on_the_host(tmp_path, monkeypatch):
+    """One large configuration (64 ranks' buffers on one device) must not leave a hole in the table: it runs again
+    with its all_to_all buffers on the host, and its row says so. Other errors still fill their row."""
+    import torch
+
+    monkeypatch.setenv("HF_LONGCTX_CACHE", str(tmp_path / "cache"))
+    spec = importlib.util.spec_from_file_location("bench_emulated", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    real = module.emulate_step
+    staged = []
+
+    def short_of_memory(batch, world, *args, stage_on_host=False, **kwargs):
+        staged.append(stage_on_host)
+        if world == 2 and not stage_on_host:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+        if world == 3:
+            raise RuntimeError("not a memory error")
+        return real(batch, world, *args, stage_on_host=stage_on_host, **kwargs)
+
+    monkeypatch.setattr(module, "emulate_step", short_of_memory)
+    out = tmp_path / "emulated.md"
+    assert module.main(["--quick", "--out", str(out), "--worlds", "2,3", "--mixes", "sft", "--backends", "ring",
+                        "--eps-sweep", "none:0"]) == 0
+    rows = {line.split(" | ")[3]: line for line in out.read_text().splitlines() if line.startswith("| sft |")}
+    assert "staged on the host: the device ran out of memory" in rows["2"] and "OutOfMemoryError" not in rows["2"]
+    assert "RuntimeError: not a memory error" in rows["3"]
+    assert True in staged
