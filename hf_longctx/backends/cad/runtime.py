@@ -362,7 +362,7 @@ def _say_if_slow(seconds: float, plan: ShardPlan, eps, model: CostModel) -> None
     if seconds < SLOW_SCHEDULE_S or _said_slow or (dist.is_initialized() and dist.get_rank() != 0):
         return
     _said_slow = True
-    log.warning("hf_longctx cad: this batch's schedule took %.1f s on the host (%d servers, eps %s, %s cost model); "
+    log.warning("hf_longctx cad: this batch's schedule took %.1f s on the host (%d servers, eps %s, cost model %s); "
                 "every new batch waits for its schedule before its first attention layer. A larger eps, a smaller "
                 "refine_screen, or cost_model='flops' (milliseconds) schedule faster.", seconds, plan.world_size,
                 eps, type(_base(model)).__name__)
