@@ -13,6 +13,7 @@ and caches follow from it.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -142,6 +143,19 @@ def check_group_agrees(call: RankCall) -> None:
     plan.cached(key, lambda: True)
 
 
+def check_options(backend: str, options: dict | None) -> None:
+    """Refuse a key of ``options`` that ``backend`` does not read (its ``option_names``), naming the closest one:
+    an ignored option would run another configuration than the one asked for, silently. Every rank gets the same
+    options, so every rank refuses them together, before any collective."""
+    names = get_backend(backend).option_names
+    unknown = sorted(set(options or {}) - set(names))
+    if unknown:
+        hints = [f"{key!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(key, names, n=1))
+                 else repr(key) for key in unknown]
+        takes = f"it takes {', '.join(names)}" if names else "it takes none"
+        raise ValueError(f"backend {backend!r} has no option {', '.join(hints)}; {takes}")
+
+
 def make_run_context(call: RankCall, backend: str) -> RunContext:
     """The run of ``backend`` (a name) for this rank: its schedule, prepared options, forward and backward."""
     return get_backend(backend).run_context(call.plan, call.group, call.rank, call.world, call.scale, call.kernel,
@@ -184,6 +198,7 @@ def sequence_parallel_attention(
     ``group`` when the caller already has it (the transformers layer's context carries it); None asks
     the group.
     """
+    check_options(backend, options)
     rank, world = _rank_and_world(group, rank)
     try:
         run_plan, window_problem = windowed_plan(plan, window), None

@@ -50,7 +50,9 @@ class Backend:
     (``local``); ``chooses_backend`` is True for one that never runs itself but names another per
     problem in :meth:`resolve` (``auto``). ``bidirectional`` is True for a backend that also computes
     non-causal attention (every query sees every key of its document): it then finds ``"causal": False``
-    in the run's options; the others refuse such a layer before any collective.
+    in the run's options; the others refuse such a layer before any collective. ``option_names`` are the keys of
+    a call's ``options`` the backend reads; any other key is refused before any collective (a misspelt one would
+    otherwise be ignored, and the run would silently be another than the one asked for).
     """
 
     name: str = ""
@@ -61,6 +63,7 @@ class Backend:
     sequence_parallel: bool = True
     chooses_backend: bool = False
     bidirectional: bool = False
+    option_names: tuple[str, ...] = ()
 
     def validate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ShardPlan, world: int) -> str | None:
         """A problem (one sentence naming the fix) with these inputs for this backend, or None.

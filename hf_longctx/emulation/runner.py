@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..backends import default_strategy
-from ..backends.api import RankCall, check_group_agrees, make_run_context, resolve_backend
+from ..backends.api import RankCall, check_group_agrees, check_options, make_run_context, resolve_backend
 from ..benchmarking import FORWARD_BACKWARD_FACTOR
 from ..comm.emulated import EmulatedGroup, EmulationHub
 from ..comm.links import LINKS, transfer_seconds
@@ -205,6 +205,7 @@ def emulate_step(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ..
     """
     if reps < 1 or warmup < 0:
         raise ValueError(f"need reps >= 1 and warmup >= 0, got reps={reps}, warmup={warmup}")
+    check_options(backend, options)
     q = tensors[0]
     strategy = strategy or default_strategy(backend)
     plan = shard_plan(batch, world, strategy)

@@ -591,12 +591,17 @@ def run_backward(ctx: RunContext, dout: torch.Tensor, q: torch.Tensor, k: torch.
 
 
 class CadBackend(Backend):
-    """Backend ``cad``: the runtime above behind the backend contract (options: ``eps``, ``pingpong``)."""
+    """Backend ``cad``: the runtime above behind the backend contract. Options: ``eps``, ``cost_model`` and
+    ``cost_kernel``, ``min_shard`` and ``search_width``, ``key_cuts`` and ``refine_screen`` (:func:`cad_schedule`),
+    ``pingpong`` (two nano-batches), ``call_terms`` (:func:`call_terms_for`), and ``tasks``: a schedule's tasks
+    to run instead of scheduling."""
 
     name = "cad"
     summary = "CAD: documents stay whole; a scheduler balances core-attention tasks over all ranks as servers"
     default_strategy = "cad"
     strategies = ("cad", "contiguous")
+    option_names = ("eps", "cost_model", "cost_kernel", "min_shard", "search_width", "key_cuts", "refine_screen",
+                    "pingpong", "call_terms", "tasks")
 
     def run_context(self, plan, group, rank, world, scale, kernel, options=None):
         options = dict(options or {})
