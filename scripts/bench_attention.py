@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hf_longctx.backends import default_strategy, sequence_parallel_attention
+from hf_longctx.backends.api import check_options
 from hf_longctx.backends.auto import auto_decisions
 from hf_longctx.benchmarking import (
     attention_tflops,
@@ -406,6 +407,13 @@ def main() -> int:
     unknown = [m for m in args.mix if m not in WORKLOAD_MIXES]
     if unknown:
         p.error(f"unknown --mix {', '.join(unknown)}; choose from {', '.join(WORKLOAD_MIXES)}")
+    for label in args.backends:  # a misspelt backend option, said once, before any process starts
+        backend, options = backend_and_options(label)
+        if options:
+            try:
+                check_options(backend, options)
+            except ValueError as exc:
+                p.error(f"--backends {label}: {exc}")
     if args.emulate:
         return emulated(args)
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))

@@ -70,3 +70,12 @@ def test_high_priority_communication_is_refused_without_nccl(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--comm-priority", "normal,high"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert done.returncode == 2 and "--comm-priority high sets the priority of NCCL's streams" in done.stderr
+
+
+def test_a_misspelt_backend_option_is_refused_once_before_any_process_starts(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--backends", "ring,cad:epss=0.01"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.count("backend 'cad' has no option 'epss' (did you mean 'eps'?)") == 1
+    assert "| sft mix |" not in done.stdout and "prolong mix" not in done.stdout  # nothing ran
