@@ -12,6 +12,7 @@ attention of the visible (query, key) pairs, over the devices' dense bf16 peak.
 from __future__ import annotations
 
 import os
+import socket
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -24,6 +25,15 @@ import torch.distributed as dist
 # H100 or H200: longer than the host takes to enqueue one attention call (0.25 ms measured on an H200's host,
 # 1.0 ms on an H100's), so the region's kernels are all queued when its start event fires.
 HOST_AHEAD_CYCLES = 4_000_000
+
+
+def free_port() -> int:
+    """A TCP port no process listens on now, for a benchmark's process group rendezvous. Why: a port derived from
+    the process id collides with a port another run (or anything else on the host) already holds, and the
+    benchmark then fails to start its group."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def queue_ahead() -> None:

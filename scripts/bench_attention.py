@@ -32,6 +32,7 @@ from hf_longctx.backends.api import check_options
 from hf_longctx.backends.auto import auto_decisions
 from hf_longctx.benchmarking import (
     attention_tflops,
+    free_port,
     host_and_device_ms,
     table_header,
     timed,
@@ -416,7 +417,7 @@ def main() -> int:
                 p.error(f"--backends {label}: {exc}")
     if args.emulate:
         return emulated(args)
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     mp.spawn(worker, args=(args.gpus, args), nprocs=args.gpus, join=True)
     return 0
 

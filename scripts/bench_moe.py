@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hf_longctx.benchmarking import table_header, timed_slowest_rank
+from hf_longctx.benchmarking import free_port, table_header, timed_slowest_rank
 from hf_longctx.comm import comm_stats, reset_comm_stats
 from hf_longctx.comm.mesh import parallel_groups
 from hf_longctx.moe import (
@@ -298,7 +298,7 @@ def main() -> int:
         return 0
     world = args.gpus or (2 if args.quick else max(1, torch.cuda.device_count()))
     args.ep = [int(e) for e in args.ep.split(",") if e] or [1, world]
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     mp.spawn(worker, args=(world, args), nprocs=world, join=True)
     return 0
 

@@ -40,6 +40,7 @@ import torch.multiprocessing as mp
 
 from hf_longctx.benchmarking import (
     FORWARD_BACKWARD_FACTOR,
+    free_port,
     model_flops_per_token,
     peak_flops,
     table_header,
@@ -451,7 +452,7 @@ def main() -> int:
     if args.search:
         return search(args)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29600 + os.getpid() % 1000))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     mp.spawn(worker, args=(args.gpus, args), nprocs=args.gpus, join=True)
     return 0
 
