@@ -191,7 +191,8 @@ def sequence_parallel_attention(
     three local inputs. ``backend`` is one of :func:`~hf_longctx.backends.registry.backend_names`
     (``"auto"`` times the candidates once per problem shape and keeps the fastest, see :mod:`.auto`);
     ``kernel`` is ``"auto"`` or a registered kernel name (:func:`~hf_longctx.kernels.kernel_names`);
-    ``options`` tune a backend (CAD: ``eps``, ``pingpong``). ``window``: sliding window in positions,
+    ``options`` tune a backend (CAD: ``eps``, ``pingpong``, ...); a key the backend does not read (its
+    ``option_names``) is refused before any collective. ``window``: sliding window in positions,
     transformers' ``sliding_window`` (a query at document position p sees keys p - window + 1 .. p);
     None for plain causal attention (or the window of a plan from ``plan.with_window``). Every backend
     honours it exactly and skips blocks and key rows beyond it. ``rank``: this rank's index in
