@@ -117,8 +117,8 @@ def refine_in_time(plan: ShardPlan, tasks: Sequence[CadTask], model: CostModel, 
     the moved part's price alone), lowest maximum first, and end the step once ``screen`` moves in a row found
     nothing better, on steps of more than :data:`SCREEN_ABOVE` moves; None prices every move. Why: pricing a
     server in full runs ping-pong's split, the call planner and the launch simulation of every call, and a busiest
-    server of a hundred short documents offers hundreds of moves per step (SFT at 4 servers: 22 s per schedule
-    on a 2-core host, 1.6 s screened to 32, the same predicted balance).
+    server of a hundred short documents offers hundreds of moves per step (SFT 256K at 4 servers: 10 s per
+    schedule on a 2-core host, 1.0 s screened to 32, the predicted balance within 0.002).
     """
     world = plan.world_size
     by_server: list[list[CadTask]] = [[] for _ in range(world)]
@@ -140,29 +140,30 @@ def refine_in_time(plan: ShardPlan, tasks: Sequence[CadTask], model: CostModel, 
 
     def candidates(top: int, receivers: list[int]):
         """Every move of one of the busiest server's tasks (whole, its first rows or its first keys) to one of
-        ``receivers``: (estimated peak, task, receiver, what the busiest keeps of it, the part given). The
-        estimate is additive: the two servers' times less and plus the part's price alone (no call terms, no
-        tails)."""
+        ``receivers``: (task, receiver, what the busiest keeps of it, the part given)."""
         out = []
         for t in by_server[top]:
-            whole = rows_cost(plan, t, t.q_start, t.q_end, model)
             for dst in receivers:
                 if _shares_rows(by_server[dst], t):
                     continue
                 half = (cost[top] - cost[dst]) / 2
-                moves = [([], replace(t, server=dst))]  # the whole task
+                out.append((t, dst, [], replace(t, server=dst)))  # the whole task
                 row = _first_rows_for(plan, model, t, half)
                 if row is not None and row < t.q_end:  # its first rows
-                    moves.append(([replace(t, q_start=row)], replace(t, q_end=row, server=dst)))
+                    out.append((t, dst, [replace(t, q_start=row)], replace(t, q_end=row, server=dst)))
                 keys = _first_keys_for(plan, model, t, half) if key_cuts else None
                 if keys is not None:  # its first keys, as a rectangle
-                    moves.append(([replace(t, key_lo=t.key_lo + keys)], replace(t, key_hi=t.key_lo + keys, server=dst)))
-                for left, part in moves:
-                    given = rows_cost(plan, part, part.q_start, part.q_end, model)
-                    kept = sum(rows_cost(plan, x, x.q_start, x.q_end, model) for x in left)
-                    estimate = max(cost[top] - whole + kept, cost[dst] + given)
-                    out.append((estimate, t, dst, left, part))
+                    out.append((t, dst, [replace(t, key_lo=t.key_lo + keys)],
+                                replace(t, key_hi=t.key_lo + keys, server=dst)))
         return out
+
+    def estimate(top: int, move) -> float:
+        """A move's peak, additive: the two servers' times less and plus the moved part's price alone (no call
+        terms, no tails)."""
+        t, dst, left, part = move
+        kept = sum(rows_cost(plan, x, x.q_start, x.q_end, model) for x in left)
+        return max(cost[top] - rows_cost(plan, t, t.q_start, t.q_end, model) + kept,
+                   cost[dst] + rows_cost(plan, part, part.q_start, part.q_end, model))
 
     def best_move(top: int, receivers: list[int]):
         """The move of one of the busiest server's tasks (or a part of it) to one of ``receivers`` that leaves the
@@ -172,10 +173,10 @@ def refine_in_time(plan: ShardPlan, tasks: Sequence[CadTask], model: CostModel, 
         found = candidates(top, receivers)
         screened = screen is not None and len(found) > SCREEN_ABOVE
         if screened:
-            found = sorted(found, key=lambda c: c[0])
+            found.sort(key=lambda move: estimate(top, move))
         best: tuple[float, list[CadTask], int, list[CadTask], float, float] | None = None
         since_best = 0  # moves priced since the best so far was found
-        for _, t, dst, left, part in found:
+        for t, dst, left, part in found:
             if screened and since_best >= screen:
                 break
             since_best += 1
