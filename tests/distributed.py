@@ -7,7 +7,6 @@ in every spawned rank too: a spawned process imports only the module of the func
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
 from datetime import timedelta
@@ -63,8 +62,3 @@ def run_distributed(world: int, fn, *args, timeout_s: float = 120.0) -> None:
         mp.spawn(_worker, args=(world, init_file, timeout_s, fn, args, _outside_backends()), nprocs=world,
                  join=True)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
