@@ -20,14 +20,7 @@ SEEDS=${SEEDS:-0 1 2}
 SEEDS_W16=${SEEDS_W16:-0}
 GPUS=${GPUS:-$($PY -c "import torch; print(max(torch.cuda.device_count(), 1))")}
 work=$(mktemp -d)
-$PY - "$OUT/cad_scale_launch_model.json" <<'PYEOF'
-import logging, shutil, sys
-logging.basicConfig(level=logging.INFO, stream=sys.stdout)
-import torch
-from hf_longctx.backends.cad.profiled import SegmentShape, launch_cache_path, profiled_cost_model
-print("model:", profiled_cost_model("torch_flash")[1])
-shutil.copy(launch_cache_path(torch.device("cuda"), "torch_flash", SegmentShape()), sys.argv[1])
-PYEOF
+fit_launch_model "$OUT/cad_scale_launch_model.json"
 runs=()
 for s in $SEEDS_W16; do
   runs+=("cad_emulated $OUT/cad_scale_w8_w16_seed$s.md --mixes sft,prolong,pretrain \

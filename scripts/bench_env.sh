@@ -22,3 +22,18 @@ cad_w64() {
   cad_emulated "$2" --mixes sft,prolong,pretrain --tokens pretrain:512k,sft:512k,prolong:128k --worlds 64 \
     --budget-s 170 --seed "$1" --dump-calls "$3"
 }
+
+# The backend's own launch cost model of torch_flash on this GPU (fitted now unless the cache holds one fitted on the
+# same grid, call set and merge), copied to OUT_JSON, its source and meta printed: fit_launch_model OUT_JSON
+fit_launch_model() {
+  $PY - "$1" <<'PYEOF'
+import json, logging, shutil, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+import torch
+from hf_longctx.backends.cad.profiled import SegmentShape, launch_cache_path, profiled_cost_model
+print("model:", profiled_cost_model("torch_flash")[1])
+path = launch_cache_path(torch.device("cuda"), "torch_flash", SegmentShape())
+print("meta:", json.dumps(json.loads(path.read_text())["meta"]))
+shutil.copy(path, sys.argv[1])
+PYEOF
+}

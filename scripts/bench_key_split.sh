@@ -14,17 +14,7 @@ DUMPS=${DUMPS:-bench/logs/cad_prolong256k_w64_keys_limit_dumps_1xH200_2026-11-25
 work=$(mktemp -d)
 tar xzf "$DUMPS" -C "$work"
 # the backend's own fit (what the emulated steps then schedule on), copied beside the logs
-$PY - "$OUT/launch_model_key_split.json" > "$OUT/key_split_fit.log" 2>&1 <<'PYEOF'
-import json, logging, shutil, sys
-logging.basicConfig(level=logging.INFO, stream=sys.stdout)
-import torch
-from hf_longctx.backends.cad.profiled import SegmentShape, launch_cache_path, profiled_cost_model
-model, where = profiled_cost_model("torch_flash")
-print("model:", where)
-path = launch_cache_path(torch.device("cuda"), "torch_flash", SegmentShape())
-print("meta:", json.dumps(json.loads(path.read_text())["meta"]))
-shutil.copy(path, sys.argv[1] if len(sys.argv) > 1 else "launch_model_key_split.json")
-PYEOF
+fit_launch_model "$OUT/launch_model_key_split.json" > "$OUT/key_split_fit.log" 2>&1
 for d in k0 k1; do
   $PY scripts/profile_cad.py --load "$OUT/launch_model_key_split.json" \
     --calls "$work/$d/prolong_w64_cad_profiled_eps0_01.json" --replay --key-split --kernel torch_flash \
