@@ -69,7 +69,7 @@ from hf_longctx.backends.cad.call_profile import (
 )
 from hf_longctx.backends.cad.cost_model import ProfiledCostModel
 from hf_longctx.backends.cad.launch_cost import KIND as LAUNCH_KIND
-from hf_longctx.backends.cad.launch_cost import PHASES, LaunchCostModel
+from hf_longctx.backends.cad.launch_cost import PHASES, LaunchCostModel, clear_pricing_caches
 from hf_longctx.backends.cad.placement import fit_forward_placement
 from hf_longctx.backends.cad.profiled import (
     ProfileBudget,
@@ -460,7 +460,7 @@ def report_split_forward(args: argparse.Namespace, model, dump: dict, kernel: st
 def report_predicted_balance(args: argparse.Namespace) -> int:
     """``--predict``: the runtime's predicted per-server kernel time (``server_costs``) of CAD at eps 0.01 on the
     loaded launch model, with and without key cuts, per mix, tokens, W and seed: max/mean, rectangles made, and
-    the seconds the schedule took on this host (in brackets)."""
+    the seconds the schedule took on this host (in brackets; from cleared pricing caches, as a process's first)."""
     model = loaded_launch_model(args, "--predict prices CAD schedules with a launch cost model")
     if model is None:
         return 2
@@ -476,6 +476,7 @@ def report_predicted_balance(args: argparse.Namespace) -> int:
                 options = {"cost_model": model, "eps": 0.01, "key_cuts": key_cuts}
                 if args.refine_screen is not None:
                     options["refine_screen"] = args.refine_screen
+                clear_pricing_caches()  # timed as a process's first schedule, not after the same batch's others
                 start = time.perf_counter()
                 tasks = prepare(plan, options)["tasks"]
                 took = time.perf_counter() - start

@@ -276,3 +276,19 @@ def test_a_fast_schedule_says_nothing(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger=runtime.__name__):
         cad_schedule(shard_plan(PackedBatch.from_doc_lens([512, 256]), 2, "cad"), {"eps": 0.1})
     assert not [r for r in caplog.records if "schedule took" in r.getMessage()]
+
+
+def test_clearing_the_pricing_caches_empties_every_one_of_them():
+    """A schedule's time is measured from cleared caches: every cache of the pricing modules, also one added later."""
+    import functools
+
+    from hf_longctx.backends.cad import launch_cost
+    from hf_longctx.kernels import key_split, launch
+
+    plan = shard_plan(PackedBatch.from_doc_lens(doc_lengths("sft", 16 << 10, seed=0)), 2, "cad")
+    cad_schedule(plan, {"cost_model": H200, "eps": 0.01})
+    caches = [f for module in (launch, key_split, launch_cost) for f in vars(module).values()
+              if isinstance(f, functools._lru_cache_wrapper)]
+    assert any(f.cache_info().currsize for f in caches)
+    launch_cost.clear_pricing_caches()
+    assert [f.__name__ for f in caches if f.cache_info().currsize] == []

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from itertools import accumulate
@@ -41,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ...kernels import key_split, launch
 from ...kernels.calls import CallTerms, calls_overhead
 from ...kernels.key_split import KeySplit, merged_rows, plan_key_split, split_calls
 from ...kernels.launch import (
@@ -340,3 +342,13 @@ def _tail_cost(q_lens: tuple[int, ...], k_lens: tuple[int, ...], model: LaunchCo
         whole = _one_call_features(phase, q_lens, k_lens, model.launch, model.heads, causal, tails=False)
         total += float((run - whole) @ model.terms(phase).as_vector())
     return total
+
+
+def clear_pricing_caches() -> None:
+    """Forget every call this process has priced (the launch simulation's, the key split's and the tails'
+    caches). Why: a schedule reuses the prices of calls priced before, so the time a schedule takes depends on
+    what the process scheduled earlier; timing one from cleared caches gives what a process's first batch pays."""
+    for module in (launch, key_split, sys.modules[__name__]):
+        for value in vars(module).values():
+            if isinstance(value, functools._lru_cache_wrapper):
+                value.cache_clear()

@@ -370,10 +370,10 @@ def _say_if_slow(seconds: float, plan: ShardPlan, eps, model: CostModel) -> None
 
 RUNTIME_OFFSET_ROUNDS = 2  # schedules made again with the runtime's per-server extra costs (see cad_schedule)
 # the refinement's screen (refine_in_time): on steps of many moves, moves are priced in full in the order of an
-# additive estimate until this many in a row found nothing better. On an H200's launch model, 6 batches each on a
-# 2-core host: SFT 256K at 4 servers 85 s -> 9.1 s (predicted max/mean 1.0002 -> 1.0006 on average), at 16 servers
-# 70 s -> 12.3 s (1.0012 -> 1.0017), SFT 512K at 64 servers 68 s -> 29 s (1.0087 -> 1.0096); Pretrain 512K and
-# ProLong 128K at 64 servers within 0.0001 (steps of few moves are not screened)
+# additive estimate until this many in a row found nothing better. On an H200's launch model, per batch on a 2-core
+# host from cleared pricing caches: SFT 256K at 4 servers 10.1 s -> 1.0 s, at 16 servers 7.6 s -> 1.4 s, SFT 512K
+# at 64 servers 11.3 s -> 5.9 s, the predicted max/mean within 0.002 (ProLong 128K and Pretrain 512K at 64 servers
+# make steps of few moves, which are not screened)
 REFINE_SCREEN = 32
 
 
