@@ -44,3 +44,30 @@ def test_the_emulation_refuses_them_too():
     with pytest.raises(ValueError, match="backend 'cad' has no option 'eps_'"):
         emulate_step(batch, 2, tensors, "cad", options={"eps_": 0.01})
 
+
+
+@pytest.mark.parametrize("options,problem", [
+    ({"eps": -0.1}, "eps must be a number >= 0"),
+    ({"eps": "tight"}, "eps must be a number >= 0 .* or 'auto', got 'tight'"),
+    ({"cost_model": "profile"}, "cost_model must be 'flops' or 'profiled'"),
+    ({"cost_model": 3.0}, "cost_model must be 'flops', 'profiled' or a cost model object"),
+    ({"cost_kernel": "fa5"}, "cost_kernel must be 'auto' or one of"),
+    ({"min_shard": 0}, "min_shard must be a whole number >= 1, got 0"),
+    ({"search_width": 2.5}, "search_width must be a whole number >= 1"),
+    ({"key_cuts": "no"}, "key_cuts must be true or false"),
+    ({"pingpong": 1}, "pingpong must be true or false, got 1"),
+    ({"refine_screen": -1}, "refine_screen must be a whole number"),
+    ({"call_terms": "some"}, "call_terms must be a CallTerms, None or 'none'"),
+    ({"tasks": [1, 2]}, "tasks must be a schedule's tasks"),
+], ids=lambda x: next(iter(x)) if isinstance(x, dict) else None)
+def test_a_value_the_backend_cannot_run_is_refused_before_it_schedules(options, problem):
+    with pytest.raises(ValueError, match=f"backend 'cad': {problem}"):
+        _call("cad", options)
+
+
+def test_every_value_a_recipe_can_write_for_cad_is_taken():
+    """The values a sidecar or the command line can give (numbers, names, true/false, null) run."""
+    reference = _call("cad", {})
+    for options in ({"eps": "auto"}, {"eps": 0, "cost_model": "flops", "cost_kernel": "reference"},
+                    {"min_shard": 4, "search_width": 2, "refine_screen": None, "call_terms": "none"}):
+        torch.testing.assert_close(_call("cad", options), reference)

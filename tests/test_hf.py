@@ -132,6 +132,50 @@ def test_input_hook_trains_on_the_concatenated_group_batch():
     run_distributed(2, check_input_hook, BACKENDS + ["auto"])
 
 
+def check_backend_options_reach_every_attention_call(rank, world, options):
+    """The settings' backend_options, given to the input hook, reach every attention call of the sharded forward,
+    and the run they tune is exact (each rank brings its own packed rows, as in :func:`check_input_hook`)."""
+    import hf_longctx.hf.attention as attention
+
+    seen = []
+    run = attention.sequence_parallel_attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("options"))
+        return run(*args, **kwargs)
+
+    attention.sequence_parallel_attention = spy
+    rows = [packed_example(200 + r, total=40 + 5 * r) for r in range(world)]
+    group_ids = torch.cat([ids for _, ids in rows], dim=1)
+    group_packed = PackedBatch.from_doc_lens([n for p, _ in rows for n in p.doc_lens])
+    model = tiny_llama(3)
+    ref_loss, ref_grads = reference_loss_and_grads(model, group_packed, group_ids)
+    model.zero_grad()
+    model.set_attn_implementation(implementation_name("cad"))
+    install_input_hook(model, group=None, options=options)
+    packed, ids = rows[rank]
+    labels = ids.clone()
+    labels[0, list(packed.doc_starts)] = -100
+    loss = model(input_ids=ids, position_ids=packed.position_ids[None], labels=labels).loss
+    loss.backward()
+    assert seen == [options] * model.config.num_hidden_layers, seen
+    assert_group_sum_equal(loss, model, ref_loss, ref_grads, f"cad {options} rank={rank}", tol=1e-6)
+
+
+def test_backend_options_of_the_settings_reach_every_attention_call_and_stay_exact():
+    run_distributed(3, check_backend_options_reach_every_attention_call,
+                    {"eps": 0.01, "pingpong": False, "min_shard": 4, "key_cuts": True})
+
+
+def test_backend_options_for_another_backend_than_the_model_runs_are_refused():
+    model = tiny_llama(0, impl=implementation_name("zigzag"))
+    with pytest.raises(ValueError, match=r"backend_options: backend 'zigzag' has no option 'eps'; it takes none "
+                                         r"\(the model runs attn_implementation='longctx_zigzag'\)"):
+        install_input_hook(model, group=None, options={"eps": 0.01})
+    with pytest.raises(ValueError, match="backend 'cad': pingpong must be true or false"):
+        install_input_hook(tiny_llama(0, impl=implementation_name("cad")), group=None, options={"pingpong": "no"})
+
+
 def _step(model, local):
     reset_stats()
     model.zero_grad()

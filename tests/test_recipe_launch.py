@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LAUNCHES = {
     "ring": ("cpu-2proc", ["--backend", "ring"], {}, "cpu-2proc"),
     "ulysses": ("cpu-2proc", ["--backend", "ulysses"], {}, "cpu-2proc"),
-    "cad": ("cpu-2proc", ["--backend", "cad"], {}, "cpu-2proc"),
+    # with options of its own, as a user tunes it: the callback hands them to every attention call
+    "cad": ("cpu-2proc", ["--backend", "cad", "--backend-options", "eps=0.01,pingpong=false"], {}, "cpu-2proc"),
     "zigzag": ("cpu-3proc", [], {"HF_LONGCTX_BACKEND": "zigzag"}, "cpu-3proc"),  # the environment's override
     # local is one process's attention: data parallel on the same shape, against distfa at sp_size 1
     "local": ("cpu-2proc", ["--backend", "local", "--sp-size", "1"], {}, "cpu-2proc --sp-size 1"),
@@ -78,6 +79,7 @@ def test_every_backend_trains_like_the_recipe_backend(tmp_path, tmp_path_factory
     expected = reference(tmp_path_factory, against)
     steps, summary = train(tmp_path, shape, extra, env)
     assert summary["backend"] == backend, "the override must train another backend, or the comparison is void"
+    assert summary["backend_options"] == ({"eps": 0.01, "pingpong": False} if "--backend-options" in extra else {})
     assert summary["sp_size"] == _runs[against][1]["sp_size"] == (1 if backend == "local" else int(shape[4]))
     assert len(steps) == len(expected) == 3
     for step, (a, b) in enumerate(zip(steps, expected)):

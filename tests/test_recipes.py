@@ -124,6 +124,21 @@ def test_command_line_overrides_the_sidecar_and_the_environment(monkeypatch):
     assert load_config(recipe, {"sp_size": 1}).sp_size == 1  # values, not only text, from a caller
 
 
+def test_backend_options_come_from_the_sidecar_the_environment_or_the_command_line(monkeypatch, tmp_path):
+    """A backend's own options (CAD's eps, cost model, ...) are one setting, a mapping: written as one in the
+    sidecar, as NAME=VALUE pairs in the environment or on the command line, each value read as YAML reads it."""
+    recipe = tmp_path / "cad.yaml"
+    recipe.write_text("compute_environment: LOCAL_MACHINE\n")
+    sidecar_path(recipe).write_text("backend: cad\nbackend_options: {eps: 0.01, cost_model: profiled}\n")
+    assert load_config(recipe).backend_options == {"eps": 0.01, "cost_model": "profiled"}
+    monkeypatch.setenv("HF_LONGCTX_BACKEND_OPTIONS", "eps=auto, pingpong=false")
+    assert load_config(recipe).backend_options == {"eps": "auto", "pingpong": False}
+    _, overrides = _overrides("--backend-options", "refine_screen=0,key_cuts=true,call_terms=null")
+    assert load_config(recipe, overrides).backend_options == {"refine_screen": 0, "key_cuts": True, "call_terms": None}
+    assert load_config(recipe, {"backend_options": ""}).backend_options == {}
+    assert LongContextConfig().backend_options == {}
+
+
 @pytest.mark.parametrize("argv,expected", [
     (["--backend", "distflsh"], ["cpu-2proc.longctx.yaml with --backend from the command line",
                                  "did you mean 'distfa'?"]),
@@ -133,7 +148,13 @@ def test_command_line_overrides_the_sidecar_and_the_environment(monkeypatch):
     (["--checkpointing", "none", "--offload-checkpoints", "1"], ["needs checkpointing 'layer' or 'recompute_aware'"]),
     (["--sp-size", "3"], ["with --sp-size from the command line", "sp_size 3 does not divide the 2 processes"]),
     (["--max-stpes", "3"], ["unknown option --max-stpes; did you mean --max-steps?"]),
-], ids=["backend", "kernel", "not-an-int", "misspelled-key", "combination", "sp-size", "script-option"])
+    (["--backend-options", "eps=0.01"], ["backend_options: backend 'distfa' has no option 'eps'; it takes none",
+                                         "change them with it"]),
+    (["--backend", "cad", "--backend-options", "epss=0.01"], ["has no option 'epss' (did you mean 'eps'?)"]),
+    (["--backend", "cad", "--backend-options", "eps=-1"], ["backend 'cad': eps must be a number >= 0"]),
+    (["--backend", "cad", "--backend-options", "eps"], ["--backend-options 'eps': 'eps' is not NAME=VALUE"]),
+], ids=["backend", "kernel", "not-an-int", "misspelled-key", "combination", "sp-size", "script-option",
+        "option-of-another-backend", "misspelled-option", "option-value", "option-not-a-pair"])
 def test_command_line_values_fail_like_sidecar_values(argv, expected):
     with pytest.raises(ConfigError) as err:
         recipe, overrides = _overrides(*argv)

@@ -264,6 +264,12 @@ BAD_SETTINGS = [
     ("backend: zigzag\n", ["--tp-size", "0"], 2, ["--tp-size '0'", "tp_size must be a whole number >= 1"]),
     ("backend: zigzag\n", ["--max-steps", "0"], 2, ["--max-steps 0: must be a whole number >= 1"]),
     ("backend: zigzag\n", ["--lr", "-1"], 2, ["--lr -1.0: must be a number > 0"]),
+    # a backend's options are checked against that backend, names and values
+    ("backend: cad\nbackend_options: {epss: 0.01}\n", [], 2,
+     ["bad.longctx.yaml", "backend 'cad' has no option 'epss'", "did you mean 'eps'?"]),
+    ("backend: cad\nbackend_options: {cost_model: profile}\n", [], 2,
+     ["bad.longctx.yaml", "cost_model must be 'flops' or 'profiled'"]),
+    ("backend: cad\nbackend_options: 0.01\n", [], 2, ["backend_options must be a mapping"]),
 ]
 
 

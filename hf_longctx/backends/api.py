@@ -144,16 +144,21 @@ def check_group_agrees(call: RankCall) -> None:
 
 
 def check_options(backend: str, options: dict | None) -> None:
-    """Refuse a key of ``options`` that ``backend`` does not read (its ``option_names``), naming the closest one:
-    an ignored option would run another configuration than the one asked for, silently. Every rank gets the same
-    options, so every rank refuses them together, before any collective."""
-    names = get_backend(backend).option_names
-    unknown = sorted(set(options or {}) - set(names))
+    """Refuse a key of ``options`` that ``backend`` does not read (its ``option_names``), naming the closest one,
+    then a value the backend cannot run (its :meth:`~.contract.Backend.option_problem`): an ignored option would
+    run another configuration than the one asked for, silently. Every rank gets the same options, so every rank
+    refuses them together, before any collective."""
+    spec = get_backend(backend)
+    names = spec.option_names
+    unknown = sorted(set(options or {}) - set(names), key=str)
     if unknown:
-        hints = [f"{key!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(key, names, n=1))
-                 else repr(key) for key in unknown]
+        hints = [f"{key!r} (did you mean {close[0]!r}?)"
+                 if (close := difflib.get_close_matches(str(key), names, n=1)) else repr(key) for key in unknown]
         takes = f"it takes {', '.join(names)}" if names else "it takes none"
         raise ValueError(f"backend {backend!r} has no option {', '.join(hints)}; {takes}")
+    problem = spec.option_problem(dict(options or {}))
+    if problem:
+        raise ValueError(f"backend {backend!r}: {problem}")
 
 
 def make_run_context(call: RankCall, backend: str) -> RunContext:

@@ -73,6 +73,12 @@ class Backend:
         """
         return None
 
+    def option_problem(self, options: dict) -> str | None:
+        """A problem (one sentence naming the fix) with the values of ``options``, whose keys are already among
+        :attr:`option_names`, or None. Checked where the options are given (a recipe when it is read, a call
+        before any collective), so a wrong value fails there, not inside a schedule on every rank."""
+        return None
+
     def resolve(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ShardPlan,
                 group: dist.ProcessGroup | None, probe: ForwardProbe) -> str:
         """The name of the backend that runs this problem: this one, unless it chooses among others."""

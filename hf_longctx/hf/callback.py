@@ -124,12 +124,13 @@ class LongContextCallback(TrainerCallback):
         self._host_optimizer = host_optimizer_of(kwargs.get("optimizer"))
         if self._host_optimizer is not None:
             self._take_over_clipping_on_the_host(args)
-        self.hook = install_input_hook(model, group, cfg.kernel)
+        self.hook = install_input_hook(model, group, cfg.kernel, cfg.backend_options)
         # average_tokens_across_devices=False: every sequence-parallel group averages its own tokens, as one
         # device of plain DDP averages its batch (the group, not the process, holds a sequence)
         self.hook.average_in_group = sp > 1 and not getattr(args, "average_tokens_across_devices", True)
         self.summary = {"backend": impl[len(PREFIX):], "attn_implementation": impl, "sp_size": sp,
                         "dp_size": world // sp, "checkpointing": checkpointing, "kernel": cfg.kernel,
+                        "backend_options": dict(cfg.backend_options),
                         "tiled_loss": cfg.tiled_loss, "tiled_mlp": cfg.tiled_mlp, "fused_ops": cfg.fused_ops,
                         "offload_checkpoints": cfg.offload_checkpoints and checkpointing != "none",
                         "kernels_available": available_kernels(args.device)}

@@ -78,9 +78,24 @@ def _parse_int(value: str) -> int:
         raise ValueError("not a whole number") from None
 
 
+def _parse_mapping(value: str) -> dict:
+    """``eps=0.01,cost_model=profiled`` -> ``{"eps": 0.01, "cost_model": "profiled"}``: each value read as a YAML
+    scalar (a number, true/false, null or text), as the same value in the sidecar is."""
+    import yaml
+
+    out: dict = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        name, sep, text = item.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"{item!r} is not NAME=VALUE; write NAME=VALUE pairs separated by commas "
+                             "(eps=0.01,cost_model=profiled)")
+        out[name.strip()] = yaml.safe_load(text.strip()) if text.strip() else None
+    return out
+
+
 # How a setting given as text (environment, command line) becomes the sidecar's value, by the type of
 # its field: a new key is settable from the environment and the command line with no edit here.
-_PARSERS = {"str": str, "int": _parse_int, "bool": _parse_bool}
+_PARSERS = {"str": str, "int": _parse_int, "bool": _parse_bool, "dict": _parse_mapping}
 _FROM_TEXT = {f.name: _PARSERS[f.type] for f in fields(LongContextConfig)}
 
 

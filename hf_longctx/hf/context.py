@@ -15,7 +15,7 @@ model, a teacher) is not touched by the first one's batch.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -26,13 +26,15 @@ from ..layout import ShardPlan
 
 @dataclass(frozen=True)
 class SequenceParallelContext:
-    """``padding``: this rank's rows that are padding tokens (their attention output is zero), or None."""
+    """``padding``: this rank's rows that are padding tokens (their attention output is zero), or None.
+    ``options``: the backend's options (the settings' ``backend_options``), handed to every attention call."""
 
     plan: ShardPlan
     group: dist.ProcessGroup | None
     rank: int
     kernel: str = "auto"
     padding: torch.Tensor | None = None
+    options: dict | None = field(default=None, hash=False)
 
 
 class ContextHolder(Protocol):

@@ -27,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..backends.api import check_options
 from ..backends.load import attention_load
 from ..comm.groups import group_rank_and_size
 from .attention import backend_of
@@ -68,9 +69,10 @@ class SequenceParallelInputs:
     attention calls whose layer did not pass it on (see :mod:`.context`).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, kernel: str = "auto"):
+    def __init__(self, group: dist.ProcessGroup | None, kernel: str = "auto", options: dict | None = None):
         self.group = group
         self.kernel = kernel
+        self.options = dict(options or {})
         self.tokens = 0
         self.causal_pairs = 0
         self.work_max = 0
@@ -110,7 +112,7 @@ class SequenceParallelInputs:
         group_batch = gather_group_batch(flat, self.group, problem)
         plan = plan_for(group_batch.packed, backend, self.group)
         rank, world = group_rank_and_size(self.group)
-        local = group_batch.shard(plan, rank, self.group, self.kernel)
+        local = group_batch.shard(plan, rank, self.group, self.kernel, self.options)
         if kwargs.get("num_items_in_batch") is not None:
             local.pop("num_items_in_batch", None)  # Trainer's count covers the whole step (accumulation, devices)
             if self.average_in_group:
@@ -232,9 +234,19 @@ def _exchange(send: torch.Tensor, recv_counts: list[int], send_counts: list[int]
     return received
 
 
-def install_input_hook(model, group: dist.ProcessGroup | None, kernel: str = "auto") -> SequenceParallelInputs:
+def install_input_hook(model, group: dist.ProcessGroup | None, kernel: str = "auto",
+                       options: dict | None = None) -> SequenceParallelInputs:
+    """Shard every forward of ``model`` over ``group`` from now on; ``options`` (the backend's, the settings'
+    ``backend_options``) go to every attention call, checked here against the backend the model was loaded with."""
     check_model(model)
-    hook = SequenceParallelInputs(group, kernel)
+    if options:
+        backend = backend_of(model.config._attn_implementation)
+        try:
+            check_options(backend, options)
+        except ValueError as err:
+            raise ValueError(f"backend_options: {err} (the model runs attn_implementation="
+                             f"{model.config._attn_implementation!r})") from None
+    hook = SequenceParallelInputs(group, kernel, options)
     # prepended: every other pre-hook (tiled loss, user hooks) must see the sharded inputs
     hook.handles = [model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True),
                     model.register_forward_hook(hook.restore_outputs, with_kwargs=True)]

@@ -8,7 +8,8 @@ key fails with the closest known name.
 from __future__ import annotations
 
 import difflib
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 
 from .backend_names import backend_from_name
 
@@ -64,6 +65,9 @@ class LongContextConfig:
     expert_tp_size: int = 1  # ranks splitting each expert's intermediate dimension (expert tensor parallel)
     memory: str = "manual"  # auto: a memory plan picks per-layer checkpointing, offload and tiling (hf.memory_plan)
     fused_ops: str = "auto"  # Liger's RMSNorm/RoPE/SwiGLU: auto (memory: auto uses them where they run), liger, off
+    # the backend's own options (CAD: eps, cost_model, ...), checked against the backend when read; every attention
+    # call of the run gets them (kept out of the hash: a mapping has none)
+    backend_options: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         object.__setattr__(self, "backend", backend_from_name(self.backend))
@@ -93,6 +97,7 @@ class LongContextConfig:
             if not liger_installed():
                 raise ValueError("fused_ops: liger needs Liger-Kernel: pip install 'hf_longctx[liger]' (GPU only), "
                                  "or set fused_ops: auto or off")
+        object.__setattr__(self, "backend_options", _checked_backend_options(self.backend, self.backend_options))
         if self.moe_dispatch not in MOE_DISPATCHES:
             raise ValueError(f"unknown moe_dispatch {self.moe_dispatch!r}; choose one of {MOE_DISPATCHES}")
         if self.expert_tp_size > 1 and self.moe_dispatch != "allgather":
@@ -167,6 +172,26 @@ def group_heads(modes) -> list[int]:
                              "layer followed by 'group' layers)")
         heads.append(head)
     return heads
+
+
+def _checked_backend_options(backend: str, options) -> dict:
+    """``options`` as a plain dict, every key one the backend reads and every value one it can run (see
+    :func:`hf_longctx.backends.api.check_options`): a misspelt option would otherwise be ignored, and the run would
+    silently be another one than the recipe asked for."""
+    from ..backends.api import check_options
+
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise ValueError(f"backend_options must be a mapping of option names to values (in a sidecar `backend_options: "
+                         f"{{eps: 0.01}}`, on the command line `--backend-options eps=0.01`), got {options!r}")
+    options = dict(options)
+    try:
+        check_options(backend, options)
+    except ValueError as err:
+        raise ValueError(f"backend_options: {err} (options belong to one backend: change them with it; "
+                         "--backend-options '' sets none)") from None
+    return options
 
 
 def _check_kernel(kernel: str) -> None:

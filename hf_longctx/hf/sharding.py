@@ -27,8 +27,10 @@ def shard_batch(
     rank: int,
     group: dist.ProcessGroup | None = None,
     kernel: str = "auto",
+    options: dict | None = None,
 ) -> dict:
     """kwargs of ``model(**local)`` for ``rank``: its tokens, positions, shifted targets, context.
+    ``options`` go to every attention call of the forward (the backend's, e.g. CAD's ``eps``).
 
     ``batch`` holds one packed sequence: ``input_ids`` (1, T), ``position_ids`` (1, T) (or ``doc_lens``;
     positions default to restarting at 0 per document and travel with the tokens), optional
@@ -40,12 +42,13 @@ def shard_batch(
     labels = input_ids if labels is None else labels.reshape(-1)
     positions = batch.get("position_ids")
     positions = packed.position_ids if positions is None else positions.reshape(-1)
-    return _shard(input_ids, positions, shift_labels_per_document(labels, packed), None, plan, rank, group, kernel)
+    return _shard(input_ids, positions, shift_labels_per_document(labels, packed), None, plan, rank, group, kernel,
+                  options)
 
 
 def _shard(input_ids: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor | None,
            padding: torch.Tensor | None, plan: ShardPlan, rank: int, group: dist.ProcessGroup | None,
-           kernel: str) -> dict:
+           kernel: str, options: dict | None = None) -> dict:
     """This rank's rows of a packed sequence's tokens, positions and targets, as model keywords."""
     idx = plan.local_indices(rank).to(input_ids.device)
     local_padding = padding[idx.to(padding.device)] if padding is not None else None
@@ -54,7 +57,7 @@ def _shard(input_ids: torch.Tensor, positions: torch.Tensor, targets: torch.Tens
     local = {
         "input_ids": input_ids[idx].unsqueeze(0),
         "position_ids": positions.to(input_ids.device)[idx].unsqueeze(0),
-        "longctx": SequenceParallelContext(plan, group, rank, kernel, local_padding),
+        "longctx": SequenceParallelContext(plan, group, rank, kernel, local_padding, options or None),
     }
     if targets is not None:
         local_targets = targets[idx.to(targets.device)].unsqueeze(0)
@@ -79,9 +82,11 @@ class GroupBatch:
     packed: PackedBatch
     rank_tokens: list[int]
 
-    def shard(self, plan: ShardPlan, rank: int, group: dist.ProcessGroup | None, kernel: str = "auto") -> dict:
+    def shard(self, plan: ShardPlan, rank: int, group: dist.ProcessGroup | None, kernel: str = "auto",
+              options: dict | None = None) -> dict:
         """kwargs of ``model(**local)`` for ``rank`` under ``plan``."""
-        return _shard(self.input_ids, self.position_ids, self.targets, self.padding, plan, rank, group, kernel)
+        return _shard(self.input_ids, self.position_ids, self.targets, self.padding, plan, rank, group, kernel,
+                      options)
 
 
 def _collective_device(group: dist.ProcessGroup | None) -> torch.device:

@@ -364,7 +364,8 @@ def _say_if_slow(seconds: float, plan: ShardPlan, eps, model: CostModel) -> None
     _said_slow = True
     log.warning("hf_longctx cad: this batch's schedule took %.1f s on the host (%d servers, eps %s, cost model %s); "
                 "every new batch waits for its schedule before its first attention layer. A larger eps, a smaller "
-                "refine_screen, or cost_model='flops' (milliseconds) schedule faster.", seconds, plan.world_size,
+                "refine_screen, or cost_model='flops' (milliseconds) schedule faster (the recipe's backend_options, "
+                "or a call's options).", seconds, plan.world_size,
                 eps, type(_base(model)).__name__)
 
 
@@ -590,6 +591,48 @@ def run_backward(ctx: RunContext, dout: torch.Tensor, q: torch.Tensor, k: torch.
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _is_whole(value, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def option_problem(options: dict) -> str | None:
+    """What is wrong with the values of CAD's ``options`` (one sentence naming the fix), or None: checked when a
+    recipe is read and before a call's first collective, not deep inside a schedule on every rank."""
+    from ...kernels import kernel_names
+
+    eps = options.get("eps", 0.1)
+    if eps != "auto" and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf")):
+        return f"eps must be a number >= 0 (the scheduler's tolerance: 0.1 by default, 0.01 tighter) or 'auto', " \
+               f"got {eps!r}"
+    model = options.get("cost_model", "flops")
+    if isinstance(model, str) or model is None:
+        if model not in (None, "flops", "profiled"):
+            return f"cost_model must be 'flops' or 'profiled' (or a cost model object), got {model!r}"
+    elif not isinstance(model, CostModel):
+        return f"cost_model must be 'flops', 'profiled' or a cost model object (with cost and cost_array), got " \
+               f"{type(model).__name__}"
+    kernel = options.get("cost_kernel", "auto")
+    if kernel not in ("auto", *kernel_names()):
+        return f"cost_kernel must be 'auto' or one of {', '.join(kernel_names())}, got {kernel!r}"
+    for key in ("min_shard", "search_width"):
+        if key in options and not _is_whole(options[key], 1):
+            return f"{key} must be a whole number >= 1, got {options[key]!r}"
+    for key in ("key_cuts", "pingpong"):
+        if key in options and not isinstance(options[key], bool):
+            return f"{key} must be true or false, got {options[key]!r}"
+    screen = options.get("refine_screen", REFINE_SCREEN)
+    if screen is not None and not _is_whole(screen, 0):
+        return f"refine_screen must be a whole number (moves priced in full per step; 0: every move), got {screen!r}"
+    terms = options.get("call_terms")
+    if terms is not None and terms != "none" and not isinstance(terms, CallTerms):
+        return f"call_terms must be a CallTerms, None or 'none', got {terms!r}"
+    tasks = options.get("tasks")
+    if tasks is not None and (isinstance(tasks, (str, bytes)) or not isinstance(tasks, Sequence)
+                              or not all(isinstance(t, CadTask) for t in tasks)):
+        return "tasks must be a schedule's tasks (a sequence of CadTask, e.g. cad_schedule(plan, options).tasks)"
+    return None
+
+
 class CadBackend(Backend):
     """Backend ``cad``: the runtime above behind the backend contract. Options: ``eps``, ``cost_model`` and
     ``cost_kernel``, ``min_shard`` and ``search_width``, ``key_cuts`` and ``refine_screen`` (:func:`cad_schedule`),
@@ -610,6 +653,7 @@ class CadBackend(Backend):
         return super().run_context(plan, group, rank, world, scale, kernel, options)
 
     # the runner's module functions are the contract's methods
+    option_problem = staticmethod(option_problem)
     prepare = staticmethod(prepare)
     forward = staticmethod(run_forward)
     backward = staticmethod(run_backward)
