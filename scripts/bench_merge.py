@@ -1,6 +1,6 @@
-"""The key split's merge on one GPU: one Triton kernel against torch's index ops, alone and inside cut forwards.
+"""The merges of partial attention results on one GPU: one Triton kernel against torch, alone and inside steps.
 
-    python scripts/bench_merge.py [--reps 20] [--calls DUMP.json,...]
+    python scripts/bench_merge.py [--reps 20] [--calls DUMP.json,...] [--steps sft:256k:4,...]
 
 Part 1 times ``merge_row_parts_`` alone on a server's cut rows (segments x rows x chunks, 32 heads of 128, bf16).
 Part 2 times whole forward calls that torch_flash runs cut into chunks of their keys (the shapes of CAD servers'
@@ -9,6 +9,10 @@ torch over Triton. Part 2 also times the first cut call of the launch model's pr
 Part 3 (``--calls``: calls dumped by ``bench_emulated.py --dump-calls``) times every distinct forward call that the
 key split's rule would cut with a lower ``min_shared`` than the one in force, whole and cut (Triton merge), binned
 by the keys its segments' rows all share: where cutting starts to pay now that the merge is one kernel.
+Part 4 times the running merge of the ring-style backends (``PartialAccumulator.add``: a step's or a helper's
+partial result into a block of the accumulator) alone, and with ``--steps MIX:TOKENS:W`` whole emulated
+forward+backward steps of ring, zigzag, distfa and tasp (every rank's work on the one GPU, wall time, the two merges
+alternating run by run).
 """
 
 from __future__ import annotations
@@ -18,15 +22,19 @@ import functools
 import json
 import os
 import statistics
+import time
 from dataclasses import replace
 
 import torch
 
 from hf_longctx.backends.cad.call_profile import segment_batch, time_call_phases
 from hf_longctx.benchmarking import timed
+from hf_longctx.emulation import emulate_step
+from hf_longctx.emulation.workloads import doc_lengths
 from hf_longctx.kernels import attention_forward, torch_flash
 from hf_longctx.kernels.key_split import KeySplit, plan_key_split
-from hf_longctx.kernels.merge import RowParts, merge_row_parts_
+from hf_longctx.kernels.merge import PartialAccumulator, RowParts, merge_row_parts_
+from hf_longctx.layout import PackedBatch
 
 HEADS, KV_HEADS, HEAD_DIM, DTYPE, DEVICE = 32, 8, 128, torch.bfloat16, torch.device("cuda")
 MERGES = (("triton", "1"), ("torch", "0"))  # HF_LONGCTX_MERGE_TRITON
@@ -100,6 +108,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--calls", default=None, help="comma-separated call dumps of bench_emulated.py for part 3")
+    parser.add_argument("--steps", default=None, metavar="MIX:TOKENS:W,...",
+                        help="part 4: emulated steps of the ring-style backends, e.g. sft:256k:4,prolong:256k:4")
     args = parser.parse_args()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, {HEADS} heads of {HEAD_DIM}\n")
     print("| merge alone: segments x rows x chunks | triton ms | torch ms | torch / triton |\n|---|---|---|---|")
@@ -128,6 +138,62 @@ def main() -> None:
     print(f"\n{first} forward ms: whole {runs[0]:.3f}, cut " + ", ".join(f"{t:.3f}" for t in runs[1:]))
     if args.calls:
         cut_sweep(args.calls.split(","), split, max(5, args.reps // 2))
+    accumulate_alone(args.reps)
+    for spec in (args.steps.split(",") if args.steps else []):
+        mix, tokens, world = spec.split(":")
+        emulated_steps(mix, int(tokens[:-1]) * 1024 if tokens.endswith("k") else int(tokens), int(world))
+
+
+ACCUMULATE = [(65536, 4096), (65536, 16384), (65536, 65536)]  # (accumulator rows, rows merged into it)
+STEP_BACKENDS = ("ring", "zigzag", "distfa", "tasp")
+
+
+def _each_merge(fn) -> dict[str, float]:
+    times = {}
+    for name, flag in MERGES:
+        os.environ["HF_LONGCTX_MERGE_TRITON"] = flag
+        times[name] = fn()
+    os.environ.pop("HF_LONGCTX_MERGE_TRITON")
+    return times
+
+
+def accumulate_alone(reps: int) -> None:
+    print("\n| running merge: accumulator rows, merged rows | triton ms | torch ms | torch / triton |")
+    print("|---|---|---|---|")
+    for total, rows in ACCUMULATE:
+        acc = PartialAccumulator(total, HEADS, HEAD_DIM, DTYPE, DEVICE)
+        out = torch.randn(rows, HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+        lse = torch.randn(HEADS, rows, device=DEVICE)
+        add = functools.partial(acc.add, total - rows, out, lse)
+        t = _each_merge(lambda add=add: timed(add, reps, warmup=3, ahead=True))
+        print(f"| {total}, {rows} | {t['triton']:.3f} | {t['torch']:.3f} | {t['torch'] / t['triton']:.2f} |")
+
+
+def emulated_steps(mix: str, tokens: int, world: int, runs: int = 5) -> None:
+    """Wall ms of whole emulated steps (all ``world`` ranks' forward+backward, one after another on the one GPU),
+    the median of ``runs``, the two merges alternating so that the device's state drifts alike for both."""
+    batch = PackedBatch.from_doc_lens(doc_lengths(mix, tokens, seed=0))
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    tensors = tuple(torch.randn(tokens, h, HEAD_DIM, generator=g, device=DEVICE, dtype=DTYPE)
+                    for h in (HEADS, KV_HEADS, KV_HEADS, HEADS))
+    print(f"\n| {mix} {tokens // 1024}K, W = {world}: emulated step | triton ms | torch ms | torch / triton |")
+    print("|---|---|---|---|")
+
+    def step_ms(backend: str) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        emulate_step(batch, world, tensors, backend, kernel="torch_flash")
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3
+
+    for backend in STEP_BACKENDS:
+        _each_merge(lambda b=backend: step_ms(b))  # warm: kernels compiled, plans cached
+        samples: dict[str, list[float]] = {name: [] for name, _ in MERGES}
+        for _ in range(runs):
+            for name, value in _each_merge(lambda b=backend: step_ms(b)).items():
+                samples[name].append(value)
+        t = {name: statistics.median(v) for name, v in samples.items()}
+        print(f"| {backend} | {t['triton']:.1f} | {t['torch']:.1f} | {t['torch'] / t['triton']:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

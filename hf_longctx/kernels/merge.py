@@ -59,7 +59,13 @@ class PartialAccumulator:
         self.lse = torch.full((num_heads, num_tokens), float("-inf"), dtype=acc, device=device)
 
     def add(self, start: int, out: torch.Tensor, lse: torch.Tensor) -> None:
-        """Merge the partial result of rows [start, start + len(out)) into the running result."""
+        """Merge the partial result of rows [start, start + len(out)) into the running result: on CUDA one Triton
+        kernel (:func:`merge_implementation`; a dozen elementwise passes in torch), elsewhere :func:`merge_partials`."""
+        if out.shape[0] == 0:
+            return
+        if triton_merges(self.out, self.lse, out, lse):
+            _triton_merge().merge_block(self.out, self.lse, start, out, lse)
+            return
         end = start + out.shape[0]
         merged_out, merged_lse = merge_partials(
             self.out[start:end], self.lse[:, start:end], out, lse, out_dtype=self.out.dtype
