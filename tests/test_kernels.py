@@ -151,6 +151,31 @@ def test_merge_with_empty_side_and_accumulator():
     assert (r_out[:2] == 0).all() and torch.isneginf(r_lse[:, 8:]).all()
 
 
+def test_the_accumulator_equals_pairwise_merges_whatever_its_first_result_covers():
+    """A first result over every row is taken as it is (no fill, no merge); a first result over some rows, later
+    results, and no result at all give what pairwise merges from an empty result give."""
+    g = torch.Generator().manual_seed(3)
+    parts = [(0, 6), (1, 3), (4, 2)]  # (start, rows)
+    results = [(torch.randn(n, 2, 4, dtype=torch.float64, generator=g),
+                torch.randn(2, n, dtype=torch.float64, generator=g)) for _, n in parts]
+    results[0][1][:, 5] = float("-inf")  # a row that saw no key (its out is 0, as every kernel gives)
+    results[0][0][5] = 0
+    for order in ([0, 1, 2], [1, 0, 2], [2, 1]):
+        want_out = torch.zeros(6, 2, 4, dtype=torch.float64)
+        want_lse = torch.full((2, 6), float("-inf"), dtype=torch.float64)
+        acc = PartialAccumulator(6, 2, 4, torch.float64, torch.device("cpu"))
+        for i in order:
+            (start, n), (out, lse) = parts[i], results[i]
+            acc.add(start, out, lse)
+            merged = merge_partials(want_out[start:start + n], want_lse[:, start:start + n], out, lse)
+            want_out[start:start + n], want_lse[:, start:start + n] = merged
+        got_out, got_lse = acc.result()
+        torch.testing.assert_close(got_out, want_out, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got_lse, want_lse, rtol=1e-12, atol=1e-12)
+    never = PartialAccumulator(3, 2, 4, torch.float32, torch.device("cpu")).result()
+    assert (never[0] == 0).all() and torch.isneginf(never[1]).all()
+
+
 def test_stats_count_calls_per_kernel():
     reset_stats()
     q = torch.randn(4, 2, 8)

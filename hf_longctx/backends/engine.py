@@ -284,6 +284,20 @@ def _apply_grads(ctx: RunContext, pending: PendingExchange | None, dq: torch.Ten
             scatter_add_rows(dk if name == "dk" else dv, ex.kv_ranges, grad)
 
 
+def _zeros(ks: torch.Tensor, vs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(ks.shape, dtype=dtype, device=ks.device), torch.zeros(vs.shape, dtype=dtype, device=vs.device)
+
+
+def _key_grads(ranges: Sequence[tuple[int, int]], dk: torch.Tensor, dv: torch.Tensor, ks: torch.Tensor,
+               vs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a block of this rank's own keys accumulates its dk, dv: straight into the rank's gradients when the
+    block is one range of rows (a view; no buffer to fill and add back), else into buffers the caller adds back."""
+    if len(ranges) == 1:
+        a, b = ranges[0]
+        return dk[a:b], dv[a:b]
+    return _zeros(ks, vs, dk.dtype)
+
+
 def zero_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv accumulators of q, k, v's shapes in the accumulation dtype (float32, float64 for float64)."""
     acc_dtype = accumulation_dtype(q.dtype)
@@ -314,23 +328,22 @@ def run_backward(ctx: RunContext, dout: torch.Tensor, q: torch.Tensor, k: torch.
                 local = task.kv_rank == ctx.rank
                 ks = gather_rows(k, ex.kv_ranges) if local else got[("k", task)]
                 vs = gather_rows(v, ex.kv_ranges) if local else got[("v", task)]
-                gk = torch.zeros(ks.shape, dtype=acc_dtype, device=k.device)
-                gv = torch.zeros(vs.shape, dtype=acc_dtype, device=v.device)
+                gk, gv = _key_grads(ex.kv_ranges, dk, dv, ks, vs) if local else _zeros(ks, vs, acc_dtype)
                 _run_pairs_backward(ctx, ex.pairs, q, out, dout, lse, ks, vs, dq, gk, gv)
-                if local:
+                if local and len(ex.kv_ranges) != 1:
                     scatter_add_rows(dk, ex.kv_ranges, gk)
                     scatter_add_rows(dv, ex.kv_ranges, gv)
-                else:
+                elif not local:
                     grads[task] = (gk, gv)
             else:
                 ks, vs = gather_rows(k, ex.kv_ranges), gather_rows(v, ex.kv_ranges)
                 gq = torch.zeros(ex.num_q_rows, *q.shape[1:], dtype=acc_dtype, device=q.device)
-                gk = torch.zeros(ks.shape, dtype=acc_dtype, device=k.device)
-                gv = torch.zeros(vs.shape, dtype=acc_dtype, device=v.device)
+                gk, gv = _key_grads(ex.kv_ranges, dk, dv, ks, vs)
                 _run_pairs_backward(ctx, ex.pairs_in_q_buffer(), got[("q", task)], got[("out", task)],
                                     got[("dout", task)], got[("lse", task)], ks, vs, gq, gk, gv)
-                scatter_add_rows(dk, ex.kv_ranges, gk)
-                scatter_add_rows(dv, ex.kv_ranges, gv)
+                if len(ex.kv_ranges) != 1:
+                    scatter_add_rows(dk, ex.kv_ranges, gk)
+                    scatter_add_rows(dv, ex.kv_ranges, gv)
                 grads[task] = gq
         previous = pending_grads
         pending_grads = _post_grads(ctx, step, grads, tensors, acc_dtype)

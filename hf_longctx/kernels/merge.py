@@ -55,14 +55,31 @@ class PartialAccumulator:
     def __init__(self, num_tokens: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         self.dtype = dtype
         acc = accumulation_dtype(dtype)
-        self.out = torch.zeros(num_tokens, num_heads, head_dim, dtype=acc, device=device)
-        self.lse = torch.full((num_heads, num_tokens), float("-inf"), dtype=acc, device=device)
+        # not yet initialized: a first result over every row is copied in (most ranks' first, their own keys'),
+        # which spares filling the accumulator and merging into it; anything else fills it first
+        self.out = torch.empty(num_tokens, num_heads, head_dim, dtype=acc, device=device)
+        self.lse = torch.empty((num_heads, num_tokens), dtype=acc, device=device)
+        self._empty = True
+
+    def _fill(self) -> None:
+        if self._empty:
+            self.out.zero_()
+            self.lse.fill_(float("-inf"))
+            self._empty = False
 
     def add(self, start: int, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Merge the partial result of rows [start, start + len(out)) into the running result: on CUDA one Triton
-        kernel (:func:`merge_implementation`; a dozen elementwise passes in torch), elsewhere :func:`merge_partials`."""
+        kernel (:func:`merge_implementation`; a dozen elementwise passes in torch), elsewhere :func:`merge_partials`.
+        The first result, when it covers every row, is copied in (a row that saw no key holds out 0, lse -inf, as
+        every kernel gives it)."""
         if out.shape[0] == 0:
             return
+        if self._empty and start == 0 and out.shape[0] == self.out.shape[0]:
+            self.out.copy_(out)
+            self.lse.copy_(lse)
+            self._empty = False
+            return
+        self._fill()
         if triton_merges(self.out, self.lse, out, lse):
             _triton_merge().merge_block(self.out, self.lse, start, out, lse)
             return
@@ -75,6 +92,7 @@ class PartialAccumulator:
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Final (out in the input dtype, lse in the accumulation dtype)."""
+        self._fill()
         return self.out.to(self.dtype), self.lse
 
 
