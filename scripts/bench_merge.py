@@ -11,8 +11,8 @@ key split's rule would cut with a lower ``min_shared`` than the one in force, wh
 by the keys its segments' rows all share: where cutting starts to pay now that the merge is one kernel.
 Part 4 times the running merge of the ring-style backends (``PartialAccumulator.add``: a step's or a helper's
 partial result into a block of the accumulator) alone, and with ``--steps MIX:TOKENS:W`` whole emulated
-forward+backward steps of ring, zigzag, distfa and tasp (every rank's work on the one GPU, wall time, the two merges
-alternating run by run).
+forward+backward steps of ring, zigzag, distfa, tasp and cad (every rank's work on the one GPU, wall time), with the
+Triton row kernels (the merges, CAD's segment gather) and with torch's, alternating run by run.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from hf_longctx.kernels.merge import PartialAccumulator, RowParts, merge_row_par
 from hf_longctx.layout import PackedBatch
 
 HEADS, KV_HEADS, HEAD_DIM, DTYPE, DEVICE = 32, 8, 128, torch.bfloat16, torch.device("cuda")
-MERGES = (("triton", "1"), ("torch", "0"))  # HF_LONGCTX_MERGE_TRITON
+MERGES = (("triton", "1"), ("torch", "0"))  # HF_LONGCTX_MERGE_TRITON (and, in part 4, HF_LONGCTX_GATHER_TRITON)
 ALONE = [(1, 128, 8), (1, 512, 4), (3, 256, 8), (4, 512, 8), (8, 1024, 4)]  # (segments, rows, chunks)
 CALLS = [[(128, 112000)], [(256, 129718)], [(1088, 110145)], [(506, 90000), (506, 84000), (320, 107000)],
          [(384, 60000), (200, 45000), (640, 3000)]]  # (rows, keys) of cut forward calls
@@ -145,15 +145,16 @@ def main() -> None:
 
 
 ACCUMULATE = [(65536, 4096), (65536, 16384), (65536, 65536)]  # (accumulator rows, rows merged into it)
-STEP_BACKENDS = ("ring", "zigzag", "distfa", "tasp")
+STEP_BACKENDS = ("ring", "zigzag", "distfa", "tasp", "cad")
 
 
 def _each_merge(fn) -> dict[str, float]:
     times = {}
     for name, flag in MERGES:
-        os.environ["HF_LONGCTX_MERGE_TRITON"] = flag
+        os.environ["HF_LONGCTX_MERGE_TRITON"] = os.environ["HF_LONGCTX_GATHER_TRITON"] = flag
         times[name] = fn()
     os.environ.pop("HF_LONGCTX_MERGE_TRITON")
+    os.environ.pop("HF_LONGCTX_GATHER_TRITON")
     return times
 
 

@@ -14,8 +14,9 @@ through the collective. A :class:`GatherPlan` instead:
 3. trades only those rows with one ``all_to_all_single`` per dtype (tensors of one dtype, e.g. k and
    v, are packed side by side into one message), and skips the collective entirely when no rank
    moves a row (every rank knows the whole plan, so all agree);
-4. assembles the segments from the local rows and the received unique rows with two row gathers
-   (indices precomputed per plan; the local tensor is never copied whole).
+4. assembles the segments from the local rows and the received unique rows (indices precomputed per plan;
+   the local tensor is never copied whole): on CUDA one Triton kernel reads each row from whichever side holds
+   it (:mod:`.triton_gather`; ``HF_LONGCTX_GATHER_TRITON=0`` keeps torch), elsewhere two row gathers.
 
 Its inverse serves gradients and outputs: segment rows that read local rows are added (or copied)
 into the local tensor directly; the rest are index-added into a buffer of the unique received rows
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.merge import merge_rows_
+from ..optional_triton import TRITON_DTYPES, switched_on, triton_module
 from .emulated import EmulatedGroup
 from .p2p import count_all_to_all
 
@@ -73,6 +75,20 @@ def _unpack(buf: torch.Tensor, likes: list[torch.Tensor]) -> list[torch.Tensor]:
         out.append(buf[:, col:col + w].view(buf.shape[0], *like.shape[1:]))
         col += w
     return out
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """Whether every row of ``t`` is one contiguous block (its row stride may be anything)."""
+    return t.shape[0] == 0 or t[0].is_contiguous()
+
+
+def triton_gathers(local: torch.Tensor, received: torch.Tensor) -> bool:
+    """Whether :meth:`GatherPlan.gather` assembles these two sources with one Triton kernel: CUDA, one dtype Triton
+    takes, rows contiguous, Triton importable, ``HF_LONGCTX_GATHER_TRITON`` not 0."""
+    return (local.device.type == "cuda" and received.device == local.device and local.dtype == received.dtype
+            and local.dtype in TRITON_DTYPES and local.dim() > 1 and _rows_contiguous(local)
+            and _rows_contiguous(received) and switched_on("HF_LONGCTX_GATHER_TRITON")
+            and triton_module("hf_longctx.comm.triton_gather") is not None)
 
 
 def _receive_buffer(like: torch.Tensor, rows: int, width: int, group) -> torch.Tensor:
@@ -204,6 +220,9 @@ class GatherPlan:
         for t, r in zip(tensors, received):
             if r is None or r.shape[0] == 0:
                 out.append(t.index_select(0, self.index))
+                continue
+            if triton_gathers(t, r):
+                out.append(triton_module("hf_longctx.comm.triton_gather").gather_two(t, r, self.index))
                 continue
             # two row gathers into the segment buffer: no copy of the whole local tensor
             seg = t.new_empty(self.segment_rows, *t.shape[1:])
