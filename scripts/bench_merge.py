@@ -109,8 +109,18 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--calls", default=None, help="comma-separated call dumps of bench_emulated.py for part 3")
     parser.add_argument("--steps", default=None, metavar="MIX:TOKENS:W,...",
-                        help="part 4: emulated steps of the ring-style backends, e.g. sft:256k:4,prolong:256k:4")
+                        help="part 4: emulated steps of every backend, e.g. sft:256k:4,prolong:256k:4")
+    parser.add_argument("--steps-only", action="store_true", help="only the emulated steps of --steps")
+    parser.add_argument("--as-is", action="store_true",
+                        help="time the steps with the environment as it is (no toggling), one JSON line per step: "
+                             "what scripts/bench_step_versions.sh compares between two versions of the package")
     args = parser.parse_args()
+    if args.steps_only:
+        for spec in (args.steps.split(",") if args.steps else []):
+            mix, tokens, world = spec.split(":")
+            emulated_steps(mix, int(tokens[:-1]) * 1024 if tokens.endswith("k") else int(tokens), int(world),
+                           as_is=args.as_is)
+        return
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, {HEADS} heads of {HEAD_DIM}\n")
     print("| merge alone: segments x rows x chunks | triton ms | torch ms | torch / triton |\n|---|---|---|---|")
     for segments, rows, chunks in ALONE:
@@ -170,15 +180,17 @@ def accumulate_alone(reps: int) -> None:
         print(f"| {total}, {rows} | {t['triton']:.3f} | {t['torch']:.3f} | {t['torch'] / t['triton']:.2f} |")
 
 
-def emulated_steps(mix: str, tokens: int, world: int, runs: int = 5) -> None:
+def emulated_steps(mix: str, tokens: int, world: int, runs: int = 5, as_is: bool = False) -> None:
     """Wall ms of whole emulated steps (all ``world`` ranks' forward+backward, one after another on the one GPU),
-    the median of ``runs``, the two merges alternating so that the device's state drifts alike for both."""
+    the median of ``runs``, the two merges alternating so that the device's state drifts alike for both; ``as_is``:
+    with the environment's kernels only, one JSON line per backend."""
     batch = PackedBatch.from_doc_lens(doc_lengths(mix, tokens, seed=0))
     g = torch.Generator(device=DEVICE).manual_seed(0)
     tensors = tuple(torch.randn(tokens, h, HEAD_DIM, generator=g, device=DEVICE, dtype=DTYPE)
                     for h in (HEADS, KV_HEADS, KV_HEADS, HEADS))
-    print(f"\n| {mix} {tokens // 1024}K, W = {world}: emulated step | triton ms | torch ms | torch / triton |")
-    print("|---|---|---|---|")
+    if not as_is:
+        print(f"\n| {mix} {tokens // 1024}K, W = {world}: emulated step | triton ms | torch ms | torch / triton |")
+        print("|---|---|---|---|")
 
     def step_ms(backend: str) -> float:
         torch.cuda.synchronize()
@@ -188,6 +200,11 @@ def emulated_steps(mix: str, tokens: int, world: int, runs: int = 5) -> None:
         return (time.perf_counter() - start) * 1e3
 
     for backend in STEP_BACKENDS:
+        if as_is:
+            step_ms(backend)  # warm: kernels compiled, plans cached
+            ms = statistics.median(step_ms(backend) for _ in range(runs))
+            print(json.dumps({"mix": mix, "tokens": tokens, "world": world, "backend": backend, "ms": ms}), flush=True)
+            continue
         _each_merge(lambda b=backend: step_ms(b))  # warm: kernels compiled, plans cached
         samples: dict[str, list[float]] = {name: [] for name, _ in MERGES}
         for _ in range(runs):
