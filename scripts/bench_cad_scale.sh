@@ -8,7 +8,7 @@
 # Each run emulates every rank on one GPU; on a machine of several GPUs the runs go round-robin over them, each
 # GPU's one after the other, the GPUs side by side (about 8 minutes on one H200; on four, 1 minute at REPS=2; on
 # two, 2.5 minutes at REPS=4). Pretrain 512K at W = 64, seed 1, does not fit one H200: it runs again with its
-# buffers staged on the host (bench_emulated.py); a run of that configuration alone did not end within 5.5 minutes.
+# buffers staged on the host (bench_emulated.py), which took 4.2 minutes alone at 2 repetitions.
 #
 #   SEEDS="0 1 2" SEEDS_W16=0 REPS=2 OUT=bench/logs scripts/bench_cad_scale.sh
 #
