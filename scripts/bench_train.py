@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hf_longctx.backends.api import check_options
 from hf_longctx.benchmarking import (
     FORWARD_BACKWARD_FACTOR,
     free_port,
@@ -48,6 +49,7 @@ from hf_longctx.benchmarking import (
     timed_slowest_rank,
     training_mfu,
 )
+from hf_longctx.hf.config import parse_backend_options
 
 
 def build_model(args, impl: str, device):
@@ -93,7 +95,7 @@ def packed_batch(total: int, vocab: int, mix: str, seed: int, device, learnable:
     return packed, {"input_ids": ids, "position_ids": packed.position_ids[None].to(device)}
 
 
-def attention_ms(plan, backend, rank, group, cfg, device, dtype, reps=3, kernel="auto") -> float:
+def attention_ms(plan, backend, rank, group, cfg, device, dtype, reps=3, kernel="auto", options=None) -> float:
     """Core attention forward+backward of one layer on this plan, alone (ms, slowest rank)."""
     from hf_longctx.backends import sequence_parallel_attention
 
@@ -104,7 +106,8 @@ def attention_ms(plan, backend, rank, group, cfg, device, dtype, reps=3, kernel=
     v = torch.randn_like(k, requires_grad=True)
 
     def step():
-        out = sequence_parallel_attention(q, k, v, plan=plan, backend=backend, group=group, kernel=kernel)
+        out = sequence_parallel_attention(q, k, v, plan=plan, backend=backend, group=group, kernel=kernel,
+                                          options=options)
         out.backward(torch.ones_like(out))
 
     return timed_slowest_rank(step, reps, device)
@@ -198,7 +201,7 @@ def worker(rank, world, args):
     packed, batch = packed_batch(total, model.config.vocab_size, args.mix, args.seed, device,
                                  learnable=bool(args.curve))
     plan = plan_for(packed, args.backend if not peer else "local", None)
-    local = shard_batch(batch, plan, rank, None, kernel=args.kernel) if not peer else None
+    local = shard_batch(batch, plan, rank, None, kernel=args.kernel, options=args.backend_options) if not peer else None
 
     if peer:  # torch's native context parallelism through accelerate (FSDP2 + cp_size)
         from hf_longctx.torch_cp_peer import TorchCPTrainer, one_sequence_batch
@@ -284,11 +287,13 @@ def worker(rank, world, args):
     peak_t = torch.tensor([peak], device=device)
     dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
     attn = float("nan") if peer else attention_ms(plan, args.backend, rank, None, model.config, device,
-                                                   next(model.parameters()).dtype, kernel=args.kernel)
+                                                   next(model.parameters()).dtype, kernel=args.kernel,
+                                                   options=args.backend_options)
     # layer checkpointing runs attention forward again in backward: ~1/3.5 of a forward+backward
     attn_runs = model.config.num_hidden_layers * (1 + (args.checkpointing == "layer") / FORWARD_BACKWARD_FACTOR)
     result = {
-        "backend": args.backend, "kernel": args.kernel, "gpus": world, "tokens_per_gpu": args.seq, "context": total,
+        "backend": args.backend, "backend_options": args.backend_options, "kernel": args.kernel, "gpus": world,
+        "tokens_per_gpu": args.seq, "context": total,
         "layers": model.config.num_hidden_layers, "checkpointing": args.checkpointing,
         "tiled_loss": args.tiled_loss, "tiled_mlp": args.tiled_mlp, "zero": args.zero, "fsdp": args.fsdp,
         "offload": args.offload, "fused_ops": args.fused_ops,
@@ -389,6 +394,8 @@ def main() -> int:
     p.add_argument("--gpus", type=int, default=torch.cuda.device_count() or 2)
     p.add_argument("--backend", default="zigzag",
                    help="an hf_longctx backend, or torch_cp (the peer: torch native CP via accelerate, --mix one)")
+    p.add_argument("--backend-options", default="", metavar="NAME=VALUE,...",
+                   help="the backend's options, as the recipes' backend_options (CAD: eps=0.01,cost_model=profiled)")
     p.add_argument("--seq", type=int, default=65536, help="tokens per GPU")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--kernel", default="auto", help="single-device attention kernel (auto, fa4, cudnn_varlen, "
@@ -433,6 +440,14 @@ def main() -> int:
         args.model = "tiny"
         if "--seq" not in sys.argv:
             args.seq = 2048
+    try:  # checked before any process starts, as a recipe's are
+        args.backend_options = parse_backend_options(args.backend_options)
+        if args.backend_options and args.backend == "torch_cp":
+            raise ValueError("torch_cp is torch's own context parallelism: it takes no backend options")
+        if args.backend != "torch_cp":
+            check_options(args.backend, args.backend_options)
+    except ValueError as err:
+        p.error(f"--backend-options: {err}")
     if args.backend == "torch_cp":
         if args.mix != "one":
             p.error("torch_cp (torch native context parallelism) has no document masking: use --mix one")

@@ -51,6 +51,7 @@ __all__ = [
     "launcher_num_processes",
     "load_config",
     "option_name",
+    "parse_backend_options",
     "recipe_source",
     "sidecar_path",
 ]
@@ -78,7 +79,7 @@ def _parse_int(value: str) -> int:
         raise ValueError("not a whole number") from None
 
 
-def _parse_mapping(value: str) -> dict:
+def parse_backend_options(value: str) -> dict:
     """``eps=0.01,cost_model=profiled`` -> ``{"eps": 0.01, "cost_model": "profiled"}``: each value read as a YAML
     scalar (a number, true/false, null or text), as the same value in the sidecar is."""
     import yaml
@@ -95,7 +96,7 @@ def _parse_mapping(value: str) -> dict:
 
 # How a setting given as text (environment, command line) becomes the sidecar's value, by the type of
 # its field: a new key is settable from the environment and the command line with no edit here.
-_PARSERS = {"str": str, "int": _parse_int, "bool": _parse_bool, "dict": _parse_mapping}
+_PARSERS = {"str": str, "int": _parse_int, "bool": _parse_bool, "dict": parse_backend_options}
 _FROM_TEXT = {f.name: _PARSERS[f.type] for f in fields(LongContextConfig)}
 
 
