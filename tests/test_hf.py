@@ -167,6 +167,23 @@ def test_backend_options_of_the_settings_reach_every_attention_call_and_stay_exa
                     {"eps": 0.01, "pingpong": False, "min_shard": 4, "key_cuts": True})
 
 
+def test_shard_batch_hands_its_options_to_every_attention_call(monkeypatch):
+    """``shard_batch(..., options=...)``, the path of a caller that shards batches itself (the benchmarks)."""
+    import hf_longctx.hf.attention as attention
+
+    seen = []
+    run = attention.sequence_parallel_attention
+    monkeypatch.setattr(attention, "sequence_parallel_attention",
+                        lambda *a, **kw: seen.append(kw.get("options")) or run(*a, **kw))
+    packed, ids = packed_example(3, total=40)
+    model = tiny_llama(1, impl=implementation_name("cad"))
+    plan = plan_for(packed, "cad", None)
+    local = shard_batch({"input_ids": ids, "position_ids": packed.position_ids[None]}, plan, 0,
+                        options={"eps": 0.01, "pingpong": False})
+    model(**local)
+    assert seen == [{"eps": 0.01, "pingpong": False}] * model.config.num_hidden_layers
+
+
 def test_backend_options_for_another_backend_than_the_model_runs_are_refused():
     model = tiny_llama(0, impl=implementation_name("zigzag"))
     with pytest.raises(ValueError, match=r"backend_options: backend 'zigzag' has no option 'eps'; it takes none "
