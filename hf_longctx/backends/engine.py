@@ -288,14 +288,15 @@ def _zeros(ks: torch.Tensor, vs: torch.Tensor, dtype: torch.dtype) -> tuple[torc
     return torch.zeros(ks.shape, dtype=dtype, device=ks.device), torch.zeros(vs.shape, dtype=dtype, device=vs.device)
 
 
-def _key_grads(ranges: Sequence[tuple[int, int]], dk: torch.Tensor, dv: torch.Tensor, ks: torch.Tensor,
-               vs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where a block of this rank's own keys accumulates its dk, dv: straight into the rank's gradients when the
-    block is one range of rows (a view; no buffer to fill and add back), else into buffers the caller adds back."""
+def _own_key_grads(ranges: Sequence[tuple[int, int]], dk: torch.Tensor, dv: torch.Tensor, ks: torch.Tensor,
+                   vs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Where a block of this rank's own keys accumulates its dk, dv, and whether they must be added back into the
+    rank's gradients: straight into them when the block is one range of rows (a view; no buffer to fill and add
+    back), else into buffers."""
     if len(ranges) == 1:
         a, b = ranges[0]
-        return dk[a:b], dv[a:b]
-    return _zeros(ks, vs, dk.dtype)
+        return dk[a:b], dv[a:b], False
+    return (*_zeros(ks, vs, dk.dtype), True)
 
 
 def zero_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -328,20 +329,21 @@ def run_backward(ctx: RunContext, dout: torch.Tensor, q: torch.Tensor, k: torch.
                 local = task.kv_rank == ctx.rank
                 ks = gather_rows(k, ex.kv_ranges) if local else got[("k", task)]
                 vs = gather_rows(v, ex.kv_ranges) if local else got[("v", task)]
-                gk, gv = _key_grads(ex.kv_ranges, dk, dv, ks, vs) if local else _zeros(ks, vs, acc_dtype)
+                gk, gv, add_back = _own_key_grads(ex.kv_ranges, dk, dv, ks, vs) if local \
+                    else (*_zeros(ks, vs, acc_dtype), False)
                 _run_pairs_backward(ctx, ex.pairs, q, out, dout, lse, ks, vs, dq, gk, gv)
-                if local and len(ex.kv_ranges) != 1:
+                if add_back:
                     scatter_add_rows(dk, ex.kv_ranges, gk)
                     scatter_add_rows(dv, ex.kv_ranges, gv)
-                elif not local:
+                if not local:  # computed against remote keys: their gradients go home
                     grads[task] = (gk, gv)
             else:
                 ks, vs = gather_rows(k, ex.kv_ranges), gather_rows(v, ex.kv_ranges)
                 gq = torch.zeros(ex.num_q_rows, *q.shape[1:], dtype=acc_dtype, device=q.device)
-                gk, gv = _key_grads(ex.kv_ranges, dk, dv, ks, vs)
+                gk, gv, add_back = _own_key_grads(ex.kv_ranges, dk, dv, ks, vs)
                 _run_pairs_backward(ctx, ex.pairs_in_q_buffer(), got[("q", task)], got[("out", task)],
                                     got[("dout", task)], got[("lse", task)], ks, vs, gq, gk, gv)
-                if len(ex.kv_ranges) != 1:
+                if add_back:
                     scatter_add_rows(dk, ex.kv_ranges, gk)
                     scatter_add_rows(dv, ex.kv_ranges, gv)
                 grads[task] = gq
