@@ -11,6 +11,8 @@ one read and one write per row.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -34,8 +36,8 @@ def gather_two(local: torch.Tensor, received: torch.Tensor, index: torch.Tensor)
     """Rows ``index`` of ``[local ; received]`` (index int64 on the device), without concatenating the two. Each
     row of both must be contiguous (any row stride)."""
     seg = local.new_empty(index.shape[0], *local.shape[1:])
-    width = seg[0].numel() if seg.shape[0] else 0
-    if seg.shape[0] == 0 or width == 0:
+    width = math.prod(local.shape[1:])
+    if seg.numel() == 0:
         return seg
     block = min(1024, triton.next_power_of_2(width))
     _gather_two_kernel[(seg.shape[0], triton.cdiv(width, block))](

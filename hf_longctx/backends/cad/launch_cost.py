@@ -350,5 +350,5 @@ def clear_pricing_caches() -> None:
     what the process scheduled earlier; timing one from cleared caches gives what a process's first batch pays."""
     for module in (launch, key_split, sys.modules[__name__]):
         for value in vars(module).values():
-            if isinstance(value, functools._lru_cache_wrapper):
+            if callable(getattr(value, "cache_clear", None)):
                 value.cache_clear()
