@@ -242,6 +242,15 @@ def training_mfu(model_config, flops_per_token: float, tokens: int, causal_pairs
     return flops / max(seconds, 1e-9) / (devices * peak)
 
 
+def token_counts(text: str) -> list[int]:
+    """``"128,2k,512K"`` -> ``[128, 2048, 524288]``: the benchmarks' sizes as written on their command lines."""
+    out = []
+    for x in text.split(","):
+        x = x.strip().lower()
+        out.append(int(x[:-1]) * 1024 if x.endswith("k") else int(x))
+    return out
+
+
 def table_header(columns: Sequence[str]) -> str:
     """A markdown table's header and rule line."""
     return "| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|"

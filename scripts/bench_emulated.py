@@ -61,7 +61,7 @@ from hf_longctx.backends.cad.eps import EPS_CANDIDATES, a2a_bandwidth, candidate
 from hf_longctx.backends.cad.launch_cost import TERM_NAMES, LaunchCostModel
 from hf_longctx.backends.cad.profiled import ProfileBudget, SegmentShape, profiled_cost_model
 from hf_longctx.backends.cad.runtime import cad_schedule, server_costs
-from hf_longctx.benchmarking import table_header, table_row
+from hf_longctx.benchmarking import table_header, table_row, token_counts
 from hf_longctx.emulation import (
     EmulatedStep,
     device_memory,
@@ -76,14 +76,6 @@ from hf_longctx.emulation.workloads import doc_lengths
 from hf_longctx.layout import PackedBatch, shard_plan
 
 MiB = float(1 << 20)
-
-
-def parse_ints(text: str) -> list[int]:
-    out = []
-    for x in text.split(","):
-        x = x.strip().lower()
-        out.append(int(x[:-1]) * 1024 if x.endswith("k") else int(x))
-    return out
 
 
 def global_tensors(total: int, shape: SegmentShape, device: torch.device, seed: int) -> tuple[torch.Tensor, ...]:
@@ -240,9 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         grid_model, grid_source = profiled_cost_model(args.kernel, device, shape, model="grid")
         source += f"; beside it the grid profile: {grid_source}"
     print(f"cost model: {source}", flush=True)
-    worlds = parse_ints(args.worlds)
+    worlds = token_counts(args.worlds)
     mixes = args.mixes.split(",")
-    tokens = {m: parse_ints(t)[0] for m, t in (x.split(":") for x in args.tokens.split(","))}
+    tokens = {m: token_counts(t)[0] for m, t in (x.split(":") for x in args.tokens.split(","))}
     backends = args.backends.split(",")
     runs = variants(backends, profiled, grid_model)
     if wanted_cad:

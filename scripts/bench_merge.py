@@ -28,7 +28,7 @@ from dataclasses import replace
 import torch
 
 from hf_longctx.backends.cad.call_profile import segment_batch, time_call_phases
-from hf_longctx.benchmarking import timed
+from hf_longctx.benchmarking import timed, token_counts
 from hf_longctx.emulation import emulate_step
 from hf_longctx.emulation.workloads import doc_lengths
 from hf_longctx.kernels import attention_forward, torch_flash
@@ -116,10 +116,8 @@ def main() -> None:
                              "what scripts/bench_step_versions.sh compares between two versions of the package")
     args = parser.parse_args()
     if args.steps_only:
-        for spec in (args.steps.split(",") if args.steps else []):
-            mix, tokens, world = spec.split(":")
-            emulated_steps(mix, int(tokens[:-1]) * 1024 if tokens.endswith("k") else int(tokens), int(world),
-                           as_is=args.as_is)
+        for mix, tokens, world in step_specs(args.steps):
+            emulated_steps(mix, tokens, world, as_is=args.as_is)
         return
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, {HEADS} heads of {HEAD_DIM}\n")
     print("| merge alone: segments x rows x chunks | triton ms | torch ms | torch / triton |\n|---|---|---|---|")
@@ -149,16 +147,25 @@ def main() -> None:
     if args.calls:
         cut_sweep(args.calls.split(","), split, max(5, args.reps // 2))
     accumulate_alone(args.reps)
-    for spec in (args.steps.split(",") if args.steps else []):
+    for mix, tokens, world in step_specs(args.steps):
+        emulated_steps(mix, tokens, world)
+
+
+def step_specs(text: str | None) -> list[tuple[str, int, int]]:
+    """``"sft:256k:4,pretrain:256k:4"`` -> [(mix, tokens, W), ...]."""
+    specs = []
+    for spec in (text.split(",") if text else []):
         mix, tokens, world = spec.split(":")
-        emulated_steps(mix, int(tokens[:-1]) * 1024 if tokens.endswith("k") else int(tokens), int(world))
+        specs.append((mix, token_counts(tokens)[0], int(world)))
+    return specs
 
 
 ACCUMULATE = [(65536, 4096), (65536, 16384), (65536, 65536)]  # (accumulator rows, rows merged into it)
 STEP_BACKENDS = ("ring", "zigzag", "distfa", "tasp", "cad")
 
 
-def _each_merge(fn) -> dict[str, float]:
+def _triton_then_torch(fn) -> dict[str, float]:
+    """``fn()`` with the Triton merges and gather, then with torch's: {implementation: its result}."""
     times = {}
     for name, flag in MERGES:
         os.environ["HF_LONGCTX_MERGE_TRITON"] = os.environ["HF_LONGCTX_GATHER_TRITON"] = flag
@@ -176,7 +183,7 @@ def accumulate_alone(reps: int) -> None:
         out = torch.randn(rows, HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
         lse = torch.randn(HEADS, rows, device=DEVICE)
         add = functools.partial(acc.add, total - rows, out, lse)
-        t = _each_merge(lambda add=add: timed(add, reps, warmup=3, ahead=True))
+        t = _triton_then_torch(lambda add=add: timed(add, reps, warmup=3, ahead=True))
         print(f"| {total}, {rows} | {t['triton']:.3f} | {t['torch']:.3f} | {t['torch'] / t['triton']:.2f} |")
 
 
@@ -205,10 +212,10 @@ def emulated_steps(mix: str, tokens: int, world: int, runs: int = 5, as_is: bool
             ms = statistics.median(step_ms(backend) for _ in range(runs))
             print(json.dumps({"mix": mix, "tokens": tokens, "world": world, "backend": backend, "ms": ms}), flush=True)
             continue
-        _each_merge(lambda b=backend: step_ms(b))  # warm: kernels compiled, plans cached
+        _triton_then_torch(lambda b=backend: step_ms(b))  # warm: kernels compiled, plans cached
         samples: dict[str, list[float]] = {name: [] for name, _ in MERGES}
         for _ in range(runs):
-            for name, value in _each_merge(lambda b=backend: step_ms(b)).items():
+            for name, value in _triton_then_torch(lambda b=backend: step_ms(b)).items():
                 samples[name].append(value)
         t = {name: statistics.median(v) for name, v in samples.items()}
         print(f"| {backend} | {t['triton']:.1f} | {t['torch']:.1f} | {t['torch'] / t['triton']:.3f} |", flush=True)

@@ -82,6 +82,7 @@ from hf_longctx.backends.cad.profiled import (
     resolved_kernel,
 )
 from hf_longctx.backends.cad.runtime import prepare, server_costs
+from hf_longctx.benchmarking import token_counts
 from hf_longctx.emulation.workloads import doc_lengths
 from hf_longctx.kernels.key_split import RULE, KeySplit, plan_key_split
 from hf_longctx.layout import PackedBatch, shard_plan
@@ -90,11 +91,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def sizes(text: str) -> list[int]:
-    out = []
-    for x in text.split(","):
-        x = x.strip().lower()
-        out.append(int(x[:-1]) * 1024 if x.endswith("k") else int(x))
-    return sorted(set(out))
+    return sorted(set(token_counts(text)))
 
 
 def sweeps(text: str) -> list[str]:
