@@ -43,6 +43,7 @@ from hf_longctx.comm import comm_stats, reset_comm_stats
 from hf_longctx.comm.groups import high_priority_options
 from hf_longctx.emulation import real_rank_kernel_times
 from hf_longctx.emulation.workloads import WORKLOAD_MIXES, doc_lengths
+from hf_longctx.hf.config import parse_backend_options
 from hf_longctx.kernels import SKIP_KERNEL, attention_backward, attention_forward
 from hf_longctx.layout import PackedBatch, shard_plan
 
@@ -65,26 +66,16 @@ VARIANTS = {"cad-nopp": ("cad", {"pingpong": False}), "cad-profiled": ("cad", {"
 
 def backend_and_options(label: str) -> tuple[str, dict | None]:
     """A backend label's backend and options: a named variant (:data:`VARIANTS`), or ``backend:key=value:...``
-    (values read as numbers or booleans where they are), e.g. ``cad:eps=0.01:pingpong=false``."""
+    (values read as a recipe's ``--backend-options`` are), e.g. ``cad:eps=0.01:pingpong=false``."""
     if label in VARIANTS:
         return VARIANTS[label]
     backend, *pairs = label.split(":")
     if not pairs:
         return backend, None
-    options = {}
     for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
+        if "=" not in pair:
             raise SystemExit(f"backend option {pair!r} of {label!r} is not key=value")
-        low = value.lower()
-        if low in ("true", "false"):
-            options[key] = low == "true"
-        else:
-            try:
-                options[key] = float(value) if "." in value or "e" in low else int(value)
-            except ValueError:
-                options[key] = value
-    return backend, options
+    return backend, parse_backend_options(",".join(pairs))
 
 
 class _DoneWork:

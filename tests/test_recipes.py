@@ -136,6 +136,8 @@ def test_backend_options_come_from_the_sidecar_the_environment_or_the_command_li
     _, overrides = _overrides("--backend-options", "refine_screen=0,key_cuts=true,call_terms=null")
     assert load_config(recipe, overrides).backend_options == {"refine_screen": 0, "key_cuts": True, "call_terms": None}
     assert load_config(recipe, {"backend_options": ""}).backend_options == {}
+    # a number with an exponent, which YAML 1.1 reads as text, is the number
+    assert load_config(recipe, {"backend_options": "eps=1e-3"}).backend_options == {"eps": 0.001}
     assert LongContextConfig().backend_options == {}
 
 
