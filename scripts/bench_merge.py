@@ -189,7 +189,8 @@ def accumulate_alone(reps: int) -> None:
 
 def emulated_steps(mix: str, tokens: int, world: int, runs: int = 5, as_is: bool = False) -> None:
     """Wall ms of whole emulated steps (all ``world`` ranks' forward+backward, one after another on the one GPU),
-    the median of ``runs``, the two merges alternating so that the device's state drifts alike for both; ``as_is``:
+    the median of ``runs``, the Triton row kernels and torch's alternating so that the device's state drifts alike
+    for both; ``as_is``:
     with the environment's kernels only, one JSON line per backend."""
     batch = PackedBatch.from_doc_lens(doc_lengths(mix, tokens, seed=0))
     g = torch.Generator(device=DEVICE).manual_seed(0)
