@@ -11,8 +11,9 @@ key split's rule would cut with a lower ``min_shared`` than the one in force, wh
 by the keys its segments' rows all share: where cutting starts to pay now that the merge is one kernel.
 Part 4 times the running merge of the ring-style backends (``PartialAccumulator.add``: a step's or a helper's
 partial result into a block of the accumulator) alone, and with ``--steps MIX:TOKENS:W`` whole emulated
-forward+backward steps of ring, zigzag, distfa, tasp and cad (every rank's work on the one GPU, wall time), with the
-Triton row kernels (the merges, CAD's segment gather) and with torch's, alternating run by run.
+forward+backward steps of ring, zigzag, distfa, tasp and cad (``--step-backends``; every rank's work on the one GPU,
+wall time), with the Triton row kernels (the merges, CAD's segment gather and return) and with torch's, alternating
+run by run.
 """
 
 from __future__ import annotations
@@ -114,10 +115,16 @@ def main() -> None:
     parser.add_argument("--as-is", action="store_true",
                         help="time the steps with the environment as it is (no toggling), one JSON line per step: "
                              "what scripts/bench_step_versions.sh compares between two versions of the package")
+    parser.add_argument("--step-backends", default=",".join(STEP_BACKENDS),
+                        help="the backends of the emulated steps (default: %(default)s)")
     args = parser.parse_args()
+    backends = tuple(b for b in args.step_backends.split(",") if b)
+    unknown = sorted(set(backends) - set(STEP_BACKENDS))
+    if unknown:
+        parser.error(f"--step-backends: {', '.join(unknown)} not among {', '.join(STEP_BACKENDS)}")
     if args.steps_only:
         for mix, tokens, world in step_specs(args.steps):
-            emulated_steps(mix, tokens, world, as_is=args.as_is)
+            emulated_steps(mix, tokens, world, as_is=args.as_is, backends=backends)
         return
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, {HEADS} heads of {HEAD_DIM}\n")
     print("| merge alone: segments x rows x chunks | triton ms | torch ms | torch / triton |\n|---|---|---|---|")
@@ -148,7 +155,7 @@ def main() -> None:
         cut_sweep(args.calls.split(","), split, max(5, args.reps // 2))
     accumulate_alone(args.reps)
     for mix, tokens, world in step_specs(args.steps):
-        emulated_steps(mix, tokens, world)
+        emulated_steps(mix, tokens, world, backends=backends)
 
 
 def step_specs(text: str | None) -> list[tuple[str, int, int]]:
@@ -165,7 +172,7 @@ STEP_BACKENDS = ("ring", "zigzag", "distfa", "tasp", "cad")
 
 
 def _triton_then_torch(fn) -> dict[str, float]:
-    """``fn()`` with the Triton merges and gather, then with torch's: {implementation: its result}."""
+    """``fn()`` with the Triton merges, gather and return, then with torch's: {implementation: its result}."""
     times = {}
     for name, flag in MERGES:
         os.environ["HF_LONGCTX_MERGE_TRITON"] = os.environ["HF_LONGCTX_GATHER_TRITON"] = flag
@@ -187,7 +194,8 @@ def accumulate_alone(reps: int) -> None:
         print(f"| {total}, {rows} | {t['triton']:.3f} | {t['torch']:.3f} | {t['torch'] / t['triton']:.2f} |")
 
 
-def emulated_steps(mix: str, tokens: int, world: int, runs: int = 5, as_is: bool = False) -> None:
+def emulated_steps(mix: str, tokens: int, world: int, runs: int = 5, as_is: bool = False,
+                   backends: tuple[str, ...] = STEP_BACKENDS) -> None:
     """Wall ms of whole emulated steps (all ``world`` ranks' forward+backward, one after another on the one GPU),
     the median of ``runs``, the Triton row kernels and torch's alternating so that the device's state drifts alike
     for both; ``as_is``:
@@ -207,7 +215,7 @@ def emulated_steps(mix: str, tokens: int, world: int, runs: int = 5, as_is: bool
         torch.cuda.synchronize()
         return (time.perf_counter() - start) * 1e3
 
-    for backend in STEP_BACKENDS:
+    for backend in backends:
         if as_is:
             step_ms(backend)  # warm: kernels compiled, plans cached
             ms = statistics.median(step_ms(backend) for _ in range(runs))

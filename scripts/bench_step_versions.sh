@@ -31,7 +31,7 @@ for line in sys.stdin:
 for (mix, backend), ms in rows.items():
     print(json.dumps({"mix": mix, "tokens": 262144, "world": '"$REAL"', "backend": backend, "ms": ms}))'
   else
-    $PY scripts/bench_merge.py --steps "$STEPS" --steps-only --as-is
+    $PY scripts/bench_merge.py --steps "$STEPS" --steps-only --as-is --step-backends "$BACKENDS"
   fi
 }
 for ((i = 0; i < ROUNDS; i++)); do

@@ -65,6 +65,11 @@ def check_one_gather(rank: int, world: int, seed: int, local_only: bool) -> None
                 expect[a:b] += reader + 1
     assert torch.equal(total[:, 0, 0], expect)
 
+    # the same through return_rows, from segments in another dtype: converted to the local tensor's
+    again = torch.zeros(ROWS[rank], 3, 1, dtype=torch.float64)
+    plan.finish_return(plan.return_rows([grads[0].float()], [again], True, dist.group.WORLD), [again], add=True)
+    assert again.dtype == torch.float64 and torch.equal(again[:, 0, 0], expect)
+
 
 def test_gather_and_return_rows() -> None:
     run_distributed(3, check_gather)

@@ -19,9 +19,10 @@ through the collective. A :class:`GatherPlan` instead:
    it (:mod:`.triton_gather`; ``HF_LONGCTX_GATHER_TRITON=0`` keeps torch), elsewhere two row gathers.
 
 Its inverse serves gradients and outputs: segment rows that read local rows are added (or copied)
-into the local tensor directly; the rest are index-added into a buffer of the unique received rows
+into the local tensor directly; the rest are added into a buffer of the unique received rows
 (several segments reading one row add their gradients there, in the caller's accumulation dtype),
-which the reverse all_to_all returns to the holders, who add them at the rows they sent.
+which the reverse all_to_all returns to the holders, who add them at the rows they sent. On CUDA both
+writes are one Triton kernel per tensor (:meth:`GatherPlan.return_rows`).
 """
 
 from __future__ import annotations
@@ -89,6 +90,17 @@ def triton_gathers(local: torch.Tensor, received: torch.Tensor) -> bool:
             and local.dtype in TRITON_DTYPES and local.dim() > 1 and _rows_contiguous(local)
             and _rows_contiguous(received) and switched_on("HF_LONGCTX_GATHER_TRITON")
             and triton_module("hf_longctx.comm.triton_gather") is not None)
+
+
+def triton_returns(segments: Sequence[torch.Tensor], locals_: Sequence[torch.Tensor], add: bool) -> bool:
+    """Whether :meth:`GatherPlan.return_rows` returns these results with one Triton kernel per tensor: CUDA, dtypes
+    Triton takes, every row contiguous, added only into float32 (atomics), Triton importable,
+    ``HF_LONGCTX_GATHER_TRITON`` not 0."""
+    return (all(s.device.type == "cuda" and loc.device == s.device and s.dtype in TRITON_DTYPES
+                and loc.dtype in TRITON_DTYPES and (not add or loc.dtype == torch.float32) and loc.dim() > 1
+                and s.shape[1:] == loc.shape[1:] and _rows_contiguous(s) and loc.is_contiguous()
+                for s, loc in zip(segments, locals_))
+            and switched_on("HF_LONGCTX_GATHER_TRITON") and triton_module("hf_longctx.comm.triton_gather") is not None)
 
 
 def _receive_buffer(like: torch.Tensor, rows: int, width: int, group) -> torch.Tensor:
@@ -243,6 +255,32 @@ class GatherPlan:
                 loc.index_add_(0, self.local_src, rows)
             else:
                 loc.index_copy_(0, self.local_src, rows)
+
+    def return_rows(self, segments: Sequence[torch.Tensor], locals_: Sequence[torch.Tensor], add: bool, group
+                    ) -> _Pending:
+        """:meth:`scatter_local` and :meth:`start_return` of ``segments`` (any dtype: each is converted to its local
+        tensor's, the dtype the holder accumulates in), then :meth:`finish_return` with the same ``locals_``.
+
+        On CUDA one Triton kernel per tensor writes each segment row where it goes, the local row or the send
+        buffer's slot, converting as it goes (:func:`~.triton_gather.scatter_two`); elsewhere torch's row ops."""
+        if not triton_returns(segments, locals_, add):
+            converted = [s.to(loc.dtype) for s, loc in zip(segments, locals_)]
+            self.scatter_local(converted, locals_, add)
+            return self.start_return(converted, group)
+        scatter_two = triton_module("hf_longctx.comm.triton_gather").scatter_two
+        parts = []
+        for idx in _dtype_groups(locals_):
+            width = sum(_row_width(locals_[i]) for i in idx)
+            buf = locals_[idx[0]].new_zeros(self.recv_rows if self.moves else 0, width)
+            column = 0
+            for i in idx:
+                scatter_two(segments[i], locals_[i], buf, self.index, column, add)
+                column += _row_width(locals_[i])
+            if self.moves:
+                recv = _receive_buffer(buf, self.send_index.shape[0], width, group)
+                count_all_to_all(buf, self.recv_counts, self.send_counts, self.rank)
+                parts.append((_a2a(recv, buf, self.send_counts, self.recv_counts, group), recv, idx))
+        return _Pending(parts)
 
     def start_return(self, segments: Sequence[torch.Tensor], group) -> _Pending:
         """Post returning the remote segment rows to their holders, summed per unique row.

@@ -169,7 +169,7 @@ def _check_script_option(option: str, parser: argparse.ArgumentParser | None) ->
 # The package's environment variables that are not recipe settings: where the recipe is, where the
 # sample data lives, where profiled cost models are cached and how they are timed, the host memory the
 # planner may assume, the cuDNN kernel's memory budget, the Triton kernels' switches (MoE rows, the merges of
-# partial results, CAD's segment gather). Any other HF_LONGCTX_* name is a misspelled setting and is refused.
+# partial results, CAD's segment gather and return). Any other HF_LONGCTX_* name is a misspelled setting and is refused.
 PACKAGE_ENVIRONMENT = ("HF_LONGCTX_RECIPE", "HF_LONGCTX_DATA_DIR", "HF_LONGCTX_CACHE", "HF_LONGCTX_PROFILE_L2",
                        "HF_LONGCTX_HOST_MEMORY_GIB", "HF_LONGCTX_CUDNN_LSE_BUDGET_MB", "HF_LONGCTX_MOE_TRITON",
                        "HF_LONGCTX_MERGE_TRITON", "HF_LONGCTX_GATHER_TRITON")

@@ -1,15 +1,21 @@
-"""The steps' row kernels on the GPU: the running merge of the ring-style backends and CAD's segment gather run as
-Triton kernels there, and every backend's step stays as close to an fp32 reference as with torch's versions.
+"""The steps' row kernels on the GPU: the running merge of the ring-style backends, CAD's segment gather and its
+return of results run as Triton kernels there, and every backend's step stays as close to an fp32 reference as with
+torch's versions.
 
 ``HF_LONGCTX_MERGE_TRITON=0`` and ``HF_LONGCTX_GATHER_TRITON=0`` switch them to torch (the CPU's path).
 """
 
 from __future__ import annotations
 
+import os
+import random
+
 import pytest
 import torch
 
-from hf_longctx.comm.gather import triton_gathers
+from hf_longctx.comm import GatherPlan
+from hf_longctx.comm.emulated import EmulationHub
+from hf_longctx.comm.gather import triton_gathers, triton_returns
 from hf_longctx.emulation import emulate_step
 from hf_longctx.kernels import attention_backward, attention_forward
 from hf_longctx.layout import PackedBatch, shard_plan
@@ -33,6 +39,48 @@ def test_one_gather_from_two_sources_equals_gathering_their_concatenation(dtype)
     assert triton_gathers(local, received)
     torch.testing.assert_close(gather_two(local, received, index),
                                torch.cat([local, received]).index_select(0, index), rtol=0, atol=0)
+
+
+def _returned(runs, rows, add: bool) -> list[list[torch.Tensor]]:
+    """Every rank's local tensors after :meth:`GatherPlan.return_rows` of bf16 segments and the reverse all_to_all:
+    with ``add``, two tensors of one dtype (packed side by side, as key gradients are) added into fp32; else a
+    bf16 tensor and an fp32 one (outputs and their log-sum-exps) copied."""
+    def rank_fn(group):
+        plan = GatherPlan(runs, group.rank, rows).to("cuda")
+        g = torch.Generator(device="cuda").manual_seed(group.rank)
+        widths = [(4, 48), (4, 48)] if add else [(4, 48), (4,)]
+        segments = [torch.randn(plan.segment_rows, *w, generator=g, device="cuda", dtype=torch.bfloat16)
+                    for w in widths]
+        dtypes = [torch.float32, torch.float32] if add else [torch.bfloat16, torch.float32]
+        locals_ = [torch.zeros(rows[group.rank], *w, device="cuda", dtype=d) for w, d in zip(widths, dtypes)]
+        assert triton_returns(segments, locals_, add) == (os.environ["HF_LONGCTX_GATHER_TRITON"] == "1")
+        plan.finish_return(plan.return_rows(segments, locals_, add, group), locals_, add)
+        return locals_
+    return EmulationHub(len(rows)).run(rank_fn)
+
+
+@pytest.mark.parametrize("add", [True, False])
+def test_returning_rows_in_one_kernel_equals_torchs_row_ops(add, monkeypatch):
+    """Rows read by several segments (with ``add``: repeats within a reader and across readers) add up at their
+    holder; copied rows (each read once) land where they were read, converted to the holder's dtype."""
+    rows = [300, 200, 250]
+    rng = random.Random(0)
+    if add:
+        runs = [[(h, a, rng.randint(a, rows[h])) for h, a in
+                 ((h, rng.randrange(rows[h])) for h in (rng.randrange(3) for _ in range(8)))] for _ in rows]
+    else:  # reader r reads the r-th third of every holder's rows, once
+        runs = [[(h, r * rows[h] // 3, (r + 1) * rows[h] // 3) for h in (2, 0, 1)] for r in range(3)]
+    results = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("HF_LONGCTX_GATHER_TRITON", flag)
+        results[flag] = _returned(runs, rows, add)
+    for fused, plain in zip(results["1"], results["0"]):
+        for a, b in zip(fused, plain):
+            assert a.abs().sum() > 0
+            if add:  # fp32 sums in another order
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            else:
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def _reference(batch, tensors):

@@ -497,9 +497,9 @@ def run_forward(ctx: RunContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             ob, lb = _no_rows(q), _no_rows(lse_rows)
         if partial:
             nb.q.merge_local(ob, lb, out, lse_rows)
+            returns.append((nb, nb.q.start_return([ob, lb], ctx.group)))
         else:
-            nb.q.scatter_local([ob, lb], [out, lse_rows], add=False)
-        returns.append((nb, nb.q.start_return([ob, lb], ctx.group)))
+            returns.append((nb, nb.q.return_rows([ob, lb], [out, lse_rows], False, ctx.group)))
     for nb, pending in returns:
         if partial:
             nb.q.finish_merge(pending, out, lse_rows)
@@ -579,12 +579,11 @@ def run_backward(ctx: RunContext, dout: torch.Tensor, q: torch.Tensor, k: torch.
         kb, vb = nb.kv.gather(pkv, [k, v])
         if nb.tasks:
             gq, gk, gv = _backward_segments(ctx, nb, db, qb, kb, vb, ob, lb.t().contiguous())
-            gq, gk, gv = gq.to(dq_dtype), gk.to(acc), gv.to(acc)
         else:
             gq, gk, gv = _no_rows(q, dq_dtype), _no_rows(k, acc), _no_rows(v, acc)
-        nb.q.scatter_local([gq], [dq], add=partial)
-        nb.kv.scatter_local([gk, gv], [dk, dv], add=True)
-        returns.append((nb, nb.q.start_return([gq], ctx.group), nb.kv.start_return([gk, gv], ctx.group)))
+        # in the kernel's dtype: converted to the accumulation dtype where they land
+        returns.append((nb, nb.q.return_rows([gq], [dq], partial, ctx.group),
+                        nb.kv.return_rows([gk, gv], [dk, dv], True, ctx.group)))
     for nb, pq, pkv in returns:
         nb.q.finish_return(pq, [dq], add=partial)
         nb.kv.finish_return(pkv, [dk, dv], add=True)
