@@ -299,14 +299,20 @@ class GatherPlan:
         return _Pending(parts)
 
     def finish_return(self, pending: _Pending, locals_: Sequence[torch.Tensor], add: bool) -> None:
-        """Wait for :meth:`start_return` and add (or copy) the returned rows at the rows this rank sent."""
+        """Wait for :meth:`start_return` and add (or copy) the returned rows at the rows this rank sent (on CUDA with
+        :func:`~.triton_gather.scatter_two`: a row sent to several readers gets their parts atomically)."""
         for work, recv, idx in pending.parts:
             if work is not None:
                 work.wait()
             if recv.shape[0] == 0:
                 continue
+            recv = recv.to(locals_[idx[0]].device)  # a buffer staged on the host comes back first
             for i, r in zip(idx, _unpack(recv, [locals_[i] for i in idx])):
-                r = r.to(device=locals_[i].device, dtype=locals_[i].dtype)
+                if triton_returns([r], [locals_[i]], add):  # each row where it was sent from, added atomically
+                    scatter_two = triton_module("hf_longctx.comm.triton_gather").scatter_two
+                    scatter_two(r, locals_[i], locals_[i], self.send_index, 0, add)
+                    continue
+                r = r.to(locals_[i].dtype)
                 if add:
                     locals_[i].index_add_(0, self.send_index, r)
                 else:

@@ -75,7 +75,8 @@ def scatter_two(segment: torch.Tensor, local: torch.Tensor, buf: torch.Tensor, i
     """Row ``i`` of ``segment`` into row ``index[i]`` of ``[local ; buf]`` (the inverse of :func:`gather_two`), at
     column ``column`` of ``buf``'s rows (tensors packed side by side), in the destination's dtype; added (atomically:
     several rows of ``segment`` may name one row) or copied. ``buf`` has ``local``'s dtype; every row of the three
-    is contiguous."""
+    is contiguous. With every index below ``local``'s rows (``buf`` then unused), it adds returned rows at the rows
+    they were sent from."""
     width = math.prod(local.shape[1:])
     if segment.shape[0] == 0 or width == 0:
         return
