@@ -14,6 +14,9 @@ partial result into a block of the accumulator) alone, and with ``--steps MIX:TO
 forward+backward steps of ring, zigzag, distfa, tasp and cad (``--step-backends``; every rank's work on the one GPU,
 wall time), with the Triton row kernels (the merges, CAD's segment gather and return) and with torch's, alternating
 run by run.
+Part 5 (``--returns-only`` for it alone) times CAD's return of key gradients alone (``GatherPlan.fill_returns``: bf16
+segment rows summed into fp32 local rows and the send buffer of 4 emulated ranks' rows, read with repeats): the
+fixed-order Triton kernel against torch's row ops.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import argparse
 import functools
 import json
 import os
+import random
 import statistics
 import time
 from dataclasses import replace
@@ -30,6 +34,7 @@ import torch
 
 from hf_longctx.backends.cad.call_profile import segment_batch, time_call_phases
 from hf_longctx.benchmarking import timed, token_counts
+from hf_longctx.comm import GatherPlan
 from hf_longctx.emulation import emulate_step
 from hf_longctx.emulation.workloads import doc_lengths
 from hf_longctx.kernels import attention_forward, torch_flash
@@ -115,6 +120,7 @@ def main() -> None:
     parser.add_argument("--as-is", action="store_true",
                         help="time the steps with the environment as it is (no toggling), one JSON line per step: "
                              "what scripts/bench_step_versions.sh compares between two versions of the package")
+    parser.add_argument("--returns-only", action="store_true", help="only part 5: CAD's return of key gradients")
     parser.add_argument("--step-backends", default=",".join(STEP_BACKENDS),
                         help="the backends of the emulated steps (default: %(default)s)")
     args = parser.parse_args()
@@ -122,6 +128,9 @@ def main() -> None:
     unknown = sorted(set(backends) - set(STEP_BACKENDS))
     if unknown:
         parser.error(f"--step-backends: {', '.join(unknown)} not among {', '.join(STEP_BACKENDS)}")
+    if args.returns_only:
+        returns_alone(args.reps)
+        return
     if args.steps_only:
         for mix, tokens, world in step_specs(args.steps):
             emulated_steps(mix, tokens, world, as_is=args.as_is, backends=backends)
@@ -154,6 +163,7 @@ def main() -> None:
     if args.calls:
         cut_sweep(args.calls.split(","), split, max(5, args.reps // 2))
     accumulate_alone(args.reps)
+    returns_alone(args.reps)
     for mix, tokens, world in step_specs(args.steps):
         emulated_steps(mix, tokens, world, backends=backends)
 
@@ -192,6 +202,35 @@ def accumulate_alone(reps: int) -> None:
         add = functools.partial(acc.add, total - rows, out, lse)
         t = _triton_then_torch(lambda add=add: timed(add, reps, warmup=3, ahead=True))
         print(f"| {total}, {rows} | {t['triton']:.3f} | {t['torch']:.3f} | {t['torch'] / t['triton']:.2f} |")
+
+
+# (rows per rank, runs per reader, longest run, KV heads): readers of 4 ranks read runs of rows, overlapping
+RETURNS = [(65536, 40, 8192, 8), (65536, 400, 1024, 8), (16384, 40, 4096, 32)]
+
+
+def returns_alone(reps: int) -> None:
+    """Part 5: one rank's return of k and v gradients (bf16 segment rows into fp32), Triton against torch."""
+    print("\n| return of dk, dv: rows per rank, runs, longest run, KV heads | segment rows (per distinct row) "
+          "| triton ms | torch ms | torch / triton |\n|---|---|---|---|---|")
+    rng = random.Random(0)
+    for rows_per_rank, runs_per_reader, longest, kv_heads in RETURNS:
+        rows = [rows_per_rank] * 4
+        runs = [[] for _ in rows]
+        for reader in runs:
+            for _ in range(runs_per_reader):
+                holder = rng.randrange(len(rows))
+                start = rng.randrange(rows[holder] - 1)
+                reader.append((holder, start, min(rows[holder], start + rng.randint(1, longest))))
+        plan = GatherPlan(runs, 0, rows).to(DEVICE)
+        g = torch.Generator(device=DEVICE).manual_seed(0)
+        grads = [torch.randn(plan.segment_rows, kv_heads, HEAD_DIM, generator=g, device=DEVICE, dtype=DTYPE)
+                 for _ in range(2)]
+        held = [torch.zeros(rows[0], kv_heads, HEAD_DIM, device=DEVICE) for _ in range(2)]
+        fill = functools.partial(plan.fill_returns, grads, held, True)
+        t = _triton_then_torch(lambda fill=fill: timed(fill, reps, warmup=3, ahead=True))
+        per_row = plan.segment_rows / plan.return_sums[0].shape[0]
+        print(f"| {rows_per_rank}, {runs_per_reader}, {longest}, {kv_heads} | {plan.segment_rows} ({per_row:.2f}) | "
+              f"{t['triton']:.3f} | {t['torch']:.3f} | {t['torch'] / t['triton']:.2f} |", flush=True)
 
 
 def emulated_steps(mix: str, tokens: int, world: int, runs: int = 5, as_is: bool = False,

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from hf_longctx.comm import GatherPlan
+from hf_longctx.comm.gather import row_sums
 
 from distributed import run_distributed
 
@@ -78,3 +79,11 @@ def test_gather_and_return_rows() -> None:
 def test_runs_for_every_rank_are_required() -> None:
     with pytest.raises(ValueError, match="give every rank its runs"):
         GatherPlan([[(0, 0, 1)]], 0, ROWS)
+
+
+def test_row_sums_name_each_targets_entries_in_their_order() -> None:
+    """What the return kernel sums per destination row: every entry once, grouped by target, in entry order."""
+    rows, starts, order = row_sums(torch.tensor([3, 1, 3, 0, 1, 3]))
+    assert rows.tolist() == [0, 1, 3] and starts.tolist() == [0, 1, 3, 6] and order.tolist() == [3, 1, 4, 0, 2, 5]
+    rows, starts, order = row_sums(torch.zeros(0, dtype=torch.int64))
+    assert rows.numel() == 0 and starts.tolist() == [0] and order.numel() == 0

@@ -8,10 +8,9 @@ kernel; in an emulated CAD step of short documents on an H200, row gathers and i
 long as the attention kernels. Here each program copies one block of one segment row from whichever source holds it:
 one read and one write per row.
 
-The return is the inverse (:func:`scatter_two`): each segment row's result goes to the local row it read, or to
-the send buffer's slot of the received row it read, converted to the destination's dtype in registers, added
-atomically where several segments read one row (key gradients). Torch made a dtype copy of every segment, two
-row gathers, a concatenation and two ``index_add_``.
+The return is the inverse (:func:`scatter_rows`): each local row and each slot of the send buffer gets the sum of
+the segment rows that read it (key gradients: several), in a fixed order, converted to the destination's dtype in
+registers. Torch made a dtype copy of every segment, two row gathers, a concatenation and two ``index_add_``.
 """
 
 from __future__ import annotations
@@ -52,35 +51,40 @@ def gather_two(local: torch.Tensor, received: torch.Tensor, index: torch.Tensor)
 
 
 @triton.jit
-def _scatter_two_kernel(seg_ptr, local_ptr, buf_ptr, index_ptr, local_rows, width, local_stride, buf_stride, buf_col,
-                        seg_stride, ADD: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64)
+def _scatter_rows_kernel(seg_ptr, local_ptr, buf_ptr, dst_ptr, start_ptr, order_ptr, local_rows, width, seg_stride,
+                         local_stride, buf_stride, buf_col, ADD: tl.constexpr, BLOCK: tl.constexpr):
+    j = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = cols < width
-    dst = tl.load(index_ptr + i)
-    row = tl.load(seg_ptr + i * seg_stride + cols, mask=live)
+    dst = tl.load(dst_ptr + j)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(tl.load(start_ptr + j), tl.load(start_ptr + j + 1)):  # its segment rows, in order
+        i = tl.load(order_ptr + s)
+        acc += tl.load(seg_ptr + i * seg_stride + cols, mask=live, other=0.0).to(tl.float32)
     if dst < local_rows:
         ptr = local_ptr + dst * local_stride + cols
-    else:
+        if ADD:
+            acc += tl.load(ptr, mask=live, other=0.0).to(tl.float32)
+    else:  # a received row's slot: written once, by this program
         ptr = buf_ptr + (dst - local_rows) * buf_stride + buf_col + cols
-    value = row.to(ptr.dtype.element_ty)
-    if ADD:
-        tl.atomic_add(ptr, value, mask=live, sem="relaxed")
-    else:
-        tl.store(ptr, value, mask=live)
+    tl.store(ptr, acc.to(ptr.dtype.element_ty), mask=live)
 
 
-def scatter_two(segment: torch.Tensor, local: torch.Tensor, buf: torch.Tensor, index: torch.Tensor, column: int,
-                add: bool) -> None:
-    """Row ``i`` of ``segment`` into row ``index[i]`` of ``[local ; buf]`` (the inverse of :func:`gather_two`), at
-    column ``column`` of ``buf``'s rows (tensors packed side by side), in the destination's dtype; added (atomically:
-    several rows of ``segment`` may name one row) or copied. ``buf`` has ``local``'s dtype; every row of the three
-    is contiguous. With every index below ``local``'s rows (``buf`` then unused), it adds returned rows at the rows
-    they were sent from."""
+def scatter_rows(segment: torch.Tensor, local: torch.Tensor, buf: torch.Tensor, sums: tuple[torch.Tensor, ...],
+                 column: int, add: bool) -> None:
+    """The inverse of :func:`gather_two`: row ``d`` of ``[local ; buf]`` gets the sum of the rows of ``segment`` that
+    read it, in the destination's dtype, added to a local row's value (``add``) or in its place. ``sums`` =
+    (destination rows, each one's start in ``order``, one more at the end; segment rows by destination, in segment
+    order) from :func:`~hf_longctx.comm.gather.row_sums`; ``buf``'s rows are written at column ``column`` (tensors
+    packed side by side) and never read. ``buf`` has ``local``'s dtype; every row of the three is contiguous.
+
+    Why one program per destination and not atomics: the sum is in a fixed order, so key gradients are the same
+    run after run (Trainer's ``full_determinism``), and the send buffer needs no zeroing."""
+    dst, starts, order = sums
     width = math.prod(local.shape[1:])
-    if segment.shape[0] == 0 or width == 0:
+    if dst.shape[0] == 0 or width == 0:
         return
     block = min(1024, triton.next_power_of_2(width))
-    _scatter_two_kernel[(segment.shape[0], triton.cdiv(width, block))](
-        segment, local, buf, index, local.shape[0], width, local.stride(0), buf.stride(0),
-        column, segment.stride(0), ADD=add, BLOCK=block, num_warps=4)
+    _scatter_rows_kernel[(dst.shape[0], triton.cdiv(width, block))](
+        segment, local, buf, dst, starts, order, local.shape[0], width, segment.stride(0), local.stride(0),
+        buf.stride(0), column, ADD=add, BLOCK=block, num_warps=4)
