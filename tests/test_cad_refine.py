@@ -246,7 +246,7 @@ def test_steps_of_few_moves_are_not_screened():
 
 def test_the_refinement_screen_option_is_checked():
     plan = shard_plan(PackedBatch.from_doc_lens([512, 256]), 2, "cad")
-    with pytest.raises(ValueError, match="refine_screen must be a positive int"):
+    with pytest.raises(ValueError, match="refine_screen must be a whole number"):
         cad_schedule(plan, {"cost_model": H200, "eps": 0.01, "refine_screen": -3})
     every = cad_schedule(plan, {"cost_model": H200, "eps": 0.01, "refine_screen": 0})
     screened = cad_schedule(plan, {"cost_model": H200, "eps": 0.01})

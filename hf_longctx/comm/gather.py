@@ -83,24 +83,26 @@ def _rows_contiguous(t: torch.Tensor) -> bool:
     return t.shape[0] == 0 or t[0].is_contiguous()
 
 
+def _triton_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a row kernel of :mod:`.triton_gather` takes this pair: one CUDA device, dtypes Triton takes, rows of
+    more than one element and contiguous, Triton importable, ``HF_LONGCTX_GATHER_TRITON`` not 0."""
+    return (a.device.type == "cuda" and b.device == a.device and a.dtype in TRITON_DTYPES and b.dtype in TRITON_DTYPES
+            and a.dim() > 1 and b.dim() > 1 and _rows_contiguous(a) and _rows_contiguous(b)
+            and switched_on("HF_LONGCTX_GATHER_TRITON") and triton_module("hf_longctx.comm.triton_gather") is not None)
+
+
 def triton_gathers(local: torch.Tensor, received: torch.Tensor) -> bool:
-    """Whether :meth:`GatherPlan.gather` assembles these two sources with one Triton kernel: CUDA, one dtype Triton
-    takes, rows contiguous, Triton importable, ``HF_LONGCTX_GATHER_TRITON`` not 0."""
-    return (local.device.type == "cuda" and received.device == local.device and local.dtype == received.dtype
-            and local.dtype in TRITON_DTYPES and local.dim() > 1 and _rows_contiguous(local)
-            and _rows_contiguous(received) and switched_on("HF_LONGCTX_GATHER_TRITON")
-            and triton_module("hf_longctx.comm.triton_gather") is not None)
+    """Whether :meth:`GatherPlan.gather` assembles these two sources with one Triton kernel (:func:`_triton_rows`,
+    one dtype)."""
+    return local.dtype == received.dtype and _triton_rows(local, received)
 
 
 def triton_returns(segments: Sequence[torch.Tensor], locals_: Sequence[torch.Tensor], add: bool) -> bool:
-    """Whether :meth:`GatherPlan.return_rows` returns these results with one Triton kernel per tensor: CUDA, dtypes
-    Triton takes, every row contiguous, added only into float32 (the sums run in float32), Triton importable,
-    ``HF_LONGCTX_GATHER_TRITON`` not 0."""
-    return (all(s.device.type == "cuda" and loc.device == s.device and s.dtype in TRITON_DTYPES
-                and loc.dtype in TRITON_DTYPES and (not add or loc.dtype == torch.float32) and loc.dim() > 1
-                and s.shape[1:] == loc.shape[1:] and _rows_contiguous(s) and loc.is_contiguous()
-                for s, loc in zip(segments, locals_))
-            and switched_on("HF_LONGCTX_GATHER_TRITON") and triton_module("hf_longctx.comm.triton_gather") is not None)
+    """Whether :meth:`GatherPlan.return_rows` returns these results with one Triton kernel per tensor
+    (:func:`_triton_rows`, rows alike, the local tensor contiguous), added only into float32 (the sums run in
+    float32)."""
+    return all(s.shape[1:] == loc.shape[1:] and loc.is_contiguous() and (not add or loc.dtype == torch.float32)
+               and _triton_rows(s, loc) for s, loc in zip(segments, locals_))
 
 
 def _receive_buffer(like: torch.Tensor, rows: int, width: int, group) -> torch.Tensor:
@@ -394,8 +396,8 @@ def _mask(runs: Sequence[Run], holder: int, rows: int) -> np.ndarray:
 def row_sums(targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Where each entry ``i`` of ``targets`` (int64) adds to, as sums per target, on ``targets``' device: (the
     distinct targets; each one's first position in the order, one more at the end; the entries sorted by target,
-    in their own order within one). One sort (a few hundred microseconds on a GPU for 200K rows, where numpy's
-    sort and unique took 20 ms of host time per plan on a 2-core host)."""
+    in their own order within one). One sort where the targets live: numpy's sort and unique took 20 ms of host
+    time per plan for 200K rows on a 2-core host, and an emulated CAD step 6-11% longer."""
     ordered, order = torch.sort(targets, stable=True)
     rows, counts = torch.unique_consecutive(ordered, return_counts=True)
     starts = torch.zeros(rows.shape[0] + 1, dtype=torch.int64, device=targets.device)

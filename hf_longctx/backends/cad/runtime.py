@@ -301,10 +301,10 @@ def cad_schedule(plan: ShardPlan, options: dict) -> CadSchedule:
     eps = options.get("eps", 0.1)
     model = cost_model_for(plan, options)
     knobs = {k: int(options[k]) for k in ("min_shard", "search_width") if k in options}
+    problem = option_problem(options)  # the check a recipe's options get, for callers that come here directly
+    if problem:
+        raise ValueError(f"cad: {problem}")
     screen = options.get("refine_screen", REFINE_SCREEN) or None
-    if screen is not None and (isinstance(screen, bool) or not isinstance(screen, int) or screen < 1):
-        raise ValueError(f"cad refine_screen must be a positive int (moves priced in full per step) or 0/None "
-                         f"(every move), got {screen!r}")
 
     def build() -> CadSchedule:
         docs = docs_per_rank(plan)
