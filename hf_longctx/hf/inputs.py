@@ -27,13 +27,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..backends.api import check_options
 from ..backends.load import attention_load
 from ..comm.groups import group_rank_and_size
 from .attention import backend_of
 from .context import bind_modules, unbind_modules
 from .model_support import unsupported_layers
 from .rows import flatten_batch, unflatten_rows
+from .settings import checked_backend_options
 from .sharding import gather_group_batch, plan_for
 
 # keywords that describe the unsharded batch of this rank: the shard's documents come from the plan
@@ -240,12 +240,8 @@ def install_input_hook(model, group: dist.ProcessGroup | None, kernel: str = "au
     ``backend_options``) go to every attention call, checked here against the backend the model was loaded with."""
     check_model(model)
     if options:
-        backend = backend_of(model.config._attn_implementation)
-        try:
-            check_options(backend, options)
-        except ValueError as err:
-            raise ValueError(f"backend_options: {err} (the model runs attn_implementation="
-                             f"{model.config._attn_implementation!r})") from None
+        impl = model.config._attn_implementation
+        options = checked_backend_options(backend_of(impl), options, f"the model runs attn_implementation={impl!r}")
     hook = SequenceParallelInputs(group, kernel, options)
     # prepended: every other pre-hook (tiled loss, user hooks) must see the sharded inputs
     hook.handles = [model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True),

@@ -97,7 +97,7 @@ class LongContextConfig:
             if not liger_installed():
                 raise ValueError("fused_ops: liger needs Liger-Kernel: pip install 'hf_longctx[liger]' (GPU only), "
                                  "or set fused_ops: auto or off")
-        object.__setattr__(self, "backend_options", _checked_backend_options(self.backend, self.backend_options))
+        object.__setattr__(self, "backend_options", checked_backend_options(self.backend, self.backend_options))
         if self.moe_dispatch not in MOE_DISPATCHES:
             raise ValueError(f"unknown moe_dispatch {self.moe_dispatch!r}; choose one of {MOE_DISPATCHES}")
         if self.expert_tp_size > 1 and self.moe_dispatch != "allgather":
@@ -174,10 +174,11 @@ def group_heads(modes) -> list[int]:
     return heads
 
 
-def _checked_backend_options(backend: str, options) -> dict:
+def checked_backend_options(backend: str, options, hint: str = "options belong to one backend: change them with "
+                            "it; --backend-options '' sets none") -> dict:
     """``options`` as a plain dict, every key one the backend reads and every value one it can run (see
     :func:`hf_longctx.backends.api.check_options`): a misspelt option would otherwise be ignored, and the run would
-    silently be another one than the recipe asked for."""
+    silently be another one than the recipe asked for. ``hint`` ends the error."""
     from ..backends.api import check_options
 
     if options is None:
@@ -189,8 +190,7 @@ def _checked_backend_options(backend: str, options) -> dict:
     try:
         check_options(backend, options)
     except ValueError as err:
-        raise ValueError(f"backend_options: {err} (options belong to one backend: change them with it; "
-                         "--backend-options '' sets none)") from None
+        raise ValueError(f"backend_options: {err} ({hint})") from None
     return options
 
 
