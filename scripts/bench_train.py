@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hf_longctx.backends.api import check_options
 from hf_longctx.benchmarking import (
     FORWARD_BACKWARD_FACTOR,
     free_port,
@@ -50,6 +49,7 @@ from hf_longctx.benchmarking import (
     training_mfu,
 )
 from hf_longctx.hf.config import parse_backend_options
+from hf_longctx.hf.settings import checked_backend_options
 
 
 def build_model(args, impl: str, device):
@@ -445,7 +445,8 @@ def main() -> int:
         if args.backend_options and args.backend == "torch_cp":
             raise ValueError("torch_cp is torch's own context parallelism: it takes no backend options")
         if args.backend != "torch_cp":
-            check_options(args.backend, args.backend_options)
+            args.backend_options = checked_backend_options(args.backend, args.backend_options,
+                                                           "the options of --backend")
     except ValueError as err:
         p.error(f"--backend-options: {err}")
     if args.backend == "torch_cp":
