@@ -70,6 +70,9 @@ def check_one_gather(rank: int, world: int, seed: int, local_only: bool) -> None
     again = torch.zeros(ROWS[rank], 3, 1, dtype=torch.float64)
     plan.finish_return(plan.return_rows([grads[0].float()], [again], True, dist.group.WORLD), [again], add=True)
     assert again.dtype == torch.float64 and torch.equal(again[:, 0, 0], expect)
+    # the rows sent back are summed and travel in the holder's dtype (bf16 gradients sum in fp32), not the segments'
+    scratch = torch.zeros(ROWS[rank], 3, 1, dtype=torch.float64)
+    assert all(buf.dtype == torch.float64 for buf, _ in plan.fill_returns([grads[0].float()], [scratch], True))
 
 
 def test_gather_and_return_rows() -> None:
