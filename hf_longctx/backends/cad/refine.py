@@ -27,6 +27,7 @@ import numpy as np
 
 from ...layout import ShardPlan
 from .cost_model import CostModel
+from .shared_pricing import PricingShare, priced_together
 from .tasks import CadTask, first_row_in_doc, rows_cost
 
 REFINE_MOVES = 64  # moves (or cuts) at most per schedule (it stops sooner when no move helps)
@@ -104,7 +105,8 @@ def _place(tasks: list[CadTask], part: CadTask) -> list[CadTask]:
 
 def refine_in_time(plan: ShardPlan, tasks: Sequence[CadTask], model: CostModel, server_cost: ServerCost,
                    moves: int = REFINE_MOVES, targets: int = REFINE_TARGETS, key_cuts: bool = True,
-                   widest: int = REFINE_WIDEST, screen: int | None = None) -> list[CadTask]:
+                   widest: int = REFINE_WIDEST, screen: int | None = None,
+                   share: PricingShare | None = None) -> list[CadTask]:
     """``tasks`` with the busiest server (by ``server_cost`` of its tasks) lowered while a move helps.
 
     Each step tries, for every task of the busiest server and each of the ``targets`` least busy servers that
@@ -119,6 +121,11 @@ def refine_in_time(plan: ShardPlan, tasks: Sequence[CadTask], model: CostModel, 
     server in full runs ping-pong's split, the call planner and the launch simulation of every call, and a busiest
     server of a hundred short documents offers hundreds of moves per step (SFT 256K at 4 servers: 10 s per
     schedule on a 2-core host, 1.0 s screened to 32, the predicted balance within 0.002).
+
+    ``share``: the ranks of a group price each step's moves together (:mod:`.shared_pricing`), a batch of them at
+    a time (all of a step's, or ``max(world, screen)`` in estimate order on a screened step), and walk the priced
+    batch in order as one rank walks its moves: the same tasks as without, in about 1/W of the pricing time (a
+    batch may price moves a lone rank would have skipped once a better one was found).
     """
     world = plan.world_size
     by_server: list[list[CadTask]] = [[] for _ in range(world)]
@@ -127,16 +134,15 @@ def refine_in_time(plan: ShardPlan, tasks: Sequence[CadTask], model: CostModel, 
             by_server[t.server].append(t)
     memo: dict[tuple[CadTask, ...], float] = {}
 
-    def priced(ts: list[CadTask]) -> float:
-        """``server_cost`` of a task list, remembered: the same lists come back across receivers and moves."""
-        if not ts:
-            return 0.0
-        key = tuple(ts)
-        if key not in memo:
-            memo[key] = server_cost(ts)
-        return memo[key]
+    def priced(lists: list[list[CadTask]]) -> list[float]:
+        """``server_cost`` of each task list, remembered: the same lists come back across receivers and moves.
+        With ``share`` the lists not yet known are priced by the group together (every rank knows the same)."""
+        keys = [tuple(ts) for ts in lists]
+        todo = list(dict.fromkeys(key for key in keys if key and key not in memo))
+        memo.update(zip(todo, priced_together(lambda key: server_cost(list(key)), todo, share)))
+        return [memo[key] if key else 0.0 for key in keys]
 
-    cost = np.array([priced(ts) for ts in by_server])
+    cost = np.array(priced(by_server))
 
     def candidates(top: int, receivers: list[int]):
         """Every move of one of the busiest server's tasks (whole, its first rows or its first keys) to one of
@@ -174,23 +180,33 @@ def refine_in_time(plan: ShardPlan, tasks: Sequence[CadTask], model: CostModel, 
         screened = screen is not None and len(found) > SCREEN_ABOVE
         if screened:
             found.sort(key=lambda move: estimate(top, move))
+        # one move at a time alone; with a share, a batch priced by the group at once
+        batch = 1 if share is None or share.world == 1 else max(share.world, screen) if screened else len(found)
         best: tuple[float, list[CadTask], int, list[CadTask], float, float] | None = None
         since_best = 0  # moves priced since the best so far was found
-        for t, dst, left, part in found:
+        for first in range(0, len(found), batch):
             if screened and since_best >= screen:
-                break
-            since_best += 1
-            kept = [x for x in by_server[top] if x is not t] + left
-            after_top = priced(kept)
+                return best
+            moves_now = found[first:first + batch]
             bound = cost[top] * (1 - 1e-6) if best is None else min(cost[top] * (1 - 1e-6), best[0])
-            if after_top >= bound:  # the busiest would stay above what wins: the receiver need not be priced
-                continue
-            given = _place(by_server[dst], part)
-            after_dst = priced(given)
-            peak = max(after_top, after_dst)
-            if peak < bound:
-                best = (peak, kept, dst, given, after_top, after_dst)
-                since_best = 0
+            kept = [[x for x in by_server[top] if x is not t] + left for t, _, left, _ in moves_now]
+            after_top = priced(kept)
+            # a receiver is priced only where the busiest would end below what wins now
+            given = [_place(by_server[dst], part) if a < bound else None
+                     for (_, dst, _, part), a in zip(moves_now, after_top)]
+            after_dst = iter(priced([g for g in given if g is not None]))
+            after_dst = [next(after_dst) if g is not None else float("inf") for g in given]
+            for i, (_, dst, _, _) in enumerate(moves_now):  # in order, as one rank walks them
+                if screened and since_best >= screen:
+                    return best
+                since_best += 1
+                bound = cost[top] * (1 - 1e-6) if best is None else min(cost[top] * (1 - 1e-6), best[0])
+                if after_top[i] >= bound:  # the busiest would stay above what wins
+                    continue
+                peak = max(after_top[i], after_dst[i])
+                if peak < bound:
+                    best = (peak, kept[i], dst, given[i], after_top[i], after_dst[i])
+                    since_best = 0
         return best
 
     for _ in range(moves):

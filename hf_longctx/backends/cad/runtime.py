@@ -61,6 +61,7 @@ from .pingpong import pingpong_split
 from .profiled import profiled_cost_model
 from .refine import refine_in_time
 from .scheduler import CadSchedule, schedule, with_tasks
+from .shared_pricing import PricingShare, priced_together
 from .tasks import (
     CadTask,
     all_pieces,
@@ -281,7 +282,7 @@ def cost_model_for(plan: ShardPlan, options: dict) -> CostModel:
     return base if plan.window is None else WindowedCostModel(base, plan.window)
 
 
-def cad_schedule(plan: ShardPlan, options: dict) -> CadSchedule:
+def cad_schedule(plan: ShardPlan, options: dict, share: PricingShare | None = None) -> CadSchedule:
     """The plan's schedule under ``options`` (``eps``: a float, default 0.1, or ``"auto"`` for the eps whose
     schedule is predicted fastest, see :mod:`.eps`; ``cost_model``; ``min_shard`` and ``search_width`` of
     :func:`~.scheduler.schedule`), cached on the plan.
@@ -297,6 +298,9 @@ def cad_schedule(plan: ShardPlan, options: dict) -> CadSchedule:
     cuts (``options["key_cuts"]``, default True; see :mod:`.tasks`). A step of many moves prices them in the
     order of an additive estimate until ``options["refine_screen"]`` in a row found nothing better (default
     :data:`REFINE_SCREEN`; 0 or None: every move is priced).
+
+    ``share``: this rank's part when every rank of a group makes this schedule (the backend's run does): the
+    refinement's pricing is then split over the group (:mod:`.shared_pricing`), the schedule the same.
     """
     eps = options.get("eps", 0.1)
     model = cost_model_for(plan, options)
@@ -313,7 +317,7 @@ def cad_schedule(plan: ShardPlan, options: dict) -> CadSchedule:
             schedule(docs, plan.world_size, eps=eps, cost_model=model, **knobs)
         if isinstance(_base(model), FlopsCostModel):
             return first  # FLOPs: ping-pong's cuts cost what the rows cost, and no call term is priced
-        best, best_peak = first, float(_predicted_costs(plan, first.tasks, options, model).max(initial=0.0))
+        best, best_peak = first, float(_predicted_costs(plan, first.tasks, options, model, share).max(initial=0.0))
         # offsets from the full prediction, and (with call tails) from the prediction without them: the tails
         # depend on what a server's calls hold, so offsets chasing them can land worse than offsets that leave
         # them out; every schedule is judged by the full prediction
@@ -326,16 +330,16 @@ def cad_schedule(plan: ShardPlan, options: dict) -> CadSchedule:
             sched = first
             for _ in range(RUNTIME_OFFSET_ROUNDS):
                 own = sched.loads - (sched.offsets if sched.offsets is not None else 0.0)
-                extra = _predicted_costs(plan, sched.tasks, options, view) - own
+                extra = _predicted_costs(plan, sched.tasks, options, view, share) - own
                 sched = schedule(docs, plan.world_size, eps=first.eps, cost_model=model, **knobs,
                                  server_offsets=np.maximum(extra, 0.0))
-                peak = float(_predicted_costs(plan, sched.tasks, options, model).max(initial=0.0))
+                peak = float(_predicted_costs(plan, sched.tasks, options, model, share).max(initial=0.0))
                 if peak < best_peak:
                     best, best_peak = sched, peak
         terms = call_terms_for(options, model)
         moved = refine_in_time(plan, best.tasks, model,
                                lambda tasks: _server_time(plan, tasks, options, model, terms),
-                               key_cuts=options.get("key_cuts", True), screen=screen)
+                               key_cuts=options.get("key_cuts", True), screen=screen, share=share)
         return with_tasks(docs, best, moved, model)
 
     def timed_build() -> CadSchedule:
@@ -403,8 +407,10 @@ def _server_time(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, model
     return total
 
 
-def _predicted_costs(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, model: CostModel) -> np.ndarray:
-    """Per-server cost of ``tasks`` as the runtime computes them (see :func:`server_costs`)."""
+def _predicted_costs(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, model: CostModel,
+                     share: PricingShare | None = None) -> np.ndarray:
+    """Per-server cost of ``tasks`` as the runtime computes them (see :func:`server_costs`); with ``share``, the
+    servers are priced by the ranks of a group together (:mod:`.shared_pricing`)."""
     terms = call_terms_for(options, model)
     groups = plan.cached(("cad_pingpong", tuple(tasks)), lambda: pingpong_split(plan, tasks)) \
         if options.get("pingpong", True) else [list(tasks)]
@@ -414,8 +420,10 @@ def _predicted_costs(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, m
             halves = by_server.setdefault(t.server, [[] for _ in groups])
             halves[h].append(t)
     costs = np.zeros(plan.world_size)
-    for server, halves in by_server.items():
-        costs[server] = sum(_server_time(plan, half, options, model, terms, split=False) for half in halves)
+    servers = sorted(by_server)
+    costs[servers] = priced_together(
+        lambda server: sum(_server_time(plan, half, options, model, terms, split=False) for half in by_server[server]),
+        servers, share)
     return costs
 
 
@@ -428,12 +436,12 @@ def server_costs(plan: ShardPlan, options: dict) -> np.ndarray:
     return _predicted_costs(plan, prepare(plan, options)["tasks"], options, model)
 
 
-def prepare(plan: ShardPlan, options: dict) -> dict:
+def prepare(plan: ShardPlan, options: dict, share: PricingShare | None = None) -> dict:
     """Runner hook: schedule the plan's documents onto servers (cached per plan, so per sliding window,
-    eps and cost model)."""
+    eps and cost model); ``share``: see :func:`cad_schedule`."""
     if "tasks" in options:
         return options
-    sched = cad_schedule(plan, options)
+    sched = cad_schedule(plan, options, share)
     return {**options, "tasks": sched.tasks, "eps_used": sched.eps}
 
 
@@ -649,6 +657,10 @@ class CadBackend(Backend):
         options = dict(options or {})
         if options.get("cost_model") == "profiled":  # price the kernel this run calls, the same on every rank
             options["cost_model"] = agreed_profile(options.get("cost_kernel", kernel), group)
+        # every rank makes the same schedule here: on real process groups they price it together
+        share = PricingShare(group, rank, world) if world > 1 and not isinstance(group, EmulatedGroup) \
+            and dist.is_available() and dist.is_initialized() else None
+        options = prepare(plan, options, share)
         return super().run_context(plan, group, rank, world, scale, kernel, options)
 
     # the runner's module functions are the contract's methods

@@ -1,0 +1,96 @@
+"""Host time of CAD's schedule on a measured cost model: one rank alone against the group pricing it together.
+
+Every rank of a CAD group makes the same schedule when a batch's first attention layer needs it; on a measured cost
+model most of that time is the refinement's pricing, which the ranks split (``hf_longctx.backends.cad.shared_pricing``).
+This starts W gloo processes on this host's cores (one thread each, as ranks beside their GPUs would run), and per
+mix times ``cad_schedule`` from cleared pricing caches twice on every rank: alone (each rank the whole schedule, what a
+run did before) and together (the run's way), and checks that both give the same tasks. Prints one markdown row per
+mix: the slowest rank's seconds each way and their ratio.
+
+    python scripts/bench_cad_schedule.py --model bench/logs/launch_model_placement_1xH200_2026-11-28.json \
+        --worlds 8,16 --mixes sft:256k,prolong:256k,pretrain:512k
+
+Host work: run it on the GPU machine's host (its CPU cores), not for a GPU figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hf_longctx.backends.cad.launch_cost import LaunchCostModel, clear_pricing_caches
+from hf_longctx.backends.cad.runtime import _predicted_costs, cad_schedule
+from hf_longctx.backends.cad.shared_pricing import PricingShare
+from hf_longctx.benchmarking import free_port, table_header, table_row
+from hf_longctx.emulation.workloads import doc_lengths
+from hf_longctx.layout import PackedBatch, shard_plan
+
+
+def parse_tokens(text: str) -> int:
+    text = text.lower()
+    return int(text[:-1]) << 10 if text.endswith("k") else int(text)
+
+
+def timed_schedule(batch: PackedBatch, world: int, options: dict, share: PricingShare | None):
+    """(seconds, tasks) of one schedule of a fresh plan from cleared pricing caches."""
+    clear_pricing_caches()
+    plan = shard_plan(batch, world, "cad")
+    start = time.perf_counter()
+    tasks = cad_schedule(plan, options, share).tasks
+    return time.perf_counter() - start, tasks, plan
+
+
+def worker(rank: int, world: int, port: int, args) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=1800))
+    options = {"cost_model": LaunchCostModel.load(args.model), "eps": args.eps}
+    mix, tokens = args.mixes[0].split(":")  # untimed: the first timed schedule should not pay for a cold process
+    timed_schedule(PackedBatch.from_doc_lens(doc_lengths(mix, parse_tokens(tokens), seed=99)), world, options,
+                   PricingShare(None, rank, world))
+    for spec in args.mixes:
+        mix, tokens = spec.split(":")
+        for seed in args.seeds:
+            batch = PackedBatch.from_doc_lens(doc_lengths(mix, parse_tokens(tokens), seed=seed))
+            dist.barrier()
+            alone_s, alone, _ = timed_schedule(batch, world, options, None)
+            dist.barrier()
+            together_s, together, plan = timed_schedule(batch, world, options, PricingShare(None, rank, world))
+            times = torch.tensor([alone_s, together_s], dtype=torch.float64)
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)
+            same = torch.tensor([float(alone == together)])
+            dist.all_reduce(same, op=dist.ReduceOp.MIN)
+            if rank == 0:
+                costs = _predicted_costs(plan, together, options, options["cost_model"])
+                print(table_row([mix, tokens, seed, world, len(batch.doc_lens), f"{times[0]:.2f}", f"{times[1]:.2f}",
+                                 f"**{times[0] / times[1]:.1f}**", "yes" if same.item() == 1.0 else "NO",
+                                 f"{costs.max() / costs.mean():.4f}"]), flush=True)
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="a LaunchCostModel JSON (scripts/profile_cad.py writes one)")
+    p.add_argument("--worlds", type=lambda s: [int(x) for x in s.split(",")], default=[8])
+    p.add_argument("--mixes", type=lambda s: s.split(","), default=["sft:256k", "prolong:256k", "pretrain:512k"],
+                   help="mix:tokens of each batch (tokens over the whole group)")
+    p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0])
+    p.add_argument("--eps", type=float, default=0.01)
+    args = p.parse_args(argv)
+    print(f"host: {os.cpu_count()} CPUs, torch {torch.__version__}; model {args.model}; eps {args.eps}")
+    print(table_header(["mix", "tokens", "seed", "W", "documents", "alone s (slowest rank)",
+                        "together s (slowest rank)", "alone / together", "same tasks", "predicted max/mean"]))
+    for world in args.worlds:
+        mp.spawn(worker, args=(world, free_port(), args), nprocs=world, join=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
