@@ -83,6 +83,23 @@ def test_a_batch_of_moves_priced_at_once_is_walked_as_one_rank_walks_them(monkey
         assert batched_count > alone_count  # whole batches priced: moves a lone rank skipped or never reached
 
 
+def test_a_step_without_moves_ends_the_refinement_alone_and_together(monkeypatch):
+    """The busiest server's only task is a key cut's rectangle whose rows the other server computes over their other
+    keys: no move is possible (a server computes a row once), with or without a group pricing."""
+    from hf_longctx.backends.cad.tasks import CadTask
+
+    monkeypatch.setattr(refine, "priced_together", lambda price, items, share: [float(price(x)) for x in items])
+    plan = shard_plan(PackedBatch.from_doc_lens([128]), 2, "cad")
+    tasks = [CadTask(1, 0, 0, 64, 0, key_lo=0, key_hi=64), CadTask(1, 0, 0, 64, 1, key_lo=64),
+             CadTask(0, 0, 0, 64, 1)]
+
+    def server_cost(ts):  # server 0 made the busiest
+        return sum((t.q_end - t.q_start) * (10.0 if t.server == 0 else 1.0) for t in ts)
+
+    for share in (None, PricingShare(None, 0, 2)):
+        assert refine_in_time(plan, tasks, MODEL, server_cost, share=share) == tasks
+
+
 def check_backend_prices_together(rank, world):
     batch = PackedBatch.from_doc_lens(DOC_LENS)
     q, k, v, dout = make_tensors(batch)

@@ -181,7 +181,7 @@ def refine_in_time(plan: ShardPlan, tasks: Sequence[CadTask], model: CostModel, 
         if screened:
             found.sort(key=lambda move: estimate(top, move))
         # one move at a time alone; with a share, a batch priced by the group at once
-        batch = 1 if share is None or share.world == 1 else max(share.world, screen) if screened else len(found)
+        batch = 1 if share is None or share.world == 1 else max(share.world, screen) if screened else max(len(found), 1)
         best: tuple[float, list[CadTask], int, list[CadTask], float, float] | None = None
         since_best = 0  # moves priced since the best so far was found
         for first in range(0, len(found), batch):
