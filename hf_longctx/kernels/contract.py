@@ -92,7 +92,9 @@ class Kernel(Protocol):
     once per process). A kernel that launches one block per tile in a fixed order may define
     ``launch_grid(head_dim) -> LaunchGrid | None`` (:mod:`~hf_longctx.kernels.launch`), by which cost models
     price the tail of its calls (a grid with a ``forward_key_split`` rule also has a forward call of few long blocks
-    run as chunks of its keys, :mod:`~hf_longctx.kernels.key_split`), and ``backward_keys_limit(heads, kv_heads,
+    run as chunks of its keys, :mod:`~hf_longctx.kernels.key_split`; its ``launch_order`` says how blocks are
+    launched), ``packs_query_heads(heads, kv_heads) -> int``: query heads its forward packs into one tile's rows
+    (the forward tile's rows are then shared by that many heads), and ``backward_keys_limit(heads, kv_heads,
     head_dim, itemsize) -> int | None``: keys per backward call past which it slows down per key (a server cuts its
     calls under it).
     """

@@ -23,6 +23,7 @@ import time
 import torch
 
 from .contract import KernelCall
+from .launch import LaunchGrid
 from .validate import gpu_input_problem
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -107,6 +108,24 @@ def _timed_compiles(key: tuple, call):
 def _configuration(direction: str, q, k, causal: bool, window: int | None) -> tuple:
     """What FlashAttention-4 compiles a kernel for: not the lengths, only the kind of problem."""
     return (direction, q.dtype, q.shape[1], k.shape[1], q.shape[2], causal, window is not None, q.device)
+
+
+def launch_grid(head_dim: int) -> LaunchGrid | None:
+    """FlashAttention-4's varlen launch on Hopper at head dim 128 (flash-attn-4 4.0.0b36, ``flash_attn/cute``): the
+    causal forward's tiles are 128 rows by 128 keys, the backward's 64 rows by 128 keys; both grids hold each
+    segment's own blocks, segment after segment, the forward's longest first with the heads innermost
+    (``SingleTileVarlenScheduler``). With grouped-query heads the forward packs a KV head's query heads into one
+    tile's rows (:func:`packs_query_heads`). Other GPUs and head dims run other kernels: not modelled."""
+    if head_dim != 128 or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return None
+    return LaunchGrid(forward_tile=(128, 128), backward_tile=(64, 128), forward_weight=0.3, launch_order="segment")
+
+
+def packs_query_heads(heads: int, kv_heads: int) -> int:
+    """Query heads the forward packs into one tile's rows: all of a KV head's (flash-attn-4's default ``pack_gqa``
+    with grouped-query heads), so a 128-row tile holds 128 / (heads / kv_heads) tokens."""
+    ratio = heads // kv_heads if kv_heads and heads % kv_heads == 0 else 1
+    return ratio if ratio > 1 and 128 % ratio == 0 else 1
 
 
 def _window_args(causal: bool, window: int | None) -> dict:

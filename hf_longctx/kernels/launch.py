@@ -21,8 +21,11 @@ The grid profile's cost model takes one factor per call (the phases weighed by `
 cost model (:class:`~hf_longctx.backends.cad.launch_cost.LaunchCostModel`) takes each phase's own factor
 (:func:`phase_factor`) on its own tile steps (:func:`forward_step_total`, :func:`backward_step_total`).
 
-A kernel that schedules its blocks itself (persistent kernels such as FlashAttention-4, which order the
-longest blocks first) has no such tail to model: it declares no :class:`LaunchGrid`.
+Not every kernel launches that way. FlashAttention-4's varlen scheduler on Hopper walks the segments one after
+another, each with only its own blocks, a causal forward's longest first (:attr:`LaunchGrid.launch_order`
+``"segment"``, simulated by :func:`segment_phase_factor`): a lone causal segment then leaves almost no tail, and no
+segment launches empty blocks for a longer one. A kernel that schedules its blocks itself in some order not
+modelled here declares no :class:`LaunchGrid`.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["LaunchGrid", "backward_step_total", "backward_steps", "forward_block_steps", "forward_step_total",
-           "forward_steps", "paired_forward_steps", "paired_makespan", "phase_factor", "tail_factor"]
+__all__ = ["LAUNCH_ORDERS", "LaunchGrid", "backward_step_total", "backward_steps", "forward_block_steps",
+           "forward_step_total", "forward_steps", "paired_forward_steps", "paired_makespan", "phase_factor",
+           "segment_phase_factor", "tail_factor"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,14 @@ class LaunchGrid:
     # the rule (gain, waves, min_keys, min_shared) of the key_split.KeySplit by which a forward call of few long
     # blocks runs as chunks of its keys; None: forward calls run whole
     forward_key_split: tuple[float, float, int, int] | None = None
+    # the order blocks launch in: "tile" (FlashAttention-2: tile fastest, then segment, then head; the grid sized by
+    # the call's longest segment, shorter ones launch empty blocks) or "segment" (a varlen scheduler that walks the
+    # segments one after another, each with only its own blocks: per segment the forward's longest blocks first,
+    # head innermost, and the backward head by head in key order)
+    launch_order: str = "tile"
+    # query heads one forward block packs (grouped-query heads of one KV head as rows of one tile; the forward then
+    # launches heads / forward_head_pack times): 1 where every query head launches its own blocks
+    forward_head_pack: int = 1
 
     def __post_init__(self) -> None:
         if self.slots < 1 or min(*self.forward_tile, *self.backward_tile) < 1:
@@ -75,19 +87,28 @@ class LaunchGrid:
         if self.forward_key_split is not None and len(self.forward_key_split) != 4:
             raise ValueError(f"LaunchGrid.forward_key_split must be None or (gain, waves, min_keys, min_shared), got "
                              f"{self.forward_key_split}")
+        if self.launch_order not in LAUNCH_ORDERS or self.forward_head_pack < 1:
+            raise ValueError(f"LaunchGrid needs launch_order in {LAUNCH_ORDERS} and forward_head_pack >= 1, got {self}")
+        if self.launch_order == "segment" and (self.forward_pairing != 1.0 or self.forward_key_split is not None):
+            raise ValueError("LaunchGrid: forward pairing and key splits are modelled for the 'tile' launch order only")
 
     def to_dict(self) -> dict:
         return {"forward_tile": list(self.forward_tile), "backward_tile": list(self.backward_tile),
                 "forward_weight": self.forward_weight, "slots": self.slots,
                 "forward_pairing": self.forward_pairing, "empty_hold": self.empty_hold,
                 "backward_keys_limit": self.backward_keys_limit,
-                "forward_key_split": None if self.forward_key_split is None else list(self.forward_key_split)}
+                "forward_key_split": None if self.forward_key_split is None else list(self.forward_key_split),
+                "launch_order": self.launch_order, "forward_head_pack": self.forward_head_pack}
 
     @classmethod
     def from_dict(cls, data: dict) -> LaunchGrid:
         return cls(tuple(data["forward_tile"]), tuple(data["backward_tile"]), float(data["forward_weight"]),
                    int(data["slots"]), float(data.get("forward_pairing", 1.0)), float(data.get("empty_hold", 0.0)),
-                   data.get("backward_keys_limit"), _key_split_rule(data.get("forward_key_split")))
+                   data.get("backward_keys_limit"), _key_split_rule(data.get("forward_key_split")),
+                   str(data.get("launch_order", "tile")), int(data.get("forward_head_pack", 1)))
+
+
+LAUNCH_ORDERS = ("tile", "segment")
 
 
 def _key_split_rule(value) -> tuple[float, float, int, int] | None:
@@ -132,6 +153,8 @@ def forward_step_total(q_len, k_len, tile: tuple[int, int], causal: bool = True)
     if not causal:
         return _rect_steps(q_len, k_len, rows, keys)
     if rows % keys:
+        if isinstance(q_len, int) and isinstance(k_len, int):
+            return _forward_steps_floor_sum(q_len, k_len, rows, keys)
         return _summed(forward_steps, q_len, k_len, tile)
     if isinstance(q_len, int) and isinstance(k_len, int):  # the scheduler's inner loop: no numpy per call
         if q_len <= 0:
@@ -143,6 +166,32 @@ def forward_step_total(q_len, k_len, tile: tuple[int, int], causal: bool = True)
     blocks = -(-q // rows)
     total = (rows // keys) * blocks * (blocks - 1) // 2 + (blocks - 1) * (-(-(k - q) // keys)) + (-(-k // keys))
     return np.where(q > 0, total, 0)
+
+
+def _floor_sum(n: int, m: int, a: int, b: int) -> int:
+    """``sum(floor((a * i + b) / m) for i in range(n))`` for ``a, b >= 0``, ``m >= 1``, in O(log) steps."""
+    total = 0
+    while n > 0:
+        if a >= m:
+            total += (n - 1) * n // 2 * (a // m)
+            a %= m
+        if b >= m:
+            total += n * (b // m)
+            b %= m
+        last = a * n + b
+        if last < m:
+            break
+        n, b, m, a = last // m, last % m, a, m
+    return total
+
+
+def _forward_steps_floor_sum(q_len: int, k_len: int, rows: int, keys: int) -> int:
+    """``sum(forward_steps(q, k, (rows, keys)))`` for any tile: block ``i < T - 1`` sweeps
+    ``floor((rows * i + k - q + rows + keys - 1) / keys)`` key tiles, the last one ``ceil(k / keys)``."""
+    if q_len <= 0:
+        return 0
+    blocks = -(-q_len // rows)
+    return _floor_sum(blocks - 1, keys, rows, k_len - q_len + rows + keys - 1) - (-k_len // keys)
 
 
 def backward_step_total(q_len, k_len, tile: tuple[int, int], causal: bool = True):
@@ -212,6 +261,36 @@ def _phase_factor(per_head: tuple[int, ...], heads: int, slots: int) -> float:
     exact = EXACT_WAVES * slots
     copies = min(heads, -(-exact // len(per_head)))
     tail = (list(per_head) * copies)[-exact:]  # the last blocks launched (all of them in a small call)
+    start = (total - sum(tail)) / slots
+    finish = [start] * slots
+    for work in tail:
+        heapq.heapreplace(finish, finish[0] + work)
+    return max(finish) * slots / total
+
+
+def segment_phase_factor(per_segment: Sequence[Sequence[int]], heads: int, slots: int, longest_first: bool) -> float:
+    """Makespan / even spread of one phase's blocks launched in segment order (:attr:`LaunchGrid.launch_order`
+    ``"segment"``): ``per_segment`` holds each segment's blocks' tile steps (one head, in tile order), segment after
+    segment; with ``longest_first`` (a causal forward's varlen scheduler) a segment's blocks start longest first,
+    each block's ``heads`` copies one after another, else a segment's blocks run head by head in tile order. As
+    :func:`phase_factor`, the last :data:`EXACT_WAVES` waves are simulated, those before spread evenly. Cached."""
+    return _segment_phase_factor(tuple(tuple(int(x) for x in seg) for seg in per_segment), int(heads), int(slots),
+                                 bool(longest_first))
+
+
+@functools.lru_cache(maxsize=65536)
+def _segment_phase_factor(per_segment: tuple[tuple[int, ...], ...], heads: int, slots: int,
+                          longest_first: bool) -> float:
+    total = sum(sum(seg) for seg in per_segment) * heads
+    if total == 0:
+        return 1.0
+    exact = EXACT_WAVES * slots
+    tail: list[int] = []  # the last blocks launched, built from the call's end
+    for seg in reversed(per_segment):
+        order = [w for w in sorted(seg, reverse=True) for _ in range(heads)] if longest_first else list(seg) * heads
+        tail[:0] = order[-(exact - len(tail)):]
+        if len(tail) >= exact:
+            break
     start = (total - sum(tail)) / slots
     finish = [start] * slots
     for work in tail:

@@ -53,6 +53,7 @@ from ...kernels.launch import (
     forward_steps,
     paired_forward_steps,
     phase_factor,
+    segment_phase_factor,
 )
 
 __all__ = ["MERGE", "PHASES", "TERM_NAMES", "LaunchCostModel", "PhaseTerms", "call_features", "fit_phase_terms",
@@ -130,6 +131,12 @@ def _phase_steps(phase: str, pairs: Sequence[tuple[int, int]], grid: LaunchGrid,
     if phase == "forward" and grid.forward_pairing > 1.0:
         full = sum(forward_step_total(q, k, grid.forward_tile, causal) for q, k in pairs)
         return paired_forward_steps([q for q, _ in pairs], [k for _, k in pairs], grid, heads, causal), full
+    if grid.launch_order == "segment":
+        per_segment = [_block_steps(phase, [pair], grid, causal) for pair in pairs]
+        full = sum(sum(seg) for seg in per_segment)
+        launched_heads = max(1, heads // grid.forward_head_pack) if phase == "forward" else heads
+        return full * segment_phase_factor(per_segment, launched_heads, grid.slots,
+                                           longest_first=phase == "forward" and causal), full
     per_block = _block_steps(phase, pairs, grid, causal)
     full = sum(per_block)
     return full * phase_factor(per_block, heads, grid.slots), full
@@ -177,7 +184,9 @@ def _one_call_features(phase: str, q_lens: Sequence[int], k_lens: Sequence[int],
     if not pairs:
         return np.zeros(len(TERM_NAMES))
     steps, full = _phase_steps(phase, pairs, grid, heads, causal)
-    if phase == "forward":
+    if grid.launch_order == "segment":  # each segment launches its own blocks only
+        launched = int(sum(_own_blocks(phase, q, k, grid) for q, k in pairs))
+    elif phase == "forward":
         launched = len(q_lens) * -(-max(q for q, _ in pairs) // grid.forward_tile[0])
     else:
         launched = len(pairs) * -(-max(k for _, k in pairs) // grid.backward_tile[1])
@@ -248,6 +257,9 @@ class LaunchCostModel:
         """What a call costs beyond its segments' own blocks, as :func:`~hf_longctx.kernels.calls.plan_calls`
         cuts a batch by: the calls' constants, and each segment's surplus query tiles (forward blocks) and key
         tiles (backward blocks) under the call's longest segment."""
+        if self.launch.launch_order == "segment":  # no segment launches blocks for another: no surplus to cut away
+            return CallTerms(self.forward.call + self.backward.call, 0.0, 0.0, self.launch.backward_tile[1],
+                             self.units, self.launch.backward_keys_limit, None)
         tile = self.launch.forward_tile[0]
         if self.launch.backward_tile[1] != tile:
             raise ValueError(f"call terms need the forward's query tile and the backward's key tile alike, got "

@@ -291,6 +291,10 @@ def launch_grid(kernel: str, device: torch.device, head_dim: int, mode: str = "f
     limit = None
     if shape is not None and hasattr(module, "backward_keys_limit"):
         limit = module.backward_keys_limit(shape.heads, shape.kv_heads, shape.head_dim, shape.dtype.itemsize)
+    if shape is not None and hasattr(module, "packs_query_heads"):  # a forward tile's rows shared by query heads
+        pack = module.packs_query_heads(shape.heads, shape.kv_heads)
+        rows, keys = declared.forward_tile
+        declared = replace(declared, forward_tile=(rows // pack, keys), forward_head_pack=pack)
     return replace(declared, slots=slots, forward_weight=1.0 if mode == "fwd" else declared.forward_weight,
                    backward_keys_limit=limit)
 
@@ -465,7 +469,7 @@ def _write_atomically(path: Path, model, meta: dict) -> None:
 def _same_launch(cached: LaunchGrid, grid: LaunchGrid) -> bool:
     """Whether a cached launch model was fitted on this grid (its terms mean something else on another)."""
     fields = ("forward_tile", "backward_tile", "slots", "forward_pairing", "empty_hold", "backward_keys_limit",
-              "forward_key_split")
+              "forward_key_split", "launch_order", "forward_head_pack")
     return all(getattr(cached, f) == getattr(grid, f) for f in fields)
 
 
