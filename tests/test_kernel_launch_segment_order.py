@@ -25,6 +25,7 @@ from hf_longctx.kernels.launch import (
     forward_step_total,
     forward_steps,
     segment_phase_factor,
+    tail_factor,
 )
 
 # FlashAttention-4's Hopper grid at head dim 128 with 4 query heads per KV head packed into a forward tile
@@ -117,3 +118,14 @@ def test_segment_order_kernels_are_also_profiled_on_few_rows_over_long_keys():
     calls = few_rows_long_keys_calls(FA4)
     assert calls and all(64 <= q <= 1024 and 16384 <= k <= 131072 for call in calls for q, k in call)
     assert few_rows_long_keys_calls(LaunchGrid()) == []
+
+
+def test_the_grid_profiles_tail_follows_the_launch_order_too():
+    """The interpolated grid profile divides its cells by a call's tail (``tail_factor``): on a segment-order grid that
+    is the same simulation, the forward weighed against the backward."""
+    grid = LaunchGrid(forward_tile=(32, 128), backward_tile=(64, 128), forward_weight=0.3, slots=132,
+                      launch_order="segment", forward_head_pack=4)
+    forward = segment_phase_factor([forward_steps(8192, 8192, (32, 128))], 8, 132, True)
+    backward = segment_phase_factor([backward_steps(8192, 8192, (64, 128))], 32, 132, False)
+    assert tail_factor([8192], [8192], 32, grid) == pytest.approx(0.3 * forward + 0.7 * backward)
+    assert tail_factor([], [], 32, grid) == 1.0

@@ -398,12 +398,18 @@ def tail_factor(q_lens: Sequence[int], k_lens: Sequence[int], heads: int, grid: 
 
 @functools.lru_cache(maxsize=65536)  # a schedule's refinement prices the same calls many times over
 def _tail_factor(q_lens: tuple[int, ...], k_lens: tuple[int, ...], heads: int, grid: LaunchGrid) -> float:
-    forward, backward = [], []
-    for q, k in zip(q_lens, k_lens):
-        if q > 0:
-            forward += forward_steps(q, k, grid.forward_tile)
-            backward += backward_steps(q, k, grid.backward_tile)
-    if not forward:
+    pairs = [(q, k) for q, k in zip(q_lens, k_lens) if q > 0]
+    if not pairs:
         return 1.0
+    if grid.launch_order == "segment":
+        return (grid.forward_weight * segment_phase_factor(
+                    [forward_steps(q, k, grid.forward_tile) for q, k in pairs],
+                    max(1, heads // grid.forward_head_pack), grid.slots, True)
+                + (1.0 - grid.forward_weight) * segment_phase_factor(
+                    [backward_steps(q, k, grid.backward_tile) for q, k in pairs], heads, grid.slots, False))
+    forward, backward = [], []
+    for q, k in pairs:
+        forward += forward_steps(q, k, grid.forward_tile)
+        backward += backward_steps(q, k, grid.backward_tile)
     return (grid.forward_weight * _phase_factor(tuple(forward), heads, grid.slots)
             + (1.0 - grid.forward_weight) * _phase_factor(tuple(backward), heads, grid.slots))
