@@ -194,8 +194,8 @@ def refine_in_time(plan: ShardPlan, tasks: Sequence[CadTask], model: CostModel, 
             # a receiver is priced only where the busiest would end below what wins now
             given = [_place(by_server[dst], part) if a < bound else None
                      for (_, dst, _, part), a in zip(moves_now, after_top)]
-            after_dst = iter(priced([g for g in given if g is not None]))
-            after_dst = [next(after_dst) if g is not None else float("inf") for g in given]
+            receiver_prices = iter(priced([g for g in given if g is not None]))
+            after_dst = [next(receiver_prices) if g is not None else float("inf") for g in given]
             for i, (_, dst, _, _) in enumerate(moves_now):  # in order, as one rank walks them
                 if screened and since_best >= screen:
                     return best
