@@ -10,7 +10,8 @@ mix: the slowest rank's seconds each way and their ratio.
     python scripts/bench_cad_schedule.py --model bench/logs/launch_model_placement_1xH200_2026-11-28.json \
         --worlds 8,16 --mixes sft:256k,prolong:256k,pretrain:512k
 
-Host work: run it on the GPU machine's host (its CPU cores), not for a GPU figure.
+Host work: run it on the GPU machine's host (its CPU cores), not for a GPU figure. With ``--nccl`` every rank takes a
+GPU and the collectives run over NCCL, as in a training run (W at most the GPUs of the machine).
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ def timed_schedule(batch: PackedBatch, world: int, options: dict, share: Pricing
 def worker(rank: int, world: int, port: int, args) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=1800))
+    if args.nccl:  # one GPU per rank: the share's all_reduce runs on the device, as in a training run
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if args.nccl else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=1800))
     options = {"cost_model": LaunchCostModel.load(args.model), "eps": args.eps}
     mix, tokens = args.mixes[0].split(":")  # untimed: the first timed schedule should not pay for a cold process
     timed_schedule(PackedBatch.from_doc_lens(doc_lengths(mix, parse_tokens(tokens), seed=99)), world, options,
@@ -64,9 +67,10 @@ def worker(rank: int, world: int, port: int, args) -> None:
             alone_s, alone, _ = timed_schedule(batch, world, options, None)
             dist.barrier()
             together_s, together, plan = timed_schedule(batch, world, options, PricingShare(None, rank, world))
-            times = torch.tensor([alone_s, together_s], dtype=torch.float64)
+            device = torch.device("cuda", rank) if args.nccl else torch.device("cpu")
+            times = torch.tensor([alone_s, together_s], dtype=torch.float64, device=device)
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
-            same = torch.tensor([float(alone == together)])
+            same = torch.tensor([float(alone == together)], device=device)
             dist.all_reduce(same, op=dist.ReduceOp.MIN)
             if rank == 0:
                 costs = _predicted_costs(plan, together, options, options["cost_model"])
@@ -84,8 +88,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="mix:tokens of each batch (tokens over the whole group)")
     p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0])
     p.add_argument("--eps", type=float, default=0.01)
+    p.add_argument("--nccl", action="store_true",
+                   help="one GPU per rank and NCCL for the collectives (W at most the GPUs here), as a training run")
     args = p.parse_args(argv)
-    print(f"host: {os.cpu_count()} CPUs, torch {torch.__version__}; model {args.model}; eps {args.eps}")
+    if args.nccl and (not torch.cuda.is_available() or max(args.worlds) > torch.cuda.device_count()):
+        p.error(f"--nccl needs a GPU per rank: {torch.cuda.device_count()} here, W up to {max(args.worlds)} asked")
+    print(f"host: {os.cpu_count()} CPUs, torch {torch.__version__}; model {args.model}; eps {args.eps}; "
+          f"collectives: {'NCCL' if args.nccl else 'gloo'}")
     print(table_header(["mix", "tokens", "seed", "W", "documents", "alone s (slowest rank)",
                         "together s (slowest rank)", "alone / together", "same tasks", "predicted max/mean"]))
     for world in args.worlds:
