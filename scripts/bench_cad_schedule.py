@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hf_longctx.backends.cad.launch_cost import LaunchCostModel, clear_pricing_caches
-from hf_longctx.backends.cad.runtime import _predicted_costs, cad_schedule
+from hf_longctx.backends.cad.runtime import cad_schedule, server_costs
 from hf_longctx.backends.cad.shared_pricing import PricingShare
 from hf_longctx.benchmarking import free_port, table_header, table_row
 from hf_longctx.emulation.workloads import doc_lengths
@@ -73,7 +73,7 @@ def worker(rank: int, world: int, port: int, args) -> None:
             same = torch.tensor([float(alone == together)], device=device)
             dist.all_reduce(same, op=dist.ReduceOp.MIN)
             if rank == 0:
-                costs = _predicted_costs(plan, together, options, options["cost_model"])
+                costs = server_costs(plan, options)  # of the schedule just made (cached on the plan)
                 print(table_row([mix, tokens, seed, world, len(batch.doc_lens), f"{times[0]:.2f}", f"{times[1]:.2f}",
                                  f"**{times[0] / times[1]:.1f}**", "yes" if same.item() == 1.0 else "NO",
                                  f"{costs.max() / costs.mean():.4f}"]), flush=True)

@@ -446,9 +446,9 @@ def main() -> int:
             raise ValueError("torch_cp is torch's own context parallelism: it takes no backend options")
         if args.backend != "torch_cp":
             args.backend_options = checked_backend_options(args.backend, args.backend_options,
-                                                           "the options of --backend")
-    except ValueError as err:
-        p.error(f"--backend-options: {err}")
+                                                           f"options of --backend {args.backend}")
+    except ValueError as err:  # the settings' check names backend_options itself
+        p.error(f"--backend-options: {str(err).removeprefix('backend_options: ')}")
     if args.backend == "torch_cp":
         if args.mix != "one":
             p.error("torch_cp (torch native context parallelism) has no document masking: use --mix one")

@@ -115,7 +115,9 @@ def launch_grid(head_dim: int) -> LaunchGrid | None:
     causal forward's tiles are 128 rows by 128 keys, the backward's 64 rows by 128 keys; both grids hold each
     segment's own blocks, segment after segment, the forward's longest first with the heads innermost
     (``SingleTileVarlenScheduler``). With grouped-query heads the forward packs a KV head's query heads into one
-    tile's rows (:func:`packs_query_heads`). Other GPUs and head dims run other kernels: not modelled."""
+    tile's rows (:func:`packs_query_heads`). Other GPUs and head dims run other kernels: not modelled. The forward's
+    weight (read only by the grid profile's tail, :func:`~.launch.tail_factor`) is its share of a forward+backward's
+    work, 1 in 3.5, not fitted: the launch cost model fits each phase on its own."""
     if head_dim != 128 or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         return None
     return LaunchGrid(forward_tile=(128, 128), backward_tile=(64, 128), forward_weight=0.3, launch_order="segment")

@@ -39,7 +39,7 @@ import numpy as np
 
 __all__ = ["LAUNCH_ORDERS", "LaunchGrid", "backward_step_total", "backward_steps", "forward_block_steps",
            "forward_step_total", "forward_steps", "paired_forward_steps", "paired_makespan", "phase_factor",
-           "segment_phase_factor", "tail_factor"]
+           "segment_launch_steps", "segment_phase_factor", "tail_factor"]
 
 
 @dataclass(frozen=True)
@@ -298,6 +298,21 @@ def _segment_phase_factor(per_segment: tuple[tuple[int, ...], ...], heads: int, 
     return max(finish) * slots / total
 
 
+def segment_launch_steps(phase: str, pairs: Sequence[tuple[int, int]], grid: LaunchGrid, heads: int,
+                         causal: bool = True) -> tuple[float, int]:
+    """One phase of a call launched in segment order, in tile steps of one head: (with the call's tail, at full
+    throughput). Each segment's blocks (forward: query tiles, launched once per ``heads / forward_head_pack``;
+    backward: key tiles, once per head), the causal forward's longest first (:func:`segment_phase_factor`)."""
+    if phase == "forward":
+        per_segment = [forward_steps(q, k, grid.forward_tile, causal) for q, k in pairs]
+        launched_heads, longest_first = max(1, heads // grid.forward_head_pack), causal
+    else:
+        per_segment = [backward_steps(q, k, grid.backward_tile, causal) for q, k in pairs]
+        launched_heads, longest_first = heads, False
+    full = sum(sum(seg) for seg in per_segment)
+    return full * segment_phase_factor(per_segment, launched_heads, grid.slots, longest_first), full
+
+
 def forward_block_steps(q_lens: Sequence[int], k_lens: Sequence[int], grid: LaunchGrid, heads: int,
                         causal: bool = True) -> list[int]:
     """Tile steps of every block a varlen forward call launches, in launch order: per head, per segment, its query
@@ -401,12 +416,10 @@ def _tail_factor(q_lens: tuple[int, ...], k_lens: tuple[int, ...], heads: int, g
     pairs = [(q, k) for q, k in zip(q_lens, k_lens) if q > 0]
     if not pairs:
         return 1.0
-    if grid.launch_order == "segment":
-        return (grid.forward_weight * segment_phase_factor(
-                    [forward_steps(q, k, grid.forward_tile) for q, k in pairs],
-                    max(1, heads // grid.forward_head_pack), grid.slots, True)
-                + (1.0 - grid.forward_weight) * segment_phase_factor(
-                    [backward_steps(q, k, grid.backward_tile) for q, k in pairs], heads, grid.slots, False))
+    if grid.launch_order == "segment":  # each phase's steps with its tail over its steps alone: its factor
+        factors = [steps / full if full else 1.0 for steps, full in (segment_launch_steps(phase, pairs, grid, heads)
+                                                                     for phase in ("forward", "backward"))]
+        return grid.forward_weight * factors[0] + (1.0 - grid.forward_weight) * factors[1]
     forward, backward = [], []
     for q, k in pairs:
         forward += forward_steps(q, k, grid.forward_tile)

@@ -53,7 +53,7 @@ from ...kernels.launch import (
     forward_steps,
     paired_forward_steps,
     phase_factor,
-    segment_phase_factor,
+    segment_launch_steps,
 )
 
 __all__ = ["MERGE", "PHASES", "TERM_NAMES", "LaunchCostModel", "PhaseTerms", "call_features", "fit_phase_terms",
@@ -132,11 +132,7 @@ def _phase_steps(phase: str, pairs: Sequence[tuple[int, int]], grid: LaunchGrid,
         full = sum(forward_step_total(q, k, grid.forward_tile, causal) for q, k in pairs)
         return paired_forward_steps([q for q, _ in pairs], [k for _, k in pairs], grid, heads, causal), full
     if grid.launch_order == "segment":
-        per_segment = [_block_steps(phase, [pair], grid, causal) for pair in pairs]
-        full = sum(sum(seg) for seg in per_segment)
-        launched_heads = max(1, heads // grid.forward_head_pack) if phase == "forward" else heads
-        return full * segment_phase_factor(per_segment, launched_heads, grid.slots,
-                                           longest_first=phase == "forward" and causal), full
+        return segment_launch_steps(phase, pairs, grid, heads, causal)
     per_block = _block_steps(phase, pairs, grid, causal)
     full = sum(per_block)
     return full * phase_factor(per_block, heads, grid.slots), full

@@ -658,8 +658,8 @@ class CadBackend(Backend):
         if options.get("cost_model") == "profiled":  # price the kernel this run calls, the same on every rank
             options["cost_model"] = agreed_profile(options.get("cost_kernel", kernel), group)
         # every rank makes the same schedule here: on real process groups they price it together
-        share = PricingShare(group, rank, world) if world > 1 and not isinstance(group, EmulatedGroup) \
-            and dist.is_available() and dist.is_initialized() else None
+        share = PricingShare(group, rank, world) if world > 1 and is_distributed(group) \
+            and not isinstance(group, EmulatedGroup) else None
         options = prepare(plan, options, share)
         return super().run_context(plan, group, rank, world, scale, kernel, options)
 
