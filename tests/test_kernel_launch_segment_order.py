@@ -107,6 +107,17 @@ def test_the_launch_order_is_part_of_a_grid_and_of_a_cached_models_identity():
         LaunchGrid(launch_order="segment", forward_pairing=1.6)
 
 
+def test_flash_attention_4_declares_its_hopper_launch_only(monkeypatch):
+    """On Hopper at head dim 128: 128 x 128 forward tiles, 64 x 128 backward tiles, launched segment after segment.
+    Blackwell runs other kernels (and no GPU, none): no grid, so the grid profile prices them."""
+    monkeypatch.setattr(fa4.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(fa4.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    grid = fa4.launch_grid(128)
+    assert (grid.forward_tile, grid.backward_tile, grid.launch_order) == ((128, 128), (64, 128), "segment")
+    monkeypatch.setattr(fa4.torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert fa4.launch_grid(128) is None
+
+
 def test_flash_attention_4_packs_a_kv_heads_query_heads_into_a_tile():
     assert fa4.packs_query_heads(32, 8) == 4
     assert fa4.packs_query_heads(32, 32) == 1
