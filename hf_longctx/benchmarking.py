@@ -11,6 +11,7 @@ attention of the visible (query, key) pairs, over the devices' dense bf16 peak.
 
 from __future__ import annotations
 
+import collections
 import os
 import socket
 import statistics
@@ -21,9 +22,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-# Cycles the device spins before a timed region (``torch.cuda._sleep``), ~2 ms at the 1.7-2 GHz clocks of an
-# H100 or H200: longer than the host takes to enqueue one attention call (0.25 ms measured on an H200's host,
-# 1.0 ms on an H100's), so the region's kernels are all queued when its start event fires.
+# Cycles the device spins at least before a timed region (``torch.cuda._sleep``), ~2 ms at the 1.7-2 GHz clocks
+# of an H100 or H200: longer than the host takes to enqueue one call of torch's flash kernel (0.25 ms measured on
+# an H200's host, 1.0 ms on an H100's). :class:`HostAhead` spins longer where the host takes longer.
 HOST_AHEAD_CYCLES = 4_000_000
 
 
@@ -36,14 +37,90 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def queue_ahead() -> None:
-    """Keep the current CUDA stream busy while the host enqueues what comes next.
+class HostAhead:
+    """How long the device spins before a timed region: long enough for the host to enqueue the whole region.
 
     Why: events around a region time the stream, and a stream that ran dry waits for the host between
     launches, so a small region's events measure Python dispatch as much as kernels. A real step keeps its
     stream full (the host runs layers ahead), so a kernel's cost is its device time; spinning the device first
-    (before the start event) measures that. Costs ~2 ms of device time per region, not counted in it."""
-    torch.cuda._sleep(HOST_AHEAD_CYCLES)
+    (before the start event) measures that, if the spin lasts until the region's last launch. A fixed spin does
+    not: a kernel whose host side is heavier than torch's flash kernel's (FlashAttention-4's Python interface, a
+    forward cut into chunks of its keys and merged) can take longer to enqueue than the spin lasts, and then
+    its events count host time, differently from run to run.
+
+    So the spin follows the host: ``margin`` times the longest host time of the last ``history`` regions
+    (:meth:`record`), at least ``minimum_cycles`` and at most ``maximum_s`` seconds. A host time over
+    ``outlier`` times the history's median (a first call that compiles, a page fault) does not stretch the
+    spin; every region whose host time passed the spin before it is counted in :attr:`overruns` (its time
+    holds some host time: the benchmarks report the count). ``adaptive`` False: always ``minimum_cycles``.
+    """
+
+    def __init__(self, minimum_cycles: int = HOST_AHEAD_CYCLES, margin: float = 1.5, history: int = 64,
+                 maximum_s: float = 0.05, outlier: float = 10.0, adaptive: bool = True) -> None:
+        if minimum_cycles < 1 or margin < 1.0 or history < 1 or maximum_s <= 0 or outlier <= 1.0:
+            raise ValueError(f"HostAhead needs minimum_cycles >= 1, margin >= 1, history >= 1, maximum_s > 0 and "
+                             f"outlier > 1, got {minimum_cycles}, {margin}, {history}, {maximum_s}, {outlier}")
+        self.minimum_cycles, self.margin, self.maximum_s, self.outlier = minimum_cycles, margin, maximum_s, outlier
+        self.adaptive = adaptive
+        self.host_s: collections.deque[float] = collections.deque(maxlen=history)
+        self.regions = 0
+        self.overruns = 0
+        self.longest_spin_s = 0.0
+        self._cycles_per_s: dict[int, float] = {}
+
+    def cycles_per_second(self) -> float:
+        """The current device's spin rate, measured once per device (events around spins; the fastest of three)."""
+        index = torch.cuda.current_device()
+        if index not in self._cycles_per_s:
+            torch.cuda._sleep(self.minimum_cycles)  # the clock up from idle
+            best = float("inf")
+            for _ in range(3):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                torch.cuda._sleep(self.minimum_cycles)
+                end.record()
+                end.synchronize()
+                best = min(best, start.elapsed_time(end) / 1e3)
+            self._cycles_per_s[index] = self.minimum_cycles / max(best, 1e-9)
+        return self._cycles_per_s[index]
+
+    def spin_seconds(self) -> float:
+        """The spin the next region gets, in seconds of device time."""
+        return self.target_seconds(self.minimum_cycles / self.cycles_per_second())
+
+    def target_seconds(self, least_s: float) -> float:
+        """The spin after the recorded host times, given the shortest spin ``least_s`` (see the class)."""
+        if not self.adaptive or not self.host_s:
+            return least_s
+        usual = statistics.median(self.host_s)
+        longest = max((t for t in self.host_s if t <= self.outlier * usual), default=usual)
+        return min(max(least_s, self.margin * longest), max(self.maximum_s, least_s))
+
+    def spin(self) -> float:
+        """Enqueue the spin on the current stream; its length in seconds (what :meth:`record` compares with)."""
+        seconds = self.spin_seconds()
+        torch.cuda._sleep(max(self.minimum_cycles, int(seconds * self.cycles_per_second())))
+        self.longest_spin_s = max(self.longest_spin_s, seconds)
+        return seconds
+
+    def record(self, host_s: float, spun_s: float) -> bool:
+        """The host took ``host_s`` to enqueue a region that had ``spun_s`` of spin ahead: whether it outran it."""
+        self.regions += 1
+        self.host_s.append(host_s)
+        if host_s > spun_s:
+            self.overruns += 1
+            return True
+        return False
+
+
+HOST_AHEAD = HostAhead()  # the process's spin: what every timed region here (emulation, profiles) uses
+
+
+def queue_ahead() -> float:
+    """Keep the current CUDA stream busy while the host enqueues what comes next (see :class:`HostAhead`): the
+    spin's seconds, which the caller hands with the region's host time to ``HOST_AHEAD.record``. Costs the spin
+    in device time per region, not counted in it."""
+    return HOST_AHEAD.spin()
 
 
 _L2_SCRATCH: dict[int, torch.Tensor] = {}  # per device index: a buffer twice its L2, written to evict it
@@ -71,13 +148,15 @@ def one_run_ms(fn: Callable[[], object], cuda: bool, ahead: bool = False, cold: 
     if cuda:
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if ahead:
-            queue_ahead()
+        spun = queue_ahead() if ahead else 0.0
+        enqueue = time.perf_counter()
         if cold:
             flush_l2()
         start.record()
         fn()
         end.record()
+        if ahead:
+            HOST_AHEAD.record(time.perf_counter() - enqueue, spun)
         torch.cuda.synchronize()
         return start.elapsed_time(end)
     t0 = time.perf_counter()

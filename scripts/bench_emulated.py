@@ -61,7 +61,7 @@ from hf_longctx.backends.cad.eps import EPS_CANDIDATES, a2a_bandwidth, candidate
 from hf_longctx.backends.cad.launch_cost import TERM_NAMES, LaunchCostModel
 from hf_longctx.backends.cad.profiled import ProfileBudget, SegmentShape, profiled_cost_model
 from hf_longctx.backends.cad.runtime import cad_schedule, server_costs
-from hf_longctx.benchmarking import table_header, table_row, token_counts
+from hf_longctx.benchmarking import HOST_AHEAD, table_header, table_row, token_counts
 from hf_longctx.emulation import (
     EmulatedStep,
     device_memory,
@@ -194,12 +194,16 @@ def main(argv: list[str] | None = None) -> int:
                    "e.g. 'cad flops eps0.1,cad profiled eps0.01'")
     p.add_argument("--stage-on-host", action="store_true", help="all_to_all buffers live on the host "
                    "(EmulationHub's stage_on_host): for steps whose ranks' buffers do not fit on the device together")
+    p.add_argument("--host-ahead", choices=("adaptive", "fixed"), default="adaptive",
+                   help="the device's spin before each timed call: as long as the host's dispatch needs (adaptive), "
+                        "or the fixed ~2 ms of HOST_AHEAD_CYCLES (to compare with runs made so)")
     p.add_argument("--seed", type=int, default=0, help="which batch of each mix's documents (the lengths' seed)")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes, reference kernel")
     p.add_argument("--dump-calls", default=None, metavar="DIR",
                    help="write every kernel call (segment lengths, seconds) of the profiled CAD runs and the profile "
                         "they were scheduled on as JSON into DIR, to check the cost model call by call")
     args = p.parse_args(argv)
+    HOST_AHEAD.adaptive = args.host_ahead == "adaptive"
     t_start = time.perf_counter()
     wanted_cad = [x.strip() for x in args.cad_runs.split(",") if x.strip()]
     labels = [label for label, _, _ in variants(["cad"], None, grid=object())]
@@ -325,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
                 if step.noise_floor is not None:
                     notes.append(f"timing noise {step.timing_noise * 100:.2f}% per repetition, noise alone max/mean "
                                  f"{step.noise_floor:.3f}")
+                if step.host_overruns:
+                    notes.append(f"{step.host_overruns} of {step.timed_calls} timed calls' dispatch outran the "
+                                 "device's spin (their time holds host time)")
                 extra = "; ".join(notes) + f" ({time.perf_counter() - t0:.1f} s)"
                 rows.append(row(mix, total, batch, w, label, step, extra.strip()))
                 print(rows[-1], flush=True)
@@ -364,6 +371,10 @@ def main(argv: list[str] | None = None) -> int:
                   table_header(["eps", "max/mean kernel", "max kernel ms", "max MiB sent/rank", "pred. step ms",
                                 "schedule's own prediction ms", "notes"]), *sweep_rows]
     lines += ["", "## Device memory between configurations", "", *memory]
+    if device.type == "cuda":
+        lines += ["", f"The device spun ahead of each timed call ({args.host_ahead}; the longest spin "
+                  f"{HOST_AHEAD.longest_spin_s * 1e3:.1f} ms); {HOST_AHEAD.overruns} of {HOST_AHEAD.regions} timed "
+                  "regions (warm-ups and profiling included) took the host longer to enqueue than their spin lasted."]
     if skipped:
         lines += ["", f"Not run (--skip, or the time budget of {args.budget_s:.0f} s spent): " + ", ".join(skipped)]
     lines += ["", f"Total {elapsed:.0f} s; torch {torch.__version__}; command: python scripts/bench_emulated.py "

@@ -74,3 +74,37 @@ def test_host_and_device_ms_times_each_phase_on_the_host_and_the_whole_until_the
     host, total = host_and_device_ms([lambda: time.sleep(0.03), lambda: time.sleep(0.01)], torch.device("cpu"))
     assert len(host) == 2 and 30 <= host[0] < 60 and 10 <= host[1] < 30
     assert total >= sum(host) - 1e-6
+
+
+def test_the_spin_before_a_timed_region_follows_the_hosts_dispatch_times():
+    """A region whose host side takes longer than the shortest spin gets a spin of ``margin`` times the longest
+    recent host time, capped; a single outlier (a call that compiled) does not stretch it; a region whose host
+    time passed its spin is counted."""
+    from hf_longctx.benchmarking import HostAhead
+
+    ahead = HostAhead(margin=1.5, history=8, maximum_s=0.02, outlier=10.0)
+    assert ahead.target_seconds(0.002) == 0.002  # nothing recorded yet: the shortest spin
+    assert ahead.record(0.001, 0.002) is False
+    assert ahead.target_seconds(0.002) == 0.002  # 1.5 x 1 ms is under the shortest
+    assert ahead.record(0.004, 0.002) is True  # outran: counted
+    assert ahead.target_seconds(0.002) == pytest.approx(0.006)
+    for _ in range(3):
+        ahead.record(0.004, 0.006)
+    ahead.record(0.9, 0.006)  # a compile: over 10 x the median, ignored by the spin, still an overrun
+    assert ahead.target_seconds(0.002) == pytest.approx(0.006)
+    assert (ahead.regions, ahead.overruns) == (6, 2)
+    for _ in range(8):
+        ahead.record(0.05, 0.006)  # the host now always slow: the spin follows, up to its cap
+    assert ahead.target_seconds(0.002) == 0.02
+    assert ahead.target_seconds(0.03) == 0.03  # the cap never cuts the shortest spin
+
+
+def test_a_fixed_spin_ignores_the_hosts_times_but_still_counts_overruns():
+    from hf_longctx.benchmarking import HostAhead
+
+    ahead = HostAhead(adaptive=False)
+    assert ahead.record(0.01, 0.002) is True
+    assert ahead.target_seconds(0.002) == 0.002
+    assert ahead.overruns == 1
+    with pytest.raises(ValueError, match="margin >= 1"):
+        HostAhead(margin=0.5)

@@ -46,6 +46,8 @@ def test_emulated_backends_match_single_device(world, dtype):
                     torch.testing.assert_close(got, ref[idx], **_tolerance(dtype),
                                                msg=lambda m, w=f"{backend} W={world} rank {r.rank} {name}": f"{w}: {m}")
             assert sum(r.kernel_calls for r in step.ranks) > 0
+            assert step.timed_calls == sum(r.kernel_calls for r in step.ranks)  # one timed repetition
+            assert step.host_overruns == 0  # the CPU runs each call before the host goes on: nothing to outrun
             assert all(t >= 0 for t in step.kernel_s) and step.imbalance >= 1.0
             assert step.predicted_step_s >= step.predicted_overlapped_s > 0
 

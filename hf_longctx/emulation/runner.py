@@ -90,6 +90,8 @@ class EmulatedStep:
     ranks: list[RankStep] = field(default_factory=list)
     largest_all_to_all: int = 0  # bytes one all_to_all moved between ranks, at most (what staging holds at once)
     largest_all_to_all_on_device: int = 0  # bytes one all_to_all's buffers held on the device, at most (0: staged)
+    host_overruns: int = 0  # timed kernel calls whose host dispatch outran the device's spin (their time holds some)
+    timed_calls: int = 0  # kernel calls timed over every timed repetition
 
     @property
     def kernel_s(self) -> list[float]:
@@ -213,7 +215,7 @@ def emulate_step(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ..
     calls = [0] * world
     results: list = [None] * world
     traffic: list[list[tuple[str, int]]] = [[] for _ in range(world)]
-    largest, on_device = 0, 0
+    largest, on_device, overruns, timed_calls = 0, 0, 0, 0
     for i in range(warmup + reps):
         hub = EmulationHub(world, timeout_s, stage_on_host)
         timer = make_timer(hub, q.device)
@@ -225,12 +227,15 @@ def emulate_step(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ..
             continue
         largest = max(largest, hub.largest_all_to_all)
         on_device = max(on_device, hub.largest_all_to_all_on_device)
+        overruns += timer.overruns
+        timed_calls += sum(timer.calls.values())
         for r, (forward_s, backward_s, rank_calls) in enumerate(timer.rank_totals(range(world))):
             per_rank[r].append((forward_s, backward_s))
             calls[r] = rank_calls
             traffic[r] = list(hub.traffic[r].calls)
     step = EmulatedStep(backend, world, strategy, step_flops(batch, q.shape[1], q.shape[2]), str(q.device),
-                        largest_all_to_all=largest, largest_all_to_all_on_device=on_device)
+                        largest_all_to_all=largest, largest_all_to_all_on_device=on_device,
+                        host_overruns=overruns, timed_calls=timed_calls)
     for r in range(world):
         forward_s, backward_s = median_rep(per_rank[r])
         step.ranks.append(RankStep(r, forward_s, backward_s, calls[r], traffic[r], results[r],

@@ -7,6 +7,8 @@ device during the step. The device spins before each call's start event
 (:func:`~hf_longctx.benchmarking.queue_ahead`), so the call's kernels are all queued when it fires and
 the events time the device's work, not the host's dispatch between launches (which a real step, its host
 running layers ahead, hides; on an H100's host it was 1 ms per call, more than the kernels of a small one).
+The spin follows the host's dispatch times (:class:`~hf_longctx.benchmarking.HostAhead`); a call whose dispatch
+still outran it is counted in :attr:`KernelTimer.overruns`.
 On the CPU a call's wall time is its kernel time (the CPU runs it synchronously).
 """
 
@@ -19,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..benchmarking import queue_ahead
+from ..benchmarking import HOST_AHEAD, queue_ahead
 from ..kernels import KernelCall
 from ..kernels.key_split import plan_key_split
 
@@ -101,8 +103,10 @@ class KernelTimer:
         self.keep_calls = keep_calls
         self._events: dict[tuple[int, str], list[tuple[torch.cuda.Event, torch.cuda.Event]]] = defaultdict(list)
         self._seconds: dict[tuple[int, str], float] = defaultdict(float)
-        self._log: list[tuple[int, str, tuple, tuple, bool, Any]] = []  # rank, phase, lens, causal, events/seconds
+        # rank, phase, lens, causal, events (or seconds), the host's seconds to enqueue it, the spin ahead of it
+        self._log: list[tuple[int, str, tuple, tuple, bool, Any, float, float]] = []
         self.calls: dict[tuple[int, str], int] = defaultdict(int)
+        self.overruns = 0  # timed calls whose host dispatch outran the spin ahead of them (see HostAhead)
 
     def __call__(self, name: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         rank = self.hub.current_rank()
@@ -115,30 +119,37 @@ class KernelTimer:
                 fn(*args, **kwargs)
                 _WARM.add(key)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            queue_ahead()  # the call's kernels are queued before its start event fires: device time only
+            spun = queue_ahead()  # the call's kernels are queued before its start event fires: device time only
+            enqueue = time.perf_counter()
             start.record()
             result = fn(*args, **kwargs)
             end.record()
+            host_s = time.perf_counter() - enqueue
+            if HOST_AHEAD.record(host_s, spun):
+                self.overruns += 1
             self._events[rank, name].append((start, end))
             if self.keep_calls:
                 self._log.append((rank, name, *segment_lengths(name, args, kwargs), is_causal(args, kwargs),
-                                  (start, end)))
+                                  (start, end), host_s, spun))
             return result
         t0 = time.perf_counter()
         result = fn(*args, **kwargs)
         took = time.perf_counter() - t0
         self._seconds[rank, name] += took
         if self.keep_calls:
-            self._log.append((rank, name, *segment_lengths(name, args, kwargs), is_causal(args, kwargs), took))
+            self._log.append((rank, name, *segment_lengths(name, args, kwargs), is_causal(args, kwargs), took, took,
+                              0.0))
         return result
 
     def call_log(self) -> list[dict]:
-        """Every timed call in order (with ``keep_calls``): rank, phase, segment lengths, causal, seconds."""
+        """Every timed call in order (with ``keep_calls``): rank, phase, segment lengths, causal, seconds, the
+        host's seconds to enqueue it and the device's spin ahead of it (0 on the CPU)."""
         if self.cuda and self._log:
             torch.cuda.synchronize()
         return [{"rank": rank, "phase": name, "q_lens": list(ql), "k_lens": list(kl), "causal": causal,
-                 "seconds": t if isinstance(t, float) else t[0].elapsed_time(t[1]) / 1e3}
-                for rank, name, ql, kl, causal, t in self._log]
+                 "seconds": t if isinstance(t, float) else t[0].elapsed_time(t[1]) / 1e3,
+                 "host_seconds": host_s, "spin_seconds": spun}
+                for rank, name, ql, kl, causal, t, host_s, spun in self._log]
 
     def rank_totals(self, ranks: Sequence[int]) -> list[tuple[float, float, int]]:
         """Per rank of ``ranks``: (forward seconds, backward seconds, kernel calls); synchronises the device once."""

@@ -35,6 +35,29 @@ def test_events_after_queue_ahead_exclude_host_time_between_launches():
     assert ahead < 0.3  # it was still spinning: the events saw only the two tiny kernels
 
 
+def test_the_spin_grows_to_cover_a_region_whose_host_side_takes_longer_than_the_shortest_spin(monkeypatch):
+    """5 ms of host work between two tiny kernels: the shortest spin (~2 ms) runs out and the events count ~3 ms
+    of waiting, counted as an overrun; once the spin has seen the host's time it covers it, and the events see
+    only the kernels."""
+    import hf_longctx.benchmarking as benchmarking
+
+    ahead = benchmarking.HostAhead()
+    monkeypatch.setattr(benchmarking, "HOST_AHEAD", ahead)
+    x = torch.ones(16, device="cuda")
+
+    def region():
+        x.add_(1)
+        time.sleep(0.005)
+        x.add_(1)
+
+    region()  # warm
+    first = one_run_ms(region, cuda=True, ahead=True)
+    assert first > 2.0 and ahead.overruns == 1
+    later = [one_run_ms(region, cuda=True, ahead=True) for _ in range(3)]
+    assert max(later) < 0.3 and ahead.overruns == 1
+    assert ahead.longest_spin_s > 0.0075  # 1.5 x the host's 5 ms
+
+
 def test_emulated_kernel_time_is_device_time():
     from hf_longctx.comm.emulated import EmulationHub
     from hf_longctx.emulation.timing import KernelTimer

@@ -29,7 +29,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from ...benchmarking import one_run_ms
+from ...benchmarking import HOST_AHEAD, one_run_ms
 from ...kernels import attention_backward, attention_forward
 from ...kernels.calls import call_order, plan_calls
 from ...kernels.key_split import KeySplit
@@ -251,6 +251,7 @@ def profile_launch_cost(kernel: str, device: torch.device, grid: LaunchGrid, hea
     launch grid on this device (its slots the SM count). ``cold``: every run with the L2 cache evicted first
     (:func:`time_call_phases`)."""
     t0 = time.perf_counter()
+    overruns, regions = HOST_AHEAD.overruns, HOST_AHEAD.regions
     calls = (random_calls(count, seed, scale=scale) + keys_limit_calls(grid, scale) + split_forward_calls(grid, scale)
              + short_document_calls(seed=seed, scale=scale) + few_rows_long_keys_calls(grid, seed=seed, scale=scale))
     timed = []
@@ -284,6 +285,8 @@ def profile_launch_cost(kernel: str, device: torch.device, grid: LaunchGrid, hea
             "held_out_relative_error_std": check,
             "fit_relative_error_std": {p: fitted[p][1] for p in PHASES},
             "seconds": round(time.perf_counter() - t0, 1),
+            # timed runs whose host dispatch outran the device's spin (see HostAhead): their times hold host time
+            "host_overruns": HOST_AHEAD.overruns - overruns, "timed_regions": HOST_AHEAD.regions - regions,
             "timed": [{"shapes": [list(x) for x in shapes], "forward": fwd, "backward": bwd}
                       for shapes, fwd, bwd in timed]}  # every call's time: the fit can be checked again anywhere
     if report is not None:
