@@ -148,6 +148,47 @@ def test_the_profiler_times_both_phases_of_random_calls_and_fits_them(monkeypatc
     assert first["forward"] == pytest.approx(truth["forward"].as_vector() @ call_features("forward", q, k, grid, 2))
 
 
+def test_short_backward_blocks_are_counted_in_the_steps_they_fall_short_of_the_grids_minimum():
+    """A backward block of few query tiles (few rows over a long prefix) is slower per step: the steps by which
+    each block falls short of the grid's minimum are counted, in closed form, as the block-by-block sum."""
+    from hf_longctx.kernels.launch import backward_short_steps, backward_steps
+
+    rng = random.Random(3)
+    for tile in ((64, 128), (128, 64), (64, 64)):
+        for min_steps in (1, 6, 16):
+            for _ in range(150):
+                k = rng.randint(1, 6000)
+                q, causal = rng.randint(1, k), rng.random() < 0.7
+                want = sum(max(0, min_steps - s) for s in backward_steps(q, k, tile, causal))
+                assert backward_short_steps(q, k, tile, min_steps, causal) == want, (tile, min_steps, q, k, causal)
+                both = backward_short_steps(np.array([q, 0]), np.array([k, 7]), tile, min_steps, causal)
+                assert both.tolist() == [want, 0]
+    # 128 rows over 4096 keys: 32 key blocks, each swept by both query tiles (the last one's masked in part)
+    assert backward_short_steps(128, 4096, (64, 128), 16) == 32 * 14
+    assert backward_short_steps(4096, 4096, (64, 128), None) == 0  # no minimum: nothing is short
+
+
+def test_the_profiler_recovers_what_short_backward_blocks_cost_per_step(monkeypatch):
+    """On a grid with a backward minimum, the fit recovers the price of each step a block falls short of it (the
+    profile's calls of few rows over long keys hold such blocks), and a segment's cost counts them."""
+    grid = LaunchGrid(forward_tile=(16, 16), backward_tile=(8, 16), slots=6, launch_order="segment",
+                      backward_min_steps=6)
+    truth = {"forward": PhaseTerms(2e-3, 1e-4, 2e-4, 1e-3, 0.0, 0.05),
+             "backward": PhaseTerms(5e-3, 3e-4, 2e-4, 2e-3, 1e-2, 0.08, short_step=3e-3)}
+    monkeypatch.setattr(call_profile, "_run_ms", _fake_call_clock(truth, grid, heads=2))
+    model, meta = profile_launch_cost("reference", torch.device("cpu"), grid, heads=2, kv_heads=1, head_dim=8,
+                                      dtype=torch.float32, count=32, warmup=0, reps=1, scale=1 / 256)
+    assert model.backward.short_step == pytest.approx(3e-3, rel=1e-6)
+    assert max(meta["held_out_relative_error_std"].values()) < 1e-9
+    plain = LaunchCostModel(grid, 2, model.forward, replace(model.backward, short_step=0.0))
+    from hf_longctx.kernels.launch import backward_short_steps
+
+    short = backward_short_steps(20, 600, grid.backward_tile, 6)
+    assert short > 0
+    assert model.cost(20, 600) - plain.cost(20, 600) == pytest.approx(3e-3 * short)
+    assert model.cost_array(np.array([20]), np.array([600]))[0] == pytest.approx(model.cost(20, 600))
+
+
 def test_the_profiler_prices_backward_keys_past_the_kernels_limit(monkeypatch):
     """Where the kernel slows down past a keys limit, the profile also times single segments on both sides of it,
     and the fit recovers what every key of a backward call past the limit costs on top."""
@@ -410,6 +451,17 @@ def test_profiled_picks_the_launch_model_where_the_kernel_declares_a_grid(tmp_pa
     cached.write_text(json.dumps(earlier))
     _, source = profiled_cost_model("reference", "cpu", shape)
     assert "now" in source and len(fits) == 6
+    # a term the grid never measures (short backward blocks, where it declares no minimum) may be missing
+    unmeasured = json.loads(cached.read_text())
+    del unmeasured["forward"]["short_step"], unmeasured["backward"]["short_step"]
+    cached.write_text(json.dumps(unmeasured))
+    _, source = profiled_cost_model("reference", "cpu", shape)
+    assert "now" not in source and len(fits) == 6
+    monkeypatch.setattr(profiled, "launch_grid", lambda kernel, device, head_dim, mode="fwd+bwd", shape=None:
+                        replace(grid, backward_min_steps=4))
+    _, source = profiled_cost_model("reference", "cpu", shape)  # now the grid measures it: fitted again
+    assert "now" in source and len(fits) == 7
+    monkeypatch.setattr(profiled, "launch_grid", lambda kernel, device, head_dim, mode="fwd+bwd", shape=None: grid)
     grid_model, _ = profiled_cost_model("reference", "cpu", shape, model="grid", q_lens=(16, 64),
                                         kv_lens=(16, 64, 256), budget=profiled.ProfileBudget(
                                             min_tokens=64, max_kv_tokens=1024, max_pairs=4096, warmup=0, reps=1))

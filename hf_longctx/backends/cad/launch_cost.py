@@ -14,6 +14,7 @@ mix, so the busiest of 16-64 servers ran 3-4% over the mean while the prediction
 
     step * tile_steps * tail + q_token * query_rows + k_token * keys + block * launched_blocks
         + segment * segments + call + k_spill * keys_over_limit + merge_row * merged_rows
+        + short_step * steps_short_of_the_minimum
 
 ``tile_steps`` are the exact causal tile steps of the blocks (:func:`~hf_longctx.kernels.launch.forward_step_total`),
 ``tail`` the launch simulation's factor for the call (:func:`~hf_longctx.kernels.launch.phase_factor`),
@@ -21,7 +22,9 @@ mix, so the busiest of 16-64 servers ran 3-4% over the mean while the prediction
 ``keys_over_limit`` a backward call's keys when they pass the grid's ``backward_keys_limit`` (0 under it: see
 :func:`~hf_longctx.kernels.torch_flash.backward_keys_limit`; a server's calls stay under it where they can),
 ``merged_rows`` the rows the merge of a forward cut into chunks of its keys reads (0 for a call run whole: see
-:mod:`~hf_longctx.kernels.key_split`; the merge is one kernel over them). The coefficients per phase are fitted by
+:mod:`~hf_longctx.kernels.key_split`; the merge is one kernel over them), ``steps_short_of_the_minimum`` the tile
+steps by which the backward's blocks fall short of the grid's ``backward_min_steps`` (0 without one: see
+:func:`~hf_longctx.kernels.launch.backward_short_steps`). The coefficients per phase are fitted by
 :func:`fit_phase_terms` to calls timed on the device (see :mod:`.call_profile`); fitted on two mixes and checked
 on a third (H200, torch_flash), the per-server error fell to 0.4-0.8%.
 
@@ -47,6 +50,7 @@ from ...kernels.calls import CallTerms, calls_overhead
 from ...kernels.key_split import KeySplit, merged_rows, plan_key_split, split_calls
 from ...kernels.launch import (
     LaunchGrid,
+    backward_short_steps,
     backward_step_total,
     backward_steps,
     forward_step_total,
@@ -69,8 +73,9 @@ class PhaseTerms:
     launched block (per head set: every block is launched once per head), per segment, per call, per key of a
     call past the kernel's keys limit (:attr:`~hf_longctx.kernels.launch.LaunchGrid.backward_keys_limit`), and per
     row the merge of a forward cut into chunks of its keys reads
-    (:func:`~hf_longctx.kernels.key_split.merged_rows`). A model saved before a term existed loads with it at
-    0."""
+    (:func:`~hf_longctx.kernels.key_split.merged_rows`), and per tile step by which a backward block falls short
+    of the grid's ``backward_min_steps`` (:func:`~hf_longctx.kernels.launch.backward_short_steps`). A model saved
+    before a term existed loads with it at 0."""
 
     step: float = 0.0
     q_token: float = 0.0
@@ -80,6 +85,7 @@ class PhaseTerms:
     call: float = 0.0
     k_spill: float = 0.0
     merge_row: float = 0.0
+    short_step: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -153,7 +159,8 @@ def call_features(phase: str, q_lens: Sequence[int], k_lens: Sequence[int], grid
                   causal: bool = True) -> np.ndarray:
     """The quantities of one call's ``phase`` that :class:`PhaseTerms` prices (in its field order), the segments in
     launch order: tile steps times the call's tail factor, query rows, keys, launched blocks (every segment up to
-    the longest), segments, calls, keys past the kernel's limit (:func:`spilled_keys`), merged rows.
+    the longest), segments, calls, keys past the kernel's limit (:func:`spilled_keys`), merged rows, the backward's
+    steps short of the grid's minimum (:func:`~hf_longctx.kernels.launch.backward_short_steps`).
     ``causal`` False: a call of rectangles (every row of a segment sees all its keys), which runs the same blocks
     over more tile steps. A forward the kernel runs as chunks of its keys (the grid's ``forward_key_split``, see
     :mod:`~hf_longctx.kernels.key_split`) is priced as the two calls it makes and the rows its merge reads."""
@@ -187,8 +194,10 @@ def _one_call_features(phase: str, q_lens: Sequence[int], k_lens: Sequence[int],
     else:
         launched = len(pairs) * -(-max(k for _, k in pairs) // grid.backward_tile[1])
     keys = sum(k for _, k in pairs)
+    short = sum(backward_short_steps(q, k, grid.backward_tile, grid.backward_min_steps, causal) for q, k in pairs) \
+        if phase == "backward" else 0
     return np.array([steps if tails else full, sum(q for q, _ in pairs), keys, launched, len(pairs), 1.0,
-                     spilled_keys(phase, keys, grid), 0.0])
+                     spilled_keys(phase, keys, grid), 0.0, short])
 
 
 def fit_phase_terms(features: np.ndarray, seconds: np.ndarray) -> tuple[PhaseTerms, float]:
@@ -275,7 +284,8 @@ class LaunchCostModel:
                 + b.step * backward_step_total(q, kv, grid.backward_tile, causal)
                 + (f.q_token + b.q_token) * q + (f.k_token + b.k_token) * kv
                 + f.block * -(-q // grid.forward_tile[0]) + b.block * -(-kv // grid.backward_tile[1])
-                + f.segment + b.segment + b.k_spill * spilled_keys("backward", kv, grid))
+                + f.segment + b.segment + b.k_spill * spilled_keys("backward", kv, grid)
+                + b.short_step * backward_short_steps(q, kv, grid.backward_tile, grid.backward_min_steps, causal))
 
     def rect_cost(self, q_len: int, kv_len: int) -> float:
         """A rectangle alone at full throughput: ``q_len`` rows that all see ``kv_len`` keys (a key cut's part
@@ -291,6 +301,8 @@ class LaunchCostModel:
             total += (t.step * _steps(phase, q, kv, self.launch) + t.q_token * q + t.k_token * kv
                       + t.block * _own_blocks(phase, q, kv, self.launch) + t.segment)
         total += self.backward.k_spill * spilled_keys("backward", kv, self.launch)
+        grid = self.launch
+        total += self.backward.short_step * backward_short_steps(q, kv, grid.backward_tile, grid.backward_min_steps)
         return np.where(q > 0, total, 0.0)
 
     def tail_cost(self, q_lens: Sequence[int], k_lens: Sequence[int], causal: bool = True) -> float:

@@ -469,7 +469,7 @@ def _write_atomically(path: Path, model, meta: dict) -> None:
 def _same_launch(cached: LaunchGrid, grid: LaunchGrid) -> bool:
     """Whether a cached launch model was fitted on this grid (its terms mean something else on another)."""
     fields = ("forward_tile", "backward_tile", "slots", "forward_pairing", "empty_hold", "backward_keys_limit",
-              "forward_key_split", "launch_order", "forward_head_pack")
+              "forward_key_split", "launch_order", "forward_head_pack", "backward_min_steps")
     return all(getattr(cached, f) == getattr(grid, f) for f in fields)
 
 
@@ -484,10 +484,13 @@ def profile_l2() -> str:
     return value
 
 
-def _every_term(data: dict) -> bool:
-    """Whether a cached launch model was fitted with every term the model prices now (one saved before a term
-    existed loads with it at 0, which would price what the term measures as free)."""
-    return all(set(TERM_NAMES) <= set(data.get(phase, {})) for phase in PHASES)
+def _every_term(data: dict, grid: LaunchGrid) -> bool:
+    """Whether a cached launch model was fitted with every term the model prices now on ``grid`` (one saved before
+    a term existed loads with it at 0, which would price what the term measures as free). A term the grid never
+    measures (the short backward blocks' where it declares no minimum) is 0 either way: its absence keeps the
+    model."""
+    needed = set(TERM_NAMES) - ({"short_step"} if grid.backward_min_steps is None else set())
+    return all(needed <= set(data.get(phase, {})) for phase in PHASES)
 
 
 def _launch_model(name: str, device: torch.device, shape: SegmentShape, grid: LaunchGrid, profile_if_missing: bool,
@@ -500,8 +503,8 @@ def _launch_model(name: str, device: torch.device, shape: SegmentShape, grid: La
         data = json.loads(path.read_text())
         cached = LaunchGrid.from_dict(data["launch"]) if data.get("kind") == LAUNCH_KIND else None
         meta = data.get("meta", {})
-        if cached is not None and meta.get("timing") == TIMING and _same_launch(cached, grid) and _every_term(data) \
-                and meta.get("merge") == merge_implementation(device, shape.dtype) \
+        if cached is not None and meta.get("timing") == TIMING and _same_launch(cached, grid) \
+                and _every_term(data, grid) and meta.get("merge") == merge_implementation(device, shape.dtype) \
                 and meta.get("l2", "warm") == l2 and meta.get("call_set") == CALL_SET:
             return LaunchCostModel.from_dict(data), f"launch-fitted {name} ({path})"
     if not profile_if_missing:
