@@ -59,6 +59,7 @@ from hf_longctx.backends.cad.call_profile import (
     check_call_mix,
     check_keys_limit,
     check_launch_cost,
+    fit_timed_calls,
     mix_pairs,
     placement_probes,
     profile_launch_cost,
@@ -159,8 +160,15 @@ def main(argv: list[str] | None = None) -> int:
                         "(hf_longctx.backends.cad.placement) to these dumped steps' forward calls, on the CPU")
     p.add_argument("--empty", default="0,0.3", help="--fit-placement: how long an empty block holds its slot "
                    "(tile steps), each value fitted apart")
+    p.add_argument("--refit", default=None, metavar="OUT",
+                   help="with --load of a launch model that holds its timed calls: fit them again (on the CPU) and "
+                        "write the model to OUT, e.g. on a grid with another --backward-min-steps")
+    p.add_argument("--backward-min-steps", type=int, default=None, metavar="N",
+                   help="--refit: the grid's backward_min_steps (0: none; default: the loaded model's)")
     p.add_argument("--scale", type=float, default=1.0, help=argparse.SUPPRESS)  # small sweep shapes, CPU tests
     args = p.parse_args(argv)
+    if args.refit:
+        return refit_saved_model(args)
     if args.calls and args.replay:
         return report_replayed_calls(args)
     if args.calls:
@@ -323,6 +331,26 @@ def loaded_launch_model(args: argparse.Namespace, need: str) -> LaunchCostModel 
         print(f"{need}: give --load LAUNCH_MODEL.json", file=sys.stderr)
         return None
     return LaunchCostModel.from_dict(loaded)
+
+
+def refit_saved_model(args: argparse.Namespace) -> int:
+    """``--load PROFILE --refit OUT``: the loaded launch model's timed calls fitted again, on its grid or with
+    ``--backward-min-steps``, written to OUT with the new fit's held-out and own errors (no device needed)."""
+    data = json.loads(Path(args.load).read_text()) if args.load else None
+    if data is None or data.get("kind") != LAUNCH_KIND or not data.get("meta", {}).get("timed"):
+        print("--refit fits a launch model's timed calls again: give --load LAUNCH_MODEL.json that holds them "
+              "(its meta's 'timed', as the profile saves them)", file=sys.stderr)
+        return 2
+    loaded = LaunchCostModel.from_dict(data)
+    grid = loaded.launch if args.backward_min_steps is None else \
+        replace(loaded.launch, backward_min_steps=args.backward_min_steps or None)
+    timed = [([tuple(x) for x in c["shapes"]], c["forward"], c["backward"]) for c in data["meta"]["timed"]]
+    model, fit = fit_timed_calls(timed, grid, loaded.heads)
+    model.save(args.refit, **{**data["meta"], **fit, "refitted_from": Path(args.load).name})
+    errors = ", ".join(f"{p} {v * 100:.2f}%" for p, v in fit["held_out_relative_error_std"].items())
+    print(f"wrote {args.refit}: {len(timed)} timed calls fitted again (backward_min_steps "
+          f"{grid.backward_min_steps}); held-out error std {errors}")
+    return 0
 
 
 def report_dumped_calls(args: argparse.Namespace) -> int:

@@ -75,6 +75,28 @@ def test_launch_fit_writes_a_launch_cost_model(tmp_path, monkeypatch, capsys):
     assert "held-out error" in capsys.readouterr().out
 
 
+def test_a_saved_profile_is_fitted_again_on_another_grid_without_the_device(tmp_path, monkeypatch, capsys):
+    """``--refit``: the profile's timed calls, kept in its metadata, fitted again with a backward minimum of steps:
+    the same calls, the grid changed, the short-steps term now fitted; a model without its calls is refused."""
+    from hf_longctx.backends.cad.launch_cost import LaunchCostModel
+
+    script, grid = _script_with_a_cpu_launch_grid(monkeypatch)
+    out, again = tmp_path / "l.json", tmp_path / "again.json"
+    assert script.main([*TINY, "--out", str(out), "--launch", "12"]) == 0
+    assert script.main(["--load", str(out), "--refit", str(again), "--backward-min-steps", "4"]) == 0
+    refitted, saved = LaunchCostModel.load(again), json.loads(again.read_text())
+    assert refitted.launch.backward_min_steps == 4 and refitted.launch.forward_tile == grid.forward_tile
+    assert saved["meta"]["timed"] == json.loads(out.read_text())["meta"]["timed"]
+    assert "fitted again (backward_min_steps 4)" in capsys.readouterr().out
+    assert script.main(["--load", str(again), "--refit", str(tmp_path / "none.json"), "--backward-min-steps", "0"]) == 0
+    assert LaunchCostModel.load(tmp_path / "none.json").launch.backward_min_steps is None
+    bare = json.loads(out.read_text())
+    del bare["meta"]["timed"]
+    (tmp_path / "bare.json").write_text(json.dumps(bare))
+    assert script.main(["--load", str(tmp_path / "bare.json"), "--refit", str(tmp_path / "x.json")]) == 2
+    assert "holds them" in capsys.readouterr().err
+
+
 def test_a_launch_model_is_checked_along_sweep_lines(tmp_path, monkeypatch, capsys):
     """``--sweep`` after ``--launch N`` (or on ``--load`` of a saved launch model) times single-segment calls along
     each named line and prints measured against predicted per phase, then the line's error spread."""

@@ -38,9 +38,10 @@ from .cost_model import PAIRS
 from .launch_cost import PHASES, LaunchCostModel, call_features, fit_phase_terms
 
 __all__ = ["CALL_KINDS", "CALL_SET", "SWEEPS", "check_call_mix", "check_keys_limit", "check_launch_cost",
-           "dumped_calls", "few_rows_long_keys_calls", "keys_limit_calls", "mix_pairs", "placement_probes",
-           "profile_launch_cost", "random_calls", "replay_dumped_calls", "segment_batch", "server_phase_errors",
-           "short_document_calls", "split_forward_calls", "sweep_shapes", "time_call_phases", "time_placement"]
+           "dumped_calls", "few_rows_long_keys_calls", "fit_timed_calls", "keys_limit_calls", "mix_pairs",
+           "placement_probes", "profile_launch_cost", "random_calls", "replay_dumped_calls", "segment_batch",
+           "server_phase_errors", "short_document_calls", "split_forward_calls", "sweep_shapes", "time_call_phases",
+           "time_placement"]
 
 CALL_KINDS = ("short documents", "shards", "long shard beside short documents", "one large segment")
 SWEEPS = ("prefix", "waves", "square")  # the lines of :func:`sweep_shapes`
@@ -264,10 +265,29 @@ def profile_launch_cost(kernel: str, device: torch.device, grid: LaunchGrid, hea
         timed.append((shapes, fwd, bwd))
         if report is not None and i % 20 == 0:
             report(f"call {i}/{count}: {len(shapes)} segments, forward {fwd:.4f} ms, backward {bwd:.4f} ms")
+    model, fit = fit_timed_calls(timed, grid, heads)
+    meta = {"kernel": kernel, "calls": len(timed), "call_set": CALL_SET, "seed": seed, "reps": reps,
+            "l2": "evicted" if cold else "warm", **fit,
+            "seconds": round(time.perf_counter() - t0, 1),
+            # timed runs whose host dispatch outran the device's spin (see HostAhead): their times hold host time
+            "host_overruns": HOST_AHEAD.overruns - overruns, "timed_regions": HOST_AHEAD.regions - regions,
+            "timed": [{"shapes": [list(x) for x in shapes], "forward": fwd, "backward": bwd}
+                      for shapes, fwd, bwd in timed]}  # every call's time: the fit can be checked again anywhere
+    if report is not None:
+        report("held-out calls, relative error std: " + ", ".join(
+            f"{p} {v * 100:.2f}%" for p, v in fit["held_out_relative_error_std"].items()))
+    return model, meta
+
+
+def fit_timed_calls(timed: Sequence[tuple[Sequence[tuple[int, int]], float, float]], grid: LaunchGrid, heads: int
+                    ) -> tuple[LaunchCostModel, dict]:
+    """Both phases' terms fitted to timed calls ``(segments, forward ms, backward ms)`` on ``grid``: (model,
+    {the held-out check, the fit's own error}). The held-out check fits on three calls in four and prices the
+    fourth. A profile's saved calls (its metadata's ``timed``) can so be fitted again away from the device, on a
+    grid that models the kernel differently (``scripts/profile_cad.py --load PROFILE --refit OUT``)."""
     features = {p: np.array([call_features(p, [q for q, _ in s], [k for _, k in s], grid, heads)
                              for s, _, _ in timed]) for p in PHASES}
     seconds = {"forward": np.array([f for _, f, _ in timed]), "backward": np.array([b for _, _, b in timed])}
-    # held out: every fourth call, priced by terms fitted on the others
     held = np.arange(len(timed)) % 4 == 3
     check = {}
     both_pred, both_meas = np.zeros(int(held.sum())), np.zeros(int(held.sum()))
@@ -280,18 +300,7 @@ def profile_launch_cost(kernel: str, device: torch.device, grid: LaunchGrid, hea
     check["forward+backward"] = float((both_pred / both_meas - 1.0).std())
     fitted = {p: fit_phase_terms(features[p], seconds[p]) for p in PHASES}
     model = LaunchCostModel(grid, heads, fitted["forward"][0], fitted["backward"][0], "ms")
-    meta = {"kernel": kernel, "calls": len(timed), "call_set": CALL_SET, "seed": seed, "reps": reps,
-            "l2": "evicted" if cold else "warm",
-            "held_out_relative_error_std": check,
-            "fit_relative_error_std": {p: fitted[p][1] for p in PHASES},
-            "seconds": round(time.perf_counter() - t0, 1),
-            # timed runs whose host dispatch outran the device's spin (see HostAhead): their times hold host time
-            "host_overruns": HOST_AHEAD.overruns - overruns, "timed_regions": HOST_AHEAD.regions - regions,
-            "timed": [{"shapes": [list(x) for x in shapes], "forward": fwd, "backward": bwd}
-                      for shapes, fwd, bwd in timed]}  # every call's time: the fit can be checked again anywhere
-    if report is not None:
-        report("held-out calls, relative error std: " + ", ".join(f"{p} {v * 100:.2f}%" for p, v in check.items()))
-    return model, meta
+    return model, {"held_out_relative_error_std": check, "fit_relative_error_std": {p: fitted[p][1] for p in PHASES}}
 
 
 def sweep_shapes(sweep: str, grid: LaunchGrid, scale: float = 1.0) -> list[tuple[int, int]]:
