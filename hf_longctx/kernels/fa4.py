@@ -111,8 +111,8 @@ def _configuration(direction: str, q, k, causal: bool, window: int | None) -> tu
 
 
 # Tile steps under which a backward block of 128 keys runs slower per step (launch.backward_short_steps): on an
-# H200, 16 fitted FA4's profile and its W = 64 ProLong servers better than 8, 24, 32 or 48 (held-out error 4.0%
-# against 4.8% without; per-server backward error 3.7% against 6.6%).
+# H200, 16 priced a W = 64 ProLong step's servers best (per-server backward error 3.7%; 3.9-5.2% with 8, 24, 32 or
+# 48; 6.6% without the term), its held-out error per call 4.0% (3.9-4.3% with the others; 4.8% without).
 BACKWARD_MIN_STEPS = 16
 
 
