@@ -94,6 +94,26 @@ def test_segments_in_order_launch_only_their_own_blocks():
     assert model.tail_cost([8192], [8192]) >= 0.0
 
 
+def test_a_long_block_launched_before_the_simulated_waves_still_sets_the_calls_time():
+    """Only the last EXACT_WAVES waves are simulated block by block, those before spread evenly; a few rows over a
+    long prefix launched first (64 blocks of 568 key tiles, then 17 waves of short ones) would vanish in that
+    spread. The call ends no sooner than its longest block: here exactly what launching every block in order gives
+    (FlashAttention-4's forward of such a CAD server's call ran 36% over a price that missed it)."""
+    per_segment = [forward_steps(249, 72613, (32, 128)),
+                   *(forward_steps(n, n, (32, 128)) for n in (1979, 1694, 1326, 1900, 1800))]
+    heads, slots = 8, 132
+    order = [w for seg in per_segment for w in sorted(seg, reverse=True) for _ in range(heads)]
+    assert len(order) > 8 * slots  # past the simulated waves
+    even = sum(order) / slots
+    assert segment_phase_factor(per_segment, heads, slots, True) == pytest.approx(_list_scheduled(order, slots) / even)
+    assert segment_phase_factor(per_segment, heads, slots, True) > 1.4
+    # the tile order's simulation too: never under the longest block
+    from hf_longctx.kernels.launch import phase_factor
+
+    per_head = [600] + [3] * 2000
+    assert phase_factor(per_head, 2, 132) >= 600 / (sum(per_head) * 2 / 132)
+
+
 def test_the_launch_order_is_part_of_a_grid_and_of_a_cached_models_identity():
     assert LaunchGrid.from_dict(FA4.to_dict()) == FA4
     assert LaunchGrid.from_dict({k: v for k, v in LaunchGrid().to_dict().items()

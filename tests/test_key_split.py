@@ -109,6 +109,43 @@ def test_a_call_that_fills_the_device_or_shares_few_keys_runs_whole():
     assert plan_key_split([30000], [40000], 32, H200, causal=True) is None
 
 
+FA4_H200 = KeySplit(sms=132, tile=(32, 128), launch_order="segment", head_pack=4)  # what FA4's grid declares
+
+
+def test_a_kernel_that_launches_segment_by_segment_is_cut_where_its_blocks_leave_the_device_idle():
+    """FlashAttention-4 on Hopper: one forward block to an SM, a KV head's 4 query heads packed into a 32-row-per-head
+    tile, segment after segment. A server's call of 249 rows over a 72K prefix beside whole documents is 64 blocks
+    of 568 key tiles: cut, into chunks that launch about ``waves`` waves of 132 blocks. A call whose blocks fill the
+    device runs whole, as does one under ``min_shared`` keys."""
+    q_lens, k_lens = [249, 1979, 1694, 1326], [72613, 1979, 1694, 1326]
+    cuts = plan_key_split(q_lens, k_lens, 32, FA4_H200)
+    assert cuts is not None and cuts[1:] == [(), (), ()]  # the whole documents share too few keys to cut
+    chunks = len(cuts[0]) - 1
+    blocks = 8 * -(-249 // 32) * chunks  # 8 KV heads launched, 8 packed tiles, per chunk
+    assert 0.5 * 4 * 132 <= blocks <= 2 * 4 * 132
+    assert cuts[0][-1] == 72613 - 249 and all(b - a >= 4096 for a, b in zip(cuts[0], cuts[0][1:]))
+    assert plan_key_split([16384], [16384 + 65536], 32, FA4_H200) is None  # 4096 blocks: the device is full
+    assert plan_key_split([249], [16000], 32, FA4_H200) is None  # under min_shared keys
+    # the rule's launch order comes from the grid, and a grid may now both launch by segment and cut keys
+    grid = LaunchGrid(forward_tile=(32, 128), backward_tile=(64, 128), launch_order="segment", forward_head_pack=4,
+                      forward_key_split=RULE)
+    assert KeySplit.for_grid(grid) == FA4_H200
+    terms = PhaseTerms(step=1e-3, q_token=1e-5, call=0.02)
+    assert LaunchCostModel(grid, 32, terms, terms).call_terms.key_split == FA4_H200  # the servers' calls cut too
+    with pytest.raises(ValueError, match="pairing"):
+        replace(grid, forward_pairing=1.6)
+    with pytest.raises(ValueError, match="launch_order"):
+        KeySplit(sms=132, launch_order="wave")
+    # priced as the two calls it makes, beside the merge
+    calls = split_calls([0, *np.cumsum(q_lens).tolist()], [0, *np.cumsum(k_lens).tolist()], cuts, causal=True)
+    want = _one_call_features("forward", [b - a for a, b, _, _ in calls.causal], [d - c for _, _, c, d in calls.causal],
+                              grid, 32, True)
+    want += _one_call_features("forward", [b - a for a, b, _, _ in calls.rect], [d - c for _, _, c, d in calls.rect],
+                               grid, 32, False)
+    want[MERGE] = merged_rows(q_lens, cuts, causal=True)
+    np.testing.assert_allclose(call_features("forward", q_lens, k_lens, grid, 32), want)
+
+
 def test_a_sliding_window_never_splits():
     segments = [(30, 400), (20, 300)]
     q, k, v, cu_q, cu_k, max_q, max_k = _packed(segments, 0)

@@ -23,6 +23,7 @@ import time
 import torch
 
 from .contract import KernelCall
+from .key_split import RULE
 from .launch import LaunchGrid
 from .validate import gpu_input_problem
 
@@ -121,14 +122,17 @@ def launch_grid(head_dim: int) -> LaunchGrid | None:
     causal forward's tiles are 128 rows by 128 keys, the backward's 64 rows by 128 keys; both grids hold each
     segment's own blocks, segment after segment, the forward's longest first with the heads innermost
     (``SingleTileVarlenScheduler``); a backward block of fewer than :data:`BACKWARD_MIN_STEPS` query tiles is
-    slower per tile. With grouped-query heads the forward packs a KV head's query heads into one
-    tile's rows (:func:`packs_query_heads`). Other GPUs and head dims run other kernels: not modelled. The forward's
-    weight (read only by the grid profile's tail, :func:`~.launch.tail_factor`) is its share of a forward+backward's
-    work, 1 in 3.5, not fitted: the launch cost model fits each phase on its own."""
+    slower per tile. FA4 has no split-KV forward on Hopper, so a forward of few rows over a long prefix (a few dozen
+    blocks, each sweeping thousands of keys) runs as chunks of its keys and is merged
+    (:mod:`~hf_longctx.kernels.key_split`, the rule torch_flash uses: ``forward_key_split``). With grouped-query
+    heads the forward packs a KV head's query heads into one tile's rows (:func:`packs_query_heads`). Other GPUs and
+    head dims run other kernels: not modelled. The forward's weight (read only by the grid profile's tail,
+    :func:`~.launch.tail_factor`) is its share of a forward+backward's work, 1 in 3.5, not fitted: the launch cost
+    model fits each phase on its own."""
     if head_dim != 128 or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         return None
     return LaunchGrid(forward_tile=(128, 128), backward_tile=(64, 128), forward_weight=0.3, launch_order="segment",
-                      backward_min_steps=BACKWARD_MIN_STEPS)
+                      backward_min_steps=BACKWARD_MIN_STEPS, forward_key_split=RULE)
 
 
 def packs_query_heads(heads: int, kv_heads: int) -> int:

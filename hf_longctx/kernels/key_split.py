@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .launch import LaunchGrid, forward_steps, paired_makespan
+from .launch import LaunchGrid, forward_steps, paired_makespan, segment_phase_factor
 from .merge import RowParts, merge_row_parts_
 
 __all__ = ["GAIN", "MIN_KEYS", "MIN_SHARED", "RULE", "WAVES", "KeySplit", "SplitCall", "merged_rows",
@@ -67,12 +67,19 @@ class KeySplit:
     waves: float = WAVES
     min_keys: int = MIN_KEYS
     min_shared: int = MIN_SHARED
+    # how the kernel launches its forward blocks (LaunchGrid.launch_order, forward_head_pack): "tile", two to an SM
+    # as above; "segment", one to an SM, each segment's own blocks in turn (its longest first), a KV head's query
+    # heads packed into one tile's rows
+    launch_order: str = "tile"
+    head_pack: int = 1
 
     def __post_init__(self) -> None:
-        if min(self.sms, self.min_keys, self.min_shared, *self.tile) < 1 or min(self.pairing, self.gain) < 1 \
-                or self.waves <= 0:
-            raise ValueError(f"KeySplit needs positive sms, min_keys, min_shared, tile and waves, and pairing and gain "
-                             f">= 1, got {self}")
+        if min(self.sms, self.min_keys, self.min_shared, self.head_pack, *self.tile) < 1 \
+                or min(self.pairing, self.gain) < 1 or self.waves <= 0:
+            raise ValueError(f"KeySplit needs positive sms, min_keys, min_shared, head_pack, tile and waves, and "
+                             f"pairing and gain >= 1, got {self}")
+        if self.launch_order not in ("tile", "segment"):
+            raise ValueError(f"KeySplit.launch_order must be 'tile' or 'segment', got {self.launch_order!r}")
 
     @property
     def rule(self) -> tuple[float, float, int, int]:
@@ -86,7 +93,8 @@ class KeySplit:
             return None
         gain, waves, min_keys, min_shared = grid.forward_key_split
         return cls(sms=grid.slots, tile=grid.forward_tile, pairing=grid.forward_pairing, gain=float(gain),
-                   waves=float(waves), min_keys=int(min_keys), min_shared=int(min_shared))
+                   waves=float(waves), min_keys=int(min_keys), min_shared=int(min_shared),
+                   launch_order=grid.launch_order, head_pack=grid.forward_head_pack)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -115,18 +123,25 @@ def _plan(q_lens: tuple[int, ...], k_lens: tuple[int, ...], heads: int, split: K
     if max(shared, default=0) < split.min_shared:
         return None
     live = [(q, k) for q, k in zip(q_lens, k_lens) if q > 0]
-    longest = max(_cdiv(q, rows_tile) for q, _ in live)
-    per_head: list[int] = []
-    for q, k in live:
-        steps = forward_steps(q, k, split.tile, causal)
-        per_head += steps + [0] * (longest - len(steps))
-    even = sum(per_head) * heads * split.pairing / (2 * split.sms)
-    if paired_makespan(per_head, split.sms, split.pairing, repeats=heads) < split.gain * even:
-        return None
-    # chunk keys c: sum_i heads * tiles_i * shared_i / c blocks make ``waves`` waves of 2 * sms
+    if split.launch_order == "segment":  # one block to an SM, segment after segment, a KV head's heads packed
+        launched, slots = max(1, heads // split.head_pack), split.sms
+        per_segment = [forward_steps(q, k, split.tile, causal) for q, k in live]
+        if segment_phase_factor(per_segment, launched, slots, longest_first=causal) < split.gain:
+            return None
+    else:
+        launched, slots = heads, 2 * split.sms
+        longest = max(_cdiv(q, rows_tile) for q, _ in live)
+        per_head: list[int] = []
+        for q, k in live:
+            steps = forward_steps(q, k, split.tile, causal)
+            per_head += steps + [0] * (longest - len(steps))
+        even = sum(per_head) * heads * split.pairing / (2 * split.sms)
+        if paired_makespan(per_head, split.sms, split.pairing, repeats=heads) < split.gain * even:
+            return None
+    # chunk keys c: sum_i launched * tiles_i * shared_i / c blocks make ``waves`` waves of the slots
     tiles = [_cdiv(q, rows_tile) if q > 0 else 0 for q in q_lens]
-    work = heads * sum(t * max(x, 0) for t, x in zip(tiles, shared))
-    chunk = max(split.min_keys, _cdiv(_cdiv(work, round(split.waves * 2 * split.sms)), keys_tile) * keys_tile)
+    work = launched * sum(t * max(x, 0) for t, x in zip(tiles, shared))
+    chunk = max(split.min_keys, _cdiv(_cdiv(work, round(split.waves * slots)), keys_tile) * keys_tile)
     cuts: list[tuple[int, ...]] = []
     for x in shared:
         if x <= chunk:

@@ -94,8 +94,8 @@ class LaunchGrid:
             raise ValueError(f"LaunchGrid needs launch_order in {LAUNCH_ORDERS} and forward_head_pack >= 1, got {self}")
         if self.backward_min_steps is not None and self.backward_min_steps < 1:
             raise ValueError(f"LaunchGrid.backward_min_steps must be None or >= 1, got {self.backward_min_steps}")
-        if self.launch_order == "segment" and (self.forward_pairing != 1.0 or self.forward_key_split is not None):
-            raise ValueError("LaunchGrid: forward pairing and key splits are modelled for the 'tile' launch order only")
+        if self.launch_order == "segment" and self.forward_pairing != 1.0:
+            raise ValueError("LaunchGrid: forward pairing is modelled for the 'tile' launch order only")
 
     def to_dict(self) -> dict:
         return {"forward_tile": list(self.forward_tile), "backward_tile": list(self.backward_tile),
@@ -306,18 +306,28 @@ def _phase_factor(per_head: tuple[int, ...], heads: int, slots: int) -> float:
 
     The blocks before the last :data:`EXACT_WAVES` waves are taken as spread evenly over the slots (their jags
     are smoothed out again within a few waves; checked against the full simulation: within 0.3% on lone
-    32K-row segments), the rest simulated in launch order, each on the slot that frees first."""
+    32K-row segments), the rest simulated in launch order, each on the slot that frees first; the call ends no
+    sooner than its longest block (see :func:`_makespan`)."""
     total = sum(per_head) * heads
     if total == 0:
         return 1.0
     exact = EXACT_WAVES * slots
     copies = min(heads, -(-exact // len(per_head)))
     tail = (list(per_head) * copies)[-exact:]  # the last blocks launched (all of them in a small call)
+    longest_before = max(per_head) if len(tail) < len(per_head) * heads else 0
+    return _makespan(tail, total, slots, longest_before) * slots / total
+
+
+def _makespan(tail: list[int], total: int, slots: int, longest_before: int) -> float:
+    """When the last of ``total`` steps of blocks ends on ``slots`` slots: the blocks before ``tail`` spread evenly,
+    ``tail`` simulated in launch order, each on the slot that frees first; never before the longest block launched
+    before the tail (``longest_before``) ends, which an even spread would hide: one that runs longer than the rest
+    of the call (a few rows over a long prefix launched first, then many short blocks) sets the call's time."""
     start = (total - sum(tail)) / slots
     finish = [start] * slots
     for work in tail:
         heapq.heapreplace(finish, finish[0] + work)
-    return max(finish) * slots / total
+    return max(max(finish), longest_before)
 
 
 def segment_phase_factor(per_segment: Sequence[Sequence[int]], heads: int, slots: int, longest_first: bool) -> float:
@@ -325,7 +335,8 @@ def segment_phase_factor(per_segment: Sequence[Sequence[int]], heads: int, slots
     ``"segment"``): ``per_segment`` holds each segment's blocks' tile steps (one head, in tile order), segment after
     segment; with ``longest_first`` (a causal forward's varlen scheduler) a segment's blocks start longest first,
     each block's ``heads`` copies one after another, else a segment's blocks run head by head in tile order. As
-    :func:`phase_factor`, the last :data:`EXACT_WAVES` waves are simulated, those before spread evenly. Cached."""
+    :func:`phase_factor`, the last :data:`EXACT_WAVES` waves are simulated, those before spread evenly, and the
+    call never ends before its longest block does. Cached."""
     return _segment_phase_factor(tuple(tuple(int(x) for x in seg) for seg in per_segment), int(heads), int(slots),
                                  bool(longest_first))
 
@@ -338,16 +349,18 @@ def _segment_phase_factor(per_segment: tuple[tuple[int, ...], ...], heads: int, 
         return 1.0
     exact = EXACT_WAVES * slots
     tail: list[int] = []  # the last blocks launched, built from the call's end
-    for seg in reversed(per_segment):
+    longest_before = 0  # the longest block launched before them
+    for i in range(len(per_segment) - 1, -1, -1):
+        seg = per_segment[i]
         order = [w for w in sorted(seg, reverse=True) for _ in range(heads)] if longest_first else list(seg) * heads
-        tail[:0] = order[-(exact - len(tail)):]
+        taken = order[-(exact - len(tail)):]
+        tail[:0] = taken
         if len(tail) >= exact:
+            if len(taken) < len(order):
+                longest_before = max(order[:len(order) - len(taken)])
+            longest_before = max([longest_before, *(max(s, default=0) for s in per_segment[:i])])
             break
-    start = (total - sum(tail)) / slots
-    finish = [start] * slots
-    for work in tail:
-        heapq.heapreplace(finish, finish[0] + work)
-    return max(finish) * slots / total
+    return _makespan(tail, total, slots, longest_before) * slots / total
 
 
 def segment_launch_steps(phase: str, pairs: Sequence[tuple[int, int]], grid: LaunchGrid, heads: int,

@@ -264,7 +264,7 @@ class LaunchCostModel:
         tiles (backward blocks) under the call's longest segment."""
         if self.launch.launch_order == "segment":  # no segment launches blocks for another: no surplus to cut away
             return CallTerms(self.forward.call + self.backward.call, 0.0, 0.0, self.launch.backward_tile[1],
-                             self.units, self.launch.backward_keys_limit, None)
+                             self.units, self.launch.backward_keys_limit, KeySplit.for_grid(self.launch))
         tile = self.launch.forward_tile[0]
         if self.launch.backward_tile[1] != tile:
             raise ValueError(f"call terms need the forward's query tile and the backward's key tile alike, got "
