@@ -291,7 +291,7 @@ def _summed(steps, q_len, k_len, tile):
     return np.array([sum(steps(int(q), int(k), tile)) if q > 0 else 0 for q, k in zip(q_len, k_len)], dtype=np.int64)
 
 
-EXACT_WAVES = 8  # the last blocks simulated one by one, in waves of ``slots``; those before are spread evenly
+EXACT_WAVES = 8  # the first and the last blocks simulated one by one, in waves of ``slots``; those between spread
 
 
 def phase_factor(per_head: Sequence[int], heads: int, slots: int) -> float:
@@ -302,32 +302,54 @@ def phase_factor(per_head: Sequence[int], heads: int, slots: int) -> float:
 
 @functools.lru_cache(maxsize=65536)
 def _phase_factor(per_head: tuple[int, ...], heads: int, slots: int) -> float:
-    """Makespan / even spread of ``heads`` repetitions of ``per_head`` block works on ``slots`` slots.
-
-    The blocks before the last :data:`EXACT_WAVES` waves are taken as spread evenly over the slots (their jags
-    are smoothed out again within a few waves; checked against the full simulation: within 0.3% on lone
-    32K-row segments), the rest simulated in launch order, each on the slot that frees first; the call ends no
-    sooner than its longest block (see :func:`_makespan`)."""
+    """Makespan / even spread of ``heads`` repetitions of ``per_head`` block works on ``slots`` slots (see
+    :func:`_makespan`: the first and last :data:`EXACT_WAVES` waves simulated, those between spread)."""
     total = sum(per_head) * heads
     if total == 0:
         return 1.0
     exact = EXACT_WAVES * slots
     copies = min(heads, -(-exact // len(per_head)))
-    tail = (list(per_head) * copies)[-exact:]  # the last blocks launched (all of them in a small call)
-    longest_before = max(per_head) if len(tail) < len(per_head) * heads else 0
-    return _makespan(tail, total, slots, longest_before) * slots / total
+    head = (list(per_head) * copies)[:exact]  # the first blocks launched
+    tail = (list(per_head) * copies)[-exact:]  # the last ones (all of them in a small call)
+    return _makespan(head, tail, len(per_head) * heads, total, slots, max(per_head)) * slots / total
 
 
-def _makespan(tail: list[int], total: int, slots: int, longest_before: int) -> float:
-    """When the last of ``total`` steps of blocks ends on ``slots`` slots: the blocks before ``tail`` spread evenly,
-    ``tail`` simulated in launch order, each on the slot that frees first; never before the longest block launched
-    before the tail (``longest_before``) ends, which an even spread would hide: one that runs longer than the rest
-    of the call (a few rows over a long prefix launched first, then many short blocks) sets the call's time."""
-    start = (total - sum(tail)) / slots
-    finish = [start] * slots
+def _makespan(head: list[int], tail: list[int], blocks: int, total: int, slots: int, longest: int) -> float:
+    """When the last of ``blocks`` blocks (``total`` tile steps, in launch order) ends on ``slots`` slots, each block
+    started on the slot that frees first: ``head`` (the first blocks) and ``tail`` (the last) simulated so, the
+    blocks between them spread over the slots as water fills a basin (the least busy first: many blocks of one
+    wave or less each land that way), and never before the ``longest`` block can end.
+
+    Why the first waves too: a kernel that launches a segment's longest blocks first (FlashAttention-4's causal
+    forward) starts a call with its longest blocks; spread evenly with the rest, a few rows over a long prefix
+    vanished from the price (a CAD server's forward of 573 rows over 52K keys beside short documents, 144 blocks
+    of 410 key tiles on 132 SMs: two rounds of them, measured 1.15 ms, priced 0.83). Simulating every block would
+    cost the scheduler too much: a forward of 32 heads launches tens of thousands."""
+    if blocks <= len(head) + len(tail):  # every block simulated: the head and the tail overlap
+        finish = [0.0] * slots
+        for work in (head + tail[len(head) + len(tail) - blocks:]):
+            heapq.heapreplace(finish, finish[0] + work)
+        return max(max(finish), longest)
+    finish = [0.0] * slots
+    for work in head:
+        heapq.heapreplace(finish, finish[0] + work)
+    finish = _water_filled(sorted(finish), total - sum(head) - sum(tail))
+    heapq.heapify(finish)
     for work in tail:
         heapq.heapreplace(finish, finish[0] + work)
-    return max(max(finish), longest_before)
+    return max(max(finish), longest)
+
+
+def _water_filled(finish: list[float], amount: float) -> list[float]:
+    """``finish`` (ascending) after ``amount`` of work is added where it is least (the lowest raised to one level)."""
+    level, below = finish[0], 0
+    for i, f in enumerate(finish):  # raise the i lowest to f while the amount lasts
+        if (f - level) * i > amount:
+            break
+        amount -= (f - level) * i
+        level, below = f, i + 1
+    level += amount / below
+    return [max(f, level) for f in finish]
 
 
 def segment_phase_factor(per_segment: Sequence[Sequence[int]], heads: int, slots: int, longest_first: bool) -> float:
@@ -335,8 +357,8 @@ def segment_phase_factor(per_segment: Sequence[Sequence[int]], heads: int, slots
     ``"segment"``): ``per_segment`` holds each segment's blocks' tile steps (one head, in tile order), segment after
     segment; with ``longest_first`` (a causal forward's varlen scheduler) a segment's blocks start longest first,
     each block's ``heads`` copies one after another, else a segment's blocks run head by head in tile order. As
-    :func:`phase_factor`, the last :data:`EXACT_WAVES` waves are simulated, those before spread evenly, and the
-    call never ends before its longest block does. Cached."""
+    :func:`phase_factor`, the first and last :data:`EXACT_WAVES` waves are simulated, those between spread.
+    Cached."""
     return _segment_phase_factor(tuple(tuple(int(x) for x in seg) for seg in per_segment), int(heads), int(slots),
                                  bool(longest_first))
 
@@ -348,19 +370,23 @@ def _segment_phase_factor(per_segment: tuple[tuple[int, ...], ...], heads: int, 
     if total == 0:
         return 1.0
     exact = EXACT_WAVES * slots
-    tail: list[int] = []  # the last blocks launched, built from the call's end
-    longest_before = 0  # the longest block launched before them
-    for i in range(len(per_segment) - 1, -1, -1):
-        seg = per_segment[i]
-        order = [w for w in sorted(seg, reverse=True) for _ in range(heads)] if longest_first else list(seg) * heads
-        taken = order[-(exact - len(tail)):]
-        tail[:0] = taken
-        if len(tail) >= exact:
-            if len(taken) < len(order):
-                longest_before = max(order[:len(order) - len(taken)])
-            longest_before = max([longest_before, *(max(s, default=0) for s in per_segment[:i])])
+
+    def launched(seg: tuple[int, ...]) -> list[int]:
+        return [w for w in sorted(seg, reverse=True) for _ in range(heads)] if longest_first else list(seg) * heads
+
+    head: list[int] = []  # the first blocks launched, from the call's start
+    for seg in per_segment:
+        head += launched(seg)[:exact - len(head)]
+        if len(head) >= exact:
             break
-    return _makespan(tail, total, slots, longest_before) * slots / total
+    tail: list[int] = []  # the last ones, from its end
+    for seg in reversed(per_segment):
+        tail[:0] = launched(seg)[-(exact - len(tail)):]
+        if len(tail) >= exact:
+            break
+    blocks = sum(len(seg) for seg in per_segment) * heads
+    longest = max(max(seg, default=0) for seg in per_segment)
+    return _makespan(head, tail, blocks, total, slots, longest) * slots / total
 
 
 def segment_launch_steps(phase: str, pairs: Sequence[tuple[int, int]], grid: LaunchGrid, heads: int,
