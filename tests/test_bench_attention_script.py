@@ -15,11 +15,20 @@ SCRIPT = ROOT / "scripts" / "bench_attention.py"
 def _run(*args: str, cache: Path, backends: str = "ring,cad-profiled") -> str:
     env = {**os.environ, "HF_LONGCTX_CACHE": str(cache), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--seqs", "", "--kv-heads", "2",
-                           "--backends", backends, "--mix", "sft", *args],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    command = [sys.executable, str(SCRIPT), "--quick", "--seqs", "", "--kv-heads", "2", "--backends", backends,
+               "--mix", "sft", *args]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    if done.returncode != 0 and _profiler_crashed(done.stderr):
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
+
+
+def _profiler_crashed(stderr: str) -> bool:
+    """Whether a rank died of a segmentation fault as torch's profiler started (``--trace``): kineto did so once on
+    a loaded 2-core machine, in torch, not in the benchmark; such a run is made again once, any other failure
+    fails the test."""
+    return "profiler_start" in stderr and "signal SIGSEGV" in stderr
 
 
 def _rows(text: str, columns: int) -> dict[tuple[str, str], list[str]]:

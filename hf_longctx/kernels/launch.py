@@ -291,7 +291,7 @@ def _summed(steps, q_len, k_len, tile):
     return np.array([sum(steps(int(q), int(k), tile)) if q > 0 else 0 for q, k in zip(q_len, k_len)], dtype=np.int64)
 
 
-EXACT_WAVES = 8  # the first and the last blocks simulated one by one, in waves of ``slots``; those between spread
+EXACT_WAVES = 8  # the last (segment order: also the first) blocks simulated one by one, in waves of ``slots``
 
 
 def phase_factor(per_head: Sequence[int], heads: int, slots: int) -> float:
@@ -303,15 +303,17 @@ def phase_factor(per_head: Sequence[int], heads: int, slots: int) -> float:
 @functools.lru_cache(maxsize=65536)
 def _phase_factor(per_head: tuple[int, ...], heads: int, slots: int) -> float:
     """Makespan / even spread of ``heads`` repetitions of ``per_head`` block works on ``slots`` slots (see
-    :func:`_makespan`: the first and last :data:`EXACT_WAVES` waves simulated, those between spread)."""
+    :func:`_makespan`): the last :data:`EXACT_WAVES` waves simulated, those before spread. Unlike the segment
+    order's, a tile-order launch does not start with its longest blocks (every head's tiles of every segment in
+    turn), and its first waves are not simulated (checked against the full simulation: within 0.3% on lone 32K-row
+    segments; simulating them moved torch_flash's prices by up to 2% on a few calls, for no better fit)."""
     total = sum(per_head) * heads
     if total == 0:
         return 1.0
     exact = EXACT_WAVES * slots
     copies = min(heads, -(-exact // len(per_head)))
-    head = (list(per_head) * copies)[:exact]  # the first blocks launched
-    tail = (list(per_head) * copies)[-exact:]  # the last ones (all of them in a small call)
-    return _makespan(head, tail, len(per_head) * heads, total, slots, max(per_head)) * slots / total
+    tail = (list(per_head) * copies)[-exact:]  # the last blocks launched (all of them in a small call)
+    return _makespan([], tail, len(per_head) * heads, total, slots, max(per_head)) * slots / total
 
 
 def _makespan(head: list[int], tail: list[int], blocks: int, total: int, slots: int, longest: int) -> float:
