@@ -15,6 +15,8 @@ rows over their own diagonal block, the other segments whole) as one causal call
 segment of no rows spans the keys between), and merges each cut row's parts in the accumulation dtype, every row
 at once (:func:`~hf_longctx.kernels.merge.merge_row_parts_`: one Triton kernel on CUDA).
 
+The same cut serves FlashAttention-4, which has no split-KV forward on Hopper (its grid declares the rule).
+
 Only the forward is split: the backward's blocks are key tiles, many over a long prefix, and it takes the merged
 output and log-sum-exp, which are the whole row's. (Its mirror case, many rows over few keys, where few backward
 blocks each sweep all the rows, is not cut.) Sliding windows are never split (a window's rows see different keys).
@@ -58,6 +60,12 @@ class KeySplit:
     merge took a dozen kernels (below it cut calls then ran no faster); with the merge one kernel, such calls ran
     cut at 0.79x their whole time sharing 24-32K keys, 0.86x at 16-24K, 0.93x at 8-16K and 1.09x at 4-8K
     (``scripts/bench_merge.py --calls``), and 16K is the threshold that CAD steps at 64 servers were measured with.
+
+    A kernel that launches segment by segment (``launch_order`` ``"segment"``: FlashAttention-4 on Hopper, one
+    forward block to an SM, a KV head's ``head_pack`` query heads in one tile) is judged by its own launch
+    simulation (:func:`~hf_longctx.kernels.launch.segment_phase_factor`, its longest blocks first), and its chunks
+    make ``waves`` waves of ``sms`` blocks. It runs by torch_flash's rule (not yet swept for it); on an H200 its
+    forward of 128 rows over 112K keys ran in under half the time cut.
     """
 
     sms: int
