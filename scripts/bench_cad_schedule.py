@@ -29,14 +29,9 @@ import torch.multiprocessing as mp
 from hf_longctx.backends.cad.launch_cost import LaunchCostModel, clear_pricing_caches
 from hf_longctx.backends.cad.runtime import cad_schedule, server_costs
 from hf_longctx.backends.cad.shared_pricing import PricingShare
-from hf_longctx.benchmarking import free_port, table_header, table_row
+from hf_longctx.benchmarking import free_port, table_header, table_row, token_counts
 from hf_longctx.emulation.workloads import doc_lengths
 from hf_longctx.layout import PackedBatch, shard_plan
-
-
-def parse_tokens(text: str) -> int:
-    text = text.lower()
-    return int(text[:-1]) << 10 if text.endswith("k") else int(text)
 
 
 def timed_schedule(batch: PackedBatch, world: int, options: dict, share: PricingShare | None):
@@ -57,12 +52,12 @@ def worker(rank: int, world: int, port: int, args) -> None:
                             world_size=world, timeout=timedelta(seconds=1800))
     options = {"cost_model": LaunchCostModel.load(args.model), "eps": args.eps}
     mix, tokens = args.mixes[0].split(":")  # untimed: the first timed schedule should not pay for a cold process
-    timed_schedule(PackedBatch.from_doc_lens(doc_lengths(mix, parse_tokens(tokens), seed=99)), world, options,
+    timed_schedule(PackedBatch.from_doc_lens(doc_lengths(mix, token_counts(tokens)[0], seed=99)), world, options,
                    PricingShare(None, rank, world))
     for spec in args.mixes:
         mix, tokens = spec.split(":")
         for seed in args.seeds:
-            batch = PackedBatch.from_doc_lens(doc_lengths(mix, parse_tokens(tokens), seed=seed))
+            batch = PackedBatch.from_doc_lens(doc_lengths(mix, token_counts(tokens)[0], seed=seed))
             dist.barrier()
             alone_s, alone, _ = timed_schedule(batch, world, options, None)
             dist.barrier()
@@ -83,7 +78,7 @@ def worker(rank: int, world: int, port: int, args) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="a LaunchCostModel JSON (scripts/profile_cad.py writes one)")
-    p.add_argument("--worlds", type=lambda s: [int(x) for x in s.split(",")], default=[8])
+    p.add_argument("--worlds", type=token_counts, default=[8])
     p.add_argument("--mixes", type=lambda s: s.split(","), default=["sft:256k", "prolong:256k", "pretrain:512k"],
                    help="mix:tokens of each batch (tokens over the whole group)")
     p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0])

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .launch import LaunchGrid, forward_steps, paired_makespan, segment_phase_factor
+from .launch import LAUNCH_ORDERS, LaunchGrid, forward_steps, paired_makespan, segment_phase_factor
 from .merge import RowParts, merge_row_parts_
 
 __all__ = ["GAIN", "MIN_KEYS", "MIN_SHARED", "RULE", "WAVES", "KeySplit", "SplitCall", "merged_rows",
@@ -86,8 +86,8 @@ class KeySplit:
                 or min(self.pairing, self.gain) < 1 or self.waves <= 0:
             raise ValueError(f"KeySplit needs positive sms, min_keys, min_shared, head_pack, tile and waves, and "
                              f"pairing and gain >= 1, got {self}")
-        if self.launch_order not in ("tile", "segment"):
-            raise ValueError(f"KeySplit.launch_order must be 'tile' or 'segment', got {self.launch_order!r}")
+        if self.launch_order not in LAUNCH_ORDERS:
+            raise ValueError(f"KeySplit.launch_order must be one of {LAUNCH_ORDERS}, got {self.launch_order!r}")
 
     @property
     def rule(self) -> tuple[float, float, int, int]:

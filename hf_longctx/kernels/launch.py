@@ -327,18 +327,16 @@ def _makespan(head: list[int], tail: list[int], blocks: int, total: int, slots: 
     vanished from the price (a CAD server's forward of 573 rows over 52K keys beside short documents, 144 blocks
     of 410 key tiles on 132 SMs: two rounds of them, measured 1.15 ms, priced 0.83). Simulating every block would
     cost the scheduler too much: a forward of 32 heads launches tens of thousands."""
-    if blocks <= len(head) + len(tail):  # every block simulated: the head and the tail overlap
-        finish = [0.0] * slots
-        for work in (head + tail[len(head) + len(tail) - blocks:]):
-            heapq.heapreplace(finish, finish[0] + work)
-        return max(max(finish), longest)
+    if blocks <= len(head) + len(tail):  # the head and the tail overlap: every block is simulated, in order
+        head, tail = head + tail[len(head) + len(tail) - blocks:], []
     finish = [0.0] * slots
     for work in head:
         heapq.heapreplace(finish, finish[0] + work)
-    finish = _water_filled(sorted(finish), total - sum(head) - sum(tail))
-    heapq.heapify(finish)
-    for work in tail:
-        heapq.heapreplace(finish, finish[0] + work)
+    if tail:
+        finish = _water_filled(sorted(finish), total - sum(head) - sum(tail))
+        heapq.heapify(finish)
+        for work in tail:
+            heapq.heapreplace(finish, finish[0] + work)
     return max(max(finish), longest)
 
 
