@@ -39,7 +39,8 @@ measured and predicted time: where the model follows the kernel and where it doe
 a long causal prefix beside short documents as one call and as two (:func:`~hf_longctx.backends.cad.call_profile.
 mix_pairs`): what one call costs more than two, measured and as the model prices it. ``--calls DUMP.json`` (with
 ``--load`` of a launch model) prices the kernel calls that ``bench_emulated.py --dump-calls`` wrote for one emulated
-step and prints every server's forward and backward, measured against predicted; no device is needed.
+step and prints every server's forward and backward, measured against predicted, then which phase makes the
+servers' spread and how the calls' error runs with their size in waves of blocks; no device is needed.
 """
 
 from __future__ import annotations
@@ -59,8 +60,10 @@ from hf_longctx.backends.cad.call_profile import (
     check_call_mix,
     check_keys_limit,
     check_launch_cost,
+    errors_by_waves,
     fit_timed_calls,
     mix_pairs,
+    phase_spreads,
     placement_probes,
     profile_launch_cost,
     replay_dumped_calls,
@@ -355,11 +358,14 @@ def refit_saved_model(args: argparse.Namespace) -> int:
 
 def report_dumped_calls(args: argparse.Namespace) -> int:
     """``--calls``: each server's forward and backward of a dumped emulated step, measured against the loaded
-    launch model, then each phase's per-server error spread and the step's max/mean both ways."""
+    launch model, then each phase's per-server error spread and the step's max/mean both ways, how much of the
+    servers' spread each phase makes (:func:`~hf_longctx.backends.cad.call_profile.phase_spreads`) and the calls'
+    error by size (:func:`~hf_longctx.backends.cad.call_profile.errors_by_waves`)."""
     model = loaded_launch_model(args, "--calls prices dumped kernel calls with a launch cost model")
     if model is None:
         return 2
-    rows = server_phase_errors(model, json.loads(Path(args.calls).read_text()))
+    dump = json.loads(Path(args.calls).read_text())
+    rows = server_phase_errors(model, dump)
     errors: dict[str, list[float]] = {p: [] for p in PHASES}
     for row in rows:
         parts = []
@@ -375,6 +381,13 @@ def report_dumped_calls(args: argparse.Namespace) -> int:
         f"{np.max(e) * 100:+.1f}%" for p, e in errors.items())
         + f"; max/mean measured {totals['measured'].max() / totals['measured'].mean():.3f}, predicted "
         f"{totals['predicted'].max() / totals['predicted'].mean():.3f}", flush=True)
+    spreads = phase_spreads(rows)
+    print("spread of the servers' errors (of their predicted time) by phase: "
+          + ", ".join(f"{p} {v:.3f}" for p, v in spreads.items()), flush=True)
+    for group in errors_by_waves(model, [dump]):
+        low, high = group["waves"]
+        print(f"{group['phase']:>8} calls of {low:g}-{high:g} waves: {group['calls']:4d}, measured over predicted "
+              f"mean {group['mean'] * 100:+.1f}%, std {group['std'] * 100:.1f}%", flush=True)
     return 0
 
 

@@ -16,7 +16,9 @@ from hf_longctx.backends.cad.call_profile import (
     MIX_SHORTS,
     check_call_mix,
     check_launch_cost,
+    errors_by_waves,
     mix_pairs,
+    phase_spreads,
     profile_launch_cost,
     random_calls,
     server_phase_errors,
@@ -30,6 +32,7 @@ from hf_longctx.backends.cad.launch_cost import (
     LaunchCostModel,
     PhaseTerms,
     call_features,
+    call_waves,
     fit_phase_terms,
 )
 from hf_longctx.backends.cad.profiled import SegmentShape, profiled_cost_model
@@ -350,6 +353,45 @@ def test_dumped_calls_are_priced_per_server_and_phase():
     uneven["reps"][1] = uneven["reps"][1][1:]
     with pytest.raises(ValueError, match="same kernel calls"):
         server_phase_errors(H200, uneven)
+
+
+def test_dumped_calls_errors_are_told_by_call_size_and_by_phase():
+    """Where a model goes wrong: the calls' error grouped by their size in waves of blocks, and which phase makes
+    the servers' spread. Here every backward call of under one wave took 10% over its price and everything else
+    its price: that group alone shows it, and only the backward spreads the servers (a uniform error would not)."""
+    grid = LaunchGrid(forward_tile=(16, 8), backward_tile=(8, 16), slots=4)
+    model = LaunchCostModel(grid, 2, PhaseTerms(2e-3, 1e-4, 2e-4, 1e-3, 0.0, 0.05),
+                            PhaseTerms(5e-3, 3e-4, 2e-4, 2e-3, 1e-2, 0.08))
+    small, large = [(16, 16)], [(64, 512)]  # backward: 1 key block x 2 heads on 4 slots; 32 x 2: 16 waves
+    assert call_waves("backward", [16], [16], grid, 2) == 0.5
+    assert call_waves("backward", [64], [512], grid, 2) == 16
+    assert call_waves("forward", [64], [512], grid, 2) == 2  # the forward launches a block per 16 query rows
+    calls = [(0, small), (0, large), (1, large), (1, large)]  # server 0 runs the small call, server 1 does not
+
+    def seconds(phase, segments):
+        price = model.phase_cost(phase, [q for q, _ in segments], [k for _, k in segments]) / 1e3
+        slow = phase == "backward" and call_waves(phase, [q for q, _ in segments], [k for _, k in segments], grid,
+                                                  2) < 1
+        return price * (1.10 if slow else 1.0)
+
+    dump = {"world": 2, "reps": [[{"rank": rank, "phase": phase, "q_lens": [q for q, _ in seg],
+                                   "k_lens": [k for _, k in seg], "seconds": seconds(phase, seg)}
+                                  for rank, seg in calls for phase in PHASES]]}
+    groups = {(g["phase"], g["waves"]): g for g in errors_by_waves(model, [dump])}
+    assert set(groups) == {("backward", (0.0, 1.0)), ("backward", (16.0, 64.0)), ("forward", (0.0, 1.0)),
+                           ("forward", (2.0, 4.0))}
+    assert groups["backward", (0.0, 1.0)]["mean"] == pytest.approx(0.10)
+    assert groups["backward", (0.0, 1.0)]["calls"] == 1
+    for key in (("backward", (16.0, 64.0)), ("forward", (0.0, 1.0)), ("forward", (2.0, 4.0))):
+        assert groups[key]["mean"] == pytest.approx(0.0, abs=1e-12) and groups[key]["std"] == pytest.approx(0.0)
+    spreads = phase_spreads(server_phase_errors(model, dump))
+    assert spreads["forward"] == pytest.approx(0.0, abs=1e-12)
+    assert spreads["backward"] > 1e-4
+    # the same 10% on every backward call spreads nothing: a schedule balanced on the price stays balanced
+    uniform = {"world": 2, "reps": [[{**c, "seconds": c["seconds"] * (1.10 if c["phase"] == "backward" and
+                                                                     c["q_lens"] != [16] else 1.0)}
+                                     for c in dump["reps"][0]]]}
+    assert phase_spreads(server_phase_errors(model, uniform))["backward"] == pytest.approx(0.0, abs=1e-12)
 
 
 def test_a_replayed_dump_times_each_distinct_call_once_alone(monkeypatch):

@@ -228,3 +228,26 @@ def test_the_paired_block_simulation_is_fitted_to_dumped_steps_on_the_cpu(tmp_pa
     assert all(line.startswith("  step.json: ") and "per-server std" in line for line in printed[2::2])
     assert _script().main(["--fit-placement", str(dump)]) == 2
     assert "give --load LAUNCH_MODEL.json" in capsys.readouterr().err
+
+
+def test_a_dumped_step_is_priced_per_server_phase_and_size_of_call(tmp_path, capsys):
+    """``--calls DUMP`` on a saved launch model, on the CPU: every server's phases measured against predicted, the
+    step's max/mean both ways, how much of the servers' spread each phase makes, and the error by call size."""
+    from hf_longctx.backends.cad.launch_cost import PHASES, LaunchCostModel, PhaseTerms
+    from hf_longctx.kernels.launch import LaunchGrid
+
+    grid = LaunchGrid(forward_tile=(16, 8), backward_tile=(8, 16), slots=4)
+    model = LaunchCostModel(grid, 2, PhaseTerms(2e-3, 1e-4, 2e-4, 1e-3, 0.0, 0.05),
+                            PhaseTerms(5e-3, 3e-4, 2e-4, 2e-3, 1e-2, 0.08))
+    model.save(tmp_path / "m.json")
+    calls = [(0, [16], [16], 1.2), (0, [64], [512], 1.0), (1, [64], [512], 1.0), (1, [64], [512], 1.0)]
+    reps = [[{"rank": rank, "phase": phase, "q_lens": q, "k_lens": k,
+              "seconds": model.phase_cost(phase, q, k) / 1e3 * (slow if phase == "backward" else 1.0)}
+             for rank, q, k, slow in calls for phase in PHASES]]
+    (tmp_path / "d.json").write_text(json.dumps({"world": 2, "reps": reps}))
+    assert _script().main(["--load", str(tmp_path / "m.json"), "--calls", str(tmp_path / "d.json")]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("server ") >= 2 and "calls: 2 servers" in printed
+    assert "by phase: forward 0.000, backward 0." in printed
+    assert "backward calls of 0-1 waves:    1, measured over predicted mean +20.0%" in printed
+    assert "backward calls of 16-64 waves:    3, measured over predicted mean +0.0%" in printed

@@ -60,8 +60,8 @@ from ...kernels.launch import (
     segment_launch_steps,
 )
 
-__all__ = ["MERGE", "PHASES", "TERM_NAMES", "LaunchCostModel", "PhaseTerms", "call_features", "fit_phase_terms",
-           "spilled_keys"]
+__all__ = ["MERGE", "PHASES", "TERM_NAMES", "LaunchCostModel", "PhaseTerms", "call_features", "call_waves",
+           "fit_phase_terms", "spilled_keys"]
 
 PHASES = ("forward", "backward")
 KIND = "launch"  # a saved model's "kind", beside the grid profile's files
@@ -116,6 +116,15 @@ def _own_blocks(phase: str, q_len, k_len, grid: LaunchGrid):
     if phase == "forward":
         return -(-np.asarray(q_len) // grid.forward_tile[0])
     return -(-np.asarray(k_len) // grid.backward_tile[1])
+
+
+def call_waves(phase: str, q_lens: Sequence[int], k_lens: Sequence[int], grid: LaunchGrid, heads: int) -> float:
+    """How many waves of blocks one call's ``phase`` launches for its segments: their own blocks (not the empty
+    ones a tile-order launch adds for shorter segments) times the heads each is launched for, over the grid's
+    slots. A size of call that says how much its tail and its fixed costs weigh against its tile steps."""
+    launched = max(1, heads // grid.forward_head_pack) if phase == "forward" else heads
+    blocks = sum(int(_own_blocks(phase, int(q), int(k), grid)) for q, k in zip(q_lens, k_lens) if q > 0)
+    return blocks * launched / grid.slots
 
 
 def _block_steps(phase: str, pairs: Sequence[tuple[int, int]], grid: LaunchGrid, causal: bool = True

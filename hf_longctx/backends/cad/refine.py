@@ -36,11 +36,14 @@ REFINE_MOVES = 64  # moves (or cuts) at most per schedule (it stops sooner when 
 # instead of 3, ProLong 128K at 64 servers was predicted 1.013 instead of 1.063 max/mean on an H200's model (the
 # worst of 24 batches of the emulation's mixes 1.016 instead of 1.063), for twice the refinement's time.
 REFINE_TARGETS = 8
-# when none of the least busy servers takes a part of the busiest's work, the next ones are tried, up to this many in
-# all: on an H200's launch model, ProLong 128K at 64 servers (seed 1) stopped at 1.024 predicted max/mean with 8 and
-# reached 1.017 with 16 (1.017 with 32 too); SFT 512K's schedules, which rarely get stuck, took 1.2x as long with 16
-# and 2x with 32
-REFINE_WIDEST = 16
+# when none of the least busy servers takes a part of the busiest's work, the next ones are tried, twice as many each
+# time, up to this many in all. On an H200's FlashAttention-4 launch model at 64 servers, Pretrain 512K's schedules
+# stopped at 1.024 and 1.025 predicted max/mean with 16 and reached 1.016 and 1.020 with 64 (the others as before,
+# in the same host time: a step widens only where the least busy take nothing). Emulated on the H200 (then with cuts
+# of 64 rows, which moved FA4's predictions by under 0.001), the measured max/mean did not change beyond the model's
+# own error (1.025, 1.057, 1.035 against 1.023, 1.043, 1.053 for seeds 0-2). On ProLong 128K (seed 1) 16 had
+# reached 1.017 where 8 stopped at 1.024
+REFINE_WIDEST = 64
 # a step with more moves than this is screened (see refine_in_time's ``screen``): below it, the additive estimate
 # ranks too many of the moves that win low (ProLong 128K at 64 servers, about 130 moves per step: 6 batches'
 # predicted max/mean 1.0103 on average pricing every move, 1.0142 screened to 32 in a row)
