@@ -119,8 +119,9 @@ class EmulatedStep:
         their mean square. Why: a rank's time is the lower median of its repetitions, which one outlying
         repetition does not move, and the noise must be read the same way. With their mean square, CAD's ProLong
         step at W = 64 on FlashAttention-4 (H200, 4 repetitions) read 25% noise per repetition and a noise-alone
-        max/mean of 1.37 in two runs, where its other seeds and mixes read 0.2-2.7%: a few far-out repetitions
-        made the figure, not the spread of the rest.
+        max/mean of 1.37 in three runs, where its other seeds and mixes read 0.2-2.7%: one rank's first timed
+        repetition held a backward call whose host dispatch took 3.7 s (a kernel variant compiled inside it), which
+        made that repetition 4x the others. The median reads 0.26%.
         """
         diffs = []
         for r in self.ranks:
