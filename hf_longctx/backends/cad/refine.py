@@ -38,8 +38,9 @@ REFINE_MOVES = 64  # moves (or cuts) at most per schedule (it stops sooner when 
 REFINE_TARGETS = 8
 # when none of the least busy servers takes a part of the busiest's work, the next ones are tried, twice as many each
 # time, up to this many in all. On an H200's FlashAttention-4 launch model at 64 servers, Pretrain 512K's schedules
-# stopped at 1.024 and 1.025 predicted max/mean with 16 and reached 1.016 and 1.020 with 64 (the others as before,
-# in the same host time: a step widens only where the least busy take nothing). Emulated on the H200 (then with cuts
+# stopped at 1.024 and 1.025 predicted max/mean with 16 and reached 1.016 and 1.020 with 64; the others stayed as
+# they were, in the same host time (a step widens only where the least busy take nothing; Pretrain seed 0 took
+# 1.5 s instead of 0.9 on a 2-core host). Emulated on the H200 (then with cuts
 # of 64 rows, which moved FA4's predictions by under 0.001), the measured max/mean did not change beyond the model's
 # own error (1.025, 1.057, 1.035 against 1.023, 1.043, 1.053 for seeds 0-2). On ProLong 128K (seed 1) 16 had
 # reached 1.017 where 8 stopped at 1.024
