@@ -366,6 +366,8 @@ def test_dumped_calls_errors_are_told_by_call_size_and_by_phase():
     assert call_waves("backward", [16], [16], grid, 2) == 0.5
     assert call_waves("backward", [64], [512], grid, 2) == 16
     assert call_waves("forward", [64], [512], grid, 2) == 2  # the forward launches a block per 16 query rows
+    # a forward that packs a KV head's two query heads into one tile launches half as many blocks
+    assert call_waves("forward", [64], [512], replace(grid, launch_order="segment", forward_head_pack=2), 2) == 1
     calls = [(0, small), (0, large), (1, large), (1, large)]  # server 0 runs the small call, server 1 does not
 
     def seconds(phase, segments):

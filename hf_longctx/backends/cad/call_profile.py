@@ -496,11 +496,10 @@ def errors_by_waves(model: LaunchCostModel, dumps: Sequence[dict]) -> list[dict]
     more at their price, where the profile held 19 calls of under 8 waves in 243 (``scripts/profile_cad.py --calls``
     prints the table for a dumped step)."""
     groups: dict[tuple[str, int], list[float]] = {}
-    heads = model.heads
     for dump in dumps:
         for call, measured in dumped_calls(dump):
             phase = call["phase"]
-            waves = call_waves(phase, call["q_lens"], call["k_lens"], model.launch, heads)
+            waves = call_waves(phase, call["q_lens"], call["k_lens"], model.launch, model.heads)
             predicted = model.phase_cost(phase, call["q_lens"], call["k_lens"], causal=call.get("causal", True))
             if predicted <= 0:
                 continue

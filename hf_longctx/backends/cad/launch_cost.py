@@ -304,13 +304,13 @@ class LaunchCostModel:
     def cost_array(self, q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
         q = np.asarray(q_len, dtype=np.int64)
         kv = np.asarray(kv_len, dtype=np.int64)
+        grid = self.launch
         total = np.zeros(q.shape, dtype=np.float64)
         for phase in PHASES:
             t = self.terms(phase)
-            total += (t.step * _steps(phase, q, kv, self.launch) + t.q_token * q + t.k_token * kv
-                      + t.block * _own_blocks(phase, q, kv, self.launch) + t.segment)
-        total += self.backward.k_spill * spilled_keys("backward", kv, self.launch)
-        grid = self.launch
+            total += (t.step * _steps(phase, q, kv, grid) + t.q_token * q + t.k_token * kv
+                      + t.block * _own_blocks(phase, q, kv, grid) + t.segment)
+        total += self.backward.k_spill * spilled_keys("backward", kv, grid)
         total += self.backward.short_step * backward_short_steps(q, kv, grid.backward_tile, grid.backward_min_steps)
         return np.where(q > 0, total, 0.0)
 
