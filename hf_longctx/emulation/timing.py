@@ -90,7 +90,10 @@ class KernelTimer:
 
     Calls made outside an emulated rank's thread (no current rank) pass through untimed. On a GPU, the
     first call of each kernel configuration in this process runs once untimed before the timed call:
-    kernels compile per configuration (FA4: 0.1-0.7 s), which would otherwise land in one rank's time.
+    kernels compile per configuration (FA4: 0.1-0.7 s), which would otherwise land in one rank's time. The
+    configuration (:func:`_configuration`) does not name every variant FA4 compiles for: in a W = 64 CAD step on
+    an H200 one backward call still compiled inside its timed run (3.7 s); the emulation's lower median over
+    repetitions (:func:`~hf_longctx.emulation.runner.median_rep`) leaves such a repetition out.
 
     ``keep_calls``: also keep every timed call's segment lengths and seconds (:meth:`call_log`), so that a cost
     model can be checked call by call against what the kernel took. ``hub``: who computes now, an emulation's
