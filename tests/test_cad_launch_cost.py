@@ -136,19 +136,60 @@ def test_the_profiler_times_both_phases_of_random_calls_and_fits_them(monkeypatc
     truth = {"forward": PhaseTerms(2e-3, 1e-4, 2e-4, 1e-3, 0.0, 0.05),
              "backward": PhaseTerms(5e-3, 3e-4, 2e-4, 2e-3, 1e-2, 0.08)}
     monkeypatch.setattr(call_profile, "_run_ms", _fake_call_clock(truth, grid, heads=2))
+    drawn = []
+
+    def server_calls_on(model, *args):
+        drawn.append((model, real_server_calls(model, *args)))
+        return drawn[-1][1]
+
+    real_server_calls = call_profile.cad_server_calls
+    monkeypatch.setattr(call_profile, "cad_server_calls", server_calls_on)
     model, meta = profile_launch_cost("reference", torch.device("cpu"), grid, heads=2, kv_heads=1, head_dim=8,
-                                      dtype=torch.float32, count=32, warmup=0, reps=1, scale=1 / 256)
+                                      dtype=torch.float32, count=32, warmup=0, reps=1, scale=1 / 256,
+                                      server_calls=40)
     for phase in PHASES:
         np.testing.assert_allclose(model.terms(phase).as_vector(), truth[phase].as_vector(), rtol=1e-6, atol=1e-12)
-    # the random calls and the batches of short documents (the grid neither limits keys nor splits forwards)
+    # the random calls and the batches of short documents (the grid neither limits keys nor splits forwards), then
+    # calls of CAD's servers, scheduled on the fit of the first ones
     calls = 32 + len(short_document_calls())
-    assert max(meta["held_out_relative_error_std"].values()) < 1e-9 and meta["calls"] == calls
+    assert max(meta["held_out_relative_error_std"].values()) < 1e-9
+    assert meta["server_calls"] == 40 and meta["calls"] == calls + 40
     assert meta["call_set"] == call_profile.CALL_SET
     # every timed call is kept beside the fit, so the fit can be checked again away from the device
-    assert len(meta["timed"]) == calls and all(t["forward"] > 0 and t["backward"] > 0 for t in meta["timed"])
+    assert len(meta["timed"]) == calls + 40 and all(t["forward"] > 0 and t["backward"] > 0 for t in meta["timed"])
+    (first_fit, servers), = drawn  # scheduled on the first fit (already the truth here), then timed
+    np.testing.assert_allclose(first_fit.backward.as_vector(), truth["backward"].as_vector(), rtol=1e-6, atol=1e-12)
+    assert [t["shapes"] for t in meta["timed"][calls:]] == [[list(s) for s in c] for c in servers]
     first = meta["timed"][0]
     q, k = [a for a, _ in first["shapes"]], [b for _, b in first["shapes"]]
     assert first["forward"] == pytest.approx(truth["forward"].as_vector() @ call_features("forward", q, k, grid, 2))
+
+
+def test_the_profiles_server_calls_are_those_cads_servers_run():
+    """The calls the profile adds are drawn from what CAD's servers run on the schedules of a few batches
+    (``runtime.server_calls``: ping-pong halves, cut into calls as the runtime cuts them), causal ones only."""
+    from hf_longctx.backends.cad.runtime import cad_schedule, server_calls
+    from hf_longctx.emulation.workloads import doc_lengths
+    from hf_longctx.layout import PackedBatch, shard_plan
+
+    batches = (("pretrain", 4096, 4), ("sft", 2048, 3))
+    model = LaunchCostModel(GRID, 32, H200.forward, H200.backward)
+    drawn = call_profile.cad_server_calls(model, 30, seed=5, batches=batches)
+    assert drawn == call_profile.cad_server_calls(model, 30, seed=5, batches=batches)  # a seed draws the same
+    pool = []
+    for i, (mix, tokens, world) in enumerate(batches):
+        lengths = doc_lengths(mix, tokens, seed=call_profile.SERVER_CALL_SEED + 5 + i)
+        plan = shard_plan(PackedBatch.from_doc_lens(lengths), world, "cad")
+        options = {"cost_model": model, "eps": 0.01}
+        tasks = cad_schedule(plan, options).tasks
+        for server in range(world):
+            calls = server_calls(plan, [t for t in tasks if t.server == server], options, model)
+            # a server's calls hold every row of its tasks once
+            rows = sum(t.q_end - t.q_start for t in tasks if t.server == server)
+            assert sum(sum(q) for q, _, _ in calls) == rows
+            pool += [list(zip(q, k)) for q, k, causal in calls if causal]
+    assert len(drawn) == min(30, len(pool)) and all(call in pool for call in drawn)
+    assert all(q <= k for call in drawn for q, k in call)
 
 
 def test_short_backward_blocks_are_counted_in_the_steps_they_fall_short_of_the_grids_minimum():
@@ -180,7 +221,8 @@ def test_the_profiler_recovers_what_short_backward_blocks_cost_per_step(monkeypa
              "backward": PhaseTerms(5e-3, 3e-4, 2e-4, 2e-3, 1e-2, 0.08, short_step=3e-3)}
     monkeypatch.setattr(call_profile, "_run_ms", _fake_call_clock(truth, grid, heads=2))
     model, meta = profile_launch_cost("reference", torch.device("cpu"), grid, heads=2, kv_heads=1, head_dim=8,
-                                      dtype=torch.float32, count=32, warmup=0, reps=1, scale=1 / 256)
+                                      dtype=torch.float32, count=32, warmup=0, reps=1, scale=1 / 256,
+                                      server_calls=0)
     assert model.backward.short_step == pytest.approx(3e-3, rel=1e-6)
     assert max(meta["held_out_relative_error_std"].values()) < 1e-9
     plain = LaunchCostModel(grid, 2, model.forward, replace(model.backward, short_step=0.0))
@@ -202,7 +244,8 @@ def test_the_profiler_prices_backward_keys_past_the_kernels_limit(monkeypatch):
              "backward": PhaseTerms(5e-3, 3e-4, 2e-4, 2e-3, 1e-2, 0.08, 4e-4)}
     monkeypatch.setattr(call_profile, "_run_ms", _fake_call_clock(truth, grid, heads=2))
     model, meta = profile_launch_cost("reference", torch.device("cpu"), grid, heads=2, kv_heads=1, head_dim=8,
-                                      dtype=torch.float32, count=32, warmup=0, reps=1, scale=1 / 256)
+                                      dtype=torch.float32, count=32, warmup=0, reps=1, scale=1 / 256,
+                                      server_calls=0)
     np.testing.assert_allclose(model.backward.as_vector(), truth["backward"].as_vector(), rtol=1e-6, atol=1e-12)
     assert model.forward.k_spill == 0.0 and meta["calls"] == 32 + 6 + len(short_document_calls())
 
@@ -454,7 +497,7 @@ def test_profiled_picks_the_launch_model_where_the_kernel_declares_a_grid(tmp_pa
 
     def small_fit(*args, **kwargs):
         fits.append(1)
-        return real(*args, **{**kwargs, "count": 24, "warmup": 0, "reps": 1, "scale": 1 / 256})
+        return real(*args, **{**kwargs, "count": 24, "warmup": 0, "reps": 1, "scale": 1 / 256, "server_calls": 8})
 
     monkeypatch.setattr(profiled, "profile_launch_cost", small_fit)
     shape = SegmentShape(2, 1, 8, torch.float32)

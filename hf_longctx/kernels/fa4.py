@@ -135,6 +135,21 @@ def launch_grid(head_dim: int) -> LaunchGrid | None:
                       backward_min_steps=BACKWARD_MIN_STEPS, forward_key_split=RULE)
 
 
+def backward_accumulator_keys(heads: int, kv_heads: int, head_dim: int, l2_bytes: int) -> tuple[int, int] | None:
+    """Keys of a backward segment from which its fp32 dK/dV accumulators start to leave an L2 of ``l2_bytes``, and
+    from which they are out of it (see :func:`~hf_longctx.kernels.launch.accumulator_share`); None without
+    grouped-query heads (flash-attn-4 then writes dK and dV directly).
+
+    One query head's accumulators take ``2 * head_dim * 4`` bytes per key (dK and dV in fp32); they are out of the
+    L2 from ``l2_bytes`` on and start to leave it at a third of that (other buffers share the cache). Fitted on an
+    H200 (50 MB): a ramp from 16-20K to 48-60K keys priced held-out CAD steps best (per-server error 0.74-0.78%;
+    0.9-1.6% from 8K or 32K, or over a half or twice the width)."""
+    if heads == kv_heads or l2_bytes <= 0:
+        return None
+    full = l2_bytes // (2 * head_dim * 4)
+    return full // 3, full
+
+
 def packs_query_heads(heads: int, kv_heads: int) -> int:
     """Query heads the forward packs into one tile's rows: all of a KV head's (flash-attn-4's default ``pack_gqa``
     with grouped-query heads), so a 128-row tile holds 128 / (heads / kv_heads) tokens."""

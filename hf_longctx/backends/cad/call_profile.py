@@ -37,19 +37,20 @@ from ...kernels.launch import LaunchGrid
 from .cost_model import PAIRS
 from .launch_cost import PHASES, LaunchCostModel, call_features, call_waves, fit_phase_terms
 
-__all__ = ["CALL_KINDS", "CALL_SET", "SWEEPS", "WAVE_BINS", "check_call_mix", "check_keys_limit",
-           "check_launch_cost", "dumped_calls", "errors_by_waves", "few_rows_long_keys_calls", "fit_timed_calls",
-           "keys_limit_calls", "mix_pairs", "phase_spreads", "placement_probes", "profile_launch_cost",
-           "random_calls", "replay_dumped_calls", "segment_batch", "server_phase_errors", "short_document_calls",
-           "split_forward_calls", "sweep_shapes", "time_call_phases", "time_placement"]
+__all__ = ["CALL_KINDS", "CALL_SET", "SERVER_CALL_BATCHES", "SWEEPS", "WAVE_BINS", "cad_server_calls",
+           "check_call_mix", "check_keys_limit", "check_launch_cost", "dumped_calls", "errors_by_waves",
+           "few_rows_long_keys_calls", "fit_timed_calls", "keys_limit_calls", "mix_pairs", "phase_spreads",
+           "placement_probes", "profile_launch_cost", "random_calls", "replay_dumped_calls", "segment_batch",
+           "server_phase_errors", "short_document_calls", "split_forward_calls", "sweep_shapes", "time_call_phases",
+           "time_placement"]
 
 # sizes of call (waves of launched blocks, see :func:`~.launch_cost.call_waves`) that :func:`errors_by_waves` groups
 WAVE_BINS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 64.0, math.inf)
 CALL_KINDS = ("short documents", "shards", "long shard beside short documents", "one large segment")
 SWEEPS = ("prefix", "waves", "square")  # the lines of :func:`sweep_shapes`
 # Which calls :func:`profile_launch_cost` times, by version: a cached model fitted on another set is fitted again
-# (3: random calls, the keys limit's, split forwards' and short-document batches)
-CALL_SET = 3
+# (3: random calls, the keys limit's, split forwards' and short-document batches; 4: and CAD's own server calls)
+CALL_SET = 4
 MAX_CALL_PAIRS = float(1 << 30)  # visible pairs of one timed call (about 0.2 s of an 8B layer's fwd+bwd on an H200)
 
 
@@ -162,6 +163,43 @@ def short_document_calls(count: int = 32, seed: int = 0, scale: float = 1.0) -> 
     return calls
 
 
+# batches whose CAD schedules :func:`cad_server_calls` takes calls from: (length mix, tokens, servers), the mixes of
+# :mod:`hf_longctx.emulation.workloads` at the world sizes where a server's calls are smallest and most varied
+SERVER_CALL_BATCHES = (("prolong", 131072, 64), ("pretrain", 524288, 64), ("sft", 524288, 64),
+                       ("prolong", 262144, 16), ("pretrain", 524288, 16), ("sft", 262144, 16))
+SERVER_CALL_SEED = 1000  # the batches' seeds start here, away from the benchmarks' (0, 1, 2, ...)
+
+
+def cad_server_calls(model: LaunchCostModel, count: int, seed: int = 0, scale: float = 1.0,
+                     batches: Sequence[tuple[str, int, int]] = SERVER_CALL_BATCHES,
+                     max_pairs: float = MAX_CALL_PAIRS) -> list[list[tuple[int, int]]]:
+    """``count`` causal calls drawn from what CAD's servers run (:func:`~.runtime.server_calls`) when ``model``
+    schedules ``batches`` (eps 0.01), in launch order, none over ``max_pairs`` visible pairs. ``scale`` shrinks
+    every batch (to no fewer than 64 tokens a server).
+
+    Why: random calls are drawn to span the kernel's shapes, not to weigh them as CAD's servers do, and a
+    server's time is a few such calls. Fitted on the profile's calls alone, FlashAttention-4's model priced the
+    servers of held-out W = 64 steps (H200) with a per-server error of 1.5% (standard deviation; the largest 3.6%
+    over the mean); fitted with CAD's calls of other steps too, 0.7% (2.1%)."""
+    from ...emulation.workloads import doc_lengths
+    from ...layout import PackedBatch, shard_plan
+    from .runtime import cad_schedule, server_calls
+
+    rng = random.Random(seed + 4099)
+    pool: list[list[tuple[int, int]]] = []
+    for i, (mix, tokens, world) in enumerate(batches):
+        total = max(64 * world, int(tokens * scale))
+        plan = shard_plan(PackedBatch.from_doc_lens(doc_lengths(mix, total, seed=SERVER_CALL_SEED + seed + i)),
+                          world, "cad")
+        options = {"cost_model": model, "eps": 0.01}
+        tasks = cad_schedule(plan, options).tasks
+        for server in range(world):
+            mine = [t for t in tasks if t.server == server]
+            pool += [list(zip(q, k)) for q, k, causal in server_calls(plan, mine, options, model)
+                     if causal and sum(PAIRS.cost(a, b) for a, b in zip(q, k)) <= max_pairs]
+    return rng.sample(pool, min(count, len(pool)))
+
+
 KEYS_LIMIT_SWEEP = (0.85, 0.95, 0.99, 1.01, 1.05, 1.25, 1.5)  # keys of :func:`check_keys_limit`'s segments / limit
 
 
@@ -245,11 +283,13 @@ def time_call_phases(shapes: Sequence[tuple[int, int]], kernel: str, heads: int,
 def profile_launch_cost(kernel: str, device: torch.device, grid: LaunchGrid, heads: int = 32, kv_heads: int = 8,
                         head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, count: int = 160, seed: int = 0,
                         warmup: int = 1, reps: int = 5, scale: float = 1.0,
-                        report: Callable[[str], None] | None = None, cold: bool = False
+                        report: Callable[[str], None] | None = None, cold: bool = False,
+                        server_calls: int = 240, server_batches: Sequence[tuple[str, int, int]] = SERVER_CALL_BATCHES
                         ) -> tuple[LaunchCostModel, dict]:
     """Time ``count`` random calls (:func:`random_calls`, :func:`keys_limit_calls` where the grid has a keys
     limit, :func:`split_forward_calls` where its forward splits keys, and :func:`short_document_calls`) of
-    ``kernel`` and fit both phases' terms (ms):
+    ``kernel`` and fit both phases' terms (ms); then time ``server_calls`` calls of CAD's servers scheduled on
+    that fit (:func:`cad_server_calls` over ``server_batches``) and fit again on all:
     (model, metadata with the held-out check, the fit's own error and every timed call). ``grid``: the kernel's
     launch grid on this device (its slots the SM count). ``cold``: every run with the L2 cache evicted first
     (:func:`time_call_phases`)."""
@@ -257,19 +297,28 @@ def profile_launch_cost(kernel: str, device: torch.device, grid: LaunchGrid, hea
     overruns, regions = HOST_AHEAD.overruns, HOST_AHEAD.regions
     calls = (random_calls(count, seed, scale=scale) + keys_limit_calls(grid, scale) + split_forward_calls(grid, scale)
              + short_document_calls(seed=seed, scale=scale) + few_rows_long_keys_calls(grid, seed=seed, scale=scale))
-    timed = []
     key_split = KeySplit.for_grid(grid)  # the forward as the kernel's servers run it
-    for i, shapes in enumerate(calls):
-        fwd, bwd = time_call_phases(shapes, kernel, heads, kv_heads, head_dim, dtype, device, warmup, reps, seed + i,
-                                    key_split=key_split, cold=cold)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        timed.append((shapes, fwd, bwd))
-        if report is not None and i % 20 == 0:
-            report(f"call {i}/{count}: {len(shapes)} segments, forward {fwd:.4f} ms, backward {bwd:.4f} ms")
+
+    def timed_calls(shapes_list: list[list[tuple[int, int]]], first: int) -> list:
+        out = []
+        for i, shapes in enumerate(shapes_list):
+            fwd, bwd = time_call_phases(shapes, kernel, heads, kv_heads, head_dim, dtype, device, warmup, reps,
+                                        seed + first + i, key_split=key_split, cold=cold)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            out.append((shapes, fwd, bwd))
+            if report is not None and i % 20 == 0:
+                report(f"call {first + i}: {len(shapes)} segments, forward {fwd:.4f} ms, backward {bwd:.4f} ms")
+        return out
+
+    timed = timed_calls(calls, 0)
     model, fit = fit_timed_calls(timed, grid, heads)
-    meta = {"kernel": kernel, "calls": len(timed), "call_set": CALL_SET, "seed": seed, "reps": reps,
-            "l2": "evicted" if cold else "warm", **fit,
+    servers = cad_server_calls(model, server_calls, seed, scale, server_batches) if server_calls > 0 else []
+    if servers:
+        timed += timed_calls(servers, len(calls))
+        model, fit = fit_timed_calls(timed, grid, heads)
+    meta = {"kernel": kernel, "calls": len(timed), "server_calls": len(servers), "call_set": CALL_SET, "seed": seed,
+            "reps": reps, "l2": "evicted" if cold else "warm", **fit,
             "seconds": round(time.perf_counter() - t0, 1),
             # timed runs whose host dispatch outran the device's spin (see HostAhead): their times hold host time
             "host_overruns": HOST_AHEAD.overruns - overruns, "timed_regions": HOST_AHEAD.regions - regions,

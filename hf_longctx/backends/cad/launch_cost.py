@@ -14,7 +14,8 @@ mix, so the busiest of 16-64 servers ran 3-4% over the mean while the prediction
 
     step * tile_steps * tail + q_token * query_rows + k_token * keys + block * launched_blocks
         + segment * segments + call + k_spill * keys_over_limit + merge_row * merged_rows
-        + short_step * steps_short_of_the_minimum
+        + short_step * steps_short_of_the_minimum + accumulator_key * keys_past_l2
+        + accumulator_short_step * steps_waiting_on_accumulators
 
 ``tile_steps`` are the exact causal tile steps of the blocks (:func:`~hf_longctx.kernels.launch.forward_step_total`),
 ``tail`` the launch simulation's factor for the call (:func:`~hf_longctx.kernels.launch.phase_factor`),
@@ -24,7 +25,10 @@ mix, so the busiest of 16-64 servers ran 3-4% over the mean while the prediction
 ``merged_rows`` the rows the merge of a forward cut into chunks of its keys reads (0 for a call run whole: see
 :mod:`~hf_longctx.kernels.key_split`; the merge is one kernel over them), ``steps_short_of_the_minimum`` the tile
 steps by which the backward's blocks fall short of the grid's ``backward_min_steps`` (0 without one: see
-:func:`~hf_longctx.kernels.launch.backward_short_steps`). The coefficients per phase are fitted by
+:func:`~hf_longctx.kernels.launch.backward_short_steps`), ``keys_past_l2`` and ``steps_waiting_on_accumulators`` a
+backward segment's keys and its blocks' steps short of ``backward_accumulator_steps``, each times the share of its
+dK/dV accumulators out of the L2 (0 without ``backward_accumulator_keys``: see
+:func:`~hf_longctx.kernels.launch.accumulator_share`). The coefficients per phase are fitted by
 :func:`fit_phase_terms` to calls timed on the device (see :mod:`.call_profile`); fitted on two mixes and checked
 on a third (H200, torch_flash), the per-server error fell to 0.4-0.8%.
 
@@ -50,6 +54,7 @@ from ...kernels.calls import CallTerms, calls_overhead
 from ...kernels.key_split import KeySplit, merged_rows, plan_key_split, split_calls
 from ...kernels.launch import (
     LaunchGrid,
+    accumulator_share,
     backward_short_steps,
     backward_step_total,
     backward_steps,
@@ -60,8 +65,8 @@ from ...kernels.launch import (
     segment_launch_steps,
 )
 
-__all__ = ["MERGE", "PHASES", "TERM_NAMES", "LaunchCostModel", "PhaseTerms", "call_features", "call_waves",
-           "fit_phase_terms", "spilled_keys"]
+__all__ = ["MERGE", "PHASES", "TERM_NAMES", "LaunchCostModel", "PhaseTerms", "accumulator_terms", "call_features",
+           "call_waves", "fit_phase_terms", "spilled_keys"]
 
 PHASES = ("forward", "backward")
 KIND = "launch"  # a saved model's "kind", beside the grid profile's files
@@ -73,8 +78,10 @@ class PhaseTerms:
     launched block (per head set: every block is launched once per head), per segment, per call, per key of a
     call past the kernel's keys limit (:attr:`~hf_longctx.kernels.launch.LaunchGrid.backward_keys_limit`), and per
     row the merge of a forward cut into chunks of its keys reads
-    (:func:`~hf_longctx.kernels.key_split.merged_rows`), and per tile step by which a backward block falls short
-    of the grid's ``backward_min_steps`` (:func:`~hf_longctx.kernels.launch.backward_short_steps`). A model saved
+    (:func:`~hf_longctx.kernels.key_split.merged_rows`), per tile step by which a backward block falls short
+    of the grid's ``backward_min_steps`` (:func:`~hf_longctx.kernels.launch.backward_short_steps`), and per key
+    and per tile step short of ``backward_accumulator_steps`` of a backward segment whose dK/dV accumulators leave
+    the L2, times the share that does (:func:`~hf_longctx.kernels.launch.accumulator_share`). A model saved
     before a term existed loads with it at 0."""
 
     step: float = 0.0
@@ -86,6 +93,8 @@ class PhaseTerms:
     k_spill: float = 0.0
     merge_row: float = 0.0
     short_step: float = 0.0
+    accumulator_key: float = 0.0
+    accumulator_short_step: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -169,7 +178,8 @@ def call_features(phase: str, q_lens: Sequence[int], k_lens: Sequence[int], grid
     """The quantities of one call's ``phase`` that :class:`PhaseTerms` prices (in its field order), the segments in
     launch order: tile steps times the call's tail factor, query rows, keys, launched blocks (every segment up to
     the longest), segments, calls, keys past the kernel's limit (:func:`spilled_keys`), merged rows, the backward's
-    steps short of the grid's minimum (:func:`~hf_longctx.kernels.launch.backward_short_steps`).
+    steps short of the grid's minimum (:func:`~hf_longctx.kernels.launch.backward_short_steps`), and its keys and
+    steps waiting on accumulators out of the L2 (:func:`accumulator_terms`).
     ``causal`` False: a call of rectangles (every row of a segment sees all its keys), which runs the same blocks
     over more tile steps. A forward the kernel runs as chunks of its keys (the grid's ``forward_key_split``, see
     :mod:`~hf_longctx.kernels.key_split`) is priced as the two calls it makes and the rows its merge reads."""
@@ -205,8 +215,27 @@ def _one_call_features(phase: str, q_lens: Sequence[int], k_lens: Sequence[int],
     keys = sum(k for _, k in pairs)
     short = sum(backward_short_steps(q, k, grid.backward_tile, grid.backward_min_steps, causal) for q, k in pairs) \
         if phase == "backward" else 0
+    past_l2, waiting = accumulator_terms(phase, pairs, grid, causal)
     return np.array([steps if tails else full, sum(q for q, _ in pairs), keys, launched, len(pairs), 1.0,
-                     spilled_keys(phase, keys, grid), 0.0, short])
+                     spilled_keys(phase, keys, grid), 0.0, short, past_l2, waiting])
+
+
+def accumulator_terms(phase: str, pairs: Sequence[tuple[int, int]], grid: LaunchGrid, causal: bool = True
+                      ) -> tuple[float, float]:
+    """The backward's keys and its blocks' tile steps short of ``grid.backward_accumulator_steps``, each segment's
+    times the share of its dK/dV accumulators out of the L2 (:func:`~hf_longctx.kernels.launch.accumulator_share`);
+    (0, 0) for the forward or where the grid declares no such keys. Per segment: a segment's heads run one after
+    another over its own keys, so its own length decides whether its accumulators stay in the L2."""
+    if phase != "backward" or grid.backward_accumulator_keys is None:
+        return 0.0, 0.0
+    past_l2 = waiting = 0.0
+    for q, k in pairs:
+        share = accumulator_share(int(k), grid.backward_accumulator_keys)
+        if share > 0.0:
+            past_l2 += share * k
+            waiting += share * backward_short_steps(int(q), int(k), grid.backward_tile,
+                                                    grid.backward_accumulator_steps, causal)
+    return past_l2, waiting
 
 
 def fit_phase_terms(features: np.ndarray, seconds: np.ndarray) -> tuple[PhaseTerms, float]:
@@ -294,7 +323,15 @@ class LaunchCostModel:
                 + (f.q_token + b.q_token) * q + (f.k_token + b.k_token) * kv
                 + f.block * -(-q // grid.forward_tile[0]) + b.block * -(-kv // grid.backward_tile[1])
                 + f.segment + b.segment + b.k_spill * spilled_keys("backward", kv, grid)
-                + b.short_step * backward_short_steps(q, kv, grid.backward_tile, grid.backward_min_steps, causal))
+                + b.short_step * backward_short_steps(q, kv, grid.backward_tile, grid.backward_min_steps, causal)
+                + self._accumulator_cost(q, kv, causal))
+
+    def _accumulator_cost(self, q: int, kv: int, causal: bool = True) -> float:
+        b = self.backward
+        if not (b.accumulator_key or b.accumulator_short_step):
+            return 0.0
+        past_l2, waiting = accumulator_terms("backward", [(q, kv)], self.launch, causal)
+        return b.accumulator_key * past_l2 + b.accumulator_short_step * waiting
 
     def rect_cost(self, q_len: int, kv_len: int) -> float:
         """A rectangle alone at full throughput: ``q_len`` rows that all see ``kv_len`` keys (a key cut's part
@@ -312,6 +349,11 @@ class LaunchCostModel:
                       + t.block * _own_blocks(phase, q, kv, grid) + t.segment)
         total += self.backward.k_spill * spilled_keys("backward", kv, grid)
         total += self.backward.short_step * backward_short_steps(q, kv, grid.backward_tile, grid.backward_min_steps)
+        b = self.backward
+        if (b.accumulator_key or b.accumulator_short_step) and grid.backward_accumulator_keys is not None:
+            share = accumulator_share(kv, grid.backward_accumulator_keys)
+            total += share * (b.accumulator_key * kv + b.accumulator_short_step * backward_short_steps(
+                q, kv, grid.backward_tile, grid.backward_accumulator_steps))
         return np.where(q > 0, total, 0.0)
 
     def tail_cost(self, q_lens: Sequence[int], k_lens: Sequence[int], causal: bool = True) -> float:

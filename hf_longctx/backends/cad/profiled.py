@@ -281,22 +281,27 @@ def launch_grid(kernel: str, device: torch.device, head_dim: int, mode: str = "f
     one for ``head_dim`` (``launch_grid(head_dim)`` on the registered kernel: a non-persistent kernel whose launch
     order leaves a tail); None otherwise, and on the CPU. A forward-only profile weighs the forward alone. With
     the attention ``shape`` priced, the grid also holds the kernel's ``backward_keys_limit`` for it (keys per
-    backward call past which it slows down; the kernel declares it or has none)."""
+    backward call past which it slows down; the kernel declares it or has none) and its
+    ``backward_accumulator_keys`` for the device's L2 (where its backward's dK/dV accumulators leave the cache)."""
     module = get_kernel(kernel)
     declare = getattr(module, "launch_grid", None)
     declared = declare(head_dim) if declare is not None else None
     if declared is None or torch.device(device).type != "cuda":
         return None
-    slots = torch.cuda.get_device_properties(device).multi_processor_count
-    limit = None
+    properties = torch.cuda.get_device_properties(device)
+    slots = properties.multi_processor_count
+    limit = accumulators = None
     if shape is not None and hasattr(module, "backward_keys_limit"):
         limit = module.backward_keys_limit(shape.heads, shape.kv_heads, shape.head_dim, shape.dtype.itemsize)
+    if shape is not None and hasattr(module, "backward_accumulator_keys"):
+        accumulators = module.backward_accumulator_keys(shape.heads, shape.kv_heads, shape.head_dim,
+                                                        int(getattr(properties, "L2_cache_size", 0)))
     if shape is not None and hasattr(module, "packs_query_heads"):  # a forward tile's rows shared by query heads
         pack = module.packs_query_heads(shape.heads, shape.kv_heads)
         rows, keys = declared.forward_tile
         declared = replace(declared, forward_tile=(rows // pack, keys), forward_head_pack=pack)
     return replace(declared, slots=slots, forward_weight=1.0 if mode == "fwd" else declared.forward_weight,
-                   backward_keys_limit=limit)
+                   backward_keys_limit=limit, backward_accumulator_keys=accumulators)
 
 
 def resolved_kernel(kernel: str, shape: SegmentShape, device: torch.device) -> str:
@@ -469,7 +474,8 @@ def _write_atomically(path: Path, model, meta: dict) -> None:
 def _same_launch(cached: LaunchGrid, grid: LaunchGrid) -> bool:
     """Whether a cached launch model was fitted on this grid (its terms mean something else on another)."""
     fields = ("forward_tile", "backward_tile", "slots", "forward_pairing", "empty_hold", "backward_keys_limit",
-              "forward_key_split", "launch_order", "forward_head_pack", "backward_min_steps")
+              "forward_key_split", "launch_order", "forward_head_pack", "backward_min_steps",
+              "backward_accumulator_keys", "backward_accumulator_steps")
     return all(getattr(cached, f) == getattr(grid, f) for f in fields)
 
 
@@ -487,9 +493,11 @@ def profile_l2() -> str:
 def _every_term(data: dict, grid: LaunchGrid) -> bool:
     """Whether a cached launch model was fitted with every term the model prices now on ``grid`` (one saved before
     a term existed loads with it at 0, which would price what the term measures as free). A term the grid never
-    measures (the short backward blocks' where it declares no minimum) is 0 either way: its absence keeps the
-    model."""
-    needed = set(TERM_NAMES) - ({"short_step"} if grid.backward_min_steps is None else set())
+    measures (the short backward blocks' where it declares no minimum, the accumulators' where it declares no keys
+    for them) is 0 either way: its absence keeps the model."""
+    unmeasured = ({"short_step"} if grid.backward_min_steps is None else set()) | \
+        ({"accumulator_key", "accumulator_short_step"} if grid.backward_accumulator_keys is None else set())
+    needed = set(TERM_NAMES) - unmeasured
     return all(needed <= set(data.get(phase, {})) for phase in PHASES)
 
 

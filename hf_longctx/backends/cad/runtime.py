@@ -382,28 +382,48 @@ RUNTIME_OFFSET_ROUNDS = 2  # schedules made again with the runtime's per-server 
 REFINE_SCREEN = 32
 
 
+def _server_batches(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, model: CostModel, split: bool):
+    """One server's ``tasks`` as the runtime batches them: per ping-pong half (with ``split``, those of these tasks
+    alone), causal segments and rectangles (key cuts) apart, each batch's (rows, keys, price) in launch order."""
+    groups = pingpong_split(plan, tasks) if split and options.get("pingpong", True) else [list(tasks)]
+    for group in groups:
+        for causal in (True, False):  # rectangles (key cuts) run in calls of their own
+            seg = [(*_segment_shape(plan, t), rows_cost(plan, t, t.q_start, t.q_end, model))
+                   for t in group if t.q_end > t.q_start and t.is_rect != causal]
+            if seg:
+                yield causal, [seg[i] for i in call_order([q for q, _, _ in seg], [k for _, k, _ in seg])]
+
+
+def server_calls(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, model: CostModel,
+                 split: bool = True) -> list[tuple[list[int], list[int], bool]]:
+    """The kernel calls one server's ``tasks`` make, as the runtime cuts its batches
+    (:func:`~hf_longctx.kernels.calls.plan_calls` under :func:`call_terms_for`): (query rows, keys, causal) per call,
+    in order. What :mod:`.call_profile` times to fit a kernel's cost on calls shaped like CAD's own."""
+    terms = call_terms_for(options, model)
+    calls = []
+    for causal, seg in _server_batches(plan, tasks, options, model, split):
+        q_lens, k_lens = [q for q, _, _ in seg], [k for _, k, _ in seg]
+        calls += [(q_lens[a:b], k_lens[a:b], causal) for a, b in plan_calls(q_lens, k_lens, terms)]
+    return calls
+
+
 def _server_time(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, model: CostModel,
                  terms: CallTerms | None, split: bool = True) -> float:
     """Predicted cost of one server's ``tasks`` as the runtime computes them (see :func:`server_costs`); with
     ``split``, ping-pong's halves are those of these tasks alone (every server's are made on its own)."""
     # the tail of each call (a measured model's ``tail_cost``, 0 where it has none; not under a sliding window)
     tails = model if isinstance(model, (ProfiledCostModel, LaunchCostModel)) else None
-    groups = pingpong_split(plan, tasks) if split and options.get("pingpong", True) else [list(tasks)]
     total = 0.0
-    for group in groups:
-        for causal in (True, False):  # rectangles (key cuts) run in calls of their own
-            seg = [(*_segment_shape(plan, t), rows_cost(plan, t, t.q_start, t.q_end, model))
-                   for t in group if t.q_end > t.q_start and t.is_rect != causal]
-            total += sum(c for _, _, c in seg)
-            if not seg or (terms is None and tails is None):
-                continue
-            seg = [seg[i] for i in call_order([q for q, _, _ in seg], [k for _, k, _ in seg])]
-            q_lens, k_lens = [q for q, _, _ in seg], [k for _, k, _ in seg]
-            runs = plan_calls(q_lens, k_lens, terms)
-            if terms is not None:
-                total += calls_overhead(q_lens, k_lens, runs, terms)
-            if tails is not None:
-                total += sum(tails.tail_cost(q_lens[a:b], k_lens[a:b], causal) for a, b in runs)
+    for causal, seg in _server_batches(plan, tasks, options, model, split):
+        total += sum(c for _, _, c in seg)
+        if terms is None and tails is None:
+            continue
+        q_lens, k_lens = [q for q, _, _ in seg], [k for _, k, _ in seg]
+        runs = plan_calls(q_lens, k_lens, terms)
+        if terms is not None:
+            total += calls_overhead(q_lens, k_lens, runs, terms)
+        if tails is not None:
+            total += sum(tails.tail_cost(q_lens[a:b], k_lens[a:b], causal) for a, b in runs)
     return total
 
 
