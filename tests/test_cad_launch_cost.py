@@ -166,18 +166,19 @@ def test_the_profiler_times_both_phases_of_random_calls_and_fits_them(monkeypatc
 
 
 def test_the_profiles_server_calls_are_those_cads_servers_run():
-    """The calls the profile adds are drawn from what CAD's servers run on the schedules of a few batches
-    (``runtime.server_calls``: ping-pong halves, cut into calls as the runtime cuts them), causal ones only."""
+    """The calls the profile adds are drawn from what CAD's servers run on the schedules of a few batches, each
+    drawn in rounds of other documents (``runtime.server_calls``: ping-pong halves, cut into calls as the runtime
+    cuts them), causal ones only."""
     from hf_longctx.backends.cad.runtime import cad_schedule, server_calls
     from hf_longctx.emulation.workloads import doc_lengths
     from hf_longctx.layout import PackedBatch, shard_plan
 
     batches = (("pretrain", 4096, 4), ("sft", 2048, 3))
     model = LaunchCostModel(GRID, 32, H200.forward, H200.backward)
-    drawn = call_profile.cad_server_calls(model, 30, seed=5, batches=batches)
-    assert drawn == call_profile.cad_server_calls(model, 30, seed=5, batches=batches)  # a seed draws the same
+    drawn = call_profile.cad_server_calls(model, 30, seed=5, batches=batches, rounds=2)
+    assert drawn == call_profile.cad_server_calls(model, 30, seed=5, batches=batches, rounds=2)  # a seed: the same
     pool = []
-    for i, (mix, tokens, world) in enumerate(batches):
+    for i, (mix, tokens, world) in enumerate(batches * 2):  # each batch twice, of other documents
         lengths = doc_lengths(mix, tokens, seed=call_profile.SERVER_CALL_SEED + 5 + i)
         plan = shard_plan(PackedBatch.from_doc_lens(lengths), world, "cad")
         options = {"cost_model": model, "eps": 0.01}

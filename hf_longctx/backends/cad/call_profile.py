@@ -168,26 +168,34 @@ def short_document_calls(count: int = 32, seed: int = 0, scale: float = 1.0) -> 
 SERVER_CALL_BATCHES = (("prolong", 131072, 64), ("pretrain", 524288, 64), ("sft", 524288, 64),
                        ("prolong", 262144, 16), ("pretrain", 524288, 16), ("sft", 262144, 16))
 SERVER_CALL_SEED = 1000  # the batches' seeds start here, away from the benchmarks' (0, 1, 2, ...)
+# each batch drawn this many times (other seeds): more calls of more steps price CAD's servers closer. Checked on
+# FlashAttention-4 (H200) by fitting the profile with N calls of other W = 64 steps and pricing held-out steps: the
+# per-server error fell from 1.37% (standard deviation; the profile alone) to 1.24%, 1.14%, 1.02%, 0.88% and 0.78%
+# with 120, 240, 480, 960 and 1920 such calls
+SERVER_CALL_ROUNDS = 2
+SERVER_CALL_REPS = 3  # timed runs of each server call (their median): they are many, and as steady as the rest
 
 
 def cad_server_calls(model: LaunchCostModel, count: int, seed: int = 0, scale: float = 1.0,
                      batches: Sequence[tuple[str, int, int]] = SERVER_CALL_BATCHES,
-                     max_pairs: float = MAX_CALL_PAIRS) -> list[list[tuple[int, int]]]:
+                     max_pairs: float = MAX_CALL_PAIRS, rounds: int = SERVER_CALL_ROUNDS
+                     ) -> list[list[tuple[int, int]]]:
     """``count`` causal calls drawn from what CAD's servers run (:func:`~.runtime.server_calls`) when ``model``
-    schedules ``batches`` (eps 0.01), in launch order, none over ``max_pairs`` visible pairs. ``scale`` shrinks
-    every batch (to no fewer than 64 tokens a server).
+    schedules ``batches`` (eps 0.01; each ``rounds`` times, of other documents), in launch order, none over
+    ``max_pairs`` visible pairs. ``scale`` shrinks every batch (to no fewer than 64 tokens a server).
 
     Why: random calls are drawn to span the kernel's shapes, not to weigh them as CAD's servers do, and a
-    server's time is a few such calls. Fitted on the profile's calls alone, FlashAttention-4's model priced the
-    servers of held-out W = 64 steps (H200) with a per-server error of 1.5% (standard deviation; the largest 3.6%
-    over the mean); fitted with CAD's calls of other steps too, 0.7% (2.1%)."""
+    server's time is a few such calls. Fitted on random calls alone, FlashAttention-4's model priced the servers
+    of held-out W = 64 steps (H200) with a per-server error of 1.5% (standard deviation; the largest 3.6% over the
+    mean); with 240 calls of six such batches, 1.37% (3.3%); with CAD's calls of other steps, the more the better
+    (see :data:`SERVER_CALL_ROUNDS`)."""
     from ...emulation.workloads import doc_lengths
     from ...layout import PackedBatch, shard_plan
     from .runtime import cad_schedule, server_calls
 
     rng = random.Random(seed + 4099)
     pool: list[list[tuple[int, int]]] = []
-    for i, (mix, tokens, world) in enumerate(batches):
+    for i, (mix, tokens, world) in enumerate(list(batches) * rounds):
         total = max(64 * world, int(tokens * scale))
         plan = shard_plan(PackedBatch.from_doc_lens(doc_lengths(mix, total, seed=SERVER_CALL_SEED + seed + i)),
                           world, "cad")
@@ -284,7 +292,7 @@ def profile_launch_cost(kernel: str, device: torch.device, grid: LaunchGrid, hea
                         head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, count: int = 160, seed: int = 0,
                         warmup: int = 1, reps: int = 5, scale: float = 1.0,
                         report: Callable[[str], None] | None = None, cold: bool = False,
-                        server_calls: int = 240, server_batches: Sequence[tuple[str, int, int]] = SERVER_CALL_BATCHES
+                        server_calls: int = 960, server_batches: Sequence[tuple[str, int, int]] = SERVER_CALL_BATCHES
                         ) -> tuple[LaunchCostModel, dict]:
     """Time ``count`` random calls (:func:`random_calls`, :func:`keys_limit_calls` where the grid has a keys
     limit, :func:`split_forward_calls` where its forward splits keys, and :func:`short_document_calls`) of
@@ -299,7 +307,7 @@ def profile_launch_cost(kernel: str, device: torch.device, grid: LaunchGrid, hea
              + short_document_calls(seed=seed, scale=scale) + few_rows_long_keys_calls(grid, seed=seed, scale=scale))
     key_split = KeySplit.for_grid(grid)  # the forward as the kernel's servers run it
 
-    def timed_calls(shapes_list: list[list[tuple[int, int]]], first: int) -> list:
+    def timed_calls(shapes_list: list[list[tuple[int, int]]], first: int, reps: int) -> list:
         out = []
         for i, shapes in enumerate(shapes_list):
             fwd, bwd = time_call_phases(shapes, kernel, heads, kv_heads, head_dim, dtype, device, warmup, reps,
@@ -311,11 +319,11 @@ def profile_launch_cost(kernel: str, device: torch.device, grid: LaunchGrid, hea
                 report(f"call {first + i}: {len(shapes)} segments, forward {fwd:.4f} ms, backward {bwd:.4f} ms")
         return out
 
-    timed = timed_calls(calls, 0)
+    timed = timed_calls(calls, 0, reps)
     model, fit = fit_timed_calls(timed, grid, heads)
     servers = cad_server_calls(model, server_calls, seed, scale, server_batches) if server_calls > 0 else []
     if servers:
-        timed += timed_calls(servers, len(calls))
+        timed += timed_calls(servers, len(calls), min(reps, SERVER_CALL_REPS))
         model, fit = fit_timed_calls(timed, grid, heads)
     meta = {"kernel": kernel, "calls": len(timed), "server_calls": len(servers), "call_set": CALL_SET, "seed": seed,
             "reps": reps, "l2": "evicted" if cold else "warm", **fit,
