@@ -19,15 +19,15 @@ from hf_longctx.kernels import fa4
 from hf_longctx.kernels.launch import LaunchGrid, accumulator_share, backward_short_steps
 
 FA4_LIKE = LaunchGrid(forward_tile=(128, 128), backward_tile=(64, 128), forward_weight=0.3, launch_order="segment",
-                      backward_min_steps=16, backward_accumulator_keys=(17066, 51200))
+                      backward_min_steps=16, backward_accumulator_keys=(15360, 46080))
 
 
 def test_the_share_out_of_the_l2_ramps_from_the_first_keys_to_the_full():
-    keys = (17066, 51200)
-    assert accumulator_share(17066, keys) == 0.0 and accumulator_share(1000, keys) == 0.0
-    assert accumulator_share(51200, keys) == 1.0 and accumulator_share(200_000, keys) == 1.0
-    assert accumulator_share(34133, keys) == pytest.approx(0.5, abs=1e-4)
-    lengths = np.array([0, 17066, 20000, 34133, 51200, 90000])
+    keys = (15360, 46080)
+    assert accumulator_share(15360, keys) == 0.0 and accumulator_share(1000, keys) == 0.0
+    assert accumulator_share(46080, keys) == 1.0 and accumulator_share(200_000, keys) == 1.0
+    assert accumulator_share(30720, keys) == pytest.approx(0.5)
+    lengths = np.array([0, 15360, 20000, 30720, 46080, 90000])
     np.testing.assert_allclose(accumulator_share(lengths, keys), [accumulator_share(int(k), keys) for k in lengths])
     assert accumulator_share(90000, None) == 0.0  # the kernel writes dK/dV directly: nothing to leave the cache
     assert accumulator_share(lengths, None).tolist() == [0.0] * len(lengths)
@@ -89,10 +89,11 @@ def test_the_profiler_recovers_what_accumulators_out_of_the_l2_cost(monkeypatch)
 
 
 def test_flash_attention_4_declares_its_accumulator_keys_from_the_l2_and_the_head_dim():
-    # 1 KB of fp32 dK and dV per key at head dim 128: out of a 50 MiB L2 from 51,200 keys, leaving from a third
-    assert fa4.backward_accumulator_keys(32, 8, 128, 50 * 2 ** 20) == (17066, 51200)
-    assert fa4.backward_accumulator_keys(32, 8, 64, 50 * 2 ** 20) == (34133, 102400)
-    assert fa4.backward_accumulator_keys(32, 32, 128, 50 * 2 ** 20) is None  # no grouped heads: no accumulators
+    # 1 KB of fp32 dK and dV per key at head dim 128: a 60 MiB L2 (an H200's) holds 61,440 keys' worth; they
+    # leave it from a quarter of that on and are out of it at three quarters
+    assert fa4.backward_accumulator_keys(32, 8, 128, 60 * 2 ** 20) == (15360, 46080)
+    assert fa4.backward_accumulator_keys(32, 8, 64, 60 * 2 ** 20) == (30720, 92160)
+    assert fa4.backward_accumulator_keys(32, 32, 128, 60 * 2 ** 20) is None  # no grouped heads: no accumulators
     assert fa4.backward_accumulator_keys(32, 8, 128, 0) is None  # an L2 the device does not report
 
 

@@ -140,14 +140,16 @@ def backward_accumulator_keys(heads: int, kv_heads: int, head_dim: int, l2_bytes
     from which they are out of it (see :func:`~hf_longctx.kernels.launch.accumulator_share`); None without
     grouped-query heads (flash-attn-4 then writes dK and dV directly).
 
-    One query head's accumulators take ``2 * head_dim * 4`` bytes per key (dK and dV in fp32); they are out of the
-    L2 from ``l2_bytes`` on and start to leave it at a third of that (other buffers share the cache). Fitted on an
-    H200 (50 MB): a ramp from 16-20K to 48-60K keys priced held-out CAD steps best (per-server error 0.74-0.78%;
-    0.9-1.6% from 8K or 32K, or over a half or twice the width)."""
+    One query head's accumulators take ``2 * head_dim * 4`` bytes per key (dK and dV in fp32); they start to leave
+    the L2 once they fill a quarter of it and are out of it at three quarters (the block's K, V, dO and dQ lines
+    share the cache). Checked on an H200 (60 MiB, so 15,360 to 46,080 keys at head dim 128) by fitting the profile
+    with each ramp and pricing 15 dumped W = 64 steps: the largest server over the mean 2.7% (ProLong), 2.5%
+    (Pretrain), 1.8% (SFT); from a third to the whole L2, 3.8%, 2.5% and 1.5%; from a sixth to three quarters,
+    2.8%, 2.5% and 1.9%."""
     if heads == kv_heads or l2_bytes <= 0:
         return None
     full = l2_bytes // (2 * head_dim * 4)
-    return full // 3, full
+    return full // 4, 3 * full // 4
 
 
 def packs_query_heads(heads: int, kv_heads: int) -> int:
