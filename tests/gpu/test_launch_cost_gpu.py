@@ -3,7 +3,8 @@
 :mod:`hf_longctx.backends.cad.call_profile` times random calls of the kinds CAD servers make (torch's flash
 kernel, 8B heads) and fits six terms per phase; every fourth call is held out of the fit and priced. Measured on
 an H200 with 160 calls: 0.6% standard deviation of the held-out calls' forward+backward error. Here with fewer
-calls, so the bound is looser.
+calls (and a few of CAD's own server calls, :func:`~hf_longctx.backends.cad.call_profile.cad_server_calls`), so
+the bound is looser.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ def test_the_fitted_launch_model_prices_held_out_calls_within_two_percent():
     shape = SegmentShape()
     grid = launch_grid("torch_flash", device, shape.head_dim)
     model, meta = profile_launch_cost("torch_flash", device, grid, shape.heads, shape.kv_heads, shape.head_dim,
-                                      shape.dtype, count=96, reps=3)
+                                      shape.dtype, count=96, reps=3, server_calls=48)
+    assert meta["server_calls"] == 48  # and calls of CAD's servers, scheduled on the fit of the random ones
     held_out = meta["held_out_relative_error_std"]
     assert held_out["forward+backward"] < 0.02, held_out
     assert model.backward.step > model.forward.step > 0  # a backward tile step does more than a forward one
