@@ -140,3 +140,8 @@ def test_a_cached_model_without_the_accumulator_terms_is_kept_only_where_the_gri
     current["grid"] = replace(grid, backward_accumulator_keys=(120, 360))
     _, source = profiled_cost_model("reference", "cpu", shape)
     assert "now" in source and len(fits) == 2  # now it does: fitted again
+    _, source = profiled_cost_model("reference", "cpu", shape)
+    assert "now" not in source and len(fits) == 2
+    current["grid"] = replace(grid, backward_accumulator_keys=(100, 300))  # another L2: its terms mean otherwise
+    _, source = profiled_cost_model("reference", "cpu", shape)
+    assert "now" in source and len(fits) == 3

@@ -165,6 +165,49 @@ def test_the_profiler_times_both_phases_of_random_calls_and_fits_them(monkeypatc
     assert first["forward"] == pytest.approx(truth["forward"].as_vector() @ call_features("forward", q, k, grid, 2))
 
 
+def test_the_profile_fits_again_with_the_server_calls_it_timed(monkeypatch):
+    """The final model is fitted on the server calls too: where they run slower than the random calls' fit says,
+    the model moves toward them."""
+    grid = LaunchGrid(forward_tile=(16, 8), backward_tile=(8, 16), slots=6)
+    truth = {"forward": PhaseTerms(2e-3, 1e-4, 2e-4, 1e-3, 0.0, 0.05),
+             "backward": PhaseTerms(5e-3, 3e-4, 2e-4, 2e-3, 1e-2, 0.08)}
+    exact = _fake_call_clock(truth, grid, heads=2)
+    servers: set = set()
+
+    def slower_on_servers(step, device, cold=False):
+        return exact(step, device, cold) * (1.2 if tuple(map(tuple, step.shapes)) in servers else 1.0)
+
+    def drawn(*args):
+        calls = real_server_calls(*args)
+        servers.update(tuple(map(tuple, c)) for c in calls)
+        return calls
+
+    real_server_calls = call_profile.cad_server_calls
+    monkeypatch.setattr(call_profile, "cad_server_calls", drawn)
+    monkeypatch.setattr(call_profile, "_run_ms", slower_on_servers)
+    model, meta = profile_launch_cost("reference", torch.device("cpu"), grid, heads=2, kv_heads=1, head_dim=8,
+                                      dtype=torch.float32, count=32, warmup=0, reps=1, scale=1 / 256,
+                                      server_calls=40)
+    assert meta["server_calls"] == 40 and servers
+    shapes = [list(c) for c in servers]
+    for phase in PHASES:
+        priced = [LaunchCostModel(grid, 2, truth["forward"], truth["backward"]).phase_cost(
+            phase, [q for q, _ in c], [k for _, k in c]) for c in shapes]
+        refit = [model.phase_cost(phase, [q for q, _ in c], [k for _, k in c]) for c in shapes]
+        assert sum(refit) > 1.05 * sum(priced), phase  # priced up toward the 20% the server calls took more
+
+
+def test_only_causal_server_calls_are_drawn(monkeypatch):
+    """A server's calls of rectangles (key cuts) run the non-causal kernel; the profile times causal calls only."""
+    from hf_longctx.backends.cad import runtime
+
+    monkeypatch.setattr(runtime, "server_calls", lambda plan, tasks, options, model: [([64], [640], False),
+                                                                                      ([32, 16], [32, 16], True)])
+    model = LaunchCostModel(GRID, 32, H200.forward, H200.backward)
+    drawn = call_profile.cad_server_calls(model, 100, batches=(("sft", 2048, 2),), rounds=1)
+    assert drawn == [[(32, 32), (16, 16)]] * 2  # one causal call per server
+
+
 def test_the_profiles_server_calls_are_those_cads_servers_run():
     """The calls the profile adds are drawn from what CAD's servers run on the schedules of a few batches, each
     drawn in rounds of other documents (``runtime.server_calls``: ping-pong halves, cut into calls as the runtime
