@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from hf_longctx.backends.cad.call_profile import (
+    SERVER_CALLS,
     SWEEPS,
     check_call_mix,
     check_keys_limit,
@@ -130,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="cad_profile.json")
     p.add_argument("--launch", type=int, default=0, metavar="N",
                    help="fit the launch cost model on N random calls instead of measuring the grid")
+    p.add_argument("--server-calls", type=int, default=SERVER_CALLS, metavar="N",
+                   help="--launch: then time up to N calls of CAD's servers scheduled on that fit, and fit again on "
+                        f"all (default {SERVER_CALLS}, what the backend's profile times; 0: random calls only)")
     p.add_argument("--load", default=None, metavar="PATH", help="check this profile instead of measuring one")
     p.add_argument("--check", type=int, default=0, metavar="N",
                    help="then time N random off-grid segment shapes and report the profile's error on them")
@@ -198,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         model, meta = profile_launch_cost(kernel, device, grid, shape.heads, shape.kv_heads, shape.head_dim,
                                           shape.dtype, count=args.launch, warmup=args.warmup, reps=args.reps,
-                                          report=lambda line: print(line, flush=True), cold=args.cold)
+                                          report=lambda line: print(line, flush=True), cold=args.cold,
+                                          server_calls=args.server_calls)
         model.save(args.out, **meta)
         print(f"wrote {args.out}: launch cost model of {kernel}, held-out error std "
               f"{meta['held_out_relative_error_std']}")

@@ -37,7 +37,7 @@ from ...kernels.launch import LaunchGrid
 from .cost_model import PAIRS
 from .launch_cost import PHASES, LaunchCostModel, call_features, call_waves, fit_phase_terms
 
-__all__ = ["CALL_KINDS", "CALL_SET", "SERVER_CALL_BATCHES", "SWEEPS", "WAVE_BINS", "cad_server_calls",
+__all__ = ["CALL_KINDS", "CALL_SET", "SERVER_CALLS", "SERVER_CALL_BATCHES", "SWEEPS", "WAVE_BINS", "cad_server_calls",
            "check_call_mix", "check_keys_limit", "check_launch_cost", "dumped_calls", "errors_by_waves",
            "few_rows_long_keys_calls", "fit_timed_calls", "keys_limit_calls", "mix_pairs", "phase_spreads",
            "placement_probes", "profile_launch_cost", "random_calls", "replay_dumped_calls", "segment_batch",
@@ -174,6 +174,7 @@ SERVER_CALL_SEED = 1000  # the batches' seeds start here, away from the benchmar
 # with 120, 240, 480, 960 and 1920 such calls
 SERVER_CALL_ROUNDS = 2
 SERVER_CALL_REPS = 3  # timed runs of each server call (their median): they are many, and as steady as the rest
+SERVER_CALLS = 960  # server calls the profile times at most (two rounds of the batches hold about 850 on an H200)
 
 
 def cad_server_calls(model: LaunchCostModel, count: int, seed: int = 0, scale: float = 1.0,
@@ -292,7 +293,8 @@ def profile_launch_cost(kernel: str, device: torch.device, grid: LaunchGrid, hea
                         head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, count: int = 160, seed: int = 0,
                         warmup: int = 1, reps: int = 5, scale: float = 1.0,
                         report: Callable[[str], None] | None = None, cold: bool = False,
-                        server_calls: int = 960, server_batches: Sequence[tuple[str, int, int]] = SERVER_CALL_BATCHES
+                        server_calls: int = SERVER_CALLS,
+                        server_batches: Sequence[tuple[str, int, int]] = SERVER_CALL_BATCHES
                         ) -> tuple[LaunchCostModel, dict]:
     """Time ``count`` random calls (:func:`random_calls`, :func:`keys_limit_calls` where the grid has a keys
     limit, :func:`split_forward_calls` where its forward splits keys, and :func:`short_document_calls`) of
