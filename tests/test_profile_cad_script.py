@@ -60,6 +60,9 @@ def _script_with_a_cpu_launch_grid(monkeypatch):
     monkeypatch.setattr(script, "launch_grid", lambda kernel, device, head_dim, shape=None: grid)
     real = call_profile.random_calls
     monkeypatch.setattr(call_profile, "random_calls", lambda count, seed=0, **kw: real(count, seed, scale=1 / 256))
+    servers = call_profile.cad_server_calls  # a few server calls of tiny batches (the CPU kernel times them)
+    monkeypatch.setattr(call_profile, "cad_server_calls", lambda model, count, seed=0, scale=1.0, batches=(), **kw:
+                        servers(model, min(count, 6), seed, 1 / 256, (("sft", 2048, 4),), rounds=1))
     return script, grid
 
 
@@ -73,6 +76,9 @@ def test_launch_fit_writes_a_launch_cost_model(tmp_path, monkeypatch, capsys):
     model = LaunchCostModel.load(out)
     assert model.launch == grid and model.heads == 2
     assert "held-out error" in capsys.readouterr().out
+    assert 0 < json.loads(out.read_text())["meta"]["server_calls"] <= 6  # and calls of CAD's servers, fitted too
+    assert script.main([*TINY, "--out", str(out), "--launch", "12", "--server-calls", "0"]) == 0
+    assert json.loads(out.read_text())["meta"]["server_calls"] == 0
 
 
 def test_a_saved_profile_is_fitted_again_on_another_grid_without_the_device(tmp_path, monkeypatch, capsys):
