@@ -13,6 +13,10 @@ document's tile steps, were priced up to 6% off (max/mean 1.036 at 4 ranks on th
 kernel's forward runs few rows over long keys as chunks of them (:mod:`~hf_longctx.kernels.key_split`), their time
 is no longer where the GPU puts a few long blocks, and :func:`split_forward_calls` adds a fixed set of them.
 
+Random calls span the kernel's shapes but do not weigh them as CAD's servers do; so, fitted on them, the profile
+then schedules CAD on that fit over a few batches of the benchmarks' mixes and times the servers' own calls
+(:func:`cad_server_calls`), and fits again on all.
+
 The fit is checked before it is kept: the terms are fitted on three calls in four and priced on the fourth
 (:func:`profile_launch_cost`'s metadata holds that held-out error), then fitted on all.
 """
