@@ -66,7 +66,7 @@ from ...kernels.launch import (
 )
 
 __all__ = ["MERGE", "PHASES", "TERM_NAMES", "LaunchCostModel", "PhaseTerms", "accumulator_terms", "call_features",
-           "call_waves", "fit_phase_terms", "spilled_keys"]
+           "call_waves", "fit_phase_terms", "segment_accumulator_terms", "spilled_keys"]
 
 PHASES = ("forward", "backward")
 KIND = "launch"  # a saved model's "kind", beside the grid profile's files
@@ -223,19 +223,28 @@ def _one_call_features(phase: str, q_lens: Sequence[int], k_lens: Sequence[int],
 def accumulator_terms(phase: str, pairs: Sequence[tuple[int, int]], grid: LaunchGrid, causal: bool = True
                       ) -> tuple[float, float]:
     """The backward's keys and its blocks' tile steps short of ``grid.backward_accumulator_steps``, each segment's
-    times the share of its dK/dV accumulators out of the L2 (:func:`~hf_longctx.kernels.launch.accumulator_share`);
-    (0, 0) for the forward or where the grid declares no such keys. Per segment: a segment's heads run one after
-    another over its own keys, so its own length decides whether its accumulators stay in the L2."""
+    times the share of its dK/dV accumulators out of the L2 (:func:`segment_accumulator_terms`, summed); (0, 0)
+    for the forward or where the grid declares no such keys. Per segment: a segment's heads run one after another
+    over its own keys, so its own length decides whether its accumulators stay in the L2."""
     if phase != "backward" or grid.backward_accumulator_keys is None:
         return 0.0, 0.0
     past_l2 = waiting = 0.0
     for q, k in pairs:
-        share = accumulator_share(int(k), grid.backward_accumulator_keys)
-        if share > 0.0:
-            past_l2 += share * k
-            waiting += share * backward_short_steps(int(q), int(k), grid.backward_tile,
-                                                    grid.backward_accumulator_steps, causal)
+        keys, steps = segment_accumulator_terms(int(q), int(k), grid, causal)
+        past_l2 += keys
+        waiting += steps
     return past_l2, waiting
+
+
+def segment_accumulator_terms(q_len, k_len, grid: LaunchGrid, causal: bool = True):
+    """One backward segment's (keys, tile steps short of ``grid.backward_accumulator_steps``), each times the share
+    of its accumulators out of the L2 (:func:`~hf_longctx.kernels.launch.accumulator_share`); for ints or numpy
+    arrays of segments of rows (0 where the grid declares no accumulator keys)."""
+    share = accumulator_share(k_len, grid.backward_accumulator_keys)
+    if np.ndim(share) == 0 and share == 0.0:  # under the L2's keys: no short steps to count
+        return 0.0, 0.0
+    short = backward_short_steps(q_len, k_len, grid.backward_tile, grid.backward_accumulator_steps, causal)
+    return share * k_len, share * short
 
 
 def fit_phase_terms(features: np.ndarray, seconds: np.ndarray) -> tuple[PhaseTerms, float]:
@@ -326,11 +335,12 @@ class LaunchCostModel:
                 + b.short_step * backward_short_steps(q, kv, grid.backward_tile, grid.backward_min_steps, causal)
                 + self._accumulator_cost(q, kv, causal))
 
-    def _accumulator_cost(self, q: int, kv: int, causal: bool = True) -> float:
+    def _accumulator_cost(self, q, kv, causal: bool = True):
+        """What a segment (ints, or numpy arrays of segments) pays for accumulators out of the L2."""
         b = self.backward
         if not (b.accumulator_key or b.accumulator_short_step):
             return 0.0
-        past_l2, waiting = accumulator_terms("backward", [(q, kv)], self.launch, causal)
+        past_l2, waiting = segment_accumulator_terms(q, kv, self.launch, causal)
         return b.accumulator_key * past_l2 + b.accumulator_short_step * waiting
 
     def rect_cost(self, q_len: int, kv_len: int) -> float:
@@ -349,11 +359,7 @@ class LaunchCostModel:
                       + t.block * _own_blocks(phase, q, kv, grid) + t.segment)
         total += self.backward.k_spill * spilled_keys("backward", kv, grid)
         total += self.backward.short_step * backward_short_steps(q, kv, grid.backward_tile, grid.backward_min_steps)
-        b = self.backward
-        if (b.accumulator_key or b.accumulator_short_step) and grid.backward_accumulator_keys is not None:
-            share = accumulator_share(kv, grid.backward_accumulator_keys)
-            total += share * (b.accumulator_key * kv + b.accumulator_short_step * backward_short_steps(
-                q, kv, grid.backward_tile, grid.backward_accumulator_steps))
+        total += self._accumulator_cost(q, kv)
         return np.where(q > 0, total, 0.0)
 
     def tail_cost(self, q_lens: Sequence[int], k_lens: Sequence[int], causal: bool = True) -> float:
