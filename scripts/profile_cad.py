@@ -57,6 +57,7 @@ import torch
 
 from hf_longctx.backends.cad.call_profile import (
     SERVER_CALLS,
+    STEP_CALL_SEEDS,
     SWEEPS,
     check_call_mix,
     check_keys_limit,
@@ -88,6 +89,7 @@ from hf_longctx.backends.cad.profiled import (
 )
 from hf_longctx.backends.cad.runtime import prepare, server_costs
 from hf_longctx.benchmarking import token_counts
+from hf_longctx.emulation.step_calls import StepCall, calls_of_logs
 from hf_longctx.emulation.workloads import doc_lengths
 from hf_longctx.kernels.key_split import RULE, KeySplit, plan_key_split
 from hf_longctx.layout import PackedBatch, shard_plan
@@ -97,6 +99,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def sizes(text: str) -> list[int]:
     return sorted(set(token_counts(text)))
+
+
+def seed_list(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
 
 
 def sweeps(text: str) -> list[str]:
@@ -134,6 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-calls", type=int, default=SERVER_CALLS, metavar="N",
                    help="--launch: then time up to N calls of CAD's servers scheduled on that fit, and fit again on "
                         f"all (default {SERVER_CALLS}, what the backend's profile times; 0: random calls only)")
+    p.add_argument("--step-seeds", type=seed_list, default=STEP_CALL_SEEDS, metavar="S,...",
+                   help="--launch: then emulate CAD's steps of those batches drawn with these seeds, time their calls "
+                        "where they run, and fit again on all (default "
+                        f"{','.join(map(str, STEP_CALL_SEEDS))}, what the backend's profile runs; '': none)")
+    p.add_argument("--step-dumps", default=None, metavar="DUMP,...",
+                   help="--refit: also fit the calls of these dumped emulated steps (bench_emulated.py --dump-calls), "
+                        "each weighing as a call the profile timed in its own steps")
     p.add_argument("--load", default=None, metavar="PATH", help="check this profile instead of measuring one")
     p.add_argument("--check", type=int, default=0, metavar="N",
                    help="then time N random off-grid segment shapes and report the profile's error on them")
@@ -203,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         model, meta = profile_launch_cost(kernel, device, grid, shape.heads, shape.kv_heads, shape.head_dim,
                                           shape.dtype, count=args.launch, warmup=args.warmup, reps=args.reps,
                                           report=lambda line: print(line, flush=True), cold=args.cold,
-                                          server_calls=args.server_calls)
+                                          server_calls=args.server_calls, step_seeds=args.step_seeds)
         model.save(args.out, **meta)
         print(f"wrote {args.out}: launch cost model of {kernel}, held-out error std "
               f"{meta['held_out_relative_error_std']}")
@@ -353,11 +366,18 @@ def refit_saved_model(args: argparse.Namespace) -> int:
     grid = loaded.launch if args.backward_min_steps is None else \
         replace(loaded.launch, backward_min_steps=args.backward_min_steps or None)
     timed = [([tuple(x) for x in c["shapes"]], c["forward"], c["backward"]) for c in data["meta"]["timed"]]
-    model, fit = fit_timed_calls(timed, grid, loaded.heads)
-    model.save(args.refit, **{**data["meta"], **fit, "refitted_from": Path(args.load).name})
+    steps = [StepCall(c["phase"], tuple(c["q_lens"]), tuple(c["k_lens"]), c["ms"])
+             for c in data["meta"].get("step_calls", [])]
+    dumps = [p for p in (args.step_dumps or "").split(",") if p]
+    for path in dumps:
+        steps += calls_of_logs(json.loads(Path(path).read_text())["reps"])
+    model, fit = fit_timed_calls(timed, grid, loaded.heads, steps)
+    model.save(args.refit, **{**data["meta"], **fit, "refitted_from": Path(args.load).name,
+                              "step_calls": [c._asdict() for c in steps],
+                              **({"step_dumps": [Path(p).name for p in dumps]} if dumps else {})})
     errors = ", ".join(f"{p} {v * 100:.2f}%" for p, v in fit["held_out_relative_error_std"].items())
-    print(f"wrote {args.refit}: {len(timed)} timed calls fitted again (backward_min_steps "
-          f"{grid.backward_min_steps}); held-out error std {errors}")
+    print(f"wrote {args.refit}: {len(timed)} timed calls and {len(steps)} calls of steps fitted again "
+          f"(backward_min_steps {grid.backward_min_steps}); held-out error std {errors}")
     return 0
 
 

@@ -82,7 +82,7 @@ def test_the_profiler_recovers_what_accumulators_out_of_the_l2_cost(monkeypatch)
     monkeypatch.setattr(call_profile, "_run_ms", _fake_call_clock(truth, grid, heads=2))
     model, meta = profile_launch_cost("reference", torch.device("cpu"), grid, heads=2, kv_heads=1, head_dim=8,
                                       dtype=torch.float32, count=32, warmup=0, reps=1, scale=1 / 256,
-                                      server_calls=24)
+                                      server_calls=24, step_seeds=())
     np.testing.assert_allclose(model.backward.as_vector(), truth["backward"].as_vector(), rtol=1e-6, atol=1e-12)
     assert model.forward.accumulator_key == 0.0 and model.forward.accumulator_short_step == 0.0
     assert max(meta["held_out_relative_error_std"].values()) < 1e-9
@@ -125,7 +125,8 @@ def test_a_cached_model_without_the_accumulator_terms_is_kept_only_where_the_gri
 
     def small_fit(*args, **kwargs):
         fits.append(1)
-        return real(*args, **{**kwargs, "count": 24, "warmup": 0, "reps": 1, "scale": 1 / 256, "server_calls": 0})
+        return real(*args, **{**kwargs, "count": 24, "warmup": 0, "reps": 1, "scale": 1 / 256, "server_calls": 0,
+                                      "step_seeds": ()})
 
     monkeypatch.setattr(profiled, "profile_launch_cost", small_fit)
     shape = SegmentShape(2, 1, 8, torch.float32)

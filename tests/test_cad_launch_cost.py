@@ -146,7 +146,7 @@ def test_the_profiler_times_both_phases_of_random_calls_and_fits_them(monkeypatc
     monkeypatch.setattr(call_profile, "cad_server_calls", server_calls_on)
     model, meta = profile_launch_cost("reference", torch.device("cpu"), grid, heads=2, kv_heads=1, head_dim=8,
                                       dtype=torch.float32, count=32, warmup=0, reps=1, scale=1 / 256,
-                                      server_calls=40)
+                                      server_calls=40, step_seeds=())
     for phase in PHASES:
         np.testing.assert_allclose(model.terms(phase).as_vector(), truth[phase].as_vector(), rtol=1e-6, atol=1e-12)
     # the random calls and the batches of short documents (the grid neither limits keys nor splits forwards), then
@@ -187,7 +187,7 @@ def test_the_profile_fits_again_with_the_server_calls_it_timed(monkeypatch):
     monkeypatch.setattr(call_profile, "_run_ms", slower_on_servers)
     model, meta = profile_launch_cost("reference", torch.device("cpu"), grid, heads=2, kv_heads=1, head_dim=8,
                                       dtype=torch.float32, count=32, warmup=0, reps=1, scale=1 / 256,
-                                      server_calls=40)
+                                      server_calls=40, step_seeds=())
     assert meta["server_calls"] == 40 and servers
     shapes = [list(c) for c in servers]
     for phase in PHASES:
@@ -266,7 +266,7 @@ def test_the_profiler_recovers_what_short_backward_blocks_cost_per_step(monkeypa
     monkeypatch.setattr(call_profile, "_run_ms", _fake_call_clock(truth, grid, heads=2))
     model, meta = profile_launch_cost("reference", torch.device("cpu"), grid, heads=2, kv_heads=1, head_dim=8,
                                       dtype=torch.float32, count=32, warmup=0, reps=1, scale=1 / 256,
-                                      server_calls=0)
+                                      server_calls=0, step_seeds=())
     assert model.backward.short_step == pytest.approx(3e-3, rel=1e-6)
     assert max(meta["held_out_relative_error_std"].values()) < 1e-9
     plain = LaunchCostModel(grid, 2, model.forward, replace(model.backward, short_step=0.0))
@@ -289,7 +289,7 @@ def test_the_profiler_prices_backward_keys_past_the_kernels_limit(monkeypatch):
     monkeypatch.setattr(call_profile, "_run_ms", _fake_call_clock(truth, grid, heads=2))
     model, meta = profile_launch_cost("reference", torch.device("cpu"), grid, heads=2, kv_heads=1, head_dim=8,
                                       dtype=torch.float32, count=32, warmup=0, reps=1, scale=1 / 256,
-                                      server_calls=0)
+                                      server_calls=0, step_seeds=())
     np.testing.assert_allclose(model.backward.as_vector(), truth["backward"].as_vector(), rtol=1e-6, atol=1e-12)
     assert model.forward.k_spill == 0.0 and meta["calls"] == 32 + 6 + len(short_document_calls())
 
@@ -541,7 +541,8 @@ def test_profiled_picks_the_launch_model_where_the_kernel_declares_a_grid(tmp_pa
 
     def small_fit(*args, **kwargs):
         fits.append(1)
-        return real(*args, **{**kwargs, "count": 24, "warmup": 0, "reps": 1, "scale": 1 / 256, "server_calls": 8})
+        return real(*args, **{**kwargs, "count": 24, "warmup": 0, "reps": 1, "scale": 1 / 256, "server_calls": 8,
+                                      "step_seeds": ()})
 
     monkeypatch.setattr(profiled, "profile_launch_cost", small_fit)
     shape = SegmentShape(2, 1, 8, torch.float32)

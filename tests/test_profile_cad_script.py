@@ -63,6 +63,11 @@ def _script_with_a_cpu_launch_grid(monkeypatch):
     servers = call_profile.cad_server_calls  # a few server calls of tiny batches (the CPU kernel times them)
     monkeypatch.setattr(call_profile, "cad_server_calls", lambda model, count, seed=0, scale=1.0, batches=(), **kw:
                         servers(model, min(count, 6), seed, 1 / 256, (("sft", 2048, 4),), rounds=1))
+    from hf_longctx.emulation import step_calls
+
+    steps = step_calls.time_step_calls  # one tiny step (the CPU kernel runs it)
+    monkeypatch.setattr(step_calls, "time_step_calls", lambda options, kernel, device, batches, *a, seeds=(), **kw:
+                        steps(options, kernel, device, (("sft", 1024, 4),), *a, seeds=seeds[:1], reps=1))
     return script, grid
 
 
@@ -76,9 +81,12 @@ def test_launch_fit_writes_a_launch_cost_model(tmp_path, monkeypatch, capsys):
     model = LaunchCostModel.load(out)
     assert model.launch == grid and model.heads == 2
     assert "held-out error" in capsys.readouterr().out
-    assert 0 < json.loads(out.read_text())["meta"]["server_calls"] <= 6  # and calls of CAD's servers, fitted too
-    assert script.main([*TINY, "--out", str(out), "--launch", "12", "--server-calls", "0"]) == 0
-    assert json.loads(out.read_text())["meta"]["server_calls"] == 0
+    meta = json.loads(out.read_text())["meta"]
+    assert 0 < meta["server_calls"] <= 6  # and calls of CAD's servers, fitted too
+    assert meta["step_calls"] and set(meta["held_out_step_error_std"]) == {"forward", "backward"}  # and in a step
+    assert script.main([*TINY, "--out", str(out), "--launch", "12", "--server-calls", "0", "--step-seeds", ""]) == 0
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["server_calls"] == 0 and meta["step_calls"] == []
 
 
 def test_a_saved_profile_is_fitted_again_on_another_grid_without_the_device(tmp_path, monkeypatch, capsys):

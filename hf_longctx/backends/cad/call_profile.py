@@ -15,7 +15,10 @@ is no longer where the GPU puts a few long blocks, and :func:`split_forward_call
 
 Random calls span the kernel's shapes but do not weigh them as CAD's servers do; so, fitted on them, the profile
 then schedules CAD on that fit over a few batches of the benchmarks' mixes and times the servers' own calls
-(:func:`cad_server_calls`), and fits again on all.
+(:func:`cad_server_calls`), and fits again on all. Last, it emulates a few such steps and times their calls where
+they run, one device running every server's calls (:mod:`hf_longctx.emulation.step_calls`): alone, a call runs back
+to back over its own buffers, and its time in a step differs by its size. It fits again on all, a step's call
+weighing :data:`STEP_CALL_WEIGHT` calls timed alone.
 
 The fit is checked before it is kept: the terms are fitted on three calls in four and priced on the fourth
 (:func:`profile_launch_cost`'s metadata holds that held-out error), then fitted on all.
@@ -39,22 +42,23 @@ from ...kernels.calls import call_order, plan_calls
 from ...kernels.key_split import KeySplit
 from ...kernels.launch import LaunchGrid
 from .cost_model import PAIRS
-from .launch_cost import PHASES, LaunchCostModel, call_features, call_waves, fit_phase_terms
+from .launch_cost import PHASES, TERM_NAMES, LaunchCostModel, PhaseTerms, call_features, call_waves, fit_phase_terms
 
-__all__ = ["CALL_KINDS", "CALL_SET", "SERVER_CALLS", "SERVER_CALL_BATCHES", "SWEEPS", "WAVE_BINS", "cad_server_calls",
-           "check_call_mix", "check_keys_limit", "check_launch_cost", "dumped_calls", "errors_by_waves",
-           "few_rows_long_keys_calls", "fit_timed_calls", "keys_limit_calls", "mix_pairs", "phase_spreads",
-           "placement_probes", "profile_launch_cost", "random_calls", "replay_dumped_calls", "segment_batch",
-           "server_phase_errors", "short_document_calls", "split_forward_calls", "sweep_shapes", "time_call_phases",
-           "time_placement"]
+__all__ = ["CALL_KINDS", "CALL_SET", "SERVER_CALLS", "SERVER_CALL_BATCHES", "STEP_CALL_SEEDS", "STEP_CALL_WEIGHT",
+           "SWEEPS", "WAVE_BINS", "cad_server_calls", "check_call_mix", "check_keys_limit", "check_launch_cost",
+           "dumped_calls", "errors_by_waves", "few_rows_long_keys_calls", "fit_timed_calls", "keys_limit_calls",
+           "mix_pairs", "phase_spreads", "placement_probes", "profile_launch_cost", "random_calls",
+           "replay_dumped_calls", "segment_batch", "server_phase_errors", "short_document_calls", "split_forward_calls",
+           "sweep_shapes", "time_call_phases", "time_placement"]
 
 # sizes of call (waves of launched blocks, see :func:`~.launch_cost.call_waves`) that :func:`errors_by_waves` groups
 WAVE_BINS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 64.0, math.inf)
 CALL_KINDS = ("short documents", "shards", "long shard beside short documents", "one large segment")
 SWEEPS = ("prefix", "waves", "square")  # the lines of :func:`sweep_shapes`
 # Which calls :func:`profile_launch_cost` times, by version: a cached model fitted on another set is fitted again
-# (3: random calls, the keys limit's, split forwards' and short-document batches; 4: and CAD's own server calls)
-CALL_SET = 4
+# (3: random calls, the keys limit's, split forwards' and short-document batches; 4: and CAD's own server calls; 5: and
+# those calls timed inside emulated CAD steps)
+CALL_SET = 5
 MAX_CALL_PAIRS = float(1 << 30)  # visible pairs of one timed call (about 0.2 s of an 8B layer's fwd+bwd on an H200)
 
 
@@ -179,6 +183,17 @@ SERVER_CALL_SEED = 1000  # the batches' seeds start here, away from the benchmar
 SERVER_CALL_ROUNDS = 2
 SERVER_CALL_REPS = 3  # timed runs of each server call (their median): they are many, and as steady as the rest
 SERVER_CALLS = 960  # server calls the profile times at most (two rounds of the batches hold about 850 on an H200)
+# CAD steps the profile emulates after its fits, one per batch of SERVER_CALL_BATCHES and seed, their calls timed
+# where they run (:mod:`hf_longctx.emulation.step_calls`); the seeds are away from the benchmarks' and the server
+# calls'. Checked on FlashAttention-4 (H200) on the CPU, pricing each of 18 dumped W = 64 steps by a fit without its
+# batch: the per-server error was 1.01% (standard deviation) on the profile alone, 0.78% with 8 other steps and 0.74%
+# with 15
+STEP_CALL_SEEDS = (2000, 2001)
+# what one call timed in a step weighs in the fit against one timed alone: the steps' calls are what is priced, the
+# random calls span shapes the steps do not hold. The same check: per-server error 0.81%, 0.74% and 0.76% with
+# weights 1, 3 and 10
+STEP_CALL_WEIGHT = 3.0
+STEP_CALL_REPS = 2  # timed repetitions of each step (a warm-up first): a call's time is its median over them
 
 
 def cad_server_calls(model: LaunchCostModel, count: int, seed: int = 0, scale: float = 1.0,
@@ -298,15 +313,17 @@ def profile_launch_cost(kernel: str, device: torch.device, grid: LaunchGrid, hea
                         warmup: int = 1, reps: int = 5, scale: float = 1.0,
                         report: Callable[[str], None] | None = None, cold: bool = False,
                         server_calls: int = SERVER_CALLS,
-                        server_batches: Sequence[tuple[str, int, int]] = SERVER_CALL_BATCHES
-                        ) -> tuple[LaunchCostModel, dict]:
+                        server_batches: Sequence[tuple[str, int, int]] = SERVER_CALL_BATCHES,
+                        step_seeds: Sequence[int] = STEP_CALL_SEEDS) -> tuple[LaunchCostModel, dict]:
     """Time ``count`` random calls (:func:`random_calls`, :func:`keys_limit_calls` where the grid has a keys
     limit, :func:`split_forward_calls` where its forward splits keys, and :func:`short_document_calls`) of
     ``kernel`` and fit both phases' terms (ms); then time ``server_calls`` calls of CAD's servers scheduled on
-    that fit (:func:`cad_server_calls` over ``server_batches``) and fit again on all:
+    that fit (:func:`cad_server_calls` over ``server_batches``) and fit again on all; then emulate CAD's steps of
+    ``server_batches`` drawn with each of ``step_seeds``, scheduled on that fit, time their calls where they run
+    (:func:`~hf_longctx.emulation.step_calls.time_step_calls`) and fit again on all (:func:`fit_timed_calls`):
     (model, metadata with the held-out check, the fit's own error and every timed call). ``grid``: the kernel's
     launch grid on this device (its slots the SM count). ``cold``: every run with the L2 cache evicted first
-    (:func:`time_call_phases`)."""
+    (:func:`time_call_phases`; the steps run as steps do)."""
     t0 = time.perf_counter()
     overruns, regions = HOST_AHEAD.overruns, HOST_AHEAD.regions
     calls = (random_calls(count, seed, scale=scale) + keys_limit_calls(grid, scale) + split_forward_calls(grid, scale)
@@ -331,41 +348,75 @@ def profile_launch_cost(kernel: str, device: torch.device, grid: LaunchGrid, hea
     if servers:
         timed += timed_calls(servers, len(calls), min(reps, SERVER_CALL_REPS))
         model, fit = fit_timed_calls(timed, grid, heads)
+    steps: list = []
+    if step_seeds:
+        from ...emulation.step_calls import time_step_calls
+
+        steps = time_step_calls({"cost_model": model, "eps": 0.01}, kernel, device, server_batches, heads, kv_heads,
+                                head_dim, dtype, seeds=step_seeds, scale=scale, reps=STEP_CALL_REPS)
+        model, fit = fit_timed_calls(timed, grid, heads, steps)
+        if report is not None:
+            report(f"{len(steps)} calls timed in {len(step_seeds) * len(server_batches)} emulated CAD steps")
     meta = {"kernel": kernel, "calls": len(timed), "server_calls": len(servers), "call_set": CALL_SET, "seed": seed,
             "reps": reps, "l2": "evicted" if cold else "warm", **fit,
             "seconds": round(time.perf_counter() - t0, 1),
             # timed runs whose host dispatch outran the device's spin (see HostAhead): their times hold host time
             "host_overruns": HOST_AHEAD.overruns - overruns, "timed_regions": HOST_AHEAD.regions - regions,
             "timed": [{"shapes": [list(x) for x in shapes], "forward": fwd, "backward": bwd}
-                      for shapes, fwd, bwd in timed]}  # every call's time: the fit can be checked again anywhere
+                      for shapes, fwd, bwd in timed],  # every call's time: the fit can be checked again anywhere
+            "step_calls": [{"phase": c.phase, "q_lens": list(c.q_lens), "k_lens": list(c.k_lens), "ms": c.ms}
+                           for c in steps]}
     if report is not None:
         report("held-out calls, relative error std: " + ", ".join(
             f"{p} {v * 100:.2f}%" for p, v in fit["held_out_relative_error_std"].items()))
     return model, meta
 
 
-def fit_timed_calls(timed: Sequence[tuple[Sequence[tuple[int, int]], float, float]], grid: LaunchGrid, heads: int
-                    ) -> tuple[LaunchCostModel, dict]:
-    """Both phases' terms fitted to timed calls ``(segments, forward ms, backward ms)`` on ``grid``: (model,
-    {the held-out check, the fit's own error}). The held-out check fits on three calls in four and prices the
-    fourth. A profile's saved calls (its metadata's ``timed``) can so be fitted again away from the device, on a
-    grid that models the kernel differently (``scripts/profile_cad.py --load PROFILE --refit OUT``)."""
+def fit_timed_calls(timed: Sequence[tuple[Sequence[tuple[int, int]], float, float]], grid: LaunchGrid, heads: int,
+                    step_calls: Sequence[tuple[str, Sequence[int], Sequence[int], float]] = (),
+                    step_weight: float = STEP_CALL_WEIGHT) -> tuple[LaunchCostModel, dict]:
+    """Both phases' terms fitted to timed calls ``(segments, forward ms, backward ms)`` on ``grid``, and to
+    ``step_calls`` ``(phase, q_lens, k_lens, ms)`` timed inside emulated steps
+    (:func:`~hf_longctx.emulation.step_calls.time_step_calls`), each weighing ``step_weight`` calls timed alone:
+    (model, {the held-out check, the fit's own error}). The held-out check fits on three calls in four (of each
+    set) and prices the fourth: ``held_out_relative_error_std`` over the calls timed alone,
+    ``held_out_step_error_std`` over the step's. A profile's saved calls (its metadata's ``timed`` and
+    ``step_calls``) can so be fitted again away from the device, on a grid that models the kernel differently
+    (``scripts/profile_cad.py --load PROFILE --refit OUT``)."""
     features = {p: np.array([call_features(p, [q for q, _ in s], [k for _, k in s], grid, heads)
                              for s, _, _ in timed]) for p in PHASES}
     seconds = {"forward": np.array([f for _, f, _ in timed]), "backward": np.array([b for _, _, b in timed])}
+    in_step = {p: [c for c in step_calls if c[0] == p] for p in PHASES}
+    step_features = {p: np.array([call_features(p, list(q), list(k), grid, heads) for _, q, k, _ in in_step[p]],
+                                 dtype=np.float64).reshape(-1, len(TERM_NAMES)) for p in PHASES}
+    step_ms = {p: np.array([ms for *_, ms in in_step[p]], dtype=np.float64) for p in PHASES}
+
+    def fit(p: str, alone: np.ndarray, steps: np.ndarray) -> tuple[PhaseTerms, float]:
+        x = np.vstack([features[p][alone], step_features[p][steps]])
+        y = np.concatenate([seconds[p][alone], step_ms[p][steps]])
+        w = np.concatenate([np.ones(int(alone.sum())), np.full(int(steps.sum()), step_weight)])
+        return fit_phase_terms(x, y, w)
+
     held = np.arange(len(timed)) % 4 == 3
-    check = {}
+    held_step = {p: np.arange(len(step_ms[p])) % 4 == 3 for p in PHASES}
+    check, step_check = {}, {}
     both_pred, both_meas = np.zeros(int(held.sum())), np.zeros(int(held.sum()))
     for p in PHASES:
-        terms, _ = fit_phase_terms(features[p][~held], seconds[p][~held])
+        terms, _ = fit(p, ~held, ~held_step[p])
         pred = features[p][held] @ terms.as_vector()
         check[p] = float((pred / seconds[p][held] - 1.0).std())
         both_pred += pred
         both_meas += seconds[p][held]
+        if held_step[p].any():
+            priced = step_features[p][held_step[p]] @ terms.as_vector()
+            step_check[p] = float((priced / step_ms[p][held_step[p]] - 1.0).std())
     check["forward+backward"] = float((both_pred / both_meas - 1.0).std())
-    fitted = {p: fit_phase_terms(features[p], seconds[p]) for p in PHASES}
+    fitted = {p: fit(p, np.ones(len(timed), bool), np.ones(len(step_ms[p]), bool)) for p in PHASES}
     model = LaunchCostModel(grid, heads, fitted["forward"][0], fitted["backward"][0], "ms")
-    return model, {"held_out_relative_error_std": check, "fit_relative_error_std": {p: fitted[p][1] for p in PHASES}}
+    out = {"held_out_relative_error_std": check, "fit_relative_error_std": {p: fitted[p][1] for p in PHASES}}
+    if step_check:
+        out["held_out_step_error_std"] = step_check
+    return model, out
 
 
 def sweep_shapes(sweep: str, grid: LaunchGrid, scale: float = 1.0) -> list[tuple[int, int]]:

@@ -247,29 +247,36 @@ def segment_accumulator_terms(q_len, k_len, grid: LaunchGrid, causal: bool = Tru
     return share * k_len, share * short
 
 
-def fit_phase_terms(features: np.ndarray, seconds: np.ndarray) -> tuple[PhaseTerms, float]:
-    """Non-negative least squares of timed calls in relative error (each call weighs alike, whatever its length):
-    (terms, standard deviation of the fitted calls' relative error). ``features``: one :func:`call_features` row
-    per call; ``seconds``: their times in the units wanted. A negative coefficient is dropped and the rest
-    refitted (a term a kernel does not pay would otherwise absorb noise with the wrong sign)."""
+def fit_phase_terms(features: np.ndarray, seconds: np.ndarray, weights: np.ndarray | None = None
+                    ) -> tuple[PhaseTerms, float]:
+    """Non-negative least squares of timed calls in relative error (each call weighs alike, whatever its length,
+    or as ``weights`` say): (terms, standard deviation of the fitted calls' relative error). ``features``: one
+    :func:`call_features` row per call; ``seconds``: their times in the units wanted. A negative coefficient is
+    dropped and the rest refitted (a term a kernel does not pay would otherwise absorb noise with the wrong
+    sign)."""
     x, y = np.asarray(features, dtype=np.float64), np.asarray(seconds, dtype=np.float64)
     if x.ndim != 2 or x.shape[1] != len(TERM_NAMES) or len(y) != len(x) or len(y) < len(TERM_NAMES):
         raise ValueError(f"fit_phase_terms needs >= {len(TERM_NAMES)} calls of {len(TERM_NAMES)} features")
     if not np.all(y > 0):
         raise ValueError("fit_phase_terms needs positive times")
-    coef, err = fit_relative(x, y)
+    coef, err = fit_relative(x, y, weights)
     return PhaseTerms.from_vector(coef), err
 
 
-def fit_relative(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
-    """Non-negative least squares of ``x @ coef ~ y`` in relative error: (coef, standard deviation of the relative
-    error). A negative coefficient is dropped and the rest refitted."""
+def fit_relative(x: np.ndarray, y: np.ndarray, weights: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+    """Non-negative least squares of ``x @ coef ~ y`` in relative error, each row's squared error times its
+    weight (default 1): (coef, standard deviation of the relative error, unweighted). A negative coefficient is
+    dropped and the rest refitted."""
+    w = np.ones(len(y)) if weights is None else np.asarray(weights, dtype=np.float64)
+    if w.shape != (len(y),) or not np.all(w > 0):
+        raise ValueError(f"fit_relative needs one positive weight per row, got shape {w.shape}")
+    root = np.sqrt(w)
     scale = np.maximum(np.abs(x).max(axis=0), 1e-30)  # columns of like size: the solve stays well conditioned
-    a = x / scale / y[:, None]
+    a = x / scale / y[:, None] * root[:, None]
     active = [j for j in range(x.shape[1]) if np.any(x[:, j])]
     coef = np.zeros(x.shape[1])
     while active:
-        sol, *_ = np.linalg.lstsq(a[:, active], np.ones(len(y)), rcond=None)
+        sol, *_ = np.linalg.lstsq(a[:, active], root, rcond=None)
         if np.all(sol >= 0):
             coef[active] = sol
             break

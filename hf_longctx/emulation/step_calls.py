@@ -1,0 +1,86 @@
+"""CAD's server calls timed where they run: inside emulated steps, one device running every server's calls.
+
+Why: a launch cost model (:mod:`hf_longctx.backends.cad.launch_cost`) is fitted on calls timed alone, each run
+back to back over its own buffers; in a step the same call follows other servers' calls over other buffers. On
+an H200 (FlashAttention-4, 18 dumped W = 64 steps of the three mixes), priced by a model fitted on calls alone,
+backward calls under 0.2 ms took 4-6% more in their steps and those over 0.8 ms 2.5% less, where the profile's
+own calls of those sizes were off by +2-3% and -0.9%. Fitted on the calls of other steps too (each step priced by
+a model fitted without its batch), the per-server error fell from 1.01% to 0.74% (standard deviation; Pretrain
+1.04% to 0.54%, SFT 0.76% to 0.71%, ProLong 1.12% to 1.04%). A profile so times a few whole CAD steps after its
+first fit (:func:`time_step_calls`) and fits again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from ..layout import PackedBatch
+from .runner import emulate_step, release_memory
+from .timing import KernelTimer
+from .workloads import doc_lengths
+
+
+class StepCall(NamedTuple):
+    """One causal kernel call of a server in an emulated step: its phase, segments and milliseconds (the median
+    over the step's timed repetitions)."""
+
+    phase: str
+    q_lens: tuple[int, ...]
+    k_lens: tuple[int, ...]
+    ms: float
+
+
+def calls_of_logs(logs: Sequence[Sequence[dict]]) -> list[StepCall]:
+    """The causal calls of a step's timed repetitions (:meth:`~.timing.KernelTimer.call_log` each), every call
+    once with its median time: the calls a dump of the step holds
+    (:func:`~hf_longctx.backends.cad.call_profile.dumped_calls`)."""
+    from ..backends.cad.call_profile import dumped_calls
+
+    return [StepCall(call["phase"], tuple(call["q_lens"]), tuple(call["k_lens"]), ms)
+            for call, ms in dumped_calls({"reps": [list(log) for log in logs]}) if call.get("causal", True)]
+
+
+def step_tensors(total: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 seed: int) -> tuple[torch.Tensor, ...]:
+    """A global packed batch's random (q, k, v, dout) of ``total`` tokens, as an emulated step takes them."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    return tuple(torch.randn(total, h, head_dim, generator=g, device=device, dtype=dtype)
+                 for h in (heads, kv_heads, kv_heads, heads))
+
+
+def time_step_calls(options: dict, kernel: str, device: torch.device, batches: Sequence[tuple[str, int, int]],
+                    heads: int = 32, kv_heads: int = 8, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
+                    seeds: Sequence[int] = (0,), scale: float = 1.0, warmup: int = 1, reps: int = 2
+                    ) -> list[StepCall]:
+    """Every causal server call of CAD steps emulated on ``device`` (``options``: CAD's, e.g. its cost model and
+    eps) over ``batches`` ((mix, tokens, servers) each, drawn with each of ``seeds``; ``scale`` shrinks every batch
+    to no fewer than 64 tokens a server), each call's time in its step (:func:`calls_of_logs`). A step whose
+    servers' transfer buffers do not fit on the device together runs again with them on the host (its kernels run
+    and are timed alike)."""
+    out: list[StepCall] = []
+    for seed in seeds:
+        for mix, tokens, world in batches:
+            total = max(64 * world, int(tokens * scale))
+            batch = PackedBatch.from_doc_lens(doc_lengths(mix, total, seed=seed))
+            tensors = step_tensors(batch.num_tokens, heads, kv_heads, head_dim, dtype, device, seed)
+            timers: list[KernelTimer] = []
+
+            def keep_calls(hub, dev, timers=timers) -> KernelTimer:
+                timers.append(KernelTimer(hub, dev, keep_calls=True))
+                return timers[-1]
+
+            try:
+                emulate_step(batch, world, tensors, "cad", options=options, kernel=kernel, warmup=warmup, reps=reps,
+                             make_timer=keep_calls)
+            except torch.cuda.OutOfMemoryError:  # every server's buffers at once: staged on the host instead
+                timers.clear()
+                release_memory(device)
+                emulate_step(batch, world, tensors, "cad", options=options, kernel=kernel, warmup=warmup, reps=reps,
+                             make_timer=keep_calls, stage_on_host=True)
+            out += calls_of_logs([t.call_log() for t in timers[warmup:]])
+            del tensors, timers
+            release_memory(device)
+    return out
