@@ -102,6 +102,9 @@ def variants(backends: list[str], profiled, grid=None) -> list[tuple[str, str, d
             # what cutting a server's batch into calls of similar segments buys (hf_longctx.kernels.calls)
             out.append(("cad profiled eps0.01 one call", "cad", {"cost_model": profiled, "eps": 0.01,
                                                                   "call_terms": None}))
+            # what ejection chains buy where no single move lowers the busiest (hf_longctx.backends.cad.refine)
+            out.append(("cad profiled eps0.01 no chains", "cad", {"cost_model": profiled, "eps": 0.01,
+                                                                   "refine_chains": False}))
             out.append(("cad profiled eps auto", "cad", {"cost_model": profiled, "eps": "auto"}))
             # the refinement pricing every move in full, not the screened few (hf_longctx.backends.cad.refine)
             out.append(("cad profiled eps0.01 every move", "cad", {"cost_model": profiled, "eps": 0.01,

@@ -55,6 +55,7 @@ def test_the_emulation_refuses_them_too():
     ({"min_shard": 0}, "min_shard must be a whole number >= 1, got 0"),
     ({"search_width": 2.5}, "search_width must be a whole number >= 1"),
     ({"key_cuts": "no"}, "key_cuts must be true or false"),
+    ({"refine_chains": "yes"}, "refine_chains must be true or false"),
     ({"pingpong": 1}, "pingpong must be true or false, got 1"),
     ({"refine_screen": -1}, "refine_screen must be a whole number"),
     ({"call_terms": "some"}, "call_terms must be a CallTerms, None or 'none'"),

@@ -112,8 +112,10 @@ LONG_DOC_LENS = [2400, 40, 33, 90, 12, 64, 25]  # one document over every rank: 
 @pytest.mark.parametrize("world", [4, 5])
 def test_key_cuts_balance_a_long_documents_last_rows_and_stay_exact(world):
     """Where rows can no longer be cut finer (a long document's last rows over its whole prefix), the busiest
-    server gives its first keys away as rectangles: the predicted maximum falls, every (row, key) pair is
-    computed once, and the emulated outputs and q/k/v gradients equal the fp64 reference."""
+    server gives its first keys away as rectangles: the predicted maximum falls below that of single moves of rows
+    alone, every (row, key) pair is computed once, and the emulated outputs and q/k/v gradients equal the fp64
+    reference. (Ejection chains of rows alone, :mod:`hf_longctx.backends.cad.refine`, reach 1.014 at 4 servers
+    here, where key cuts stop at 1.027; they are left out of the comparison, which is about key cuts.)"""
     from test_cad_call_split import make_tensors, single_device
 
     from hf_longctx.emulation import emulate_step
@@ -122,7 +124,7 @@ def test_key_cuts_balance_a_long_documents_last_rows_and_stay_exact(world):
     plan = shard_plan(batch, world, "cad")
     options = {"cost_model": SMALL, "eps": 0.01}
     with_cuts = cad_schedule(plan, options)
-    without = server_costs(plan, {**options, "key_cuts": False})
+    without = server_costs(plan, {**options, "key_cuts": False, "refine_chains": False})  # single moves of rows
     predicted = server_costs(plan, options)
     assert any(t.is_rect for t in with_cuts.tasks), "no key was cut: the test tests nothing"
     assert predicted.max() / predicted.mean() < 1.03 < without.max() / without.mean()
