@@ -406,3 +406,20 @@ def test_pingpong_on_random_schedules_covers_every_row():
         plan = shard_plan(PackedBatch.from_doc_lens([rng.randint(1, 40) for _ in range(6)]), world, "contiguous")
         tasks = random_tasks(plan, seed) + [CadTask(0, 0, 0, 0, 0)]  # an empty task is dropped
         check_split(plan, tasks, pingpong_split(plan, tasks))
+
+
+def check_schedule_agreement(rank, world):
+    from hf_longctx.backends.cad.runtime import check_same_schedule
+    from hf_longctx.backends.cad.tasks import CadTask
+
+    same = [CadTask(0, 0, 0, 64, 1), CadTask(1, 0, 0, 32, 0)]
+    check_same_schedule(same, None)  # every rank holds the same tasks: nothing to say
+    swapped = same if rank == 0 else [CadTask(0, 0, 0, 64, 0), CadTask(1, 0, 0, 32, 1)]
+    with pytest.raises(RuntimeError, match="the ranks made different schedules"):
+        check_same_schedule(swapped, None)  # every rank raises, none waits on the others
+
+
+def test_ranks_that_made_different_schedules_all_stop_with_a_message():
+    """A rank whose schedule differs would size its all_to_all differently from its peers (a hang, or rows sent to
+    the wrong server): the ranks compare a digest of their tasks first, and all raise."""
+    run_distributed(3, check_schedule_agreement)

@@ -31,6 +31,7 @@ scheduler and the nano-batch split price tasks on the pairs the window leaves vi
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import time
 from collections.abc import Sequence
@@ -295,9 +296,10 @@ def cad_schedule(plan: ShardPlan, options: dict, share: PricingShare | None = No
     (:func:`server_costs`) is least is kept. On H200 profiles this took 64 servers of 8K rows from 1.063 to
     ~1.02 max/mean predicted (before tails were priced), where the tasks alone were balanced to 1.012. Last,
     the busiest server gives tasks away while that lowers the predicted maximum (:mod:`.refine`), also as key
-    cuts (``options["key_cuts"]``, default True; see :mod:`.tasks`). A step of many moves prices them in the
-    order of an additive estimate until ``options["refine_screen"]`` in a row found nothing better (default
-    :data:`REFINE_SCREEN`; 0 or None: every move is priced).
+    cuts (``options["key_cuts"]``, default True; see :mod:`.tasks`), and by ejection chains where no single move
+    helps (``options["refine_chains"]``, default True; see :func:`~.refine.refine_in_time`). A step of many moves
+    prices them in the order of an additive estimate until ``options["refine_screen"]`` in a row found nothing
+    better (default :data:`REFINE_SCREEN`; 0 or None: every move is priced).
 
     ``share``: this rank's part when every rank of a group makes this schedule (the backend's run does): the
     refinement's pricing is then split over the group (:mod:`.shared_pricing`), the schedule the same.
@@ -339,7 +341,8 @@ def cad_schedule(plan: ShardPlan, options: dict, share: PricingShare | None = No
         terms = call_terms_for(options, model)
         moved = refine_in_time(plan, best.tasks, model,
                                lambda tasks: _server_time(plan, tasks, options, model, terms),
-                               key_cuts=options.get("key_cuts", True), screen=screen, share=share)
+                               key_cuts=options.get("key_cuts", True), screen=screen, share=share,
+                               chains=options.get("refine_chains", True))
         return with_tasks(docs, best, moved, model)
 
     def timed_build() -> CadSchedule:
@@ -349,7 +352,7 @@ def cad_schedule(plan: ShardPlan, options: dict, share: PricingShare | None = No
         return sched
 
     return plan.cached(("cad_schedule", eps, model, tuple(sorted(knobs.items())), options.get("key_cuts", True),
-                        screen), timed_build)
+                        screen, options.get("refine_chains", True)), timed_build)
 
 
 log = logging.getLogger(__name__)
@@ -644,7 +647,7 @@ def option_problem(options: dict) -> str | None:
     for key in ("min_shard", "search_width"):
         if key in options and not _is_whole(options[key], 1):
             return f"{key} must be a whole number >= 1, got {options[key]!r}"
-    for key in ("key_cuts", "pingpong"):
+    for key in ("key_cuts", "refine_chains", "pingpong"):
         if key in options and not isinstance(options[key], bool):
             return f"{key} must be true or false, got {options[key]!r}"
     screen = options.get("refine_screen", REFINE_SCREEN)
@@ -660,9 +663,28 @@ def option_problem(options: dict) -> str | None:
     return None
 
 
+def check_same_schedule(tasks: Sequence[CadTask], group) -> None:
+    """Raise on every rank of ``group`` unless all hold the same ``tasks`` (one all_reduce of a digest).
+
+    Why: each rank makes the schedule itself (its refinement's prices shared, :mod:`.shared_pricing`, but the
+    greedy pass and every comparison its own). Ranks whose floating point differs (another BLAS build or thread
+    count on one host) can tip a near tie one way on one rank and the other way on another: their all_to_all would
+    then disagree on sizes and hang, or exchange the wrong rows. Two emulated runs of one batch on the same model
+    made different schedules once (an H200 host; the CPU made the same one every time), cause not found."""
+    digest = int.from_bytes(hashlib.blake2b(repr(list(tasks)).encode(), digest_size=7).digest(), "little")
+    both = torch.tensor([digest, -digest], dtype=torch.int64, device=collective_device(group))
+    all_reduce_max(both, group)
+    if int(both[0]) != digest or int(both[1]) != -digest:
+        raise RuntimeError("cad: the ranks made different schedules of this batch (their floating point differs, "
+                           "or their options or cost models do); give every rank the same cost model and options "
+                           "(cost_model='profiled' agrees one over the group), or pass a schedule's tasks in "
+                           "options['tasks']")
+
+
 class CadBackend(Backend):
     """Backend ``cad``: the runtime above behind the backend contract. Options: ``eps``, ``cost_model`` and
-    ``cost_kernel``, ``min_shard`` and ``search_width``, ``key_cuts`` and ``refine_screen`` (:func:`cad_schedule`),
+    ``cost_kernel``, ``min_shard`` and ``search_width``, ``key_cuts``, ``refine_chains`` and ``refine_screen``
+    (:func:`cad_schedule`),
     ``pingpong`` (two nano-batches), ``call_terms`` (:func:`call_terms_for`), and ``tasks``: a schedule's tasks
     to run instead of scheduling."""
 
@@ -670,8 +692,8 @@ class CadBackend(Backend):
     summary = "CAD: documents stay whole; a scheduler balances core-attention tasks over all ranks as servers"
     default_strategy = "cad"
     strategies = ("cad", "contiguous")
-    option_names = ("eps", "cost_model", "cost_kernel", "min_shard", "search_width", "key_cuts", "refine_screen",
-                    "pingpong", "call_terms", "tasks")
+    option_names = ("eps", "cost_model", "cost_kernel", "min_shard", "search_width", "key_cuts", "refine_chains",
+                    "refine_screen", "pingpong", "call_terms", "tasks")
 
     def run_context(self, plan, group, rank, world, scale, kernel, options=None):
         options = dict(options or {})
@@ -681,6 +703,8 @@ class CadBackend(Backend):
         share = PricingShare(group, rank, world) if world > 1 and is_distributed(group) \
             and not isinstance(group, EmulatedGroup) else None
         options = prepare(plan, options, share)
+        if share is not None:
+            check_same_schedule(options["tasks"], group)
         return super().run_context(plan, group, rank, world, scale, kernel, options)
 
     # the runner's module functions are the contract's methods
