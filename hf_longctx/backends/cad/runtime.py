@@ -669,8 +669,7 @@ def check_same_schedule(tasks: Sequence[CadTask], group) -> None:
     Why: each rank makes the schedule itself (its refinement's prices shared, :mod:`.shared_pricing`, but the
     greedy pass and every comparison its own). Ranks whose floating point differs (another BLAS build or thread
     count on one host) can tip a near tie one way on one rank and the other way on another: their all_to_all would
-    then disagree on sizes and hang, or exchange the wrong rows. Two emulated runs of one batch on the same model
-    made different schedules once (an H200 host; the CPU made the same one every time), cause not found."""
+    then disagree on sizes and hang, or exchange the wrong rows: better every rank stops with a message."""
     digest = int.from_bytes(hashlib.blake2b(repr(list(tasks)).encode(), digest_size=7).digest(), "little")
     both = torch.tensor([digest, -digest], dtype=torch.int64, device=collective_device(group))
     all_reduce_max(both, group)
