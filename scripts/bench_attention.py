@@ -42,7 +42,7 @@ from hf_longctx.benchmarking import (
 from hf_longctx.comm import comm_stats, reset_comm_stats
 from hf_longctx.comm.groups import high_priority_options
 from hf_longctx.emulation import real_rank_kernel_times
-from hf_longctx.emulation.workloads import WORKLOAD_MIXES, doc_lengths
+from hf_longctx.emulation.workloads import WORKLOAD_MIXES, doc_lengths, global_tensors
 from hf_longctx.hf.config import parse_backend_options
 from hf_longctx.kernels import SKIP_KERNEL, attention_backward, attention_forward
 from hf_longctx.layout import PackedBatch, shard_plan
@@ -53,11 +53,6 @@ def packed_workloads(args) -> list[tuple[str, int, int, list[int]]]:
     ``--packed-seqs`` (the lengths seeded by the token count, the same in a real and an emulated run)."""
     return [(f"{mix} mix", s, hkv, doc_lengths(mix, s, seed=s)) for mix in args.mix for s in args.packed_seqs
             for hkv in args.kv_heads]
-
-
-def global_tensors(total, hq, hkv, d, dtype, device, seed):
-    g = torch.Generator(device=device).manual_seed(seed)
-    return [torch.randn(total, h, d, generator=g, device=device, dtype=dtype) for h in (hq, hkv, hkv, hq)]
 
 
 # label -> (backend, options): CAD without ping-pong, and CAD on the kernel's profiled launch cost at eps 0.01

@@ -72,16 +72,10 @@ from hf_longctx.emulation import (
 )
 from hf_longctx.emulation.choose import choose_from_steps
 from hf_longctx.emulation.timing import KernelTimer
-from hf_longctx.emulation.workloads import doc_lengths
+from hf_longctx.emulation.workloads import doc_lengths, global_tensors
 from hf_longctx.layout import PackedBatch, shard_plan
 
 MiB = float(1 << 20)
-
-
-def global_tensors(total: int, shape: SegmentShape, device: torch.device, seed: int) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator(device=device).manual_seed(seed)
-    return tuple(torch.randn(total, h, shape.head_dim, generator=g, device=device, dtype=shape.dtype)
-                 for h in (shape.heads, shape.kv_heads, shape.kv_heads, shape.heads))
 
 
 MEASURED_MODELS = (ProfiledCostModel, LaunchCostModel)
@@ -282,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # warm-up: every backend once at the smallest W (kernels compile per configuration, not per shape)
     warm = PackedBatch.from_doc_lens(doc_lengths(mixes[0], min(tokens[mixes[0]], 32768), seed=1))
-    warm_tensors = global_tensors(warm.num_tokens, shape, device, seed=1)
+    warm_tensors = global_tensors(warm.num_tokens, shape.heads, shape.kv_heads, shape.head_dim, shape.dtype, device,
+                                  seed=1)
     for _, backend, options in runs:
         if f"{backend}:{min(worlds)}" in skip:
             continue
@@ -299,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         deadline = args.budget_s * (i_mix + 1) / len(mixes)  # each mix gets its share; unused time carries over
         total = tokens[mix]
         batch = PackedBatch.from_doc_lens(doc_lengths(mix, total, seed=args.seed))
-        tensors = global_tensors(total, shape, device, seed=total)
+        tensors = global_tensors(total, shape.heads, shape.kv_heads, shape.head_dim, shape.dtype, device, seed=total)
         for w in worlds:
             steps: dict[str, EmulatedStep] = {}
             for label, backend, options in runs:

@@ -20,7 +20,7 @@ import torch
 from ..layout import PackedBatch
 from .runner import emulate_step, release_memory
 from .timing import KernelTimer
-from .workloads import doc_lengths
+from .workloads import doc_lengths, global_tensors
 
 
 class StepCall(NamedTuple):
@@ -43,14 +43,6 @@ def calls_of_logs(logs: Sequence[Sequence[dict]]) -> list[StepCall]:
             for call, ms in dumped_calls({"reps": [list(log) for log in logs]}) if call.get("causal", True)]
 
 
-def step_tensors(total: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 seed: int) -> tuple[torch.Tensor, ...]:
-    """A global packed batch's random (q, k, v, dout) of ``total`` tokens, as an emulated step takes them."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    return tuple(torch.randn(total, h, head_dim, generator=g, device=device, dtype=dtype)
-                 for h in (heads, kv_heads, kv_heads, heads))
-
-
 def time_step_calls(options: dict, kernel: str, device: torch.device, batches: Sequence[tuple[str, int, int]],
                     heads: int = 32, kv_heads: int = 8, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
                     seeds: Sequence[int] = (0,), scale: float = 1.0, warmup: int = 1, reps: int = 2
@@ -65,7 +57,7 @@ def time_step_calls(options: dict, kernel: str, device: torch.device, batches: S
         for mix, tokens, world in batches:
             total = max(64 * world, int(tokens * scale))
             batch = PackedBatch.from_doc_lens(doc_lengths(mix, total, seed=seed))
-            tensors = step_tensors(batch.num_tokens, heads, kv_heads, head_dim, dtype, device, seed)
+            tensors = global_tensors(batch.num_tokens, heads, kv_heads, head_dim, dtype, device, seed)
             timers: list[KernelTimer] = []
 
             def keep_calls(hub, dev, timers=timers) -> KernelTimer:

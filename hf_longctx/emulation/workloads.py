@@ -9,6 +9,7 @@ at 8K, so most documents are under 2K tokens; lengths sum exactly to the total.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from ..data.synthetic_lengths import MIXES, synthetic_doc_lengths
 
@@ -39,3 +40,12 @@ def doc_lengths(mix: str, total: int, seed: int = 0) -> list[int]:
     if mix not in MIXES:
         raise ValueError(f"unknown mix {mix!r}; choose one of {', '.join(WORKLOAD_MIXES)}")
     return synthetic_doc_lengths(mix, total, seed=seed, max_doc_len=total)
+
+
+def global_tensors(total: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                   seed: int) -> tuple[torch.Tensor, ...]:
+    """A global packed batch's random ``(q, k, v, dout)`` of ``total`` tokens (seeded), as an emulated step takes
+    them: every rank cuts its rows from these, as a real rank would from its input."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    return tuple(torch.randn(total, h, head_dim, generator=g, device=device, dtype=dtype)
+                 for h in (heads, kv_heads, kv_heads, heads))
