@@ -409,17 +409,17 @@ def test_pingpong_on_random_schedules_covers_every_row():
 
 
 def check_schedule_agreement(rank, world):
-    from hf_longctx.backends.cad.runtime import check_same_schedule
-    from hf_longctx.backends.cad.tasks import CadTask
+    from hf_longctx.backends.cad.shared_pricing import PricingShare
 
-    same = [CadTask(0, 0, 0, 64, 1), CadTask(1, 0, 0, 32, 0)]
-    check_same_schedule(same, None)  # every rank holds the same tasks: nothing to say
-    swapped = same if rank == 0 else [CadTask(0, 0, 0, 64, 0), CadTask(1, 0, 0, 32, 1)]
+    plan = shard_plan(PackedBatch.from_doc_lens([700, 90, 300, 33, 500, 211]), world, "cad")
+    share = PricingShare(None, rank, world)
+    runtime.cad_schedule(plan, {"cost_model": "flops", "eps": 0.1}, share)  # the same options: the same tasks
+    apart = {"cost_model": "flops", "eps": 0.0 if rank == 0 else 0.5}  # rank 0 schedules otherwise
     with pytest.raises(RuntimeError, match="the ranks made different schedules"):
-        check_same_schedule(swapped, None)  # every rank raises, none waits on the others
+        runtime.cad_schedule(plan, apart, share)  # every rank raises, none waits on the others
 
 
 def test_ranks_that_made_different_schedules_all_stop_with_a_message():
     """A rank whose schedule differs would size its all_to_all differently from its peers (a hang, or rows sent to
-    the wrong server): the ranks compare a digest of their tasks first, and all raise."""
+    the wrong server): once a schedule is made, the ranks compare a digest of its tasks, and all raise."""
     run_distributed(3, check_schedule_agreement)

@@ -302,7 +302,8 @@ def cad_schedule(plan: ShardPlan, options: dict, share: PricingShare | None = No
     better (default :data:`REFINE_SCREEN`; 0 or None: every move is priced).
 
     ``share``: this rank's part when every rank of a group makes this schedule (the backend's run does): the
-    refinement's pricing is then split over the group (:mod:`.shared_pricing`), the schedule the same.
+    refinement's pricing is then split over the group (:mod:`.shared_pricing`), the schedule the same, and the
+    ranks check that it is (:func:`check_same_schedule`).
     """
     eps = options.get("eps", 0.1)
     model = cost_model_for(plan, options)
@@ -349,6 +350,8 @@ def cad_schedule(plan: ShardPlan, options: dict, share: PricingShare | None = No
         start = time.perf_counter()
         sched = build()
         _say_if_slow(time.perf_counter() - start, plan, eps, model)
+        if share is not None:  # once per schedule made, not per layer that runs it
+            check_same_schedule(sched.tasks, share.group)
         return sched
 
     return plan.cached(("cad_schedule", eps, model, tuple(sorted(knobs.items())), options.get("key_cuts", True),
@@ -702,8 +705,6 @@ class CadBackend(Backend):
         share = PricingShare(group, rank, world) if world > 1 and is_distributed(group) \
             and not isinstance(group, EmulatedGroup) else None
         options = prepare(plan, options, share)
-        if share is not None:
-            check_same_schedule(options["tasks"], group)
         return super().run_context(plan, group, rank, world, scale, kernel, options)
 
     # the runner's module functions are the contract's methods
