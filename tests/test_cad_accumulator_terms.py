@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from test_cad_launch_cost import _fake_call_clock
+from test_cad_launch_cost import _fake_call_clock, small_profiles
 
 from hf_longctx.backends.cad import call_profile, profiled
 from hf_longctx.backends.cad.call_profile import profile_launch_cost
@@ -121,14 +121,7 @@ def test_a_cached_model_without_the_accumulator_terms_is_kept_only_where_the_gri
     current = {"grid": grid}
     monkeypatch.setattr(profiled, "launch_grid",
                         lambda kernel, device, head_dim, mode="fwd+bwd", shape=None: current["grid"])
-    real, fits = profiled.profile_launch_cost, []
-
-    def small_fit(*args, **kwargs):
-        fits.append(1)
-        return real(*args, **{**kwargs, "count": 24, "warmup": 0, "reps": 1, "scale": 1 / 256, "server_calls": 0,
-                                      "step_seeds": ()})
-
-    monkeypatch.setattr(profiled, "profile_launch_cost", small_fit)
+    fits = small_profiles(monkeypatch, server_calls=0)
     shape = SegmentShape(2, 1, 8, torch.float32)
     profiled_cost_model("reference", "cpu", shape)
     cached = profiled.launch_cache_path(torch.device("cpu"), "reference", shape)

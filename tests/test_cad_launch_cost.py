@@ -119,6 +119,20 @@ def test_the_fit_recovers_the_terms_and_keeps_them_non_negative():
         fit_phase_terms(np.ones((3, 6)), np.ones(3))
 
 
+def small_profiles(monkeypatch, server_calls: int) -> list:
+    """The backend's profile (``profiled.profile_launch_cost``) shrunk to CPU sizes, with ``server_calls`` calls of
+    CAD's servers and no emulated steps: the list it returns grows by one per profile made."""
+    real, fits = profiled.profile_launch_cost, []
+
+    def small_fit(*args, **kwargs):
+        fits.append(1)
+        return real(*args, **{**kwargs, "count": 24, "warmup": 0, "reps": 1, "scale": 1 / 256,
+                              "server_calls": server_calls, "step_seeds": ()})
+
+    monkeypatch.setattr(profiled, "profile_launch_cost", small_fit)
+    return fits
+
+
 def _fake_call_clock(terms: dict[str, PhaseTerms], grid: LaunchGrid, heads: int, l2: list | None = None):
     """A stand-in for the profiler's clock: each phase of a call takes exactly what ``terms`` price it at (and
     ``l2``, when given, collects whether each run was asked to evict the L2 cache first)."""
@@ -536,15 +550,7 @@ def test_profiled_picks_the_launch_model_where_the_kernel_declares_a_grid(tmp_pa
     monkeypatch.setattr(call_profile, "_run_ms", _fake_call_clock(truth, grid, heads=2, l2=evicted))
     monkeypatch.delenv("HF_LONGCTX_PROFILE_L2", raising=False)
     monkeypatch.setattr(profiled, "launch_grid", lambda kernel, device, head_dim, mode="fwd+bwd", shape=None: grid)
-    real = profiled.profile_launch_cost
-    fits = []
-
-    def small_fit(*args, **kwargs):
-        fits.append(1)
-        return real(*args, **{**kwargs, "count": 24, "warmup": 0, "reps": 1, "scale": 1 / 256, "server_calls": 8,
-                                      "step_seeds": ()})
-
-    monkeypatch.setattr(profiled, "profile_launch_cost", small_fit)
+    fits = small_profiles(monkeypatch, server_calls=8)
     shape = SegmentShape(2, 1, 8, torch.float32)
     model, source = profiled_cost_model("reference", "cpu", shape)
     assert isinstance(model, LaunchCostModel) and source.startswith("launch-fitted") and "now" in source

@@ -28,21 +28,27 @@ TRUTH = {"forward": PhaseTerms(2e-3, 1e-4, 2e-4, 1e-3, 0.0, 0.05),
 BATCHES = (("sft", 4096, 4), ("prolong", 4096, 3))
 
 
+def planned_step_calls(batches, seed: int, options: dict) -> Counter:
+    """Every causal call, forward and backward, that CAD's servers plan for ``batches`` drawn with ``seed``
+    (:func:`~hf_longctx.backends.cad.runtime.server_calls` of each server's tasks), counted."""
+    planned = Counter()
+    for mix, tokens, world in batches:
+        plan = shard_plan(PackedBatch.from_doc_lens(doc_lengths(mix, tokens, seed=seed)), world, "cad")
+        tasks = cad_schedule(plan, options).tasks
+        for server in range(world):
+            for q, k, causal in server_calls(plan, [t for t in tasks if t.server == server], options, None):
+                if causal:
+                    planned.update((phase, tuple(q), tuple(k)) for phase in PHASES)
+    return planned
+
+
 def test_an_emulated_steps_calls_are_the_causal_calls_cads_servers_make():
     """Each server's calls, forward and backward, as the runtime plans them for the schedule: none missing, none
     added, each with a time of its own (here the CPU's clock)."""
     options = {"cost_model": "flops", "eps": 0.1}
     timed = time_step_calls(options, "reference", torch.device("cpu"), BATCHES, heads=2, kv_heads=1, head_dim=8,
                             dtype=torch.float32, seeds=(5,), reps=2)
-    expected = Counter()
-    for mix, tokens, world in BATCHES:
-        plan = shard_plan(PackedBatch.from_doc_lens(doc_lengths(mix, tokens, seed=5)), world, "cad")
-        tasks = cad_schedule(plan, options).tasks
-        for server in range(world):
-            for q, k, causal in server_calls(plan, [t for t in tasks if t.server == server], options, None):
-                if causal:
-                    expected.update((phase, tuple(q), tuple(k)) for phase in PHASES)
-    assert Counter((c.phase, c.q_lens, c.k_lens) for c in timed) == expected
+    assert Counter((c.phase, c.q_lens, c.k_lens) for c in timed) == planned_step_calls(BATCHES, 5, options)
     assert all(c.ms > 0 for c in timed)
 
 

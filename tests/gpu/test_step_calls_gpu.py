@@ -12,13 +12,10 @@ from collections import Counter
 
 import pytest
 import torch
+from test_cad_step_calls import planned_step_calls
 
 from hf_longctx.backends.cad.call_profile import time_call_phases
-from hf_longctx.backends.cad.launch_cost import PHASES
-from hf_longctx.backends.cad.runtime import cad_schedule, server_calls
 from hf_longctx.emulation.step_calls import time_step_calls
-from hf_longctx.emulation.workloads import doc_lengths
-from hf_longctx.layout import PackedBatch, shard_plan
 
 pytestmark = pytest.mark.gpu
 
@@ -29,15 +26,7 @@ BATCHES = (("sft", 65536, 8), ("prolong", 65536, 4))
 def test_a_steps_calls_are_every_servers_calls_each_near_its_time_alone():
     options = {"cost_model": "flops", "eps": 0.1}
     timed = time_step_calls(options, "torch_flash", DEVICE, BATCHES, seeds=(3,), reps=2)
-    expected = Counter()
-    for mix, tokens, world in BATCHES:
-        plan = shard_plan(PackedBatch.from_doc_lens(doc_lengths(mix, tokens, seed=3)), world, "cad")
-        tasks = cad_schedule(plan, options).tasks
-        for server in range(world):
-            for q, k, causal in server_calls(plan, [t for t in tasks if t.server == server], options, None):
-                if causal:
-                    expected.update((phase, tuple(q), tuple(k)) for phase in PHASES)
-    assert Counter((c.phase, c.q_lens, c.k_lens) for c in timed) == expected
+    assert Counter((c.phase, c.q_lens, c.k_lens) for c in timed) == planned_step_calls(BATCHES, 3, options)
     ratios = []
     for c in [c for c in timed if c.phase == "backward"][::3]:  # a sample, each timed again alone
         _, alone = time_call_phases(list(zip(c.q_lens, c.k_lens)), "torch_flash", 32, 8, 128, torch.bfloat16,

@@ -364,8 +364,7 @@ def profile_launch_cost(kernel: str, device: torch.device, grid: LaunchGrid, hea
             "host_overruns": HOST_AHEAD.overruns - overruns, "timed_regions": HOST_AHEAD.regions - regions,
             "timed": [{"shapes": [list(x) for x in shapes], "forward": fwd, "backward": bwd}
                       for shapes, fwd, bwd in timed],  # every call's time: the fit can be checked again anywhere
-            "step_calls": [{"phase": c.phase, "q_lens": list(c.q_lens), "k_lens": list(c.k_lens), "ms": c.ms}
-                           for c in steps]}
+            "step_calls": [c._asdict() for c in steps]}  # the calls timed in steps, kept alike
     if report is not None:
         report("held-out calls, relative error std: " + ", ".join(
             f"{p} {v * 100:.2f}%" for p, v in fit["held_out_relative_error_std"].items()))
