@@ -96,9 +96,10 @@ class HostAhead:
         longest = max((t for t in self.host_s if t <= self.outlier * usual), default=usual)
         return min(max(least_s, self.margin * longest), max(self.maximum_s, least_s))
 
-    def spin(self) -> float:
-        """Enqueue the spin on the current stream; its length in seconds (what :meth:`record` compares with)."""
-        seconds = self.spin_seconds()
+    def spin(self, at_least_s: float = 0.0) -> float:
+        """Enqueue the spin on the current stream, ``at_least_s`` seconds or more; its length in seconds (what
+        :meth:`record` compares with)."""
+        seconds = max(self.spin_seconds(), at_least_s)
         torch.cuda._sleep(max(self.minimum_cycles, int(seconds * self.cycles_per_second())))
         self.longest_spin_s = max(self.longest_spin_s, seconds)
         return seconds
@@ -116,11 +117,11 @@ class HostAhead:
 HOST_AHEAD = HostAhead()  # the process's spin: what every timed region here (emulation, profiles) uses
 
 
-def queue_ahead() -> float:
-    """Keep the current CUDA stream busy while the host enqueues what comes next (see :class:`HostAhead`): the
-    spin's seconds, which the caller hands with the region's host time to ``HOST_AHEAD.record``. Costs the spin
-    in device time per region, not counted in it."""
-    return HOST_AHEAD.spin()
+def queue_ahead(at_least_s: float = 0.0) -> float:
+    """Keep the current CUDA stream busy while the host enqueues what comes next (see :class:`HostAhead`), for
+    ``at_least_s`` seconds or more: the spin's seconds, which the caller hands with the region's host time to
+    ``HOST_AHEAD.record``. Costs the spin in device time per region, not counted in it."""
+    return HOST_AHEAD.spin(at_least_s)
 
 
 _L2_SCRATCH: dict[int, torch.Tensor] = {}  # per device index: a buffer twice its L2, written to evict it

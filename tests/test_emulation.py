@@ -354,6 +354,19 @@ def test_ranks_run_on_reused_threads():
     assert not set(inner) & set(first)
 
 
+def test_emulated_ranks_pause_after_each_call_and_a_real_runs_rank_does_not():
+    """An emulated rank's calls run one after another on one device, which heats up and slows down as a busy
+    stretch goes on; each call is followed by a pause as long as itself (see the timing module). A real run's
+    ranks run at once: their timer never pauses."""
+    from hf_longctx.emulation.timing import EMULATED_PAUSE, ThisProcess
+
+    assert KernelTimer(EmulationHub(1), torch.device("cpu")).pause == EMULATED_PAUSE > 0
+    assert KernelTimer(ThisProcess(0), torch.device("cpu")).pause == 0.0
+    assert KernelTimer(EmulationHub(1), torch.device("cpu"), pause=0.25).pause == 0.25
+    with pytest.raises(ValueError, match="pause >= 0"):
+        KernelTimer(EmulationHub(1), torch.device("cpu"), pause=-1.0)
+
+
 def test_a_kept_call_log_names_every_calls_segments_whichever_entry_point_made_it():
     from hf_longctx.kernels import attention_forward, kernel_call, kernel_forward, observe_kernels
 

@@ -9,6 +9,14 @@ the events time the device's work, not the host's dispatch between launches (whi
 running layers ahead, hides; on an H100's host it was 1 ms per call, more than the kernels of a small one).
 The spin follows the host's dispatch times (:class:`~hf_longctx.benchmarking.HostAhead`); a call whose dispatch
 still outran it is counted in :attr:`KernelTimer.overruns`.
+Emulated ranks pause: after each timed call the device spins (idle, at little power) for as long as the call
+took (:data:`EMULATED_PAUSE`) before the next call's start event. Why: an H200 running one rank's calls after
+another with no gap heats up and lowers its clocks, so a rank measured late in a busy stretch took longer than the
+same calls early: in an 8-server Pretrain 512K step (0.5 s of kernels per repetition) the backward calls ran 4%
+over their price in the first repetition and 7-9% in the next three, and the rank order (shuffled per repetition)
+decided which rank looked slowest (max/mean 1.021 on a schedule priced at 1.002). A real group's ranks all run at
+once, each as hot as the others; the emulation keeps every rank's calls at one duty cycle instead. The W = 32 and
+64 steps, whose calls are short against the spins ahead of them, showed no such drift.
 On the CPU a call's wall time is its kernel time (the CPU runs it synchronously).
 """
 
@@ -26,6 +34,7 @@ from ..kernels import KernelCall
 from ..kernels.key_split import plan_key_split
 
 _WARM: set[tuple] = set()  # kernel configurations already run in this process
+EMULATED_PAUSE = 1.0  # seconds the device spins after a timed call of an emulated rank, per second of the call
 
 
 def _configuration(name: str, args: tuple, kwargs: dict) -> tuple:
@@ -98,12 +107,19 @@ class KernelTimer:
     ``keep_calls``: also keep every timed call's segment lengths and seconds (:meth:`call_log`), so that a cost
     model can be checked call by call against what the kernel took. ``hub``: who computes now, an emulation's
     hub (:class:`~hf_longctx.comm.emulated.EmulationHub`) or :class:`ThisProcess` in a real run (the same
-    per-rank kernel time, measured where the ranks really run)."""
+    per-rank kernel time, measured where the ranks really run). ``pause``: seconds the device spins after a timed
+    call per second of it, before the next call's start event (see the module); default :data:`EMULATED_PAUSE` for
+    an emulation, 0 in a real run (its ranks run at once: pausing would only slow its step)."""
 
-    def __init__(self, hub: RankSource, device: torch.device, keep_calls: bool = False) -> None:
+    def __init__(self, hub: RankSource, device: torch.device, keep_calls: bool = False,
+                 pause: float | None = None) -> None:
         self.hub = hub
         self.cuda = device.type == "cuda"
         self.keep_calls = keep_calls
+        self.pause = (0.0 if isinstance(hub, ThisProcess) else EMULATED_PAUSE) if pause is None else pause
+        if self.pause < 0:
+            raise ValueError(f"KernelTimer needs pause >= 0, got {self.pause}")
+        self._pause_s = 0.0  # the spin the next timed call waits behind at least (its predecessor's pause)
         self._events: dict[tuple[int, str], list[tuple[torch.cuda.Event, torch.cuda.Event]]] = defaultdict(list)
         self._seconds: dict[tuple[int, str], float] = defaultdict(float)
         # rank, phase, lens, causal, events (or seconds), the host's seconds to enqueue it, the spin ahead of it
@@ -122,12 +138,15 @@ class KernelTimer:
                 fn(*args, **kwargs)
                 _WARM.add(key)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            spun = queue_ahead()  # the call's kernels are queued before its start event fires: device time only
+            spun = queue_ahead(self._pause_s)  # the call's kernels are queued before its start event: device time
             enqueue = time.perf_counter()
             start.record()
             result = fn(*args, **kwargs)
             end.record()
             host_s = time.perf_counter() - enqueue
+            if self.pause > 0:  # the call's length sets the next one's pause (the host waits for it here)
+                end.synchronize()
+                self._pause_s = self.pause * start.elapsed_time(end) / 1e3
             if HOST_AHEAD.record(host_s, spun):
                 self.overruns += 1
             self._events[rank, name].append((start, end))

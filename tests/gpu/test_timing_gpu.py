@@ -74,6 +74,33 @@ def test_emulated_kernel_time_is_device_time():
     assert timer.seconds()[0, "forward"] < 0.9e-3  # three calls of >= 1 ms host time each
 
 
+def test_an_emulated_rank_pauses_after_a_call_for_as_long_as_it_took_and_the_pause_is_not_timed(monkeypatch):
+    """A 10 ms call, then a tiny one: the tiny call waits behind a spin of at least 10 ms (the device idles as long
+    as it worked), and neither call's time holds the pause. Without a pause the spin stays near its ~2 ms."""
+    import hf_longctx.benchmarking as benchmarking
+    import hf_longctx.emulation.timing as timing
+    from hf_longctx.comm.emulated import EmulationHub
+    from hf_longctx.emulation.timing import KernelTimer
+
+    x = torch.ones(16, device="cuda")
+    x.add_(1)
+    for pause, spins_past_call in ((1.0, True), (0.0, False)):
+        ahead = benchmarking.HostAhead()
+        monkeypatch.setattr(benchmarking, "HOST_AHEAD", ahead)
+        monkeypatch.setattr(timing, "HOST_AHEAD", ahead)
+        ten_ms = int(0.010 * ahead.cycles_per_second())
+        hub = EmulationHub(1)
+        timer = KernelTimer(hub, torch.device("cuda"), pause=pause)
+
+        def rank(group, timer=timer, cycles=ten_ms):
+            timer("forward", lambda: torch.cuda._sleep(cycles), (), {})
+            timer("forward", lambda: x.add_(1), (), {})
+
+        hub.run(rank)
+        assert (ahead.longest_spin_s >= 0.0095) == spins_past_call, (pause, ahead.longest_spin_s)
+        assert 0.009 < timer.seconds()[0, "forward"] < 0.0115
+
+
 def test_a_cold_run_reads_its_inputs_from_memory_not_from_the_l2_cache():
     """``cold`` evicts the L2 before the start event: a read of a buffer that fits in L2 (a quarter of it) takes
     longer timed cold than timed again warm, and the eviction itself is not in the time."""
