@@ -141,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="--launch: then time up to N calls of CAD's servers scheduled on that fit, and fit again on "
                         f"all (default {SERVER_CALLS}, what the backend's profile times; 0: random calls only)")
     p.add_argument("--step-seeds", type=seed_list, default=STEP_CALL_SEEDS, metavar="S,...",
-                   help="--launch: then emulate CAD's steps of those batches drawn with these seeds, time their calls "
-                        "where they run, and fit again on all (default "
+                   help="--launch: then emulate CAD's steps (call_profile.STEP_CALL_BATCHES) drawn with these seeds, "
+                        "time their calls where they run, and fit again on all (default "
                         f"{','.join(map(str, STEP_CALL_SEEDS))}, what the backend's profile runs; '': none)")
     p.add_argument("--step-dumps", default=None, metavar="DUMP,...",
                    help="--refit: also fit the calls of these dumped emulated steps (bench_emulated.py --dump-calls), "

@@ -122,7 +122,7 @@ def test_the_profile_emulates_steps_on_its_fit_and_fits_again_on_their_calls(mon
     monkeypatch.setattr(step_calls, "time_step_calls", slower_steps)
     model, meta = profile_launch_cost("reference", torch.device("cpu"), GRID, heads=2, kv_heads=1, head_dim=8,
                                       dtype=torch.float32, count=32, warmup=0, reps=1, scale=1 / 256,
-                                      server_calls=0, server_batches=BATCHES, step_seeds=(7, 8))
+                                      server_calls=0, step_seeds=(7, 8), step_batches=BATCHES)
     (options, kernel, batches, seeds, scale), = asked
     # scheduled on the fit of the calls timed alone (the truth here), as the benchmarks schedule CAD
     np.testing.assert_allclose(options["cost_model"].backward.as_vector(), TRUTH["backward"].as_vector(), rtol=1e-6)

@@ -24,7 +24,8 @@ def test_the_fitted_launch_model_prices_held_out_calls_within_two_percent():
     grid = launch_grid("torch_flash", device, shape.head_dim)
     model, meta = profile_launch_cost("torch_flash", device, grid, shape.heads, shape.kv_heads, shape.head_dim,
                                       shape.dtype, count=96, reps=3, server_calls=48,
-                                      server_batches=(("sft", 131072, 16), ("prolong", 131072, 16)), step_seeds=(2000,))
+                                      server_batches=(("sft", 131072, 16), ("prolong", 131072, 16)), step_seeds=(2000,),
+                                      step_batches=(("sft", 131072, 16), ("prolong", 131072, 16)))
     assert meta["server_calls"] == 48  # and calls of CAD's servers, scheduled on the fit of the random ones
     # and those servers' calls timed in emulated steps, priced by the last fit within a few percent
     assert len(meta["step_calls"]) > 48 and max(meta["held_out_step_error_std"].values()) < 0.05, meta[

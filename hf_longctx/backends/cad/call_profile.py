@@ -44,8 +44,9 @@ from ...kernels.launch import LaunchGrid
 from .cost_model import PAIRS
 from .launch_cost import PHASES, TERM_NAMES, LaunchCostModel, PhaseTerms, call_features, call_waves, fit_phase_terms
 
-__all__ = ["CALL_KINDS", "CALL_SET", "SERVER_CALLS", "SERVER_CALL_BATCHES", "STEP_CALL_SEEDS", "STEP_CALL_WEIGHT",
-           "SWEEPS", "WAVE_BINS", "cad_server_calls", "check_call_mix", "check_keys_limit", "check_launch_cost",
+__all__ = ["CALL_KINDS", "CALL_SET", "SERVER_CALLS", "SERVER_CALL_BATCHES", "STEP_CALL_BATCHES", "STEP_CALL_SEEDS",
+           "STEP_CALL_WEIGHT", "SWEEPS", "WAVE_BINS", "cad_server_calls", "check_call_mix", "check_keys_limit",
+           "check_launch_cost",
            "dumped_calls", "errors_by_waves", "few_rows_long_keys_calls", "fit_timed_calls", "keys_limit_calls",
            "mix_pairs", "phase_spreads", "placement_probes", "profile_launch_cost", "random_calls",
            "replay_dumped_calls", "segment_batch", "server_phase_errors", "short_document_calls", "split_forward_calls",
@@ -57,8 +58,8 @@ CALL_KINDS = ("short documents", "shards", "long shard beside short documents", 
 SWEEPS = ("prefix", "waves", "square")  # the lines of :func:`sweep_shapes`
 # Which calls :func:`profile_launch_cost` times, by version: a cached model fitted on another set is fitted again
 # (3: random calls, the keys limit's, split forwards' and short-document batches; 4: and CAD's own server calls; 5: and
-# those calls timed inside emulated CAD steps)
-CALL_SET = 5
+# those calls timed inside emulated CAD steps; 6: and those steps at W = 8 and 32 too)
+CALL_SET = 6
 MAX_CALL_PAIRS = float(1 << 30)  # visible pairs of one timed call (about 0.2 s of an 8B layer's fwd+bwd on an H200)
 
 
@@ -183,12 +184,19 @@ SERVER_CALL_SEED = 1000  # the batches' seeds start here, away from the benchmar
 SERVER_CALL_ROUNDS = 2
 SERVER_CALL_REPS = 3  # timed runs of each server call (their median): they are many, and as steady as the rest
 SERVER_CALLS = 960  # server calls the profile times at most (two rounds of the batches hold about 850 on an H200)
-# CAD steps the profile emulates after its fits, one per batch of SERVER_CALL_BATCHES and seed, their calls timed
+# CAD steps the profile emulates after its fits, one per batch of STEP_CALL_BATCHES and seed, their calls timed
 # where they run (:mod:`hf_longctx.emulation.step_calls`); the seeds are away from the benchmarks' and the server
 # calls'. Checked on FlashAttention-4 (H200) on the CPU, pricing each of 18 dumped W = 64 steps by a fit without its
 # batch: the per-server error was 1.01% (standard deviation) on the profile alone, 0.78% with 8 other steps and 0.74%
 # with 15
 STEP_CALL_SEEDS = (2000, 2001)
+# the batches of those steps: SERVER_CALL_BATCHES, and each mix at W = 32 and 8, whose servers' calls are larger
+# and of other shapes than W = 16's and 64's. The same check on held-out steps at W = 8-32 (each seed priced by a fit
+# with the others' W = 8 and 32 steps added): per-server error at W = 32 ProLong 0.90% -> 0.75%, Pretrain 0.51% ->
+# 0.33%; at W = 16 ProLong 0.70% -> 0.47%; at W = 64 Pretrain 0.83% -> 0.64%, SFT 0.78% -> 0.71%, ProLong 1.30% ->
+# 1.27%
+STEP_CALL_BATCHES = SERVER_CALL_BATCHES + (("prolong", 131072, 32), ("pretrain", 524288, 32), ("sft", 524288, 32),
+                                           ("prolong", 131072, 8), ("pretrain", 524288, 8), ("sft", 524288, 8))
 # what one call timed in a step weighs in the fit against one timed alone: the steps' calls are what is priced, the
 # random calls span shapes the steps do not hold. The same check: per-server error 0.81%, 0.74% and 0.76% with
 # weights 1, 3 and 10
@@ -314,12 +322,14 @@ def profile_launch_cost(kernel: str, device: torch.device, grid: LaunchGrid, hea
                         report: Callable[[str], None] | None = None, cold: bool = False,
                         server_calls: int = SERVER_CALLS,
                         server_batches: Sequence[tuple[str, int, int]] = SERVER_CALL_BATCHES,
-                        step_seeds: Sequence[int] = STEP_CALL_SEEDS) -> tuple[LaunchCostModel, dict]:
+                        step_seeds: Sequence[int] = STEP_CALL_SEEDS,
+                        step_batches: Sequence[tuple[str, int, int]] = STEP_CALL_BATCHES
+                        ) -> tuple[LaunchCostModel, dict]:
     """Time ``count`` random calls (:func:`random_calls`, :func:`keys_limit_calls` where the grid has a keys
     limit, :func:`split_forward_calls` where its forward splits keys, and :func:`short_document_calls`) of
     ``kernel`` and fit both phases' terms (ms); then time ``server_calls`` calls of CAD's servers scheduled on
     that fit (:func:`cad_server_calls` over ``server_batches``) and fit again on all; then emulate CAD's steps of
-    ``server_batches`` drawn with each of ``step_seeds``, scheduled on that fit, time their calls where they run
+    ``step_batches`` drawn with each of ``step_seeds``, scheduled on that fit, time their calls where they run
     (:func:`~hf_longctx.emulation.step_calls.time_step_calls`) and fit again on all (:func:`fit_timed_calls`):
     (model, metadata with the held-out check, the fit's own error and every timed call). ``grid``: the kernel's
     launch grid on this device (its slots the SM count). ``cold``: every run with the L2 cache evicted first
@@ -352,11 +362,11 @@ def profile_launch_cost(kernel: str, device: torch.device, grid: LaunchGrid, hea
     if step_seeds:
         from ...emulation.step_calls import time_step_calls
 
-        steps = time_step_calls({"cost_model": model, "eps": 0.01}, kernel, device, server_batches, heads, kv_heads,
+        steps = time_step_calls({"cost_model": model, "eps": 0.01}, kernel, device, step_batches, heads, kv_heads,
                                 head_dim, dtype, seeds=step_seeds, scale=scale, reps=STEP_CALL_REPS)
         model, fit = fit_timed_calls(timed, grid, heads, steps)
         if report is not None:
-            report(f"{len(steps)} calls timed in {len(step_seeds) * len(server_batches)} emulated CAD steps")
+            report(f"{len(steps)} calls timed in {len(step_seeds) * len(step_batches)} emulated CAD steps")
     meta = {"kernel": kernel, "calls": len(timed), "server_calls": len(servers), "call_set": CALL_SET, "seed": seed,
             "reps": reps, "l2": "evicted" if cold else "warm", **fit,
             "seconds": round(time.perf_counter() - t0, 1),
