@@ -367,6 +367,17 @@ def test_emulated_ranks_pause_after_each_call_and_a_real_runs_rank_does_not():
         KernelTimer(EmulationHub(1), torch.device("cpu"), pause=-1.0)
 
 
+def test_the_pause_after_a_call_counts_only_the_time_the_device_worked():
+    """A call whose host dispatch outran the spin ahead of it held the device waiting for the difference (a kernel
+    compiling inside the call: seconds); the pause after it covers what the device did, not the wait."""
+    from hf_longctx.emulation.timing import pause_seconds
+
+    assert pause_seconds(0.010, host_s=0.001, spun_s=0.002, pause=1.0) == pytest.approx(0.010)
+    assert pause_seconds(0.010, host_s=0.001, spun_s=0.002, pause=0.5) == pytest.approx(0.005)
+    assert pause_seconds(2.180, host_s=2.172, spun_s=0.002, pause=1.0) == pytest.approx(0.010)
+    assert pause_seconds(0.001, host_s=0.500, spun_s=0.002, pause=1.0) == 0.0
+
+
 def test_a_kept_call_log_names_every_calls_segments_whichever_entry_point_made_it():
     from hf_longctx.kernels import attention_forward, kernel_call, kernel_forward, observe_kernels
 

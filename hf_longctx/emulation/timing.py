@@ -78,6 +78,13 @@ def is_causal(args: tuple, kwargs: dict) -> bool:
     return bool(call.causal) if call is not None else bool(kwargs.get("causal", True))
 
 
+def pause_seconds(elapsed_s: float, host_s: float, spun_s: float, pause: float) -> float:
+    """How long the device spins after a timed call (see the module): ``pause`` times the seconds it worked. A call
+    whose dispatch outran the spin ahead of it (``host_s`` over ``spun_s``; a kernel compiling inside it took 2 s
+    once) left the device waiting on the host for the difference: that part of its ``elapsed_s`` was no work."""
+    return pause * max(elapsed_s - max(host_s - spun_s, 0.0), 0.0)
+
+
 class RankSource(Protocol):
     """Who is computing now: the rank a kernel call is charged to (None: nobody's, the call is not timed)."""
 
@@ -146,7 +153,7 @@ class KernelTimer:
             host_s = time.perf_counter() - enqueue
             if self.pause > 0:  # the call's length sets the next one's pause (the host waits for it here)
                 end.synchronize()
-                self._pause_s = self.pause * start.elapsed_time(end) / 1e3
+                self._pause_s = pause_seconds(start.elapsed_time(end) / 1e3, host_s, spun, self.pause)
             if HOST_AHEAD.record(host_s, spun):
                 self.overruns += 1
             self._events[rank, name].append((start, end))
