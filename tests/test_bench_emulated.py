@@ -93,3 +93,36 @@ def test_a_configuration_out_of_device_memory_runs_again_staged_on_the_host(tmp_
     assert "staged on the host: the device ran out of memory" in rows["2"] and "OutOfMemoryError" not in rows["2"]
     assert "RuntimeError: not a memory error" in rows["3"]
     assert True in staged
+
+
+def test_each_mix_shares_the_budget_the_set_up_left_and_none_starts_past_the_budget(tmp_path, monkeypatch):
+    """A cost profile made at the start (minutes on a GPU) or a long warm-up must not eat the first mix's share of
+    ``--budget-s``: the shares are cut from what the set-up left. On a clock that moves only while the profile is
+    made (100 s), a budget of 150 s runs both mixes (the first's share used to end at 75 s); one of 90 s runs
+    none, and says so."""
+    import types
+
+    monkeypatch.setenv("HF_LONGCTX_CACHE", str(tmp_path / "cache"))
+    spec = importlib.util.spec_from_file_location("bench_emulated", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    clock = [0.0]
+    real_profile = module.profiled_cost_model
+
+    def slow_profile(*args, **kwargs):
+        clock[0] += 100.0
+        return real_profile(*args, **kwargs)
+
+    monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(module, "profiled_cost_model", slow_profile)
+    out = tmp_path / "emulated.md"
+    common = ["--quick", "--out", str(out), "--worlds", "2", "--mixes", "prolong,sft", "--backends", "ring",
+              "--eps-sweep", "none:0"]
+    assert module.main(common + ["--budget-s", "150"]) == 0
+    text = out.read_text()
+    assert "| prolong |" in text and "| sft |" in text and "Not run" not in text
+    clock[0] = 0.0
+    assert module.main(common + ["--budget-s", "90"]) == 0
+    text = out.read_text()
+    assert "| prolong |" not in text and "| sft |" not in text
+    assert "Not run" in text and "prolong W=2 ring" in text and "sft W=2 ring" in text

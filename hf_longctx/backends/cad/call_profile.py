@@ -46,9 +46,8 @@ from .launch_cost import PHASES, TERM_NAMES, LaunchCostModel, PhaseTerms, call_f
 
 __all__ = ["CALL_KINDS", "CALL_SET", "SERVER_CALLS", "SERVER_CALL_BATCHES", "STEP_CALL_BATCHES", "STEP_CALL_SEEDS",
            "STEP_CALL_WEIGHT", "SWEEPS", "WAVE_BINS", "cad_server_calls", "check_call_mix", "check_keys_limit",
-           "check_launch_cost",
-           "dumped_calls", "errors_by_waves", "few_rows_long_keys_calls", "fit_timed_calls", "keys_limit_calls",
-           "mix_pairs", "phase_spreads", "placement_probes", "profile_launch_cost", "random_calls",
+           "check_launch_cost", "dumped_calls", "errors_by_waves", "few_rows_long_keys_calls", "fit_timed_calls",
+           "keys_limit_calls", "mix_pairs", "phase_spreads", "placement_probes", "profile_launch_cost", "random_calls",
            "replay_dumped_calls", "segment_batch", "server_phase_errors", "short_document_calls", "split_forward_calls",
            "sweep_shapes", "time_call_phases", "time_placement"]
 
