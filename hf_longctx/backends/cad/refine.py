@@ -73,18 +73,21 @@ CUT_KEYS = 128  # a key cut leaves whole kernel tiles of keys on both sides
 ServerCost = Callable[[Sequence[CadTask]], float]
 Changes = dict[int, tuple[list[CadTask], float]]  # server -> its new tasks and their predicted time
 Move = tuple[CadTask, int, list[CadTask], CadTask]  # a task, its receiver, what its server keeps of it, the part given
-# a priced move: the higher of the two new times, the giver's new tasks, the receiver, its new tasks, their two times
-Priced = tuple[float, list[CadTask], int, list[CadTask], float, float]
 
 
-class _Hop(NamedTuple):
-    """A chain's first move: the busiest's part given to ``receiver``, priced."""
+class PricedMove(NamedTuple):
+    """A move priced in full: a single step's, or a chain's first hop."""
 
-    receiver_time: float
-    kept: list[CadTask]  # the busiest's tasks after it
+    peak: float  # the higher of the two new times
+    kept: list[CadTask]  # the giver's tasks after it
     receiver: int
     given: list[CadTask]  # the receiver's tasks after it
-    busiest_time: float
+    giver_time: float
+    receiver_time: float
+
+    def changes(self, giver: int) -> Changes:
+        """The move as changes of ``giver`` (whose tasks it priced) and its receiver."""
+        return {giver: (self.kept, self.giver_time), self.receiver: (self.given, self.receiver_time)}
 
 
 def _first_rows_for(plan: ShardPlan, model: CostModel, t: CadTask, amount: float) -> int | None:
@@ -204,7 +207,7 @@ class _Refinement:
                    self.cost[dst] + rows_cost(plan, part, part.q_start, part.q_end, model))
 
     def best_move(self, src: int, receivers: list[int], limit: float, movable: Sequence[CadTask] | None = None,
-                  cap: float | None = None) -> Priced | None:
+                  cap: float | None = None) -> PricedMove | None:
         """The move (:meth:`candidates`) of one of ``src``'s tasks to one of ``receivers`` that leaves the lowest
         maximum of the two new times, below ``limit``, the receiver's also below ``cap``; None if none does. With
         ``screen``, moves are priced in the order of their additive estimate, until ``screen`` in a row found
@@ -217,13 +220,13 @@ class _Refinement:
         cap = float("inf") if cap is None else cap
         # one move at a time alone; with a share, a batch priced by the group at once
         batch = 1 if share is None or share.world == 1 else max(share.world, screen) if screened else max(len(found), 1)
-        best: Priced | None = None
+        best: PricedMove | None = None
         since_best = 0  # moves priced since the best so far was found
         for first in range(0, len(found), batch):
             if screened and since_best >= screen:
                 return best
             moves_now = found[first:first + batch]
-            bound = limit if best is None else min(limit, best[0])
+            bound = limit if best is None else min(limit, best.peak)
             kept = [[x for x in self.by_server[src] if x is not t] + left for t, _, left, _ in moves_now]
             after_src = self.priced(kept)
             # a receiver is priced only where the giver would end below what wins now
@@ -235,12 +238,12 @@ class _Refinement:
                 if screened and since_best >= screen:
                     return best
                 since_best += 1
-                bound = limit if best is None else min(limit, best[0])
+                bound = limit if best is None else min(limit, best.peak)
                 if after_src[i] >= bound:  # the giver would stay above what wins
                     continue
                 peak = max(after_src[i], after_dst[i])
                 if peak < bound and after_dst[i] < cap:
-                    best = (peak, kept[i], dst, given[i], after_src[i], after_dst[i])
+                    best = PricedMove(peak, kept[i], dst, given[i], after_src[i], after_dst[i])
                     since_best = 0
         return best
 
@@ -254,7 +257,7 @@ class _Refinement:
             tried, width = width, min(2 * width, self.widest, len(order))
 
     def widening(self, src: int, besides: Sequence[int], limit: float, movable: Sequence[CadTask] | None = None,
-                 cap: float | None = None) -> Priced | None:
+                 cap: float | None = None) -> PricedMove | None:
         """:meth:`best_move` to each of :meth:`receiver_groups` in turn, until one takes a part."""
         for receivers in self.receiver_groups(besides):
             best = self.best_move(src, receivers, limit, movable, cap)
@@ -265,12 +268,9 @@ class _Refinement:
     def single_move(self, top: int) -> Changes | None:
         """The busiest's best move (:meth:`widening`) below its time, as changes; None if none."""
         best = self.widening(top, [top], self.cost[top] * (1 - 1e-6))
-        if best is None:
-            return None
-        _, kept, dst, given, after_top, after_dst = best
-        return {top: (kept, after_top), dst: (given, after_dst)}
+        return None if best is None else best.changes(top)
 
-    def first_hops(self, top: int) -> list[_Hop]:
+    def first_hops(self, top: int) -> list[PricedMove]:
         """The busiest's moves that leave it lower, whatever they leave on their receiver: the :data:`CHAIN_FIRST`
         that leave the least there, of the moves the step's single moves (which found none) priced in every case:
         each group of receivers' moves, or on a screened group the ``screen`` first in estimate order. Why: they are
@@ -286,10 +286,11 @@ class _Refinement:
         after_top = self.priced(kept)
         lower = [i for i, a in enumerate(after_top) if a < limit]
         given = [_place(self.by_server[found[i][1]], found[i][3]) for i in lower]
-        hops = [_Hop(d, kept[i], found[i][1], g, after_top[i]) for i, g, d in zip(lower, given, self.priced(given))]
+        hops = [PricedMove(max(after_top[i], d), kept[i], found[i][1], g, after_top[i], d)
+                for i, g, d in zip(lower, given, self.priced(given))]
         return sorted(hops, key=lambda hop: hop.receiver_time)[:CHAIN_FIRST]
 
-    def chain_from(self, top: int, hop: _Hop, limit: float) -> Changes | None:
+    def chain_from(self, top: int, hop: PricedMove, limit: float) -> Changes | None:
         """``hop``, then its receiver giving its own tasks (whole or a part, not what it was given) to the least
         busy, one move at a time (at most :data:`CHAIN_SHEDS`), each lowering it and leaving the server given to
         below ``limit``, until the receiver is below ``limit`` too: the changes, or None. Every hop is a move
@@ -297,7 +298,7 @@ class _Refinement:
         was."""
         dst = hop.receiver
         received = set(hop.given) - set(self.by_server[dst])  # what it was given, merged or not, stays with it
-        undo = self.apply({top: (hop.kept, hop.busiest_time), dst: (hop.given, hop.receiver_time)})
+        undo = self.apply(hop.changes(top))
         for _ in range(CHAIN_SHEDS):
             if self.cost[dst] < limit:
                 break
@@ -305,8 +306,7 @@ class _Refinement:
             move = self.widening(dst, [top, dst], self.cost[dst] * (1 - 1e-6), own, cap=limit)
             if move is None:
                 break
-            _, left, to, placed, after_left, after_to = move
-            undo = {**self.apply({dst: (left, after_left), to: (placed, after_to)}), **undo}
+            undo = {**self.apply(move.changes(dst)), **undo}
         done = {s: (self.by_server[s], float(self.cost[s])) for s in undo} if self.cost[dst] < limit else None
         self.apply(undo)
         return done
