@@ -66,7 +66,7 @@ from hf_longctx.benchmarking import HOST_AHEAD, table_header, table_row, token_c
 from hf_longctx.emulation import (
     EmulatedStep,
     device_memory,
-    emulate_step,
+    emulate_step_or_stage,
     host_peak_memory,
     link_sources,
     release_memory,
@@ -250,26 +250,15 @@ def main(argv: list[str] | None = None) -> int:
         timers.append(KernelTimer(hub, dev, keep_calls=True))
         return timers[-1]
 
-    def emulate(batch, w, tensors, backend, options, stage_on_host=args.stage_on_host):
+    def emulate(batch, w, tensors, backend, options) -> tuple[EmulatedStep, bool]:
+        """The step, and whether its all_to_all buffers were staged on the host (:func:`emulate_step_or_stage`:
+        one large configuration does not leave a hole in the table)."""
         timers.clear()
         dump = args.dump_calls and backend == "cad" and options and options.get("cost_model") is profiled \
             and isinstance(profiled, MEASURED_MODELS)
-        return emulate_step(batch, w, tensors, backend, options=options, kernel=args.kernel, warmup=args.warmup,
-                            reps=args.reps, stage_on_host=stage_on_host,
-                            make_timer=keep_calls if dump else KernelTimer)
-
-    def emulate_or_stage(batch, w, tensors, backend, options) -> tuple[EmulatedStep, bool]:
-        """The step, and whether its all_to_all buffers had to be staged on the host: a configuration whose ranks'
-        buffers do not fit on the device together runs again with them on the host (its kernels are timed the
-        same way; only the emulated transfers go through host memory), so one large configuration does not leave
-        a hole in the table."""
-        try:
-            return emulate(batch, w, tensors, backend, options), args.stage_on_host
-        except torch.cuda.OutOfMemoryError:
-            if args.stage_on_host:
-                raise
-        release_memory(device)
-        return emulate(batch, w, tensors, backend, options, stage_on_host=True), True
+        return emulate_step_or_stage(batch, w, tensors, backend, options=options, kernel=args.kernel,
+                                     warmup=args.warmup, reps=args.reps, stage_on_host=args.stage_on_host,
+                                     make_timer=keep_calls if dump else KernelTimer)
 
     if args.dump_calls and isinstance(profiled, MEASURED_MODELS):
         Path(args.dump_calls).mkdir(parents=True, exist_ok=True)
@@ -309,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 t0 = time.perf_counter()
                 try:
-                    step, staged = emulate_or_stage(batch, w, tensors, backend, options)
+                    step, staged = emulate(batch, w, tensors, backend, options)
                 except Exception as exc:  # noqa: BLE001 - one call measures everything; report and go on
                     rows.append(table_row([mix, tokens_label(total), batch.num_docs, w, label] + ["-"] * 8
                                           + [f"{type(exc).__name__}: {str(exc)[:120]}"]))
@@ -323,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                               f"predicted vs emulated per-server time: max err {err * 100:.1f}%"]
                     if timers:
                         dump_calls(Path(args.dump_calls) / f"{mix}_w{w}_{_slug(label)}.json", step, batch, options,
-                                   predicted, [t.call_log() for t in timers[args.warmup:]])
+                                   predicted, [t.call_log() for t in timers[-args.reps:]])
                 if staged:
                     notes.append(f"largest all_to_all {step.largest_all_to_all / float(1 << 30):.1f} GiB (staged on "
                                  "the host" + ("" if args.stage_on_host else ": the device ran out of memory") + ")")
@@ -393,7 +382,7 @@ def eps_sweep(batch, w, tensors, profiled, emulate, mix, total) -> list[str]:
     measured, cands = {}, []
     for eps in EPS_CANDIDATES:
         options = {"cost_model": profiled, "eps": eps}
-        measured[eps] = emulate(batch, w, tensors, "cad", options)
+        measured[eps] = emulate(batch, w, tensors, "cad", options)[0]
         cands.append(candidate(cad_schedule(plan, options), profiled))
     bandwidth = a2a_bandwidth(max(c.max_bytes for c in cands))
     rule = choose_eps(cands, bandwidth).eps

@@ -74,7 +74,9 @@ def test_a_configuration_out_of_device_memory_runs_again_staged_on_the_host(tmp_
     spec = importlib.util.spec_from_file_location("bench_emulated", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    real = module.emulate_step
+    from hf_longctx.emulation import runner
+
+    real = runner.emulate_step
     staged = []
 
     def short_of_memory(batch, world, *args, stage_on_host=False, **kwargs):
@@ -85,7 +87,7 @@ def test_a_configuration_out_of_device_memory_runs_again_staged_on_the_host(tmp_
             raise RuntimeError("not a memory error")
         return real(batch, world, *args, stage_on_host=stage_on_host, **kwargs)
 
-    monkeypatch.setattr(module, "emulate_step", short_of_memory)
+    monkeypatch.setattr(runner, "emulate_step", short_of_memory)
     out = tmp_path / "emulated.md"
     assert module.main(["--quick", "--out", str(out), "--worlds", "2,3", "--mixes", "sft", "--backends", "ring",
                         "--eps-sweep", "none:0"]) == 0

@@ -435,3 +435,30 @@ def test_a_real_run_times_every_ranks_kernel_calls_as_the_emulation_does(tmp_pat
         logged = [sum(c["rank"] == r for c in timers[-1].call_log()) for r in range(world)]  # every call, both phases
         assert [calls for _, _, calls in real[backend]] == logged, backend
         assert all(f > 0 and b > 0 for f, b, _ in real[backend]), backend
+
+
+def test_a_step_out_of_device_memory_runs_again_staged_on_the_host(monkeypatch):
+    """One large step (every rank's buffers on one device) still measures: it runs again with its all_to_all
+    buffers on the host, and says so; a step asked to stage runs staged once; any other error is the caller's."""
+    from hf_longctx.emulation import emulate_step_or_stage, runner
+
+    tensors = (torch.zeros(4, 1, 2),)
+    calls = []
+
+    def fake(batch, world, tensors, backend, stage_on_host=False, **kwargs):
+        calls.append(stage_on_host)
+        if world == 2 and not stage_on_host:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+        if world == 3:
+            raise RuntimeError("not a memory error")
+        return f"step of {world}"
+
+    monkeypatch.setattr(runner, "emulate_step", fake)
+    assert emulate_step_or_stage(None, 1, tensors, "ring", reps=2) == ("step of 1", False) and calls == [False]
+    calls.clear()
+    assert emulate_step_or_stage(None, 2, tensors, "ring", reps=2) == ("step of 2", True) and calls == [False, True]
+    calls.clear()
+    assert emulate_step_or_stage(None, 1, tensors, "ring", stage_on_host=True) == ("step of 1", True)
+    assert calls == [True]
+    with pytest.raises(RuntimeError, match="not a memory error"):
+        emulate_step_or_stage(None, 3, tensors, "ring")

@@ -5,6 +5,7 @@ from .runner import (
     RankStep,
     device_memory,
     emulate_step,
+    emulate_step_or_stage,
     host_peak_memory,
     link_sources,
     median_rep,
@@ -14,5 +15,6 @@ from .runner import (
     step_flops,
 )
 
-__all__ = ["EmulatedStep", "RankStep", "device_memory", "emulate_step", "host_peak_memory", "link_sources",
+__all__ = ["EmulatedStep", "RankStep", "device_memory", "emulate_step", "emulate_step_or_stage",
+           "host_peak_memory", "link_sources",
            "median_rep", "noise_only_imbalance", "real_rank_kernel_times", "release_memory", "step_flops"]

@@ -252,6 +252,23 @@ def emulate_step(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ..
     return step
 
 
+def emulate_step_or_stage(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ...], backend: str,
+                          **kwargs) -> tuple[EmulatedStep, bool]:
+    """:func:`emulate_step` (``kwargs`` as it takes them), and whether the step's all_to_all buffers were staged on
+    the host: a step whose W ranks' buffers do not fit on the device together runs again with them on the host (its
+    kernels run and are timed alike; only the emulated transfers go through host memory), so one large step still
+    measures. With ``stage_on_host`` they are staged from the start. A ``make_timer`` that keeps its timers sees
+    the failed attempt's too: a step's timed ones are the last ``reps``."""
+    if kwargs.get("stage_on_host"):
+        return emulate_step(batch, world, tensors, backend, **kwargs), True
+    try:
+        return emulate_step(batch, world, tensors, backend, **kwargs), False
+    except torch.cuda.OutOfMemoryError:
+        pass  # out of the handler first: its traceback holds the failed attempt's buffers
+    release_memory(tensors[0].device)
+    return emulate_step(batch, world, tensors, backend, **{**kwargs, "stage_on_host": True}), True
+
+
 def real_rank_kernel_times(step: Callable[[], object], device: torch.device, reps: int = 3,
                            group: dist.ProcessGroup | None = None) -> list[tuple[float, float, int]]:
     """Every rank's (forward seconds, backward seconds, kernel calls) of ``step`` in a real run, one process per

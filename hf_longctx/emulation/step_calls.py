@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from ..layout import PackedBatch
-from .runner import emulate_step, release_memory
+from .runner import emulate_step_or_stage, release_memory
 from .timing import KernelTimer
 from .workloads import doc_lengths, global_tensors
 
@@ -64,15 +64,9 @@ def time_step_calls(options: dict, kernel: str, device: torch.device, batches: S
                 timers.append(KernelTimer(hub, dev, keep_calls=True))
                 return timers[-1]
 
-            try:
-                emulate_step(batch, world, tensors, "cad", options=options, kernel=kernel, warmup=warmup, reps=reps,
-                             make_timer=keep_calls)
-            except torch.cuda.OutOfMemoryError:  # every server's buffers at once: staged on the host instead
-                timers.clear()
-                release_memory(device)
-                emulate_step(batch, world, tensors, "cad", options=options, kernel=kernel, warmup=warmup, reps=reps,
-                             make_timer=keep_calls, stage_on_host=True)
-            out += calls_of_logs([t.call_log() for t in timers[warmup:]])
+            emulate_step_or_stage(batch, world, tensors, "cad", options=options, kernel=kernel, warmup=warmup,
+                                  reps=reps, make_timer=keep_calls)
+            out += calls_of_logs([t.call_log() for t in timers[-reps:]])
             del tensors, timers
             release_memory(device)
     return out
