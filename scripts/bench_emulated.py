@@ -55,13 +55,15 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from hf_longctx.backends.cad.calibrate import recalibrate
 from hf_longctx.backends.cad.cost_model import ProfiledCostModel
 from hf_longctx.backends.cad.eps import EPS_CANDIDATES, a2a_bandwidth, candidate, choose_eps
 from hf_longctx.backends.cad.launch_cost import TERM_NAMES, LaunchCostModel
 from hf_longctx.backends.cad.profiled import ProfileBudget, SegmentShape, profiled_cost_model
-from hf_longctx.backends.cad.runtime import cad_schedule, server_costs
+from hf_longctx.backends.cad.runtime import cad_schedule, prepare, server_costs
 from hf_longctx.benchmarking import HOST_AHEAD, table_header, table_row, token_counts
 from hf_longctx.emulation import (
     EmulatedStep,
@@ -197,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
                         "or the fixed ~2 ms of HOST_AHEAD_CYCLES (to compare with runs made so)")
     p.add_argument("--seed", type=int, default=0, help="which batch of each mix's documents (the lengths' seed)")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes, reference kernel")
+    p.add_argument("--calibrate", type=int, default=0, metavar="N",
+                   help="after each CAD run on a measured model, N rounds of: the schedule made again with every "
+                        "server's price scaled by its measured over predicted kernel time (hf_longctx.backends.cad."
+                        "calibrate), and emulated again (rows labelled 'calibrated K')")
     p.add_argument("--dump-calls", default=None, metavar="DIR",
                    help="write every kernel call (segment lengths, seconds) of the profiled CAD runs and the profile "
                         "they were scheduled on as JSON into DIR, to check the cost model call by call")
@@ -325,6 +331,17 @@ def main(argv: list[str] | None = None) -> int:
                 extra = "; ".join(notes) + f" ({time.perf_counter() - t0:.1f} s)"
                 rows.append(row(mix, total, batch, w, label, step, extra.strip()))
                 print(rows[-1], flush=True)
+                if args.calibrate and backend == "cad" and options \
+                        and isinstance(options.get("cost_model"), MEASURED_MODELS):
+                    for name, cal_options, cal_step, cal_notes in calibrated_runs(
+                            batch, w, tensors, step, options, args.calibrate, emulate):
+                        if timers:
+                            dump_calls(Path(args.dump_calls) / f"{mix}_w{w}_{_slug(label + ' ' + name)}.json",
+                                       cal_step, batch, cal_options,
+                                       server_costs(shard_plan(batch, w, "cad"), cal_options).tolist(),
+                                       [t.call_log() for t in timers[-args.reps:]])
+                        rows.append(row(mix, total, batch, w, f"{label} {name}", cal_step, cal_notes))
+                        print(rows[-1], flush=True)
             if steps:
                 choice = choose_from_steps(steps)
                 choices.append(f"- {mix} {tokens_label(total)}, W={w}: auto (emulated) -> {choice.reason}")
@@ -373,6 +390,44 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def _by_server(tasks) -> dict[int, frozenset]:
+    out: dict[int, set] = {}
+    for t in tasks:
+        out.setdefault(t.server, set()).add(t)
+    return {server: frozenset(ts) for server, ts in out.items()}
+
+
+def calibrated_runs(batch: PackedBatch, world: int, tensors, step: EmulatedStep, options: dict, rounds: int,
+                    emulate):
+    """``rounds`` times: CAD's schedule made again on the last run's measured per-server kernel times
+    (:func:`~hf_longctx.backends.cad.calibrate.recalibrate`) and emulated. Yields (name, the options run, the step,
+    its notes) per round; ``emulate(batch, world, tensors, backend, options)`` returns (step, staged)."""
+    plan = shard_plan(batch, world, "cad")
+    current = {**options, "tasks": prepare(plan, options)["tasks"]}  # the run's schedule, made once here
+    for k in range(1, rounds + 1):
+        t0 = time.perf_counter()
+        rec = recalibrate(plan, current, step.kernel_s)
+        host_s = time.perf_counter() - t0
+        old, new = _by_server(current["tasks"]), _by_server(rec.tasks)
+        changed = sum(old.get(s) != new.get(s) for s in range(world))
+        current = {**options, "tasks": rec.tasks}
+        step, staged = emulate(batch, world, tensors, "cad", current)
+        predicted = rec.after / rec.after.mean()
+        measured = np.asarray(step.kernel_s) / statistics.fmean(step.kernel_s)
+        err = max(abs(p - m) / m for p, m in zip(predicted, measured) if m > 0)
+        notes = [f"scales {rec.scales.min():.3f}-{rec.scales.max():.3f}",
+                 f"calibrated prediction max/mean {predicted.max():.3f} (the run before measured "
+                 f"{rec.before.max() / rec.before.mean():.3f})",
+                 f"per-server time vs calibrated prediction, each over its mean: max err {err * 100:.1f}%",
+                 f"{changed} servers' tasks changed", f"recalibrated in {host_s:.1f} s on the host"]
+        if staged:
+            notes.append("staged on the host")
+        if step.noise_floor is not None:
+            notes.append(f"timing noise {step.timing_noise * 100:.2f}% per repetition, noise alone max/mean "
+                         f"{step.noise_floor:.3f}")
+        yield f"calibrated {k}", current, step, "; ".join(notes) + f" ({time.perf_counter() - t0:.1f} s)"
 
 
 def eps_sweep(batch, w, tensors, profiled, emulate, mix, total) -> list[str]:

@@ -37,3 +37,23 @@ print("meta:", json.dumps(json.loads(path.read_text())["meta"]))
 shutil.copy(path, sys.argv[1])
 PYEOF
 }
+
+# Put a saved launch cost model (a fit of an earlier call, e.g. bench/logs/launch_model_*.json) in the cache as this
+# code's model of KERNEL on this GPU, so that a call spends no time fitting one: use_launch_model FILE KERNEL. Its
+# meta keeps the call set it was fitted on (call_set_fitted); the cache then takes it as of today's call set.
+use_launch_model() {
+  $PY - "$1" "$2" <<'PYEOF'
+import json, sys
+import torch
+from hf_longctx.backends.cad.call_profile import CALL_SET
+from hf_longctx.backends.cad.profiled import SegmentShape, launch_cache_path
+data = json.loads(open(sys.argv[1]).read())
+meta = data.setdefault("meta", {})
+meta.setdefault("call_set_fitted", meta.get("call_set"))
+meta["call_set"] = CALL_SET
+path = launch_cache_path(torch.device("cuda"), sys.argv[2], SegmentShape())
+path.parent.mkdir(parents=True, exist_ok=True)
+path.write_text(json.dumps(data))
+print(f"launch model {sys.argv[1]} (fitted on call set {meta['call_set_fitted']}) -> {path}")
+PYEOF
+}

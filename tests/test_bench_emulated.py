@@ -50,9 +50,13 @@ def test_cad_runs_choose_the_cad_variants_and_a_misspelt_one_is_refused_first(tm
     monkeypatch.undo()
     monkeypatch.setenv("HF_LONGCTX_CACHE", str(tmp_path / "cache"))
     assert module.main(["--quick", "--out", str(out), "--worlds", "2", "--mixes", "sft", "--backends", "cad",
-                        "--eps-sweep", "none:0", "--cad-runs", "cad flops eps0.1,cad profiled eps0.01"]) == 0
+                        "--eps-sweep", "none:0", "--cad-runs", "cad flops eps0.1,cad profiled eps0.01",
+                        "--calibrate", "1"]) == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| sft |")]
-    assert [r.split(" | ")[4] for r in rows] == ["cad flops eps0.1", "cad profiled eps0.01"]
+    # --calibrate: the run on a measured model is scheduled again on its measured times and emulated again
+    assert [r.split(" | ")[4] for r in rows] == ["cad flops eps0.1", "cad profiled eps0.01",
+                                                "cad profiled eps0.01 calibrated 1"]
+    assert "calibrated prediction max/mean" in rows[-1] and "servers' tasks changed" in rows[-1]
 
     # --seed picks another batch of the mix's documents (the table's docs column counts them)
     from hf_longctx.emulation.workloads import doc_lengths
