@@ -40,6 +40,10 @@ configuration runs again with its all_to_all buffers on the host (as ``--stage-o
 one; its kernels are timed as before). Each such row gives the largest all_to_all's bytes (about what the host
 holds at once), and the memory lines the process's peak resident host memory.
 
+``--calibrate N``: after each CAD run on a measured model, N rounds of the schedule made again with every task priced
+at its server's measured over predicted kernel time (:mod:`hf_longctx.backends.cad.calibrate`) and emulated again;
+each round's row gives the scales, its calibrated prediction and how many servers' tasks changed.
+
 Configurations run in order (mix, then W, then backend); each mix gets its share of what ``--budget-s`` leaves
 after the set-up (a cost profile made now, the warm-up; time a mix leaves unused carries over), and the
 configurations left out are listed in the output.
