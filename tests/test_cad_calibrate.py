@@ -95,18 +95,15 @@ def test_a_recalibrated_schedule_still_computes_what_one_device_does():
     """A slow server gives work away on the measured times: every rank's outputs and q/k/v gradients equal the
     fp64 reference over the whole batch."""
     from test_cad_call_split import DOC_LENS, make_tensors, single_device
+    from test_cad_refine import tailed_grid_model
 
     from hf_longctx.emulation import emulate_step
-    from hf_longctx.kernels.launch import LaunchGrid
 
     world = 3
     batch = PackedBatch.from_doc_lens(DOC_LENS)
     q, k, v, dout = make_tensors(batch, seed=5)
     want = single_device(batch, q, k, v, dout)
-    cells = dict(q_lens=[16, 64, 256, 1024], kv_lens=[16, 64, 256, 1024],
-                 table=[[0.2, 0.5, 1.5, 5.0], [0.0, 1.5, 5.0, 18.0], [0.0, 0.0, 20.0, 70.0], [0.0, 0.0, 0.0, 300.0]],
-                 interpolate="rate", tile=16)
-    model = ProfiledCostModel.from_grid(**cells, launch=LaunchGrid((16, 16), (16, 16), 0.3, 3), launch_heads=4)
+    model = tailed_grid_model()
     options = {"eps": 0.0, "min_shard": 16, "cost_model": model}
     plan = shard_plan(batch, world, "cad")
     first = cad_schedule(plan, options).tasks

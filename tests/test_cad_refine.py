@@ -66,6 +66,15 @@ def test_refinement_lowers_the_busiest_predicted_server_and_keeps_every_row(mix,
     assert final.max() / final.mean() <= 1.01, final.max() / final.mean()
 
 
+def tailed_grid_model() -> ProfiledCostModel:
+    """A profile of 16-row tiles whose calls have tails on a 3-slot machine: small enough to emulate on the CPU, and
+    a refinement finds something to move."""
+    cells = dict(q_lens=[16, 64, 256, 1024], kv_lens=[16, 64, 256, 1024],
+                 table=[[0.2, 0.5, 1.5, 5.0], [0.0, 1.5, 5.0, 18.0], [0.0, 0.0, 20.0, 70.0], [0.0, 0.0, 0.0, 300.0]],
+                 interpolate="rate", tile=16)
+    return ProfiledCostModel.from_grid(**cells, launch=LaunchGrid((16, 16), (16, 16), 0.3, 3), launch_heads=4)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_refined_schedule_still_computes_what_one_device_does(world):
     """The refinement's own tasks (at W = 2 it cuts a task, at W = 3 it moves whole ones), run as the schedule:
@@ -73,16 +82,11 @@ def test_a_refined_schedule_still_computes_what_one_device_does(world):
     from test_cad_call_split import DOC_LENS, make_tensors, single_device
 
     from hf_longctx.emulation import emulate_step
-    from hf_longctx.kernels.launch import LaunchGrid
 
     batch = PackedBatch.from_doc_lens(DOC_LENS)
     q, k, v, dout = make_tensors(batch)
     want = single_device(batch, q, k, v, dout)
-    # a profile whose calls have tails on a 3-slot machine: the refinement has something to move
-    cells = dict(q_lens=[16, 64, 256, 1024], kv_lens=[16, 64, 256, 1024],
-                 table=[[0.2, 0.5, 1.5, 5.0], [0.0, 1.5, 5.0, 18.0], [0.0, 0.0, 20.0, 70.0], [0.0, 0.0, 0.0, 300.0]],
-                 interpolate="rate", tile=16)
-    model = ProfiledCostModel.from_grid(**cells, launch=LaunchGrid((16, 16), (16, 16), 0.3, 3), launch_heads=4)
+    model = tailed_grid_model()
     options = {"eps": 0.0, "min_shard": 16, "cost_model": model}
     plan = shard_plan(batch, world, "cad")
     first = schedule(docs_per_rank(plan), world, eps=0.0, cost_model=model, min_shard=16)
