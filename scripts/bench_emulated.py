@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes, reference kernel")
     p.add_argument("--calibrate", type=int, default=0, metavar="N",
                    help="after each CAD run on a measured model, N rounds of: the schedule made again with every "
-                        "server's price scaled by its measured over predicted kernel time (hf_longctx.backends.cad."
+                        "task priced at its server's measured over predicted kernel time (hf_longctx.backends.cad."
                         "calibrate), and emulated again (rows labelled 'calibrated K')")
     p.add_argument("--dump-calls", default=None, metavar="DIR",
                    help="write every kernel call (segment lengths, seconds) of the profiled CAD runs and the profile "
@@ -327,8 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                     notes.append(f"largest all_to_all {step.largest_all_to_all / float(1 << 30):.1f} GiB (staged on "
                                  "the host" + ("" if args.stage_on_host else ": the device ran out of memory") + ")")
                 if step.noise_floor is not None:
-                    notes.append(f"timing noise {step.timing_noise * 100:.2f}% per repetition, noise alone max/mean "
-                                 f"{step.noise_floor:.3f}")
+                    notes.append(noise_note(step))
                 if step.host_overruns:
                     notes.append(f"{step.host_overruns} of {step.timed_calls} timed calls' dispatch outran the "
                                  "device's spin (their time holds host time)")
@@ -396,6 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def noise_note(step: EmulatedStep) -> str:
+    return f"timing noise {step.timing_noise * 100:.2f}% per repetition, noise alone max/mean {step.noise_floor:.3f}"
+
+
 def _by_server(tasks) -> dict[int, frozenset]:
     out: dict[int, set] = {}
     for t in tasks:
@@ -429,8 +432,7 @@ def calibrated_runs(batch: PackedBatch, world: int, tensors, step: EmulatedStep,
         if staged:
             notes.append("staged on the host")
         if step.noise_floor is not None:
-            notes.append(f"timing noise {step.timing_noise * 100:.2f}% per repetition, noise alone max/mean "
-                         f"{step.noise_floor:.3f}")
+            notes.append(noise_note(step))
         yield f"calibrated {k}", current, step, "; ".join(notes) + f" ({time.perf_counter() - t0:.1f} s)"
 
 
