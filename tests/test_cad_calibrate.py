@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from hf_longctx.backends.cad.calibrate import TaskScales, recalibrate, server_scales
 from hf_longctx.backends.cad.cost_model import ProfiledCostModel
@@ -94,7 +93,7 @@ def test_a_task_cut_from_or_merged_of_measured_tasks_takes_their_scales_by_the_r
 def test_a_recalibrated_schedule_still_computes_what_one_device_does():
     """A slow server gives work away on the measured times: every rank's outputs and q/k/v gradients equal the
     fp64 reference over the whole batch."""
-    from test_cad_call_split import DOC_LENS, make_tensors, single_device
+    from test_cad_call_split import DOC_LENS, assert_ranks_equal_one_device, make_tensors, single_device
     from test_cad_refine import tailed_grid_model
 
     from hf_longctx.emulation import emulate_step
@@ -114,10 +113,7 @@ def test_a_recalibrated_schedule_still_computes_what_one_device_does():
     assert {t.server for t in tasks if t not in first} and len(tasks) >= len(first), "nothing moved"
     step = emulate_step(batch, world, (q, k, v, dout), "cad", options={**options, "tasks": tasks},
                         kernel="reference", keep_results=True)
-    for r in step.ranks:
-        idx = plan.local_indices(r.rank)
-        for got, ref in zip(r.results, want):
-            torch.testing.assert_close(got, ref[idx], rtol=1e-9, atol=1e-9)
+    assert_ranks_equal_one_device(step, plan, want)
 
 
 def test_bad_options_or_measurements_are_refused_before_any_pricing():

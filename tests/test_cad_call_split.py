@@ -66,15 +66,21 @@ def segment_lens(nb):
     return [b - a for a, b in zip(nb.cu_q, nb.cu_q[1:])], [b - a for a, b in zip(nb.cu_k, nb.cu_k[1:])]
 
 
-def assert_every_rank_is_one_device(step, plan, want, batches):
-    """Every emulated rank's out, dq, dk, dv equal one device's over its rows, with one forward and one backward
-    kernel call per run of every nano-batch that has tasks (``batches``: :func:`server_batches`)."""
+def assert_ranks_equal_one_device(step, plan, want):
+    """Every emulated rank's out, dq, dk, dv equal one device's (``want``: :func:`single_device`) over its rows."""
     assert len(step.ranks) == plan.world_size
     for r in step.ranks:
         idx = plan.local_indices(r.rank)
         for name, got, ref in zip(("out", "dq", "dk", "dv"), r.results, want):
             torch.testing.assert_close(got, ref[idx], **TOL,
                                        msg=lambda m, w=f"W={plan.world_size} rank {r.rank} {name}": f"{w}: {m}")
+
+
+def assert_every_rank_is_one_device(step, plan, want, batches):
+    """:func:`assert_ranks_equal_one_device`, with one forward and one backward kernel call per run of every
+    nano-batch that has tasks (``batches``: :func:`server_batches`)."""
+    assert_ranks_equal_one_device(step, plan, want)
+    for r in step.ranks:
         assert r.kernel_calls == 2 * sum(len(nb.calls) for nb in batches[r.rank] if nb.tasks), r.rank
 
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from hf_longctx.backends.cad.cost_model import ProfiledCostModel, TokenBytes
 from hf_longctx.backends.cad.launch_cost import LaunchCostModel, PhaseTerms
@@ -79,7 +78,7 @@ def tailed_grid_model() -> ProfiledCostModel:
 def test_a_refined_schedule_still_computes_what_one_device_does(world):
     """The refinement's own tasks (at W = 2 it cuts a task, at W = 3 it moves whole ones), run as the schedule:
     every rank's outputs and q/k/v gradients equal the fp64 reference over the whole batch."""
-    from test_cad_call_split import DOC_LENS, make_tensors, single_device
+    from test_cad_call_split import DOC_LENS, assert_ranks_equal_one_device, make_tensors, single_device
 
     from hf_longctx.emulation import emulate_step
 
@@ -100,10 +99,7 @@ def test_a_refined_schedule_still_computes_what_one_device_does(world):
         assert {(t.owner, t.piece, t.q_start) for t in tasks} - {(t.owner, t.piece, t.q_start) for t in first.tasks}
     step = emulate_step(batch, world, (q, k, v, dout), "cad", options={**options, "tasks": tasks},
                         kernel="reference", keep_results=True)
-    for r in step.ranks:
-        idx = plan.local_indices(r.rank)
-        for got, ref in zip(r.results, want):
-            torch.testing.assert_close(got, ref[idx], rtol=1e-9, atol=1e-9)
+    assert_ranks_equal_one_device(step, plan, want)
     assert np.isfinite([r.kernel_s for r in step.ranks]).all()
 
 
@@ -120,7 +116,7 @@ def test_key_cuts_balance_a_long_documents_last_rows_and_stay_exact(world):
     alone, every (row, key) pair is computed once, and the emulated outputs and q/k/v gradients equal the fp64
     reference. (Ejection chains of rows alone, :mod:`hf_longctx.backends.cad.refine`, reach 1.014 at 4 servers
     here, where key cuts stop at 1.027; they are left out of the comparison, which is about key cuts.)"""
-    from test_cad_call_split import make_tensors, single_device
+    from test_cad_call_split import assert_ranks_equal_one_device, make_tensors, single_device
 
     from hf_longctx.emulation import emulate_step
 
@@ -137,10 +133,7 @@ def test_key_cuts_balance_a_long_documents_last_rows_and_stay_exact(world):
     want = single_device(batch, q, k, v, dout)
     step = emulate_step(batch, world, (q, k, v, dout), "cad", options=options, kernel="reference",
                         keep_results=True)
-    for r in step.ranks:
-        idx = plan.local_indices(r.rank)
-        for got, ref in zip(r.results, want):
-            torch.testing.assert_close(got, ref[idx], rtol=1e-9, atol=1e-9)
+    assert_ranks_equal_one_device(step, plan, want)
 
 
 def test_a_schedule_check_catches_keys_cut_twice_or_not_at_all():

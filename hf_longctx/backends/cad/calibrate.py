@@ -112,8 +112,9 @@ def recalibrate(plan: ShardPlan, options: dict, measured: Sequence[float]) -> Re
     measured = _checked(measured, plan.world_size)  # before the schedule is made or priced
     model = cost_model_for(plan, options)
     tasks = [t for t in prepare(plan, options)["tasks"] if t.q_end > t.q_start]
-    unscaled = scaled_server_cost(plan, options, model, TaskScales([], np.ones(plan.world_size)))
-    raw = np.array([unscaled(ts) for ts in _per_server(tasks, plan.world_size)])
+    terms = call_terms_for(options, model)
+    raw = np.array([_server_time(plan, ts, options, model, terms) if ts else 0.0
+                    for ts in _per_server(tasks, plan.world_size)])
     scales = server_scales(measured, raw)
     cost = scaled_server_cost(plan, options, model, TaskScales(tasks, scales))
     moved = refine_in_time(plan, tasks, model, cost, key_cuts=options.get("key_cuts", True),
