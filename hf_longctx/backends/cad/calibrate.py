@@ -30,7 +30,7 @@ import numpy as np
 from ...layout import ShardPlan
 from .cost_model import CostModel
 from .refine import refine_in_time
-from .runtime import REFINE_SCREEN, _server_time, call_terms_for, cost_model_for, option_problem, prepare
+from .runtime import _server_time, call_terms_for, cost_model_for, option_problem, prepare, refine_options
 from .tasks import CadTask, rows_cost
 
 
@@ -117,9 +117,7 @@ def recalibrate(plan: ShardPlan, options: dict, measured: Sequence[float]) -> Re
                     for ts in _per_server(tasks, plan.world_size)])
     scales = server_scales(measured, raw)
     cost = scaled_server_cost(plan, options, model, TaskScales(tasks, scales))
-    moved = refine_in_time(plan, tasks, model, cost, key_cuts=options.get("key_cuts", True),
-                           screen=options.get("refine_screen", REFINE_SCREEN) or None,
-                           chains=options.get("refine_chains", True))
+    moved = refine_in_time(plan, tasks, model, cost, **refine_options(options))
     after = np.array([cost(ts) for ts in _per_server(moved, plan.world_size)])
     return Recalibration(moved, scales, raw * scales, after)
 

@@ -311,7 +311,7 @@ def cad_schedule(plan: ShardPlan, options: dict, share: PricingShare | None = No
     problem = option_problem(options)  # the check a recipe's options get, for callers that come here directly
     if problem:
         raise ValueError(f"cad: {problem}")
-    screen = options.get("refine_screen", REFINE_SCREEN) or None
+    refinement = refine_options(options)
 
     def build() -> CadSchedule:
         docs = docs_per_rank(plan)
@@ -342,8 +342,7 @@ def cad_schedule(plan: ShardPlan, options: dict, share: PricingShare | None = No
         terms = call_terms_for(options, model)
         moved = refine_in_time(plan, best.tasks, model,
                                lambda tasks: _server_time(plan, tasks, options, model, terms),
-                               key_cuts=options.get("key_cuts", True), screen=screen, share=share,
-                               chains=options.get("refine_chains", True))
+                               share=share, **refinement)
         return with_tasks(docs, best, moved, model)
 
     def timed_build() -> CadSchedule:
@@ -354,13 +353,20 @@ def cad_schedule(plan: ShardPlan, options: dict, share: PricingShare | None = No
             check_same_schedule(sched.tasks, share.group)
         return sched
 
-    return plan.cached(("cad_schedule", eps, model, tuple(sorted(knobs.items())), options.get("key_cuts", True),
-                        screen, options.get("refine_chains", True)), timed_build)
+    return plan.cached(("cad_schedule", eps, model, tuple(sorted(knobs.items())), tuple(sorted(refinement.items()))),
+                       timed_build)
 
 
 log = logging.getLogger(__name__)
 SLOW_SCHEDULE_S = 0.5  # a schedule that took longer on the host is said once per process (its first rank's)
 _said_slow = False
+
+
+def refine_options(options: dict) -> dict:
+    """The keyword arguments of :func:`~.refine.refine_in_time` that CAD's ``options`` set (``key_cuts``,
+    ``refine_screen``, ``refine_chains``), defaults filled in: every refinement of a schedule takes the same."""
+    return {"key_cuts": options.get("key_cuts", True), "screen": options.get("refine_screen", REFINE_SCREEN) or None,
+            "chains": options.get("refine_chains", True)}
 
 
 def _say_if_slow(seconds: float, plan: ShardPlan, eps, model: CostModel) -> None:
