@@ -7,7 +7,9 @@ model was loaded with, and replaces the model's keyword inputs by this rank's sh
 whole world) is kept, so the loss scaling Trainer applies stays right.
 
 Any batch a collator makes works (:mod:`.rows`): packed rows, several unpacked rows, padded rows
-(left, right or inside), with labels, shift_labels or none.
+(left, right or inside), with labels, shift_labels or none. Without ``position_ids`` every token gets
+the position the model itself computes on its whole row (:mod:`.positions`: from the mask for OPT,
+from the ids for RoBERTa and its kin), found once from the model when the hook is installed.
 
 In evaluation (``model.eval()``), and in training when the model is called without labels (the
 caller computes the loss: Trainer's ``compute_loss_func``, ``label_smoothing_factor``), a forward
@@ -32,6 +34,7 @@ from ..comm.groups import group_rank_and_size
 from .attention import backend_of
 from .context import bind_modules, unbind_modules
 from .model_support import unsupported_layers
+from .positions import PositionRule, position_rule
 from .rows import flatten_batch, unflatten_rows
 from .settings import checked_backend_options
 from .sharding import gather_group_batch, plan_for
@@ -40,12 +43,15 @@ from .sharding import gather_group_batch, plan_for
 _UNSHARDED_ONLY = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
-def check_model(model) -> None:
-    """Raise before any collective if the model cannot take sharded, position-carrying inputs.
+def check_model(model) -> PositionRule:
+    """Raise before any collective if the model cannot take sharded, position-carrying inputs; else the rule
+    the model numbers its tokens by when it gets no ``position_ids`` (:func:`~.positions.position_rule`).
 
     Positions travel with the tokens as ``position_ids``; a model whose forward does not take them
-    would number each shard's tokens from 0. (That the model's attention runs through the ``longctx_*``
-    function at all is checked after its first sharded forward: see ``restore_outputs``.)
+    would number each shard's tokens from 0, and one whose positions cannot be handed over as
+    ``position_ids`` (ALiBi from the mask) is refused by :func:`~.positions.position_rule`. (That the
+    model's attention runs through the ``longctx_*`` function at all is checked after its first sharded
+    forward: see ``restore_outputs``.)
     """
     impl = getattr(model.config, "_attn_implementation", None) or ""
     if not impl.startswith("longctx_"):
@@ -60,6 +66,7 @@ def check_model(model) -> None:
     if "position_ids" not in inspect.signature(base.forward).parameters:
         raise ValueError(f"{name}.forward takes no position_ids; sequence parallelism needs positions to travel with "
                          "the tokens of each shard, so this model cannot be sharded (train it in one process)")
+    return position_rule(base)
 
 
 class SequenceParallelInputs:
@@ -69,8 +76,10 @@ class SequenceParallelInputs:
     attention calls whose layer did not pass it on (see :mod:`.context`).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, kernel: str = "auto", options: dict | None = None):
+    def __init__(self, group: dist.ProcessGroup | None, kernel: str = "auto", options: dict | None = None,
+                 positions: PositionRule | None = None):
         self.group = group
+        self.positions = positions  # None: transformers' default, 0, 1, 2, ... in every row
         self.kernel = kernel
         self.options = dict(options or {})
         self.tokens = 0
@@ -104,7 +113,8 @@ class SequenceParallelInputs:
         inputs = {k: kwargs.pop(k, None) for k in ("attention_mask", "position_ids", "labels", "shift_labels",
                                                     "doc_lens")}
         try:  # checked here, but raised after the first collective so that no peer waits for this rank
-            flat, problem = flatten_batch(kwargs.pop("input_ids", None), **inputs), None
+            positions_of = None if self.positions is None or self.positions.is_arange else self.positions.row_positions
+            flat, problem = flatten_batch(kwargs.pop("input_ids", None), **inputs, positions_of=positions_of), None
         except ValueError as exc:
             flat, problem = None, str(exc)
         for key in _UNSHARDED_ONLY:
@@ -238,11 +248,11 @@ def install_input_hook(model, group: dist.ProcessGroup | None, kernel: str = "au
                        options: dict | None = None) -> SequenceParallelInputs:
     """Shard every forward of ``model`` over ``group`` from now on; ``options`` (the backend's, the settings'
     ``backend_options``) go to every attention call, checked here against the backend the model was loaded with."""
-    check_model(model)
+    positions = check_model(model)
     if options:
         impl = model.config._attn_implementation
         options = checked_backend_options(backend_of(impl), options, f"the model runs attn_implementation={impl!r}")
-    hook = SequenceParallelInputs(group, kernel, options)
+    hook = SequenceParallelInputs(group, kernel, options, positions)
     # prepended: every other pre-hook (tiled loss, user hooks) must see the sharded inputs
     hook.handles = [model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True),
                     model.register_forward_hook(hook.restore_outputs, with_kwargs=True)]

@@ -18,13 +18,19 @@ kind of batch keeps the meaning transformers gives it:
   the padding (positions and targets move with them), so interior padding works too;
 * **targets**: ``shift_labels`` when the collator gives them; else ``labels`` shifted by one inside
   each row, as transformers' loss does, and cut at every packed document's end (a document's last
-  token predicts nothing); none when the call has no labels (the caller computes the loss).
+  token predicts nothing); none when the call has no labels (the caller computes the loss);
+* **positions**: ``position_ids`` as given; without them, the positions the model computes itself on
+  each whole row (``positions_of``, the model's :class:`~hf_longctx.hf.positions.PositionRule`:
+  0, 1, 2, ... for most models, from the mask for OPT, from the ids for RoBERTa), computed here
+  before the group's batch is sharded. Without given positions a row's documents come from the row
+  and its mask only, never from the computed positions.
 
 Nothing here communicates: the group concatenates these flat batches afterwards.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -81,9 +87,16 @@ def _as_rows(name: str, value, shape: tuple[int, int]) -> torch.Tensor | None:
     return value.expand(shape)
 
 
+PositionsOf = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
 def flatten_batch(input_ids, *, attention_mask=None, position_ids=None, labels=None, shift_labels=None,
-                  doc_lens=None) -> FlatBatch:
-    """This rank's batch as one packed sequence (module docstring); raises ValueError naming a bad input."""
+                  doc_lens=None, positions_of: PositionsOf | None = None) -> FlatBatch:
+    """This rank's batch as one packed sequence (module docstring); raises ValueError naming a bad input.
+
+    ``positions_of(input_ids, attention_mask)`` gives the (B, S) positions the model computes itself when
+    ``position_ids`` is None (default: 0, 1, 2, ... in every row, transformers' default).
+    """
     if input_ids is None:
         raise ValueError("sequence-parallel training needs input_ids (inputs_embeds alone cannot be sharded "
                          "with their positions); pass input_ids")
@@ -99,8 +112,10 @@ def flatten_batch(input_ids, *, attention_mask=None, position_ids=None, labels=N
         raise ValueError(f"a {attention_mask.dim()}-D attention_mask cannot be sharded; pass the 2-D padding mask "
                          "or none (documents come from position_ids or doc_lens)")
     positions = _as_rows("position_ids", position_ids, (rows, length))
-    if positions is None:  # transformers' default: positions count from 0 in every row
-        positions = torch.arange(length, device=ids.device).expand(rows, length)
+    given_positions = positions is not None
+    if not given_positions:  # the model's own rule on each whole row, before any shard cuts it
+        positions = (positions_of(ids, mask) if positions_of is not None
+                     else torch.arange(length, device=ids.device).expand(rows, length))
     labels = _as_rows("labels", labels, (rows, length))
     shifted = _as_rows("shift_labels", shift_labels, (rows, length))
     if doc_lens is not None:
@@ -128,9 +143,11 @@ def flatten_batch(input_ids, *, attention_mask=None, position_ids=None, labels=N
                 row_lens = [int(n) for n in torch.as_tensor(doc_lens).reshape(-1).tolist() if int(n) > 0]
                 if sum(row_lens) != length:
                     raise ValueError(f"doc_lens add up to {sum(row_lens)} tokens but the row has {length}")
-            else:
+            elif given_positions:
                 bounds = document_starts(positions[b]) + [length]
                 row_lens = [z - a for a, z in zip(bounds, bounds[1:])]
+            else:  # without position_ids a row is one sequence (computed positions may jump at padding ids)
+                row_lens = [length]
             row_pad = [False] * len(row_lens)
             target_docs = row_lens  # a document's last token predicts nothing
         row_targets = None

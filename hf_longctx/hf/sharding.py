@@ -18,6 +18,7 @@ from ..backends import default_strategy
 from ..comm.groups import group_rank_and_size
 from ..layout import PackedBatch, ShardPlan, shard_plan
 from .context import SequenceParallelContext
+from .positions import position_rule
 from .rows import IGNORE_INDEX, FlatBatch, shift_labels_per_document
 
 
@@ -28,20 +29,33 @@ def shard_batch(
     group: dist.ProcessGroup | None = None,
     kernel: str = "auto",
     options: dict | None = None,
+    *,
+    model: torch.nn.Module | None = None,
 ) -> dict:
     """kwargs of ``model(**local)`` for ``rank``: its tokens, positions, shifted targets, context.
     ``options`` go to every attention call of the forward (the backend's, e.g. CAD's ``eps``).
 
-    ``batch`` holds one packed sequence: ``input_ids`` (1, T), ``position_ids`` (1, T) (or ``doc_lens``;
-    positions default to restarting at 0 per document and travel with the tokens), optional
-    ``labels`` (1, T; default input_ids).
+    ``batch`` holds one packed sequence: ``input_ids`` (1, T), ``position_ids`` (1, T), optional
+    ``labels`` (1, T; default input_ids). Given positions travel with the tokens unchanged. Without
+    them, pass ``model=``: each document of the plan is then numbered as the model numbers a row of its
+    own (:func:`~hf_longctx.hf.positions.position_rule`: 0, 1, 2, ... for most models, from
+    ``padding_idx + 1`` for RoBERTa and its kin), computed before sharding; without positions and
+    without the model this raises, since 0-based positions would be wrong for a model with a rule of
+    its own.
     """
     packed = plan.batch
     input_ids = batch["input_ids"].reshape(-1)
     labels = batch.get("labels")
     labels = input_ids if labels is None else labels.reshape(-1)
     positions = batch.get("position_ids")
-    positions = packed.position_ids if positions is None else positions.reshape(-1)
+    if positions is not None:
+        positions = positions.reshape(-1)
+    elif model is None:
+        raise ValueError("shard_batch got no position_ids: pass the batch's position_ids, or model=<the model> so "
+                         "that every document is numbered by the model's own rule (0-based for most models; "
+                         "RoBERTa-like models start at padding_idx + 1)")
+    else:
+        positions = position_rule(model).document_positions(input_ids, packed.doc_lens)
     return _shard(input_ids, positions, shift_labels_per_document(labels, packed), None, plan, rank, group, kernel,
                   options)
 
