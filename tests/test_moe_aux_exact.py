@@ -62,7 +62,8 @@ def tiny_moe(kind: str, impl: str):
     torch.manual_seed(0)
     shape = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  num_experts_per_tok=TOP_K, router_aux_loss_coef=COEF, output_router_logits=True,
-                 initializer_range=0.2, max_position_embeddings=128, attn_implementation=impl, pad_token_id=0)
+                 initializer_range=0.2, max_position_embeddings=128, attn_implementation=impl, pad_token_id=0,
+                 bos_token_id=1, eos_token_id=2)
     if kind == "qwen3_moe":
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, intermediate_size=24, moe_intermediate_size=8, head_dim=4,
                                                    num_experts=EXPERTS))
@@ -111,10 +112,11 @@ def train_args():
                            gradient_checkpointing=False, fsdp=None)
 
 
-def callback_step(kind: str, backend: str, rows: dict, world: int):
-    """One forward and backward of this rank's ``rows`` under LongContextCallback; loss and grads summed."""
+def callback_step(kind: str, backend: str, rows: dict, world: int, sp_size: int | None = None):
+    """One forward and backward of this rank's ``rows`` under LongContextCallback; loss and grads summed over
+    the ``world`` ranks of the sequence-parallel group."""
     model = tiny_moe(kind, implementation_name(backend))
-    callback = hf_longctx.LongContextCallback(LongContextConfig(backend=backend))
+    callback = hf_longctx.LongContextCallback(LongContextConfig(backend=backend, sp_size=sp_size))
     args, state, control = train_args(), TrainerState(), TrainerControl()
     callback.on_train_begin(args, state, control, model=model)
     try:
@@ -202,7 +204,18 @@ def test_callback_aux_loss_equals_transformers_on_two_processes():
 
 def _two_processes(rank: int, world: int) -> None:
     check_cases(rank, world)
+    check_data_parallel_groups(rank)
     check_rank_zero_alone(rank, world)
+
+
+def check_data_parallel_groups(rank: int) -> None:
+    """sp_size 1 on 2 processes: each rank is its own sequence-parallel group, so its aux loss is the one
+    transformers computes on its rows alone (what each device of plain DDP trains on), not the world's."""
+    rows, _ = padded_rows(2, "right")
+    mine = rows[rank]
+    ref_loss, ref_grads = reference("olmoe", mine)
+    loss, grads = callback_step("olmoe", "zigzag", mine, world=1, sp_size=1)
+    assert_same(loss, grads, ref_loss, ref_grads, f"olmoe sp_size=1 rank={rank}")
 
 
 # ---- a forward of one rank alone ------------------------------------------------------------------------------

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
@@ -38,6 +40,9 @@ from .optimizer_offload import host_optimizer_of
 from .parallelism import model_parallelism
 from .preflight import check_process_count
 from .settings import LongContextConfig
+
+if TYPE_CHECKING:
+    from ..moe import DistributedAuxLoss
 
 logger = logging.getLogger("hf_longctx")
 
@@ -71,7 +76,7 @@ def check_moe_layout(model, cfg: LongContextConfig, world: int) -> None:
                          "by hf_longctx.hf.apply_model_parallelism(model, config); shard the model with it instead")
 
 
-def install_aux_loss(model):
+def install_aux_loss(model: torch.nn.Module) -> DistributedAuxLoss | None:
     """The batch-exact aux loss for a MoE model that has none yet (None: not MoE, or already installed).
 
     Its default group is each sharded batch's own (the sequence-parallel group), so every group's aux
