@@ -112,7 +112,7 @@ def train_args():
                            gradient_checkpointing=False, fsdp=None)
 
 
-def callback_step(kind: str, backend: str, rows: dict, world: int, sp_size: int | None = None):
+def callback_step(kind: str, backend: str, rows: dict, world: int, sp_size: int = 0):
     """One forward and backward of this rank's ``rows`` under LongContextCallback; loss and grads summed over
     the ``world`` ranks of the sequence-parallel group."""
     model = tiny_moe(kind, implementation_name(backend))
