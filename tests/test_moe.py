@@ -240,10 +240,15 @@ def assert_dense_and_expert_grads(model, ref, where, dense_group, tol=FP32_LOSS)
         torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name: f"grad {n} {where}: {m}")
 
 
-def check_dp_ep_step_and_state_dict(rank, world, ep=2, expert_tp=1):
+def check_dp_ep_step_and_state_dict(rank, world, alone, ep=2, expert_tp=1):
     """DP x EP (x expert-TP): DDP ignores the expert slices, expert grads are averaged over their replicas only,
     and one clipped SGD step with the batch-exact aux loss equals one process on the whole batch. Shards merge
-    back."""
+    back.
+
+    Each rank's row goes through ``shard_batch`` on a group of its own (what the input hook does at
+    sp_size 1): the batch-exact aux loss runs only in a sharded forward, since a plain forward may be
+    one rank's alone (its all_reduce would wait forever); with the whole world as its explicit group,
+    the ranks' shares add up to the aux loss of one process on every row."""
     groups = parallel_groups(sp_size=1, tp_size=1, ep_size=ep, expert_tp_size=expert_tp)
     seq = 9
     ids = torch.randint(0, VOCAB, (world, seq), generator=torch.Generator().manual_seed(3))
@@ -255,7 +260,7 @@ def check_dp_ep_step_and_state_dict(rank, world, ep=2, expert_tp=1):
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
     torch.optim.SGD(ref.parameters(), lr=1.0).step()
 
-    model = tiny_qwen3_moe()
+    model = tiny_qwen3_moe(implementation_name("zigzag"))
     assert apply_expert_parallel(model, groups.moe, expert_tp_size=expert_tp) == 2
     shards = expert_shards(model)
     # state dict: keys unchanged, shards of the EP group merge to the original, a full dict cuts back
@@ -282,15 +287,17 @@ def check_dp_ep_step_and_state_dict(rank, world, ep=2, expert_tp=1):
     assert len(ignored) == 4 and all(".mlp.experts." in n for n in ignored)
     enable_distributed_aux_loss(model, group=None)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    local = ids[rank : rank + 1]
-    out = ddp(input_ids=local, labels=local, num_items_in_batch=torch.tensor(world * (seq - 1)))
+    local = shard_batch({"input_ids": ids[rank : rank + 1]},
+                        shard_plan(PackedBatch.from_doc_lens([seq]), 1, default_strategy("zigzag")), 0, alone)
+    local["num_items_in_batch"] = torch.tensor(world * (seq - 1))  # Trainer's count: every rank's targets
+    out = ddp(**local)
     (out.loss * world).backward()  # DDP averages over the world; each rank's loss is its share (Trainer's scaling)
     all_reduce_expert_grads(model, groups.expert_dp, expert_tp_group=groups.expert_tp)
     norm = clip_grad_norm_(model, max_norm)  # every rank the same factor: expert slices of the EP group counted
     torch.testing.assert_close(norm, ref_norm.to(norm.dtype), **FP32_LOSS)
     total = out.loss.detach().clone()
     dist.all_reduce(total)
-    torch.testing.assert_close(total, out_ref.loss.detach(), **FP32_LOSS)
+    torch.testing.assert_close(total, out_ref.loss.detach().to(total.dtype), **FP32_LOSS)
     aux = out.aux_loss.detach().clone()
     dist.all_reduce(aux)
     torch.testing.assert_close(aux, out_ref.aux_loss.detach().to(aux.dtype), **FP32_LOSS)
@@ -342,7 +349,7 @@ def check_sp_ep_zigzag(rank, world, alone):
     all_reduce_expert_grads(model, groups.expert_dp, divide_by=1)
     total = out.loss.detach().clone()
     dist.all_reduce(total)
-    torch.testing.assert_close(total, out_ref.loss.detach(), **FP32_LOSS)
+    torch.testing.assert_close(total, out_ref.loss.detach().to(total.dtype), **FP32_LOSS)
     assert_dense_and_expert_grads(model, ref, f"sp2 ep2 rank={rank}", dense_group=None)
 
 
@@ -364,7 +371,7 @@ def check_tp_sp_ep_zigzag(rank, world, alone):
     out.loss.backward()
     total = out.loss.detach().clone()
     dist.all_reduce(total, group=groups.batch)
-    torch.testing.assert_close(total, out_ref.loss.detach(), **FP32_LOSS)
+    torch.testing.assert_close(total, out_ref.loss.detach().to(total.dtype), **FP32_LOSS)
     assert_dense_and_expert_grads(model, ref, f"sp2 tp2 ep2 rank={rank}", dense_group=groups.batch)
 
 
@@ -407,9 +414,9 @@ def check_world4(rank, world):
             mine = tp_groups[rank // expert_tp] if expert_tp > 1 else None
             check_blocks(group, top_ks, chunks, expert_tp, (mine, alone) if mine is not None else None)
         dist.barrier()
-    check_dp_ep_step_and_state_dict(rank, world)
-    check_dp_ep_step_and_state_dict(rank, world, ep=2, expert_tp=2)  # the whole world one expert group
-    check_dp_ep_step_and_state_dict(rank, world, ep=1, expert_tp=2)  # expert-TP pairs, replicas over DP
+    check_dp_ep_step_and_state_dict(rank, world, alone)
+    check_dp_ep_step_and_state_dict(rank, world, alone, ep=2, expert_tp=2)  # the whole world one expert group
+    check_dp_ep_step_and_state_dict(rank, world, alone, ep=1, expert_tp=2)  # expert-TP pairs, replicas over DP
     check_grad_sync_with_accumulation(rank, world)
     check_sp_ep_zigzag(rank, world, alone)
     check_tp_sp_ep_zigzag(rank, world, alone)

@@ -9,7 +9,11 @@ processes accelerate started), installs the input hook that shards every batch, 
 recompute-aware checkpointing when ``TrainingArguments.activation_checkpointing`` is on (the model may
 be FSDP2-sharded by then: see :mod:`.fsdp`, which also names what is refused with it), and from then
 on adds to the logs: tokens/s, an MFU estimate, the attention-load imbalance of the schedule across
-ranks. At ``on_train_end`` it takes its hooks off again, so evaluation and ``generate()`` after
+ranks. A MoE model (``router_aux_loss_coef`` in its config) gets the batch-exact load-balancing loss
+(:mod:`~hf_longctx.moe.aux_loss`) unless :func:`~.parallelism.apply_model_parallelism` installed it
+already: the input hook takes ``attention_mask`` out of the call and spreads the batch over the group,
+so transformers' own aux loss would count padding and be each shard's own, not the batch's. At
+``on_train_end`` it takes its hooks off again, so evaluation and ``generate()`` after
 training run the model as loaded (exact attention in each process).
 """
 
@@ -17,7 +21,9 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
@@ -34,6 +40,9 @@ from .optimizer_offload import host_optimizer_of
 from .parallelism import model_parallelism
 from .preflight import check_process_count
 from .settings import LongContextConfig
+
+if TYPE_CHECKING:
+    from ..moe import DistributedAuxLoss
 
 logger = logging.getLogger("hf_longctx")
 
@@ -67,6 +76,22 @@ def check_moe_layout(model, cfg: LongContextConfig, world: int) -> None:
                          "by hf_longctx.hf.apply_model_parallelism(model, config); shard the model with it instead")
 
 
+def install_aux_loss(model: torch.nn.Module) -> DistributedAuxLoss | None:
+    """The batch-exact aux loss for a MoE model that has none yet (None: not MoE, or already installed).
+
+    Its default group is each sharded batch's own (the sequence-parallel group), so every group's aux
+    is what one device of plain data parallelism computes; apply_model_parallelism's whole-world
+    group, when installed before, is kept.
+    """
+    from ..moe import enable_distributed_aux_loss, find_experts_modules, installed_aux_loss
+
+    if getattr(model.config, "router_aux_loss_coef", None) is None or installed_aux_loss(model) is not None:
+        return None
+    if not find_experts_modules(model):
+        return None
+    return enable_distributed_aux_loss(model)
+
+
 def checkpointing_requested(args) -> bool:
     """Whether the TrainingArguments turn activation checkpointing on (either of transformers' names)."""
     return bool(getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False))
@@ -85,6 +110,7 @@ class LongContextCallback(TrainerCallback):
         self._grad_sync = None
         self._max_grad_norm = None
         self._host_optimizer = None
+        self._aux_loss = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         cfg = self.config = self.config or load_config()
@@ -128,6 +154,7 @@ class LongContextCallback(TrainerCallback):
         # average_tokens_across_devices=False: every sequence-parallel group averages its own tokens, as one
         # device of plain DDP averages its batch (the group, not the process, holds a sequence)
         self.hook.average_in_group = sp > 1 and not getattr(args, "average_tokens_across_devices", True)
+        self._aux_loss = install_aux_loss(model)  # after the memory hooks: its loss comes after the tiled loss
         self.summary = {"backend": impl[len(PREFIX):], "attn_implementation": impl, "sp_size": sp,
                         "dp_size": world // sp, "checkpointing": checkpointing, "kernel": cfg.kernel,
                         "backend_options": {k: v if isinstance(v, (str, int, float, bool, type(None))) else repr(v)
@@ -193,6 +220,9 @@ class LongContextCallback(TrainerCallback):
             self._grad_sync = None
         if self.hook is not None:
             self.hook.remove()
+        if self._aux_loss is not None:
+            self._aux_loss.remove()
+            self._aux_loss = None
         if self._memory is not None:
             self._memory.remove()
 

@@ -8,7 +8,7 @@ gradients kept out of DDP and averaged over their replicas, the batch-exact load
 and merging/cutting of expert shards in state dicts. Process groups: :mod:`hf_longctx.comm.mesh`.
 """
 
-from .aux_loss import DistributedAuxLoss, enable_distributed_aux_loss
+from .aux_loss import DistributedAuxLoss, enable_distributed_aux_loss, installed_aux_loss
 from .checkpoint import (
     expert_shards,
     gather_full_state_dict,
@@ -38,6 +38,7 @@ __all__ = [
     "gather_full_state_dict",
     "gather_pieces",
     "ignore_expert_params_in_ddp",
+    "installed_aux_loss",
     "merge_expert_shards",
     "merge_shard",
     "pair_layout",

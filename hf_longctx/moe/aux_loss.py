@@ -2,27 +2,45 @@
 
 transformers' MoE models add ``router_aux_loss_coef * aux`` to the loss, with (Switch Transformer)
 ``aux = E * sum_e f_e * P_e``: f_e the fraction of (token, slot) assignments that went to expert e and
-P_e the mean router probability of e, both over every token of every layer. Computed on a rank's own
-tokens it is a different number (a product of means is not the mean of products), so a sharded run
-would train on a different objective.
+P_e the mean router probability of e, both over every real token of every layer (the
+``attention_mask`` leaves padding out). Computed on a rank's own tokens it is a different number (a
+product of means is not the mean of products), so a sharded run would train on a different objective.
 
 Exact version. The assignment counts (no gradient) and the token count are all-reduced over every
 rank that shares the batch, so f is the batch's. P is linear in the probabilities, so each rank keeps
-``share = E * sum_e f_e * (sum of ITS tokens' probabilities of e) / N``, with N the batch's rows. The
-shares add up to the single-process aux loss, and their gradients add up to its gradient, exactly
-as the language-model loss shares do (each rank's loss is its part of the global mean, and DDP or a
-sum over the group puts them together). One all-reduce of E + 1 numbers per forward.
+``share = E * sum_e f_e * (sum of ITS tokens' probabilities of e) / N``, with N the batch's real
+tokens (times layers). The shares add up to the single-process aux loss, and their gradients add up
+to its gradient, exactly as the language-model loss shares do (each rank's loss is its part of the
+global mean, and DDP or a sum over the group puts them together). Padding tokens (the shard's
+padding flags) count for nothing, as transformers' masked formula leaves them out. One all-reduce of
+E + 1 numbers per forward.
 
 :func:`enable_distributed_aux_loss` makes a transformers MoE model compute it with hooks (no class
-is patched): when the model is asked for router logits (``output_router_logits``, or the config's
-default), the model runs with them off, so transformers adds nothing of its own; hooks on the
-routers record their logits, and a forward hook on the model adds ``coef x share`` to ``loss`` and
-fills ``aux_loss`` (this rank's share) and ``router_logits``.
+is patched), in every forward that is part of a sharded batch: the forward's keywords carry the
+shard's ``longctx`` context (the input hook puts it there, ``shard_batch`` makes it). There the model
+runs with router logits off, so transformers adds nothing of its own; hooks on the routers record
+their logits, and a forward hook on the model adds ``coef x share`` to ``loss`` and fills
+``aux_loss`` (this rank's share) and ``router_logits``.
+
+Any other forward (``generate()``, an evaluation on one rank, a plain ``model(**batch)``) is left to
+transformers: its own aux loss of the rows it was given, with its own ``attention_mask``, and no
+collective. A hook cannot tell a forward that every rank runs in step from one that a single rank
+runs (``if trainer.is_world_process_zero(): model.generate(...)``), and a collective in the latter
+waits for peers that never come; without sharding, each process's rows are what one device of plain
+data parallelism sees, and transformers' aux of them is that device's aux.
+
+Which ranks share the batch: by default the sharded batch's own group (the context's, the
+sequence-parallel group). A group's concatenated batch is what one device of plain data parallelism
+sees, so each group's aux is that device's aux. An explicit group (``ParallelGroups.batch``, as
+:func:`~hf_longctx.hf.parallelism.apply_model_parallelism` gives) makes it the aux of every rank of
+that group together (the whole world: one process on every rank's rows).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -33,33 +51,49 @@ from .layer import find_experts_modules
 
 _ROUTER_NAMES = ("gate", "router")
 
+SHARD_GROUP: Literal["shard"] = "shard"  # the group of the sharded batch (its SequenceParallelContext's)
+
 
 def load_balancing_loss_share(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int,
-                              group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                              group: dist.ProcessGroup | None = None,
+                              padding: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's share of the load-balancing loss of the batch spread over ``group`` (None: the world).
 
     ``router_logits``: one (tokens, num_experts) tensor per MoE layer, this rank's tokens (possibly
-    none). Summed over the group, the shares equal transformers' ``load_balancing_loss_func`` on all
-    the group's tokens (no attention mask: packed batches carry no padding).
+    none). ``padding``: (tokens,) flags of this rank's padding tokens (None: none); they count for
+    nothing. Summed over the group, the shares equal transformers' ``load_balancing_loss_func`` on all
+    the group's tokens with the ``attention_mask`` that marks the padding. Computed in the logits'
+    precision, at least float32 (transformers sums in float32); counts are exact (float64).
     """
     if not router_logits:
         raise ValueError("no router logits: the model ran no MoE layer")
     device = router_logits[0].device
-    counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
-    prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    dtype = torch.promote_types(router_logits[0].dtype, torch.float32)
+    real = None
+    if padding is not None:
+        padding = padding.reshape(-1).to(device=device, dtype=torch.bool)
+        real = ~padding
+    counts = torch.zeros(num_experts, dtype=torch.float64, device=device)
+    prob_sum = torch.zeros(num_experts, dtype=dtype, device=device)
     rows = 0
     for logits in router_logits:
-        probs = torch.softmax(logits.to(device), dim=-1)
+        logits = logits.to(device)
+        if real is not None:
+            if real.numel() != logits.shape[0]:
+                raise ValueError(f"padding flags for {real.numel()} tokens, but a router saw {logits.shape[0]}: "
+                                 "pass the flags of the tokens this forward ran")
+            logits = logits[real]
+        probs = torch.softmax(logits, dim=-1)
         selected = torch.topk(probs, top_k, dim=-1).indices
-        counts += torch.bincount(selected.reshape(-1), minlength=num_experts).float()
-        prob_sum = prob_sum + probs.float().sum(dim=0)
+        counts += torch.bincount(selected.reshape(-1), minlength=num_experts).to(torch.float64)
+        prob_sum = prob_sum + probs.to(dtype).sum(dim=0)
         rows += logits.shape[0]
-    totals = torch.cat([counts, torch.tensor([float(rows)], device=device)])
+    totals = torch.cat([counts, torch.tensor([float(rows)], dtype=torch.float64, device=device)])
     if group_rank_and_size(group)[1] > 1:
         dist.all_reduce(totals, group=group)
-    global_rows = totals[num_experts].clamp(min=1.0)
-    tokens_per_expert = totals[:num_experts] / global_rows
-    return num_experts * torch.sum(tokens_per_expert * (prob_sum / global_rows))
+    global_rows = totals[num_experts].clamp(min=1.0)  # no real token anywhere: no loss (transformers: nan)
+    tokens_per_expert = (totals[:num_experts] / global_rows).to(dtype)
+    return num_experts * torch.sum(tokens_per_expert * (prob_sum / global_rows.to(dtype)))
 
 
 def _routers(model: nn.Module) -> list[nn.Module]:
@@ -73,44 +107,72 @@ def _routers(model: nn.Module) -> list[nn.Module]:
     return routers
 
 
-class DistributedAuxLoss:
-    """Hooks computing the batch-exact load-balancing loss of a transformers MoE causal LM (see module doc)."""
+_INSTALLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> DistributedAuxLoss
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None = None):
+
+def installed_aux_loss(model: nn.Module) -> DistributedAuxLoss | None:
+    """The batch-exact aux-loss hooks installed on ``model`` (None: transformers computes its own)."""
+    return _INSTALLED.get(model)
+
+
+class DistributedAuxLoss:
+    """Hooks computing the batch-exact load-balancing loss of a transformers MoE causal LM (see module doc).
+
+    ``group``: :data:`SHARD_GROUP` (the sharded batch's own group), or the ranks whose shares add up
+    to one aux loss (None: the world). Registers itself (:func:`installed_aux_loss`); one per model.
+    """
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None | Literal["shard"] = SHARD_GROUP):
+        if model in _INSTALLED:
+            raise ValueError(f"{type(model).__name__} already computes the batch-exact aux loss; remove() those "
+                             "hooks first (hf_longctx.moe.aux_loss.installed_aux_loss(model))")
+        if isinstance(group, str) and group != SHARD_GROUP:
+            raise ValueError(f"group={group!r}: pass a process group, None (the world) or {SHARD_GROUP!r} (the "
+                             "sharded batch's own group)")
         config = model.config
         self.num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
         self.top_k = config.num_experts_per_tok
         self.coef = config.router_aux_loss_coef
         self.config, self.group = config, group
         self._recorded: list[torch.Tensor] | None = None
+        self._context = None
         routers = _routers(model)
         if not routers:
             raise ValueError(f"{type(model).__name__} has no MoE block")
         self.handles = [r.register_forward_hook(self._record) for r in routers]
         self.handles.append(model.register_forward_pre_hook(self._before, with_kwargs=True))
         self.handles.append(model.register_forward_hook(self._after, with_kwargs=True))
+        self._model = weakref.ref(model)
+        _INSTALLED[model] = self
 
     def _record(self, module, args, output):
         if self._recorded is not None:  # only inside a forward of the model (never in a checkpoint recompute)
             self._recorded.append(output[0])
 
     def _before(self, module, args, kwargs):
+        self._recorded, self._context = None, None
+        context = kwargs.get("longctx")
+        if context is None:  # not part of a sharded batch: transformers' own aux, no collective (module doc)
+            return None
         wanted = kwargs.get("output_router_logits")
         if wanted is None:
             wanted = getattr(self.config, "output_router_logits", False)
-        if wanted:
-            kwargs["output_router_logits"] = False  # transformers then adds no aux loss of its own
-            self._recorded = []
+        if not wanted:
+            return None
+        kwargs["output_router_logits"] = False  # transformers then adds no aux loss of its own
+        self._recorded, self._context = [], context
         return args, kwargs
 
     def _after(self, module, args, kwargs, output):
         if self._recorded is None:
             return None
-        logits, self._recorded = tuple(self._recorded), None
+        logits, context = tuple(self._recorded), self._context
+        self._recorded, self._context = None, None
         if not hasattr(output, "loss"):
             raise TypeError("the distributed aux loss needs the model's dict output; call the model with "
                             "return_dict=True")
-        share = load_balancing_loss_share(logits, self.num_experts, self.top_k, self.group)
+        group = context.group if isinstance(self.group, str) else self.group
+        share = load_balancing_loss_share(logits, self.num_experts, self.top_k, group, context.padding)
         output.aux_loss = share
         output.router_logits = logits
         if output.loss is not None:
@@ -118,16 +180,25 @@ class DistributedAuxLoss:
         return output
 
     def remove(self) -> None:
+        """Take the hooks off: transformers computes its own aux loss again."""
         for handle in self.handles:
             handle.remove()
         self.handles = []
+        model = self._model()
+        if model is not None and _INSTALLED.get(model) is self:
+            del _INSTALLED[model]
 
 
-def enable_distributed_aux_loss(model: nn.Module, group: dist.ProcessGroup | None = None) -> DistributedAuxLoss:
-    """Make ``model`` add the batch-exact load-balancing loss share of ``group`` (None: the world).
+def enable_distributed_aux_loss(model: nn.Module,
+                                group: dist.ProcessGroup | None | Literal["shard"] = SHARD_GROUP
+                                ) -> DistributedAuxLoss:
+    """Make ``model`` add its share of the batch-exact load-balancing loss in every sharded forward.
 
-    ``group`` is every rank whose tokens form the batch of one optimizer step: the whole world, or,
-    with tensor parallelism, the ranks of one tensor-parallel position (``ParallelGroups.batch``).
-    Returns the hooks (``.remove()`` undoes it).
+    ``group``: by default (:data:`SHARD_GROUP`) the ranks of the sharded batch (its sequence-parallel
+    group: each group's aux is what one device of plain data parallelism computes). An explicit group
+    is every rank whose tokens form the batch of one optimizer step: the whole world (None), or, with
+    tensor parallelism, the ranks of one tensor-parallel position (``ParallelGroups.batch``); the run
+    then trains on the aux of one process holding all of them. Forwards without a ``longctx`` context
+    are left to transformers (module doc). Returns the hooks (``.remove()`` undoes it).
     """
     return DistributedAuxLoss(model, group)
