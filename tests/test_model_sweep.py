@@ -621,8 +621,9 @@ def _paths(batch: Batch) -> tuple[str, ...]:
 
 
 def _owner(batch: Batch) -> int:
-    """The process that computes a form's reference and its one-process paths (packed ones together)."""
-    return 0 if batch.form == "packed" else 1
+    """The process that computes a form's reference and its one-process paths: packed (whose aux form reuses its
+    reference) and rows on the first, padded rows on the second, about as many runs each."""
+    return 0 if batch.form in ("packed", "rows") else 1
 
 
 def _compare(got: dict, ref: dict, names: list[str], numels: list[int], path: str, batch: Batch) -> dict:
