@@ -501,6 +501,23 @@ def test_readme_first_code_block_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def test_the_trl_example_without_trl_says_how_to_install_it_in_one_line(tmp_path):
+    """TRL is no dependency of the package: the example stops with the install command, and that command (the
+    ``examples`` extra, which the README names) installs TRL."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    code = "import runpy, sys; sys.modules['trl'] = None; runpy.run_path(sys.argv[1], run_name='__main__')"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code, str(ROOT / "examples" / "sft_trl.py")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "examples/sft_trl.py needs TRL: pip install -e '.[examples]' (or pip install 'trl>=1.16')"], proc.stderr
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert [d for d in extras["examples"] if d.startswith("trl")] == ["trl>=1.16"]
+    assert "pip install -e '.[examples]'" in (ROOT / "README.md").read_text()
+
+
 @pytest.mark.parametrize("example,argv", [
     ("trainer_flattening.py", ["--max-steps", "1", "--docs-per-step", "2", "--max-tokens", "64"]),
     ("sft_trl.py", ["--max-steps", "1", "--max-length", "128"]),
