@@ -3,7 +3,9 @@
 A wrong recipe value found at the first forward costs a whole launch: the model and data are built,
 every rank prints its own traceback. :func:`check_run` reads the recipe, checks its values (backend
 and kernel names with the closest valid name), the sequence-parallel size against the processes that
-were actually started, and local dataset or model paths, all before a model or dataset exists.
+were actually started, local dataset or model paths, and a run sized for a GPU where none is visible
+(:func:`check_gpu_present`), all before a model or dataset exists; :func:`check_model_config` then
+checks what the model's config answers (heads, experts, layers) before the model is built.
 :func:`report_config_errors` turns a :class:`ConfigError` into a few lines on rank 0 and exit status 2
 on every rank, without a traceback.
 """
@@ -220,7 +222,8 @@ def check_run(recipe: str | os.PathLike | None = None, *, overrides: Mapping[str
     built-in model names of the training script pass. ``overrides``: settings from the command line
     (see :func:`~hf_longctx.hf.config.config_overrides`), checked like the sidecar's.
     ``attn_implementation``: a name the caller will give transformers instead of the recipe's
-    backend (see :func:`check_attn_implementation`).
+    backend (see :func:`check_attn_implementation`). Last, :func:`check_gpu_present` for ``model``
+    and the recipe.
     """
     try:
         cfg = load_config(recipe, overrides)
