@@ -3,6 +3,8 @@
     accelerate launch --config_file recipes/cpu-2proc.yaml examples/sft_trl.py     # 2 CPU processes
     python examples/sft_trl.py                                                            # one process
 
+Needs TRL: ``pip install -e '.[examples]'``.
+
 A small random Llama built from a config, the tokenizer and corpus shipped in ``data/`` (no
 download). TRL packs documents into rows and passes them padding-free (position_ids restarting per
 document); ``LongContextCallback`` shards each step's rows over the sequence-parallel group. The
@@ -20,12 +22,19 @@ import logging
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from trl import SFTConfig, SFTTrainer
 
 import hf_longctx
 from hf_longctx.data import load_sample_tokenizer, load_text_dataset, sample_corpus_path
 from hf_longctx.hf import check_run, report_config_errors
 from hf_longctx.hf.checkpointing import checkpointing_training_args
+
+NEEDS_TRL = "examples/sft_trl.py needs TRL: pip install -e '.[examples]' (or pip install 'trl>=1.16')"
+try:
+    from trl import SFTConfig, SFTTrainer
+except ModuleNotFoundError as missing:  # TRL is not a dependency of hf_longctx: say how to get it, in one line
+    if missing.name != "trl":  # TRL itself is there, something it imports is not: its own error says what
+        raise
+    raise SystemExit(NEEDS_TRL) from None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

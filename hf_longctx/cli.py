@@ -33,7 +33,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
     from .data.stats import save_histogram_png, summarize_packed
 
     load_kwargs = {"cache_dir": args.cache_dir} if args.cache_dir else {}
-    raw = load_text_dataset(args.input, split=args.split, **load_kwargs)
+    raw = load_text_dataset(args.input, split=args.split, text_column=args.text_column, **load_kwargs)
     start = time.perf_counter()
     if "input_ids" in raw.column_names:
         docs, dropped = raw.select_columns(["input_ids"]), None

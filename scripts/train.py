@@ -43,12 +43,14 @@ from hf_longctx.data import (
     packed_synthetic_dataset,
     sample_corpus_path,
 )
-from hf_longctx.hf import apply_model_parallelism, check_positive, check_run, report_config_errors
+from hf_longctx.data.tokenization import TextColumnError
+from hf_longctx.hf import ConfigError, apply_model_parallelism, check_positive, check_run, report_config_errors
 from hf_longctx.hf.checkpointing import checkpointing_training_args
-from hf_longctx.hf.config import add_config_arguments, config_overrides
+from hf_longctx.hf.config import add_config_arguments, config_overrides, recipe_source
 from hf_longctx.hf.fsdp import enable_fsdp_on_cpu
 from hf_longctx.hf.memory_plan import plan_for_training
 from hf_longctx.hf.optimizer_offload import trainer_optimizer_cls_and_kwargs
+from hf_longctx.hf.preflight import check_model_config
 
 
 def tiny_llama_config(vocab_size: int, attn_implementation: str) -> LlamaConfig:
@@ -121,8 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     with report_config_errors():  # before any model or data: one short message, no per-rank tracebacks
         for option in ("--max-steps", "--logging-steps", "--num-layers", "--vocab-size", "--lr"):
             check_positive(option, getattr(args, option[2:].replace("-", "_")))
-        cfg = check_run(args.recipe, overrides=config_overrides(args, unknown, p), dataset=args.dataset,
-                        model=args.model)
+        overrides = config_overrides(args, unknown, p)
+        cfg = check_run(args.recipe, overrides=overrides, dataset=args.dataset, model=args.model)
     seq_len = cfg.seq_len
     on_gpu = torch.cuda.is_available()
     built = args.model in ("tiny", "tiny-moe", "llama3-8b-shape")
@@ -135,12 +137,19 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     dtype = torch.bfloat16 if on_gpu else torch.float32
     memory_plan = None
-    if cfg.memory == "auto":  # a plan that cannot fit stops the run here, before any model or data is built
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        with report_config_errors():
-            memory_plan = plan_for_training(model_config(args, cfg, tokenizer), cfg, tokens_per_gpu=seq_len,
-                                            world=world, sp_size=cfg.resolved_sp_size(world),
-                                            precision="bf16" if on_gpu else "fp32")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    with report_config_errors():  # what the model's config answers (heads, experts, layers), before building it
+        config = model_config(args, cfg, tokenizer)
+        check_model_config(cfg, config, world, source=recipe_source(args.recipe, overrides))
+        if cfg.memory == "auto":  # a plan that cannot fit stops the run here, before any model or data is built
+            memory_plan = plan_for_training(config, cfg, tokens_per_gpu=seq_len, world=world,
+                                            sp_size=cfg.resolved_sp_size(world), precision="bf16" if on_gpu else "fp32")
+        texts = None
+        if args.dataset != "synthetic":  # read (not tokenized) here: a text column that is not text stops the run
+            try:
+                texts = load_text_dataset(args.dataset or str(sample_corpus_path()))
+            except TextColumnError as err:
+                raise ConfigError(f"--dataset: {err}") from None
     if args.model == "tiny":
         model = LlamaForCausalLM(tiny_llama_config(len(tokenizer), cfg.attn_implementation))
     elif args.model == "tiny-moe":
@@ -157,7 +166,6 @@ def main(argv: list[str] | None = None) -> None:
         packed = packed_synthetic_dataset(4 * args.max_steps * max(1, torch.cuda.device_count()), seq_len,
                                           mix=args.synthetic_mix, vocab_size=model.config.vocab_size, seed=args.seed)
     else:
-        texts = load_text_dataset(args.dataset or str(sample_corpus_path()))
         packed = pack_documents(texts, tokenizer, seq_len=seq_len, seed=args.seed)
     training_args = TrainingArguments(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=1,

@@ -20,6 +20,7 @@ from hf_longctx.data import (
     sample_corpus_path,
     tokenize_documents,
 )
+from hf_longctx.data.tokenization import TextColumnError
 
 pytestmark = pytest.mark.usefixtures("tmp_datasets_cache")  # tests/conftest.py
 
@@ -129,6 +130,55 @@ def test_text_rules_empty_whitespace_eos():
     assert plain["input_ids"] == [[t for e in enc for t in e]] and plain["doc_lens"] == [[len(e) for e in enc]]
     bos = pack_documents(ds, tok, seq_len=10_000, add_bos=True)
     assert bos["doc_lens"] == [[len(e) + 2 for e in enc]] and bos["input_ids"][0][0] == tok.bos_token_id
+
+
+def test_a_text_that_is_not_a_string_is_refused_by_file_and_line_before_tokenizing(tmp_path):
+    """One ``42`` in a JSON-lines file makes datasets type the whole column as JSON: every document would be
+    tokenized as its JSON text (quotes, ``\\n`` escapes). It is refused by file and 1-based line, eager and
+    streaming; a null text keeps its rule (the document is dropped)."""
+    lines = [{"text": "one\ntwo"}, {"text": None}, {"text": 42}, {"text": "three"}]
+    src = tmp_path / "mixed.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    for streaming in (False, True):
+        with pytest.raises(TextColumnError) as err:
+            load_text_dataset(str(src), streaming=streaming, cache_dir=str(tmp_path / "cache"))
+        message = str(err.value)
+        assert message.startswith(f"{src}:3: 'text' is 42 (a number), not a string"), message
+        assert "typed the whole column as JSON" in message and 'as a string ("42", not 42)' in message, message
+    with pytest.raises(TextColumnError, match=r"mixed\.jsonl:3: .text. is 42"):  # a glob names the file too
+        load_text_dataset(str(tmp_path / "*.jsonl"), cache_dir=str(tmp_path / "cache"))
+    nulls = tmp_path / "nulls.jsonl"
+    nulls.write_text('{"text": "one\\ntwo"}\n{"text": null}\n{"text": "three"}\n')
+    tok = load_sample_tokenizer()
+    packed = pack_documents(load_text_dataset(str(nulls), cache_dir=str(tmp_path / "cache")), tok, seq_len=1000,
+                            add_eos=False)
+    assert packed["input_ids"] == [tok("one\ntwo", add_special_tokens=False)["input_ids"]
+                                   + tok("three", add_special_tokens=False)["input_ids"]]
+
+
+def test_a_text_column_of_other_values_is_refused_wherever_the_dataset_comes_from(tmp_path):
+    """Parquet and csv columns of numbers, a Dataset passed in with a JSON column, and a stream whose features
+    were never declared: each is refused before tokenizing, naming the column (and the row when one is off)."""
+    tok = load_sample_tokenizer()
+    numbers = datasets.Dataset.from_dict({"text": [1, 2], "body": ["a b", "c"]})
+    numbers.to_parquet(str(tmp_path / "x.parquet"))
+    numbers.to_csv(str(tmp_path / "x.csv"), index=False)
+    for name in ("x.parquet", "x.csv"):
+        with pytest.raises(TextColumnError, match="text column 'text' of .* holds int64 values, not strings; pass "
+                           "text_column= the column that holds the text"):
+            load_text_dataset(str(tmp_path / name), cache_dir=str(tmp_path / "cache"))
+    assert load_text_dataset(str(tmp_path / "x.parquet"), text_column="body", cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(TextColumnError, match="'text' of the dataset holds int64 values"):
+        pack_documents(numbers, tok, seq_len=16)
+    mixed = datasets.Dataset.from_dict({"text": ["a", None, 42]}, features=datasets.Features({"text": datasets.Json()}))
+    with pytest.raises(TextColumnError, match=r"mixes strings with other JSON values.*: row 3 holds 42 \(a number\)"):
+        pack_documents(mixed, tok, seq_len=16)
+
+    def undeclared():
+        yield from ({"text": n} for n in (3, 4))
+
+    with pytest.raises(TextColumnError, match="'text' holds int64 values, not strings"):
+        list(pack_documents(datasets.IterableDataset.from_generator(undeclared), tok, seq_len=16))
 
 
 def test_tokenizer_without_eos_is_an_error_naming_the_fixes():

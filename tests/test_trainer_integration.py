@@ -303,6 +303,131 @@ def test_bad_settings_stop_before_any_model_or_data_in_one_short_message(sidecar
     assert capsys.readouterr().err == ""
 
 
+def _refuse_builds(train, monkeypatch, names=("LlamaForCausalLM", "Qwen3MoeForCausalLM", "AutoModelForCausalLM",
+                                                 "pack_documents")) -> None:
+    def built(*args, **kwargs):
+        raise AssertionError("a model or dataset was built before the settings were checked")
+
+    for name in names:
+        monkeypatch.setattr(train, name, built)
+
+
+GPU_SIZED = [  # (command line, processes, what the message must say)
+    (["--model", "llama3-8b-shape", "--num-layers", "8", "--seq-len", "65536", "--max-steps", "8"], 1,
+     ["no CUDA GPU was found", "--model llama3-8b-shape builds Llama-3-8B's dimensions",
+      "--config_file recipes/cpu-2proc.yaml", "a GPU machine"]),
+    (["--recipe", str(ROOT / "recipes" / "1node-2gpu.yaml")], 2,
+     ["no CUDA GPU was found", "1node-2gpu.yaml is a GPU recipe (mixed_precision: bf16)", "a CPU recipe"]),
+]
+
+
+@pytest.mark.parametrize("argv,world,expected", GPU_SIZED, ids=["8b-shape", "gpu-recipe"])
+def test_a_run_sized_for_a_gpu_without_one_stops_before_the_model(argv, world, expected, monkeypatch, capsys):
+    """The README's one-GPU command on a machine without a GPU: one message and exit 2, not the 8B shape built
+    on the CPU until the host runs out of memory. CPU runs (a CPU recipe, no recipe, the tiny model) pass."""
+    train = _load_train_script()
+    _refuse_builds(train, monkeypatch, ("LlamaForCausalLM", "AutoModelForCausalLM", "load_text_dataset",
+                                        "pack_documents", "load_sample_tokenizer"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("HF_LONGCTX_RECIPE", raising=False)
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as stop:
+        train.main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) <= 3 and "Traceback" not in err, err
+    for text in expected:
+        assert text in err, (text, err)
+    cpu_recipe = str(ROOT / "recipes" / "cpu-2proc.yaml")
+    assert check_run(cpu_recipe, world_size=2).backend == "distfa"  # make demo's recipe
+    assert check_run(world_size=1, model="tiny").sp_size == 0  # python scripts/train.py
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # accelerate launch --mixed_precision bf16
+    with pytest.raises(ConfigError, match="accelerate launch asked for bf16 mixed precision"):
+        check_run(world_size=1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # with a GPU the same run passes
+    check_run(world_size=1, model="llama3-8b-shape")
+
+
+MODEL_CONFIG_ANSWERS = [  # (sidecar, command line, processes, what the message must say)
+    ("backend: ulysses\n", [], 3,
+     ["bad.longctx.yaml", "backend ulysses splits the model's 4 query heads over the 3 processes",
+      "set sp_size to one of [1]", "ring backend"]),
+    ("backend: zigzag\n", ["--backend", "ulysses", "--model", "tiny-moe"], 3,
+     ["with --backend from the command line", "ulysses splits the model's 4 query heads"]),
+    ("backend: zigzag\ntp_size: 3\n", [], 3, ["tp_size 3 does not split the model's 4 attention heads"]),
+    ("backend: zigzag\ntp_size: 2\n", [], 2, ["tp_size 2: head-parallel attention needs", "set tp_size: 1"]),
+    ("backend: zigzag\nep_size: 3\nsp_size: 1\n", ["--model", "tiny-moe"], 3,
+     ["ep_size 3 does not divide the model's 8 experts"]),
+]
+
+
+@pytest.mark.parametrize("sidecar,extra,world,expected", MODEL_CONFIG_ANSWERS,
+                         ids=["ulysses-heads", "ulysses-moe", "tp-heads", "tp-trainer", "ep-experts"])
+def test_settings_the_model_config_answers_stop_before_the_model_and_data(sidecar, extra, world, expected, tmp_path,
+                                                                         monkeypatch, capsys):
+    """What would fail only after the model and data exist (Ulysses at its first forward, on every rank, the
+    callback at train begin) is checked against the model's config first: one message from rank 0, exit 2."""
+    train = _load_train_script()
+    _refuse_builds(train, monkeypatch, ("LlamaForCausalLM", "Qwen3MoeForCausalLM", "AutoModelForCausalLM",
+                                        "load_text_dataset", "pack_documents"))
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("compute_environment: LOCAL_MACHINE\n")
+    (tmp_path / "bad.longctx.yaml").write_text(sidecar)
+    monkeypatch.delenv("HF_LONGCTX_RECIPE", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    for rank in ("0", "1"):  # rank 0 says it, the others stop silently
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as stop:
+            train.main(["--recipe", str(recipe), *extra])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        if rank == "1":
+            assert err == ""
+            continue
+        assert len(err.strip().splitlines()) <= 3 and "Traceback" not in err, err
+        for text in expected:
+            assert text in err, (text, err)
+
+
+def test_a_text_that_is_not_a_string_stops_the_training_script_before_the_model(tmp_path, monkeypatch, capsys):
+    train = _load_train_script()
+    _refuse_builds(train, monkeypatch)
+    data = tmp_path / "docs.jsonl"
+    data.write_text('{"text": "one two"}\n{"text": 42}\n')
+    monkeypatch.delenv("HF_LONGCTX_RECIPE", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as stop:
+        train.main(["--dataset", str(data), "--backend", "local"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--dataset: {data}:2: 'text' is 42 (a number), not a string" in err, err
+    message = err[err.index("hf_longctx: configuration error"):]  # after datasets' own progress bar
+    assert len(message.strip().splitlines()) <= 3 and "Traceback" not in err, err
+
+
+def test_a_state_space_model_in_one_process_is_told_what_the_callback_does(tmp_path):
+    """Mamba in ONE process under the callback: the refusal names the packing (every batch becomes one packed
+    sequence), not sequence parallelism, and how to train it instead."""
+    from transformers import MambaConfig, MambaForCausalLM, Trainer, TrainingArguments
+
+    model = MambaForCausalLM(MambaConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, state_size=4))
+    model.config._attn_implementation = "longctx_distfa"
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, use_cpu=True, report_to=[], save_strategy="no")
+    trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}],
+                      callbacks=[hf_longctx.LongContextCallback(LongContextConfig())])
+    with pytest.raises(ValueError) as err:
+        trainer.train()
+    message = str(err.value)
+    assert "cannot be sequence parallel" not in message
+    for text in ("MambaForCausalLM cannot train with LongContextCallback", "flattens every batch into one packed "
+                 "sequence (in one process too", "Train it without LongContextCallback, one document per row",
+                 "attn_implementation='sdpa'"):
+        assert text in message, (text, message)
+
+
 def test_the_launcher_reports_the_configuration_error_as_the_root_cause(tmp_path, monkeypatch, capsys):
     """Under torchrun (``accelerate launch``) each rank leaves the message in its TORCHELASTIC_ERROR_FILE, so
     the launcher's failure summary ends with it instead of "To enable traceback see ..."."""
@@ -374,6 +499,23 @@ def test_readme_first_code_block_runs(tmp_path):
     proc = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_the_trl_example_without_trl_says_how_to_install_it_in_one_line(tmp_path):
+    """TRL is no dependency of the package: the example stops with the install command, and that command (the
+    ``examples`` extra, which the README names) installs TRL."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    code = "import runpy, sys; sys.modules['trl'] = None; runpy.run_path(sys.argv[1], run_name='__main__')"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code, str(ROOT / "examples" / "sft_trl.py")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "examples/sft_trl.py needs TRL: pip install -e '.[examples]' (or pip install 'trl>=1.16')"], proc.stderr
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert [d for d in extras["examples"] if d.startswith("trl")] == ["trl>=1.16"]
+    assert "pip install -e '.[examples]'" in (ROOT / "README.md").read_text()
 
 
 @pytest.mark.parametrize("example,argv", [

@@ -349,7 +349,12 @@ def test_hybrid_models_refuse_packed_rows_and_sharding_but_run_one_document_per_
         model.set_attn_implementation("sdpa")
         torch.testing.assert_close(out, model(input_ids=ids[:, :5]).logits, rtol=1e-5, atol=1e-5)
     model.set_attn_implementation("longctx_zigzag")
-    with pytest.raises(ValueError, match="Qwen3NextForCausalLM cannot be sequence parallel.*linear_attention"):
+    # in ONE process too: the callback's hook flattens the batch into one packed sequence, which these layers
+    # cannot take, and the error says so and how to train the model instead
+    with pytest.raises(ValueError, match=r"Qwen3NextForCausalLM cannot train with LongContextCallback: the callback "
+                       r"flattens every batch into one packed sequence \(in one process too.*'linear_attention' layers"
+                       r".*Train it without LongContextCallback, one document per row, with "
+                       r"attn_implementation='sdpa'"):
         install_input_hook(model, None)
 
 

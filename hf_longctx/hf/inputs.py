@@ -33,7 +33,7 @@ from ..backends.load import attention_load
 from ..comm.groups import group_rank_and_size
 from .attention import backend_of
 from .context import bind_modules, unbind_modules
-from .model_support import unsupported_layers
+from .model_support import packed_sequence_refusal, unsupported_layers
 from .positions import PositionRule, position_rule
 from .rows import flatten_batch, unflatten_rows
 from .settings import checked_backend_options
@@ -61,8 +61,7 @@ def check_model(model) -> PositionRule:
     name = type(base).__name__
     reason = unsupported_layers(base.config)
     if reason is not None:
-        raise ValueError(f"{name} cannot be sequence parallel: {reason}; train it in one process with one document "
-                         "per row, or with attn_implementation='sdpa'")
+        raise ValueError(packed_sequence_refusal(name, reason))
     if "position_ids" not in inspect.signature(base.forward).parameters:
         raise ValueError(f"{name}.forward takes no position_ids; sequence parallelism needs positions to travel with "
                          "the tokens of each shard, so this model cannot be sharded (train it in one process)")

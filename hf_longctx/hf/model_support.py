@@ -73,3 +73,15 @@ def unsupported_layers(config) -> str | None:
            for k in vars(config)):
         return "it has Mamba (state-space) blocks, which carry state across document and shard boundaries"
     return None
+
+
+def packed_sequence_refusal(name: str, reason: str) -> str:
+    """The error for a model whose layers cannot take the packed sequence ``LongContextCallback`` makes.
+
+    The callback flattens every batch into one packed sequence in one process too (several processes then
+    shard it), so the refusal is about packing, not only about sequence parallelism; ``reason`` comes from
+    :func:`unsupported_layers`.
+    """
+    return (f"{name} cannot train with LongContextCallback: the callback flattens every batch into one packed "
+            f"sequence (in one process too; several processes then shard it), and {reason}. Train it without "
+            "LongContextCallback, one document per row, with attn_implementation='sdpa'")

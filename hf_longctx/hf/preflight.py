@@ -3,7 +3,9 @@
 A wrong recipe value found at the first forward costs a whole launch: the model and data are built,
 every rank prints its own traceback. :func:`check_run` reads the recipe, checks its values (backend
 and kernel names with the closest valid name), the sequence-parallel size against the processes that
-were actually started, and local dataset or model paths, all before a model or dataset exists.
+were actually started, local dataset or model paths, and a run sized for a GPU where none is visible
+(:func:`check_gpu_present`), all before a model or dataset exists; :func:`check_model_config` then
+checks what the model's config answers (heads, experts, layers) before the model is built.
 :func:`report_config_errors` turns a :class:`ConfigError` into a few lines on rank 0 and exit status 2
 on every rank, without a traceback.
 """
@@ -19,9 +21,10 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from .config import load_config, recipe_source
+from .config import _recipe_and_origin, load_config, recipe_source
 from .fsdp import check_fsdp_launch
 from .launcher import launcher_num_processes
+from .model_support import packed_sequence_refusal, unsupported_layers
 from .settings import ConfigError, LongContextConfig
 
 _DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow", ".csv", ".txt")
@@ -112,6 +115,103 @@ def check_process_count(world: int) -> None:
         )
 
 
+# Model shapes of the training script sized for a GPU: on a CPU they would be built in host memory and run it out
+GPU_SCALE_MODELS = {"llama3-8b-shape": "Llama-3-8B's dimensions (hidden 4096, MLP 14336 per layer)"}
+_GPU_PRECISIONS = ("bf16", "fp16", "fp8")  # what GPU recipes ask accelerate for; every CPU recipe says 'no'
+
+
+def _accelerate_config(recipe: str | os.PathLike | None) -> Path | None:
+    """The accelerate config of the run's recipe (beside its sidecar when a sidecar was named), if it exists."""
+    found = _recipe_and_origin(recipe)[0]
+    if not found:
+        return None
+    path = Path(found).expanduser()
+    if path.name.endswith(".longctx.yaml"):
+        path = path.with_name(path.name[: -len(".longctx.yaml")] + ".yaml")
+    return path if path.is_file() else None
+
+
+def check_gpu_present(recipe: str | os.PathLike | None = None, model: str | None = None,
+                      cuda_available: bool | None = None) -> None:
+    """Raise ConfigError when the run is sized for a GPU and no CUDA GPU is visible.
+
+    Sized for a GPU: a model shape of :data:`GPU_SCALE_MODELS`, or a recipe whose accelerate config asks
+    for GPU mixed precision (``mixed_precision: bf16``, as every GPU recipe does; the CPU recipes say
+    ``'no'``; ``ACCELERATE_MIXED_PRECISION`` from the launcher counts the same). Without this, the 8B
+    shape is built on the CPU and the host runs out of memory a minute later, with no word about the GPU.
+    CPU runs (a CPU recipe, no recipe, the tiny models, a checkpoint of the user's) pass.
+    """
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    if cuda_available:
+        return
+    config = _accelerate_config(recipe)
+    precision = None
+    if config is not None:
+        import yaml
+
+        precision = str((yaml.safe_load(config.read_text()) or {}).get("mixed_precision", "no"))
+    precision = precision if precision in _GPU_PRECISIONS else os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if model in GPU_SCALE_MODELS:
+        why = f"--model {model} builds {GPU_SCALE_MODELS[model]}, a model for a GPU"
+    elif precision in _GPU_PRECISIONS:
+        why = (f"recipe {config} is a GPU recipe (mixed_precision: {precision})" if config is not None
+               else f"accelerate launch asked for {precision} mixed precision, a GPU setting")
+    else:
+        return
+    raise ConfigError(f"no CUDA GPU was found (torch.cuda.is_available() is False), but {why}; on this machine "
+                      "train the tiny model with a CPU recipe (`accelerate launch --config_file recipes/cpu-2proc.yaml "
+                      "scripts/train.py`), or run this on a GPU machine with a CUDA build of torch")
+
+
+def check_model_config(cfg: LongContextConfig, model_config, world_size: int | None = None,
+                       source: str = "the settings") -> None:
+    """Raise ConfigError for what a Trainer run with :class:`~hf_longctx.LongContextCallback` would refuse only
+    after its model and data were built, and that the model's config and the settings already answer.
+
+    Checked: layers that cannot take the packed sequence the callback makes (:func:`unsupported_layers`),
+    the parallel sizes against the model's heads and experts (as the callback checks at train begin),
+    ``tp_size`` > 1 (the Trainer gives every process its own rows), and the query heads Ulysses splits
+    over the sequence-parallel group (:func:`hf_longctx.backends.ulysses.kv_repeat`, its first forward's
+    check). ``source`` names where the settings came from (see :func:`~.config.recipe_source`).
+    """
+    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    reason = unsupported_layers(model_config)
+    if reason is not None:
+        raise ConfigError(packed_sequence_refusal(type(model_config).__name__.removesuffix("Config") + " model",
+                                                  reason))
+    try:
+        _, sp, tp, _ = cfg.resolved_sizes(world, model_config)
+        sp = cfg.resolved_sp_size(world)
+    except ValueError as err:
+        raise ConfigError(f"{source}: {err}") from None
+    if tp > 1:
+        raise ConfigError(f"{source}: tp_size {tp}: head-parallel attention needs the tensor-parallel ranks to see the "
+                          "same batch, but the Trainer gives every process its own rows; set tp_size: 1 for Trainer "
+                          "runs (sp_size and ep_size work), or train in a loop of your own")
+    heads = getattr(text, "num_attention_heads", None)
+    if cfg.backend == "ulysses" and heads:
+        from ..backends.ulysses import kv_repeat
+
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+
+        def splits(size: int) -> bool:
+            try:
+                kv_repeat(heads, kv_heads, size)
+            except ValueError:
+                return False
+            return True
+
+        if not splits(sp):
+            fits = [d for d in range(1, world + 1) if world % d == 0 and splits(d)]
+            raise ConfigError(f"{source}: backend ulysses splits the model's {heads} query heads over the {sp} "
+                              f"processes of a sequence-parallel group, and {sp} does not divide {heads}; set sp_size "
+                              f"to one of {fits}, or use a ring backend (--backend zigzag, distfa or ring)")
+
+
 def check_run(recipe: str | os.PathLike | None = None, *, overrides: Mapping[str, object] | None = None,
               world_size: int | None = None, dataset: str | None = None, model: str | None = None,
               attn_implementation: str | None = None) -> LongContextConfig:
@@ -122,7 +222,8 @@ def check_run(recipe: str | os.PathLike | None = None, *, overrides: Mapping[str
     built-in model names of the training script pass. ``overrides``: settings from the command line
     (see :func:`~hf_longctx.hf.config.config_overrides`), checked like the sidecar's.
     ``attn_implementation``: a name the caller will give transformers instead of the recipe's
-    backend (see :func:`check_attn_implementation`).
+    backend (see :func:`check_attn_implementation`). Last, :func:`check_gpu_present` for ``model``
+    and the recipe.
     """
     try:
         cfg = load_config(recipe, overrides)
@@ -138,6 +239,7 @@ def check_run(recipe: str | os.PathLike | None = None, *, overrides: Mapping[str
     check_path("--dataset", dataset, builtin=("synthetic", "sample"), suffixes=_DATA_SUFFIXES)
     check_path("--model", model, builtin=("tiny", "llama3-8b-shape"))
     check_attn_implementation(attn_implementation)
+    check_gpu_present(recipe, model)
     return cfg
 
 
