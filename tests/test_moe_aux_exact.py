@@ -12,6 +12,13 @@ causal-LM loss upcasts to float32; the reference therefore adds transformers' cr
 masked aux formula written in float64 (:func:`aux_loss_fp64`, checked against transformers' own
 ``aux_loss`` to float32 precision), so the comparison resolves 1e-9.
 
+With the tiled loss on (labels taken out of the call), the aux loss is still in the loss and the router
+gradients, whether the callback installs it (its hooks after the tiled loss's, recompute-aware
+checkpointing on) or ``apply_model_parallelism`` did before (its hooks first); without sharding the
+tiled loss adds transformers' own aux. With ``average_tokens_across_devices=False`` on 2 processes of
+one sequence-parallel group, DDP's average of the ranks' losses and gradients is the single-process
+reference (the aux multiplied by the group size, as the LM loss's count is divided by it).
+
 After ``apply_model_parallelism`` installed the aux loss for good, rank 0 alone runs an evaluation
 forward and ``generate()``: they must run no collective (a spy raises at once; the gloo timeout is
 short as well) and give transformers' own aux loss of those rows.
@@ -37,7 +44,7 @@ from transformers import (
 
 import hf_longctx
 from hf_longctx.hf import LongContextConfig, apply_model_parallelism, implementation_name
-from hf_longctx.moe import installed_aux_loss
+from hf_longctx.moe import enable_distributed_aux_loss, installed_aux_loss
 
 from distributed import run_distributed
 
@@ -106,18 +113,34 @@ def reference(kind: str, batch: dict):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def train_args():
+def train_args(average_tokens_across_devices: bool = True, checkpointing: bool = False):
     return SimpleNamespace(device=torch.device("cpu"), max_grad_norm=1.0, gradient_accumulation_steps=1,
-                           average_tokens_across_devices=True, activation_checkpointing=False,
-                           gradient_checkpointing=False, fsdp=None)
+                           average_tokens_across_devices=average_tokens_across_devices,
+                           activation_checkpointing=checkpointing, gradient_checkpointing=False, fsdp=None)
 
 
-def callback_step(kind: str, backend: str, rows: dict, world: int, sp_size: int = 0):
-    """One forward and backward of this rank's ``rows`` under LongContextCallback; loss and grads summed over
-    the ``world`` ranks of the sequence-parallel group."""
+def callback_step(kind: str, backend: str, rows: dict, world: int, sp_size: int = 0, tiled_loss: int = 0,
+                  checkpointing: bool = False, aux_before: bool = False, average_tokens_across_devices: bool = True):
+    """One forward and backward of this rank's ``rows`` under LongContextCallback, the loss scaled as Trainer
+    scales it; the loss and gradients the ``world`` ranks' DDP step trains on.
+
+    ``average_tokens_across_devices`` True: Trainer's count covers the world and it multiplies each loss by
+    the world size, DDP averages, so the step's loss is the SUM of the ranks' losses (each rank's count is
+    left to the hook: the group's, the same when the group is the world). False: each rank's forward gets
+    its own rows' count, nothing is multiplied, and the step's loss is the MEAN of the ranks' losses.
+    ``aux_before``: the aux loss is installed before the callback (apply_model_parallelism on several
+    processes; its hooks directly in one), so its model hooks come before the tiled loss's.
+    """
     model = tiny_moe(kind, implementation_name(backend))
-    callback = hf_longctx.LongContextCallback(LongContextConfig(backend=backend, sp_size=sp_size))
-    args, state, control = train_args(), TrainerState(), TrainerControl()
+    if aux_before:
+        before = (apply_model_parallelism(model, LongContextConfig()).aux_loss if world > 1
+                  else enable_distributed_aux_loss(model, group=None))
+    callback = hf_longctx.LongContextCallback(LongContextConfig(backend=backend, sp_size=sp_size,
+                                                                tiled_loss=tiled_loss))
+    args = train_args(average_tokens_across_devices, checkpointing)
+    state, control = TrainerState(), TrainerControl()
+    if not average_tokens_across_devices:
+        rows = {**rows, "num_items_in_batch": (rows["labels"][..., 1:] != -100).sum()}  # Trainer's, per process
     callback.on_train_begin(args, state, control, model=model)
     try:
         assert installed_aux_loss(model) is not None
@@ -125,6 +148,9 @@ def callback_step(kind: str, backend: str, rows: dict, world: int, sp_size: int 
         loss.backward()
     finally:
         callback.on_train_end(args, state, control, model=model)
+    if aux_before:  # kept, with the averaging it had before the run
+        assert installed_aux_loss(model) is before and not before.averaged_over_processes
+        before.remove()
     assert installed_aux_loss(model) is None  # taken off again: transformers' own aux after training
     total = loss.detach().clone()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -132,6 +158,10 @@ def callback_step(kind: str, backend: str, rows: dict, world: int, sp_size: int 
         dist.all_reduce(total)
         for g in grads.values():
             dist.all_reduce(g)
+        if not average_tokens_across_devices:  # DDP's average, nothing scaled up before it
+            total /= world
+            for g in grads.values():
+                g /= world
     return total, grads
 
 
@@ -194,8 +224,49 @@ def check_cases(rank: int, world: int) -> None:
         assert_same(loss, grads, ref_loss, ref_grads, f"{kind} {backend} {name} world={world}")
 
 
+# (aux installed before the callback, recompute-aware checkpointing, batch): the aux's model hooks come after the
+# tiled loss's when the callback installs it, before them when installed earlier
+TILED_CASES = [(False, True, "packed"), (True, False, "left")]
+TILE = 5  # tokens per chunk: several chunks per shard
+
+
+def check_tiled_loss(rank: int, world: int) -> None:
+    """With the tiled loss on, the aux loss is in the loss (and the router gradients) in either hook order."""
+    for aux_before, checkpointing, name in TILED_CASES:
+        rows, ref_batch = BATCHES[name](world)
+        ref_loss, ref_grads = reference("qwen3_moe", ref_batch)
+        loss, grads = callback_step("qwen3_moe", "zigzag", rows[rank], world, tiled_loss=TILE,
+                                    checkpointing=checkpointing, aux_before=aux_before)
+        assert_same(loss, grads, ref_loss, ref_grads, f"tiled loss, aux before={aux_before}, {name} world={world}")
+
+
+def check_average_per_device(rank: int, world: int) -> None:
+    """average_tokens_across_devices=False: DDP's average over the group's processes is what one process trains on
+    (the group's token mean and its aux), as for the language-model loss; also when installed beforehand."""
+    for aux_before, name in ((False, "right"), (True, "packed")):
+        rows, ref_batch = BATCHES[name](world)
+        ref_loss, ref_grads = reference("mixtral", ref_batch)
+        loss, grads = callback_step("mixtral", "zigzag", rows[rank], world, aux_before=aux_before,
+                                    average_tokens_across_devices=False)
+        assert_same(loss, grads, ref_loss, ref_grads, f"average per device, aux before={aux_before}, {name}")
+
+
 def test_callback_aux_loss_equals_transformers_in_one_process():
     check_cases(0, 1)
+    check_tiled_loss(0, 1)
+
+
+def test_tiled_loss_adds_transformers_own_aux_loss():
+    """No sharding: transformers computes the aux, the tiled loss (labels taken out of the call) adds it."""
+    _, batch = padded_rows(1, "right")
+    model = tiny_moe("olmoe", "sdpa")
+    with torch.no_grad():
+        want = model(**batch)
+        hf_longctx.hf.enable_tiled_loss(model, chunk_tokens=TILE)
+        out = model(**batch)
+    assert out.logits.numel() == 0
+    assert float(out.loss) == pytest.approx(float(want.loss), rel=TOL, abs=0)
+    torch.testing.assert_close(out.aux_loss, want.aux_loss, rtol=0, atol=0)
 
 
 def test_callback_aux_loss_equals_transformers_on_two_processes():
@@ -204,6 +275,8 @@ def test_callback_aux_loss_equals_transformers_on_two_processes():
 
 def _two_processes(rank: int, world: int) -> None:
     check_cases(rank, world)
+    check_tiled_loss(rank, world)
+    check_average_per_device(rank, world)
     check_data_parallel_groups(rank)
     check_rank_zero_alone(rank, world)
 

@@ -12,7 +12,9 @@ on adds to the logs: tokens/s, an MFU estimate, the attention-load imbalance of 
 ranks. A MoE model (``router_aux_loss_coef`` in its config) gets the batch-exact load-balancing loss
 (:mod:`~hf_longctx.moe.aux_loss`) unless :func:`~.parallelism.apply_model_parallelism` installed it
 already: the input hook takes ``attention_mask`` out of the call and spreads the batch over the group,
-so transformers' own aux loss would count padding and be each shard's own, not the batch's. At
+so transformers' own aux loss would count padding and be each shard's own, not the batch's; its
+shares are scaled as the Trainer's ``average_tokens_across_devices`` scales the language-model loss
+(:func:`follow_loss_averaging`). At
 ``on_train_end`` it takes its hooks off again, so evaluation and ``generate()`` after
 training run the model as loaded (exact attention in each process).
 """
@@ -92,6 +94,25 @@ def install_aux_loss(model: torch.nn.Module) -> DistributedAuxLoss | None:
     return enable_distributed_aux_loss(model)
 
 
+def follow_loss_averaging(model: torch.nn.Module, args) -> tuple[DistributedAuxLoss, bool] | None:
+    """Scale the batch-exact aux loss as the Trainer scales the language-model loss; returns (the hooks, their
+    setting before) to put back at the end, or None for a model without them.
+
+    With ``average_tokens_across_devices=False`` DDP's plain average over processes meets the shares, so
+    each is multiplied by its group's size (:attr:`~hf_longctx.moe.DistributedAuxLoss.averaged_over_processes`,
+    the arithmetic is in :mod:`hf_longctx.moe.aux_loss`), as the input hook divides each shard's loss by
+    its group's target count over the group size.
+    """
+    from ..moe import installed_aux_loss
+
+    aux = installed_aux_loss(model)
+    if aux is None:
+        return None
+    before = aux.averaged_over_processes
+    aux.averaged_over_processes = not getattr(args, "average_tokens_across_devices", True)
+    return aux, before
+
+
 def checkpointing_requested(args) -> bool:
     """Whether the TrainingArguments turn activation checkpointing on (either of transformers' names)."""
     return bool(getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False))
@@ -111,6 +132,7 @@ class LongContextCallback(TrainerCallback):
         self._max_grad_norm = None
         self._host_optimizer = None
         self._aux_loss = None
+        self._aux_averaging = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         cfg = self.config = self.config or load_config()
@@ -154,7 +176,8 @@ class LongContextCallback(TrainerCallback):
         # average_tokens_across_devices=False: every sequence-parallel group averages its own tokens, as one
         # device of plain DDP averages its batch (the group, not the process, holds a sequence)
         self.hook.average_in_group = sp > 1 and not getattr(args, "average_tokens_across_devices", True)
-        self._aux_loss = install_aux_loss(model)  # after the memory hooks: its loss comes after the tiled loss
+        self._aux_loss = install_aux_loss(model)  # in either order with the tiled loss (hf.tiled_loss)
+        self._aux_averaging = follow_loss_averaging(model, args)
         self.summary = {"backend": impl[len(PREFIX):], "attn_implementation": impl, "sp_size": sp,
                         "dp_size": world // sp, "checkpointing": checkpointing, "kernel": cfg.kernel,
                         "backend_options": {k: v if isinstance(v, (str, int, float, bool, type(None))) else repr(v)
@@ -220,6 +243,9 @@ class LongContextCallback(TrainerCallback):
             self._grad_sync = None
         if self.hook is not None:
             self.hook.remove()
+        if self._aux_averaging is not None:
+            aux, before = self._aux_averaging
+            aux.averaged_over_processes, self._aux_averaging = before, None
         if self._aux_loss is not None:
             self._aux_loss.remove()
             self._aux_loss = None

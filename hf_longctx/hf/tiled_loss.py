@@ -14,6 +14,13 @@ The loss is the same sum over targets divided by ``num_items_in_batch`` that tra
 pre-hook takes the labels out of the call and asks the model for no logits (``logits_to_keep`` =
 no position), a hook on the decoder keeps its last hidden state, and the model's forward hook puts
 the tiled loss into the output. ``outputs.logits`` is then empty.
+
+A MoE causal LM adds ``router_aux_loss_coef x aux_loss`` to the loss it computes from labels; with
+the labels taken out of the call it adds nothing, so the tiled loss adds that term itself, from the
+``aux_loss`` the output holds when its hook runs. Whoever fills ``aux_loss`` (transformers itself, or
+the batch-exact hooks of :mod:`~hf_longctx.moe.aux_loss`, whose forward hook adds its share to the
+loss when the output has one and otherwise only fills ``aux_loss``) the term is counted once,
+whichever of the two hooks the model registered first.
 """
 
 from __future__ import annotations
@@ -71,6 +78,17 @@ def tiled_causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     return total / num_items_in_batch
 
 
+def router_aux_coefficient(model: torch.nn.Module) -> float:
+    """The weight a transformers MoE model gives its ``aux_loss`` in the loss (``router_aux_loss_coef``)."""
+    coef = getattr(model, "router_aux_loss_coef", None)
+    if coef is None:
+        coef = getattr(getattr(model, "config", None), "router_aux_loss_coef", None)
+    if coef is None:
+        raise ValueError(f"{type(model).__name__} returns an aux_loss but has no router_aux_loss_coef, so the tiled "
+                         "loss cannot tell what its forward adds to the loss; turn tiled_loss off for this model")
+    return coef
+
+
 class TiledLoss:
     """Forward hooks that make a transformers causal LM compute its loss with :func:`tiled_causal_lm_loss`."""
 
@@ -116,6 +134,9 @@ class TiledLoss:
         hidden, self._hidden, self._pending = self._hidden, None, None
         loss = tiled_causal_lm_loss(hidden, self.head.weight, targets, num_items, self.head.bias, self.chunk_tokens,
                                     head=self.head)
+        aux = output.get("aux_loss") if hasattr(output, "get") else None
+        if aux is not None:  # what the model's forward adds to a loss from labels (module doc)
+            loss = loss + router_aux_coefficient(module) * aux.to(loss.device)
         return type(output)(**{**{k: v for k, v in output.items() if k != "loss"}, "loss": loss})
 
     def remove(self) -> None:

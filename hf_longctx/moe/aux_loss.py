@@ -19,8 +19,11 @@ E + 1 numbers per forward.
 is patched), in every forward that is part of a sharded batch: the forward's keywords carry the
 shard's ``longctx`` context (the input hook puts it there, ``shard_batch`` makes it). There the model
 runs with router logits off, so transformers adds nothing of its own; hooks on the routers record
-their logits, and a forward hook on the model adds ``coef x share`` to ``loss`` and fills
-``aux_loss`` (this rank's share) and ``router_logits``.
+their logits, and a forward hook on the model fills ``aux_loss`` (this rank's share) and
+``router_logits`` and adds ``coef x share`` to ``loss`` when the model computed one. A loss computed
+from the output afterwards (the tiled loss of :mod:`~hf_longctx.hf.tiled_loss`, which takes the labels
+out of the call) adds ``coef x aux_loss`` itself, as transformers' forward does; so the share is
+counted once whichever of the two hooks was registered first.
 
 Any other forward (``generate()``, an evaluation on one rank, a plain ``model(**batch)``) is left to
 transformers: its own aux loss of the rows it was given, with its own ``attention_mask``, and no
@@ -34,6 +37,23 @@ sequence-parallel group). A group's concatenated batch is what one device of pla
 sees, so each group's aux is that device's aux. An explicit group (``ParallelGroups.batch``, as
 :func:`~hf_longctx.hf.parallelism.apply_model_parallelism` gives) makes it the aux of every rank of
 that group together (the whole world: one process on every rank's rows).
+
+How the shares meet the Trainer's scaling (``Trainer.compute_loss`` / ``training_step``). W processes
+in groups of s (the sequence-parallel group, or the explicit group), DDP averages the gradients over
+all W. With ``average_tokens_across_devices=True`` Trainer passes the world's target count as
+``num_items_in_batch`` and multiplies each process's loss by W: the step's gradient is that of the
+sum over processes of their losses, i.e. the language-model loss of the world's tokens plus ``coef x``
+the sum over groups of each group's aux, what plain DDP over one device per group trains on
+(transformers' DDP sums its devices' aux losses the same way). The shares go in as they are. With
+``average_tokens_across_devices=False`` Trainer passes each process's own target count and multiplies
+by nothing, so DDP's average divides by W: the input hook divides each shard's loss sum by its
+group's target count / s (``SequenceParallelInputs._group_count``), making the processes' average the
+mean over groups of each group's token mean, as plain DDP averages its devices' means. The aux must
+then be multiplied by s as well, or each group's aux arrives divided by s: with
+:attr:`DistributedAuxLoss.averaged_over_processes` (set by ``LongContextCallback`` from that
+argument) each share is multiplied by its group's size, so the average over processes is the mean
+over groups of each group's aux, plain DDP's per-device aux (for the whole-world group: the world's
+aux, what one process on all rows trains on, as with the argument True).
 """
 
 from __future__ import annotations
@@ -120,6 +140,12 @@ class DistributedAuxLoss:
 
     ``group``: :data:`SHARD_GROUP` (the sharded batch's own group), or the ranks whose shares add up
     to one aux loss (None: the world). Registers itself (:func:`installed_aux_loss`); one per model.
+
+    ``averaged_over_processes``: False (default), the shares of a group add up to its aux loss (the
+    processes' losses are summed, as Trainer's ``average_tokens_across_devices=True`` makes DDP do);
+    True, each share is multiplied by its group's size, so the AVERAGE over the processes is the mean
+    over groups of their aux losses (DDP's plain average: ``average_tokens_across_devices=False``, see
+    the module doc). ``aux_loss`` in the output is the share as added to the loss.
     """
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None | Literal["shard"] = SHARD_GROUP):
@@ -134,6 +160,7 @@ class DistributedAuxLoss:
         self.top_k = config.num_experts_per_tok
         self.coef = config.router_aux_loss_coef
         self.config, self.group = config, group
+        self.averaged_over_processes = False
         self._recorded: list[torch.Tensor] | None = None
         self._context = None
         routers = _routers(model)
@@ -173,6 +200,8 @@ class DistributedAuxLoss:
                             "return_dict=True")
         group = context.group if isinstance(self.group, str) else self.group
         share = load_balancing_loss_share(logits, self.num_experts, self.top_k, group, context.padding)
+        if self.averaged_over_processes:
+            share = share * group_rank_and_size(group)[1]
         output.aux_loss = share
         output.router_logits = logits
         if output.loss is not None:
