@@ -22,6 +22,7 @@ fills ``aux_loss`` (this rank's share) and ``router_logits``.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -32,6 +33,8 @@ from ..comm.groups import group_rank_and_size
 from .layer import find_experts_modules
 
 _ROUTER_NAMES = ("gate", "router")
+
+_INSTALLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> DistributedAuxLoss
 
 
 def load_balancing_loss_share(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int,
@@ -89,6 +92,7 @@ class DistributedAuxLoss:
         self.handles = [r.register_forward_hook(self._record) for r in routers]
         self.handles.append(model.register_forward_pre_hook(self._before, with_kwargs=True))
         self.handles.append(model.register_forward_hook(self._after, with_kwargs=True))
+        _INSTALLED[model] = self
 
     def _record(self, module, args, output):
         if self._recorded is not None:  # only inside a forward of the model (never in a checkpoint recompute)
@@ -121,6 +125,13 @@ class DistributedAuxLoss:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+        for model in [m for m, aux in _INSTALLED.items() if aux is self]:
+            _INSTALLED.pop(model)
+
+
+def installed_aux_loss(model: nn.Module) -> DistributedAuxLoss | None:
+    """The batch-exact aux-loss hooks installed on ``model`` (None: transformers computes its own)."""
+    return _INSTALLED.get(model)
 
 
 def enable_distributed_aux_loss(model: nn.Module, group: dist.ProcessGroup | None = None) -> DistributedAuxLoss:
