@@ -96,12 +96,8 @@ def check_dropping_layers_on_every_path(rank, world):
         assert_same(*got, *ref, f"{name} through the input hook, with checkpointing, over {world}")
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_layers_that_drop_keywords_are_exact_on_every_path_and_leave_other_models_alone(world):
-    if world == 1:
-        check_dropping_layers_on_every_path(0, 1)
-    else:
-        run_distributed(world, check_dropping_layers_on_every_path)
+def test_layers_that_drop_keywords_are_exact_on_every_path_and_leave_other_models_alone():
+    check_dropping_layers_on_every_path(0, 1)
 
 
 # ----------------------------------------------------------------------------- 3
@@ -146,12 +142,8 @@ def check_moe_aux_loss(rank, world):
         model(**local)
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_sharded_moe_forward_without_the_batch_exact_aux_loss_is_refused(world):
-    if world == 1:
-        check_moe_aux_loss(0, 1)
-    else:
-        run_distributed(world, check_moe_aux_loss)
+def test_one_rank_moe_forward_keeps_transformers_aux_loss():
+    check_moe_aux_loss(0, 1)
 
 
 # ----------------------------------------------------------------------------- 4
@@ -199,12 +191,8 @@ def check_decoding_with_the_hook(rank, world):
     hook.remove()
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_decoding_with_the_input_hook_installed_is_unsharded_and_exact(world):
-    if world == 1:
-        check_decoding_with_the_hook(0, 1)
-    else:
-        run_distributed(world, check_decoding_with_the_hook)
+def test_decoding_with_the_input_hook_installed_is_unsharded_and_exact():
+    check_decoding_with_the_hook(0, 1)
 
 
 class GenerateAtEachStep(TrainerCallback):
@@ -232,7 +220,19 @@ def _train_and_generate(rank, world, out_dir):
     Path(out_dir, f"matches{rank}.json").write_text(json.dumps(sampler.matches))
 
 
-def test_generate_from_a_callback_during_sequence_parallel_training(tmp_path):
-    run_distributed(2, _train_and_generate, str(tmp_path), timeout_s=300)
+# ----------------------------------------------------------------------------- the same on two processes
+
+
+def _two_process_checks(rank, world, out_dir):
+    check_dropping_layers_on_every_path(rank, world)
+    check_moe_aux_loss(rank, world)
+    check_decoding_with_the_hook(rank, world)
+    _train_and_generate(rank, world, out_dir)
+
+
+def test_every_case_on_two_processes_and_generate_from_a_callback_during_training(tmp_path):
+    """1-4 sharded over two gloo processes (one spawn for all), and a Trainer run with LongContextCallback whose
+    on_step_end callback generates: equal to the same weights without any hook."""
+    run_distributed(2, _two_process_checks, str(tmp_path), timeout_s=300)
     for rank in range(2):
         assert json.loads((tmp_path / f"matches{rank}.json").read_text()) == [True, True]
