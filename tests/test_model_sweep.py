@@ -51,7 +51,6 @@ One spawn of 2 processes runs the whole sweep.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import time
@@ -67,11 +66,10 @@ import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import hf_longctx  # noqa: F401 - registers the attention implementations
-import hf_longctx.hf.callback
 from hf_longctx.hf import plan_for, shard_batch
+from hf_longctx.hf.callback import install_aux_loss
 from hf_longctx.hf.inputs import install_input_hook
 from hf_longctx.layout import PackedBatch
-from hf_longctx.moe.aux_loss import enable_distributed_aux_loss
 
 from distributed import run_distributed
 
@@ -369,21 +367,16 @@ def _has_router_aux(config) -> bool:
 
 
 def _install_like_callback(model, group) -> list:
-    """What LongContextCallback puts on a model to shard its batches over ``group``; ``.remove()`` each to undo.
-
-    Today that is the input hook. The batch-exact aux loss (``enable_distributed_aux_loss``) is added
-    for a MoE model with a router aux loss when the callback installs it (its module names it) or when
-    ``HF_LONGCTX_SWEEP_DISTRIBUTED_AUX=1`` asks for it ahead of the callback.
-    """
+    """What LongContextCallback puts on a model to shard its batches over ``group``; ``.remove()`` each to undo:
+    the input hook, and for a MoE model the batch-exact aux loss (the callback's own ``install_aux_loss``)."""
     installed = [install_input_hook(model, group)]
-    callback_installs_aux = "enable_distributed_aux_loss" in inspect.getsource(hf_longctx.hf.callback)
-    if (callback_installs_aux or os.environ.get("HF_LONGCTX_SWEEP_DISTRIBUTED_AUX") == "1") and \
-            _has_router_aux(model.config):
-        try:
-            installed.append(enable_distributed_aux_loss(model, group))
-        except Exception:
-            installed[0].remove()
-            raise
+    try:
+        aux = install_aux_loss(model)
+    except Exception:
+        installed[0].remove()
+        raise
+    if aux is not None:
+        installed.append(aux)
     return installed
 
 

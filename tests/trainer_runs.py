@@ -85,11 +85,12 @@ class PaddingCollator:
 def flattening_run(output_dir: str, rows_per_step: int = 4, steps: int = 3, bf16: bool = False,
                    impl: str = "longctx_zigzag", callback: bool = True, evaluate: bool = True,
                    gradient_checkpointing: bool = False, config=None, collator=None, compute_loss_func=None,
-                   resume_from_checkpoint: str | None = None, **training_args) -> dict:
+                   resume_from_checkpoint: str | None = None, extra_callbacks=(), **training_args) -> dict:
     """transformers Trainer + DataCollatorWithFlattening, no recipe: the model's backend, the whole world SP.
 
     ``collator`` replaces the flattening collator, ``compute_loss_func`` goes to the Trainer,
-    ``resume_from_checkpoint`` to ``train()``, and any other keyword to ``TrainingArguments``.
+    ``resume_from_checkpoint`` to ``train()``, ``extra_callbacks`` to the Trainer after the LongContextCallback,
+    and any other keyword to ``TrainingArguments``.
     """
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
@@ -118,7 +119,8 @@ def flattening_run(output_dir: str, rows_per_step: int = 4, steps: int = 3, bf16
     trainer = Trainer(model=model, args=args, train_dataset=token_rows(rows_per_step * steps, seed=1),
                       eval_dataset=token_rows(rows_per_step, seed=2, fixed=16) if evaluate else None,
                       data_collator=collator or DataCollatorWithFlattening(), compute_metrics=compute_metrics,
-                      compute_loss_func=compute_loss_func, callbacks=[cb] if callback else [])
+                      compute_loss_func=compute_loss_func,
+                      callbacks=([cb] if callback else []) + list(extra_callbacks))
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return {**_history(trainer), "predictions": predictions, "model": model, "summary": cb.summary,
             "trainer": trainer}

@@ -24,8 +24,9 @@ import torch
 
 from ..backends import Backend, one_process_attention, registered_backends, sequence_parallel_attention
 from ..backends.registry import on_backend_registered
-from .context import context_of, count_attention_call
+from .context import calls_under, context_of, count_attention_call
 from .model_support import unsupported_layers
+from .router_aux import has_router_aux_loss, refuse_local_router_aux_loss
 from .unsharded import match_dtypes, padding_mask, unsharded_attention, without_autocast
 
 PREFIX = "longctx_"
@@ -55,10 +56,10 @@ def _is_causal(module: torch.nn.Module, kwargs: dict) -> bool:
 
 
 def _context(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, kwargs: dict):
-    """The sequence-parallel context of this call: its keyword, else the one of its model's current forward.
+    """The sequence-parallel context of this call: its keyword, else the sharded forward it runs in.
 
     A decoder layer that does not pass its keywords to attention still runs on this rank's shard of a
-    sharded batch; :func:`~.context.context_of` finds the batch's context through the module.
+    sharded batch; :func:`~.context.context_of` finds the forward's context on the call stack.
     """
     ctx = kwargs.get("longctx")
     if ctx is None:
@@ -73,7 +74,12 @@ def _context(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, kw
             "the shard can be sequence parallel (cross-attention and extra attention inputs cannot); train this "
             "model without sequence parallelism"
         )
-    count_attention_call(module)
+    config = getattr(module, "config", None)
+    # refused before any collective of the forward; a recompute in backward was checked in its forward
+    if ctx.plan.world_size > 1 and has_router_aux_loss(config) and torch._C._current_graph_task_id() == -1:
+        calls = calls_under(ctx)
+        refuse_local_router_aux_loss([m for m, _ in calls], [kw for _, kw in calls], config, ctx.plan.world_size)
+    count_attention_call(ctx)
     return ctx
 
 

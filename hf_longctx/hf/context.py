@@ -1,33 +1,52 @@
-"""What the attention layers of a sharded forward need: the shard plan, the group and the kernel.
+"""What the attention layers of a sharded forward need, and how every attention call finds it.
 
-It travels as the ``longctx`` keyword of ``model(**inputs)``; transformers hands model keywords down
-to every attention function. ``rank`` is this process's index in ``group``, found once when the batch
-is sharded and handed to every attention call (which then does not ask the group again).
+The context (shard plan, group, kernel) travels as the ``longctx`` keyword of ``model(**inputs)``:
+:func:`~hf_longctx.hf.shard_batch` puts it there, and so does the callback's input hook, in the
+keywords of the model call it shards. ``rank`` is this process's index in ``group``, found once when
+the batch is sharded and handed to every attention call (which then does not ask the group again).
 
-Some decoder layers do not pass their keywords on to the attention module (StableLM and Nemotron in
-transformers 5). Their attention would silently attend only inside this rank's shard, so the input
-hook also records the context of the model's current forward for every module of the model
-(:func:`bind_modules`), and an attention call without the keyword asks :func:`context_of` its
-module. The record is per model, never global: a second model in the same process (a reference
-model, a teacher) is not touched by the first one's batch.
+transformers hands model keywords down to every attention function, but some decoder layers take them
+and do not pass them on to their attention module (StableLM and Nemotron in transformers 5). Their
+attention would silently attend only inside this rank's shard, so an attention call without the
+keyword looks for the sharded forward it runs in on the call stack (:func:`context_of`): the innermost
+call of a module that contains the attention module and whose ``**kwargs`` hold ``longctx``
+(``Module.__call__``'s own frame, or a ``forward(self, ..., **kwargs)``). The answer is the same on
+every path (the input hook, ``shard_batch`` + ``model(**local)``, ``model.forward(**local)``, a
+checkpointed layer recomputed in backward, which calls the layer's ``forward`` with its keywords
+again) and belongs to the attention module's own model: another model in the same process (a
+reference model, a teacher) is never inside that call, so it is never touched, even when it runs
+from within the first model's forward.
+
+Cost: none while no context object is alive (a sharded forward can only run while its context is;
+plain evaluation and ``generate()`` pay one length check per attention call), else one walk over
+the frames of the stack per attention call that lacks the keyword.
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from ..layout import ShardPlan
 
+# every context alive now, by id: while it is empty no sharded forward runs, so nothing walks the stack
+_LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_ATTENTION_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # context -> attention calls under it
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, eq=False)
 class SequenceParallelContext:
     """``padding``: this rank's rows that are padding tokens (their attention output is zero), or None.
-    ``options``: the backend's options (the settings' ``backend_options``), handed to every attention call."""
+    ``options``: the backend's options (the settings' ``backend_options``), handed to every attention call.
+
+    Compared by identity: each sharded forward has its own context.
+    """
 
     plan: ShardPlan
     group: dist.ProcessGroup | None
@@ -36,39 +55,78 @@ class SequenceParallelContext:
     padding: torch.Tensor | None = None
     options: dict | None = field(default=None, hash=False)
 
-
-class ContextHolder(Protocol):
-    """Who knows the context of a model's current forward (the input hook): ``current`` is None when none;
-    ``attention_calls`` counts the attention calls of its modules that ran under a context."""
-
-    current: SequenceParallelContext | None
-    attention_calls: int
+    def __post_init__(self):
+        _LIVE[id(self)] = self
 
 
-_HOLDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> ContextHolder
+def count_attention_call(ctx: SequenceParallelContext) -> None:
+    """Record that an attention call ran under ``ctx`` (the input hook checks that some did)."""
+    _ATTENTION_CALLS[ctx] = _ATTENTION_CALLS.get(ctx, 0) + 1
 
 
-def bind_modules(model: torch.nn.Module, holder: ContextHolder) -> None:
-    """Every module of ``model`` reports ``holder.current`` through :func:`context_of` from now on."""
-    for module in model.modules():
-        _HOLDERS[module] = holder
+def attention_calls(ctx: SequenceParallelContext | None) -> int:
+    """How many attention calls ran under ``ctx`` so far."""
+    return _ATTENTION_CALLS.get(ctx, 0) if ctx is not None else 0
 
 
-def unbind_modules(model: torch.nn.Module, holder: ContextHolder) -> None:
-    """Undo :func:`bind_modules` (modules bound to another holder stay bound)."""
-    for module in model.modules():
-        if _HOLDERS.get(module) is holder:
-            del _HOLDERS[module]
+_UNSEEN = object()
+_KEYWORDS_NAME: dict = {}  # code object -> name of its **kwargs parameter, None when it has none or no self
+
+
+def _keywords_name(code) -> str | None:
+    """``kwargs`` of ``def f(self, ..., **kwargs)``; None for a function without ``**`` or without a first argument."""
+    name = _KEYWORDS_NAME.get(code, _UNSEEN)
+    if name is _UNSEEN:
+        name = None
+        if code.co_flags & inspect.CO_VARKEYWORDS and code.co_argcount:
+            name = code.co_varnames[code.co_argcount + code.co_kwonlyargcount
+                                    + bool(code.co_flags & inspect.CO_VARARGS)]
+        _KEYWORDS_NAME[code] = name
+    return name
+
+
+_KNOWN_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> WeakSet of modules holding it
+
+
+def _contains(owner: torch.nn.Module, module: torch.nn.Module) -> bool:
+    """Whether ``module`` is ``owner`` or one of its submodules (found once per pair, then remembered)."""
+    if owner is module:
+        return True
+    known = _KNOWN_OWNERS.get(module)
+    if known is not None and owner in known:
+        return True
+    if any(m is module for m in owner.modules()):
+        _KNOWN_OWNERS.setdefault(module, weakref.WeakSet()).add(owner)
+        return True
+    return False
+
+
+def _module_calls(frame) -> Iterator[tuple[torch.nn.Module, dict]]:
+    """(module, keywords) of every frame from ``frame`` outwards that is a method of a module taking ``**kwargs``."""
+    while frame is not None:
+        code = frame.f_code
+        name = _keywords_name(code)
+        if name is not None:
+            local = frame.f_locals
+            owner, keywords = local.get(code.co_varnames[0]), local.get(name)
+            if isinstance(owner, torch.nn.Module) and isinstance(keywords, dict):
+                yield owner, keywords
+        frame = frame.f_back
 
 
 def context_of(module: torch.nn.Module) -> SequenceParallelContext | None:
-    """The context of the current sharded forward of the model ``module`` belongs to, or None."""
-    holder = _HOLDERS.get(module)
-    return holder.current if holder is not None else None
+    """The context of the sharded forward of ``module``'s own model that this call runs in, or None."""
+    if not _LIVE:
+        return None
+    for owner, keywords in _module_calls(sys._getframe(1)):
+        ctx = keywords.get("longctx")
+        if isinstance(ctx, SequenceParallelContext) and _contains(owner, module):
+            return ctx
+    return None
 
 
-def count_attention_call(module: torch.nn.Module) -> None:
-    """Tell the holder of ``module``'s model that an attention call ran on its sharded batch."""
-    holder = _HOLDERS.get(module)
-    if holder is not None:
-        holder.attention_calls += 1
+def calls_under(ctx: SequenceParallelContext) -> list[tuple[torch.nn.Module, dict]]:
+    """(module, keywords) of every module call on the stack that runs the sharded forward of ``ctx``, innermost
+    first: the model, its wrappers and its layers, whose keywords hold this very context."""
+    return [(owner, keywords) for owner, keywords in _module_calls(sys._getframe(1))
+            if keywords.get("longctx") is ctx]

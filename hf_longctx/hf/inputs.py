@@ -17,8 +17,10 @@ hook gives every rank what one process would have computed for its own rows: the
 from the ranks that computed them, in the rows' own (B, S) order (one all_to_all of this rank's rows
 only, so no rank holds more logits than a single process would; in training it is differentiable).
 The model's own loss stays this rank's share: Trainer passes ``num_items_in_batch`` and scales it the
-same way. Calls with a KV cache (``generate()``) are left alone: they run in this process through the
-local attention path.
+same way. Decoding calls are left alone and run in this process through the local attention path:
+a call with a KV cache under any of transformers' names for it (``cache``, ``past_key_values``, ...),
+or a ``Cache`` under any keyword, or ``use_cache=True`` (``generate()``'s prefill brings a fresh, empty
+cache): a shard's keys and values are no prompt to continue from.
 """
 
 from __future__ import annotations
@@ -32,15 +34,32 @@ import torch.distributed as dist
 from ..backends.load import attention_load
 from ..comm.groups import group_rank_and_size
 from .attention import backend_of
-from .context import bind_modules, unbind_modules
+from .context import attention_calls
 from .model_support import packed_sequence_refusal, unsupported_layers
 from .positions import PositionRule, position_rule
+from .router_aux import refuse_local_router_aux_loss
 from .rows import flatten_batch, unflatten_rows
 from .settings import checked_backend_options
 from .sharding import gather_group_batch, plan_for
 
 # keywords that describe the unsharded batch of this rank: the shard's documents come from the plan
 _UNSHARDED_ONLY = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+# transformers' keywords for a decoding cache: ``cache`` (5.x), the older ``past_key_values`` (still accepted),
+# ``cache_params`` (Mamba-style state), ``layer_past``, and the state names of a few architectures
+CACHE_KEYWORDS = ("cache", "past_key_values", "cache_params", "layer_past", "state", "mems", "past_buckets_states")
+
+
+def is_decoding_call(kwargs: dict) -> bool:
+    """Whether a model call reads or fills a KV cache: it runs in this process, unsharded.
+
+    ``use_cache=True`` alone counts: ``generate()`` and hand-written decoding loops ask for a cache to
+    continue from, and the keys and values of one rank's shard are not that.
+    """
+    if kwargs.get("use_cache") or any(kwargs.get(name) is not None for name in CACHE_KEYWORDS):
+        return True
+    from transformers.cache_utils import Cache
+
+    return any(isinstance(value, Cache) for value in kwargs.values())
 
 
 def check_model(model) -> PositionRule:
@@ -71,8 +90,7 @@ def check_model(model) -> PositionRule:
 class SequenceParallelInputs:
     """Callable forward pre-hook; also counts tokens and attention load for logging.
 
-    ``current`` is the context of the model's current sharded forward (None between them), read by
-    attention calls whose layer did not pass it on (see :mod:`.context`).
+    ``current`` is the context of the model's current sharded forward (None between them).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, kernel: str = "auto", options: dict | None = None,
@@ -90,7 +108,6 @@ class SequenceParallelInputs:
         self.model = None
         self.current = None
         self.average_in_group = False
-        self.attention_calls = 0
         self._sharded = False
         self._restore: tuple | None = None
 
@@ -101,7 +118,7 @@ class SequenceParallelInputs:
             self.current = kwargs["longctx"]
             return None
         self.current = None
-        if kwargs.get("past_key_values") is not None:  # decoding with a cache: local attention, not a packed batch
+        if is_decoding_call(kwargs):  # generate(), decoding with a cache: local attention, not a packed batch
             return None
         if args:
             raise ValueError("call the model with keyword inputs (input_ids=..., position_ids=...)")
@@ -109,6 +126,11 @@ class SequenceParallelInputs:
             raise ValueError("logits_to_keep selects the last positions of a row, but under sequence parallelism each "
                              "rank holds a shard of the group's sequence; call the model without it")
         backend = backend_of(module.config._attn_implementation)
+        rank, world = group_rank_and_size(self.group)
+        mask = kwargs.get("attention_mask")
+        padded = isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all())
+        # decided before any collective, the same on every rank (padding matters only to a group of one)
+        refuse_local_router_aux_loss([module], [kwargs], module.config, world, padded=padded and world == 1)
         inputs = {k: kwargs.pop(k, None) for k in ("attention_mask", "position_ids", "labels", "shift_labels",
                                                     "doc_lens")}
         try:  # checked here, but raised after the first collective so that no peer waits for this rank
@@ -120,7 +142,6 @@ class SequenceParallelInputs:
             kwargs.pop(key, None)
         group_batch = gather_group_batch(flat, self.group, problem)
         plan = plan_for(group_batch.packed, backend, self.group)
-        rank, world = group_rank_and_size(self.group)
         local = group_batch.shard(plan, rank, self.group, self.kernel, self.options)
         if kwargs.get("num_items_in_batch") is not None:
             local.pop("num_items_in_batch", None)  # Trainer's count covers the whole step (accumulation, devices)
@@ -130,7 +151,7 @@ class SequenceParallelInputs:
         kwargs.update(local)
         kwargs["use_cache"] = False  # a shard's keys and values are no prompt to continue from
         self.current = local["longctx"]
-        self._sharded, self.attention_calls = True, 0
+        self._sharded = True
         self.tokens += group_batch.packed.num_tokens
         self.causal_pairs += group_batch.packed.causal_pairs()
         work = attention_load(plan, backend)
@@ -159,14 +180,13 @@ class SequenceParallelInputs:
         attention bypasses transformers' AttentionInterface (or it has none), so it attended inside each
         shard without the document boundaries.
         """
-        if self._sharded and self.attention_calls == 0:
+        if self._sharded and attention_calls(self.current) == 0:
             self._sharded, self._restore, self.current = False, None, None
             raise ValueError(f"{type(module).__name__} ran a sharded forward without calling its longctx_* attention: "
                              "its attention does not go through transformers' AttentionInterface (or it has none), so "
                              "it cannot be sequence parallel or see packed documents; use attn_implementation='sdpa' "
                              "and no LongContextCallback for this model")
-        if not module.training:
-            self.current = None  # no backward follows: nothing recomputes attention later
+        self.current = None  # a recompute in backward finds the context in the layer's own keywords
         if self._restore is None:
             return None
         route, flat = self._restore
@@ -181,9 +201,7 @@ class SequenceParallelInputs:
         for handle in self.handles:
             handle.remove()
         self.handles = []
-        if self.model is not None:
-            unbind_modules(self.model, self)
-            self.model = None
+        self.model = None
         self.current = None
 
 
@@ -256,5 +274,4 @@ def install_input_hook(model, group: dist.ProcessGroup | None, kernel: str = "au
     hook.handles = [model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True),
                     model.register_forward_hook(hook.restore_outputs, with_kwargs=True)]
     hook.model = model
-    bind_modules(model, hook)
     return hook
