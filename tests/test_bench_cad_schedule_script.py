@@ -1,4 +1,4 @@
-"""``scripts/bench_cad_schedule.py`` times CAD's schedule alone and priced by the group, on gloo processes (CPU)."""
+"""``scripts/lab/bench_cad_schedule.py`` times CAD's schedule alone and priced by the group, on gloo processes (CPU)."""
 
 from __future__ import annotations
 

@@ -12,14 +12,14 @@ import pytest
 import torch
 from test_cad_launch_cost import _fake_call_clock
 
-from hf_longctx.backends.cad import call_profile
-from hf_longctx.backends.cad.call_profile import fit_timed_calls, profile_launch_cost, random_calls
 from hf_longctx.backends.cad.launch_cost import PHASES, LaunchCostModel, PhaseTerms, fit_relative
 from hf_longctx.backends.cad.runtime import cad_schedule, server_calls
-from hf_longctx.emulation import step_calls
-from hf_longctx.emulation.step_calls import StepCall, calls_of_logs, time_step_calls
-from hf_longctx.emulation.workloads import doc_lengths
 from hf_longctx.kernels.launch import LaunchGrid
+from hf_longctx.lab.cad import call_profile
+from hf_longctx.lab.cad.call_profile import fit_timed_calls, profile_launch_cost, random_calls
+from hf_longctx.lab.emulation import step_calls
+from hf_longctx.lab.emulation.step_calls import StepCall, calls_of_logs, time_step_calls
+from hf_longctx.lab.emulation.workloads import doc_lengths
 from hf_longctx.layout import PackedBatch, shard_plan
 
 GRID = LaunchGrid(forward_tile=(16, 8), backward_tile=(8, 16), slots=6)
