@@ -6,7 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_emulated.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "lab" / "bench_emulated.py"
 
 
 def test_bench_emulated_quick_writes_its_tables(tmp_path, monkeypatch):

@@ -141,7 +141,7 @@ def test_profile_script_refits_a_saved_model_on_dumped_steps(tmp_path, capsys):
     """``--refit`` with ``--step-dumps``: the calls of emulated steps dumped by the benchmark are fitted beside the
     profile's, and kept in the refitted model."""
     spec = importlib.util.spec_from_file_location("profile_cad", Path(__file__).resolve().parents[1] / "scripts"
-                                                  / "profile_cad.py")
+                                                  / "lab" / "profile_cad.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     alone, steps = _alone_and_in_step(1.1)

@@ -11,7 +11,7 @@ import pytest
 from hf_longctx.backends.cad.cost_model import ProfiledCostModel
 from hf_longctx.lab.cad.profiled import random_shapes
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "profile_cad.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "lab" / "profile_cad.py"
 TINY = ["--device", "cpu", "--heads", "2", "--kv-heads", "1", "--head-dim", "8", "--dtype", "fp32",
         "--q-lens", "16,64", "--kv-lens", "16,64,256", "--min-tokens", "64", "--max-kv-tokens", "1024",
         "--warmup", "0", "--reps", "1"]
