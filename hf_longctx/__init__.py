@@ -18,7 +18,8 @@ else:
     ATTENTION_IMPLEMENTATIONS = []
 
 
-_SUBPACKAGES = ("backends", "comm", "data", "emulation", "hf", "kernels", "layout", "moe")
+# the product's subpackages; hf_longctx.lab (research) is imported by name, never from here
+_SUBPACKAGES = ("backends", "comm", "data", "hf", "kernels", "layout", "moe")
 
 
 def __getattr__(name: str):

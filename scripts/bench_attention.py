@@ -41,10 +41,10 @@ from hf_longctx.benchmarking import (
 )
 from hf_longctx.comm import comm_stats, reset_comm_stats
 from hf_longctx.comm.groups import high_priority_options
-from hf_longctx.emulation import real_rank_kernel_times
-from hf_longctx.emulation.workloads import WORKLOAD_MIXES, doc_lengths, global_tensors
 from hf_longctx.hf.config import parse_backend_options
 from hf_longctx.kernels import SKIP_KERNEL, attention_backward, attention_forward
+from hf_longctx.lab.emulation import real_rank_kernel_times
+from hf_longctx.lab.emulation.workloads import WORKLOAD_MIXES, doc_lengths, global_tensors
 from hf_longctx.layout import PackedBatch, shard_plan
 
 
@@ -317,7 +317,7 @@ def worker(rank, world, args):
 
 def emulated(args) -> int:
     """``--emulate W``: every workload and backend with W ranks emulated on one device, one row each."""
-    from hf_longctx.emulation import emulate_step, link_sources
+    from hf_longctx.lab.emulation import emulate_step, link_sources
 
     device = torch.device("cpu") if args.quick else torch.device("cuda", torch.cuda.current_device())
     dtype = torch.float32 if args.quick else torch.bfloat16
@@ -366,7 +366,7 @@ def main() -> int:
     p.add_argument("--check-max", type=int, default=0,
                    help="check outputs and gradients against one GPU for workloads up to this many tokens")
     p.add_argument("--emulate", type=int, default=0, metavar="W",
-                   help="run W ranks emulated on one device (hf_longctx.emulation): per-rank kernel time, bytes, "
+                   help="run W ranks emulated on one device (hf_longctx.lab.emulation): per-rank kernel time, bytes, "
                         "predicted step time; no process group")
     p.add_argument("--kernel-times", action="store_true",
                    help="real runs: also every rank's kernel time, as --emulate measures it (max/mean and max ms)")

@@ -12,7 +12,7 @@ PY=${PY:-python3}
 # passes ARGS on to bench_emulated.py (--mixes, --worlds, --seed, ...) and prints CAD's rows; REPS timed steps each.
 cad_emulated() {
   local out=$1; shift
-  $PY scripts/bench_emulated.py --kernel torch_flash --backends cad --eps-sweep none:0 --reps "${REPS:-2}" \
+  $PY scripts/lab/bench_emulated.py --kernel torch_flash --backends cad --eps-sweep none:0 --reps "${REPS:-2}" \
     --cad-runs "cad profiled eps0.01" --out "$out" "$@" | grep -E "\| cad "
 }
 
@@ -30,7 +30,7 @@ fit_launch_model() {
 import json, logging, shutil, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stdout)
 import torch
-from hf_longctx.backends.cad.profiled import SegmentShape, launch_cache_path, profiled_cost_model
+from hf_longctx.lab.cad.profiled import SegmentShape, launch_cache_path, profiled_cost_model
 print("model:", profiled_cost_model("torch_flash")[1])
 path = launch_cache_path(torch.device("cuda"), "torch_flash", SegmentShape())
 print("meta:", json.dumps(json.loads(path.read_text())["meta"]))
@@ -45,8 +45,8 @@ use_launch_model() {
   $PY - "$1" "$2" <<'PYEOF'
 import json, sys
 import torch
-from hf_longctx.backends.cad.call_profile import CALL_SET
-from hf_longctx.backends.cad.profiled import SegmentShape, launch_cache_path
+from hf_longctx.lab.cad.call_profile import CALL_SET
+from hf_longctx.lab.cad.profiled import SegmentShape, launch_cache_path
 data = json.loads(open(sys.argv[1]).read())
 meta = data.setdefault("meta", {})
 meta.setdefault("call_set_fitted", meta.get("call_set"))

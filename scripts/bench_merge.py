@@ -32,14 +32,14 @@ from dataclasses import replace
 
 import torch
 
-from hf_longctx.backends.cad.call_profile import segment_batch, time_call_phases
 from hf_longctx.benchmarking import timed, token_counts
 from hf_longctx.comm import GatherPlan
-from hf_longctx.emulation import emulate_step
-from hf_longctx.emulation.workloads import doc_lengths
 from hf_longctx.kernels import attention_forward, torch_flash
 from hf_longctx.kernels.key_split import KeySplit, plan_key_split
 from hf_longctx.kernels.merge import PartialAccumulator, RowParts, merge_row_parts_
+from hf_longctx.lab.cad.call_profile import segment_batch, time_call_phases
+from hf_longctx.lab.emulation import emulate_step
+from hf_longctx.lab.emulation.workloads import doc_lengths
 from hf_longctx.layout import PackedBatch
 
 HEADS, KV_HEADS, HEAD_DIM, DTYPE, DEVICE = 32, 8, 128, torch.bfloat16, torch.device("cuda")

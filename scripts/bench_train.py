@@ -143,7 +143,7 @@ def worker(rank, world, args):
         raise SystemExit("one GPU runs the 'local' backend; name --backend local")
     peer = args.backend == "torch_cp"
     if peer:
-        from hf_longctx.torch_cp_peer import register_peer_attention
+        from hf_longctx.lab.torch_cp_peer import register_peer_attention
 
         impl = register_peer_attention()
     else:
@@ -204,7 +204,7 @@ def worker(rank, world, args):
     local = shard_batch(batch, plan, rank, None, kernel=args.kernel, options=args.backend_options) if not peer else None
 
     if peer:  # torch's native context parallelism through accelerate (FSDP2 + cp_size)
-        from hf_longctx.torch_cp_peer import TorchCPTrainer, one_sequence_batch
+        from hf_longctx.lab.torch_cp_peer import TorchCPTrainer, one_sequence_batch
 
         trainer = TorchCPTrainer(model, opt, world, device)
         whole = one_sequence_batch(batch["input_ids"], device)
@@ -395,7 +395,7 @@ def main() -> int:
     p.add_argument("--backend", default="zigzag",
                    help="an hf_longctx backend, or torch_cp (the peer: torch native CP via accelerate, --mix one)")
     p.add_argument("--backend-options", default="", metavar="NAME=VALUE,...",
-                   help="the backend's options, as the recipes' backend_options (CAD: eps=0.01,cost_model=profiled)")
+                   help="the backend's options, as the recipes' backend_options (CAD: eps=0.01,cost_model=FILE)")
     p.add_argument("--seq", type=int, default=65536, help="tokens per GPU")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--kernel", default="auto", help="single-device attention kernel (auto, fa4, cudnn_varlen, "

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_longctx.backends import get_backend, sequence_parallel_attention
-from hf_longctx.emulation import emulate_step
+from hf_longctx.lab.emulation import emulate_step
 from hf_longctx.layout import PackedBatch, shard_plan
 
 
@@ -49,8 +49,10 @@ def test_the_emulation_refuses_them_too():
 @pytest.mark.parametrize("options,problem", [
     ({"eps": -0.1}, "eps must be a number >= 0"),
     ({"eps": "tight"}, "eps must be a number >= 0 .* or 'auto', got 'tight'"),
-    ({"cost_model": "profile"}, "cost_model must be 'flops' or 'profiled'"),
-    ({"cost_model": 3.0}, "cost_model must be 'flops', 'profiled' or a cost model object"),
+    ({"cost_model": "profile"}, "cost_model must be 'flops' or the path of a fitted cost model file; no file at "
+                                "'profile': make one with `hf-longctx-lab profile-cad --out FILE`"),
+    ({"cost_model": "profiled"}, "cost_model 'profiled' is not measured inside training any more"),
+    ({"cost_model": 3.0}, "cost_model must be 'flops', the path of a fitted cost model file or a cost model object"),
     ({"cost_kernel": "fa5"}, "cost_kernel must be 'auto' or one of"),
     ({"min_shard": 0}, "min_shard must be a whole number >= 1, got 0"),
     ({"search_width": 2.5}, "search_width must be a whole number >= 1"),
@@ -60,7 +62,7 @@ def test_the_emulation_refuses_them_too():
     ({"refine_screen": -1}, "refine_screen must be a whole number"),
     ({"call_terms": "some"}, "call_terms must be a CallTerms, None or 'none'"),
     ({"tasks": [1, 2]}, "tasks must be a schedule's tasks"),
-], ids=lambda x: next(iter(x)) if isinstance(x, dict) else None)
+], ids=lambda x: f"{next(iter(x))}={x[next(iter(x))]}" if isinstance(x, dict) else None)
 def test_a_value_the_backend_cannot_run_is_refused_before_it_schedules(options, problem):
     with pytest.raises(ValueError, match=f"backend 'cad': {problem}"):
         _call("cad", options)
@@ -72,3 +74,42 @@ def test_every_value_a_recipe_can_write_for_cad_is_taken():
     for options in ({"eps": "auto"}, {"eps": 0, "cost_model": "flops", "cost_kernel": "reference"},
                     {"min_shard": 4, "search_width": 2, "refine_screen": None, "call_terms": "none"}):
         torch.testing.assert_close(_call("cad", options), reference)
+
+
+def _model_file(path, **meta):
+    """A small fitted grid saved as ``hf-longctx-lab profile-cad`` saves one, with ``meta``."""
+    from hf_longctx.backends.cad.cost_model import ProfiledCostModel
+
+    ProfiledCostModel.from_grid((16, 64), (16, 64), [[1.0, 2.0], [3.0, 8.0]], interpolate="rate").save(path, **meta)
+    return str(path)
+
+
+def test_a_model_file_made_ahead_prices_the_schedule(tmp_path):
+    """``cost_model`` names a fitted model file: it is read (not measured) and the attention stays exact."""
+    reference = _call("cad", {})
+    path = _model_file(tmp_path / "model.json", device="cpu", kernel="reference")
+    for options in ({"cost_model": path}, {"cost_model": path, "cost_kernel": "reference", "eps": 0.01}):
+        torch.testing.assert_close(_call("cad", options), reference)
+
+
+@pytest.mark.parametrize("meta,text,problem", [
+    ({"device": "NVIDIA H200", "kernel": "reference"}, None, "was measured on 'NVIDIA H200', this run computes on "
+                                                             "'cpu': make one with `hf-longctx-lab profile-cad"),
+    ({"device": "cpu", "kernel": "torch_flash"}, None, "timed kernel 'torch_flash', cost_kernel is 'reference'"),
+    ({}, "{not json", "is not a cost model \\(JSONDecodeError"),
+    ({}, '{"q_lens": [1]}', "neither a launch cost model"),
+], ids=["device", "kernel", "not-json", "not-a-model"])
+def test_a_mismatched_model_file_is_refused_when_the_settings_are_checked(tmp_path, meta, text, problem):
+    """Checked with the settings (before a model is built), never a fall back to FLOPs."""
+    from hf_longctx.hf.settings import LongContextConfig
+
+    path = tmp_path / "model.json"
+    if text is None:
+        _model_file(path, **meta)
+    else:
+        path.write_text(text)
+    options = {"cost_model": str(path), "cost_kernel": "reference"}
+    with pytest.raises(ValueError, match=f"backend 'cad': cost_model file .*{problem}"):
+        LongContextConfig(backend="cad", backend_options=options)
+    with pytest.raises(ValueError, match=problem):
+        _call("cad", options)

@@ -1,4 +1,4 @@
-"""``scripts/bench_cad_schedule.py`` times CAD's schedule alone and priced by the group, on gloo processes (CPU)."""
+"""``scripts/lab/bench_cad_schedule.py`` times CAD's schedule alone and priced by the group, on gloo processes (CPU)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ MODEL = ROOT / "bench" / "logs" / "launch_model_placement_1xH200_2026-11-28.json
 
 def test_two_ranks_time_the_schedule_both_ways_and_make_the_same_tasks():
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_cad_schedule.py"), "--model", str(MODEL),
+    script = ROOT / "scripts" / "lab" / "bench_cad_schedule.py"
+    run = subprocess.run([sys.executable, str(script), "--model", str(MODEL),
                           "--worlds", "2", "--mixes", "sft:16k"], capture_output=True, text=True, env=env,
                          timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]

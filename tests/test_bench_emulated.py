@@ -1,4 +1,4 @@
-"""``scripts/bench_emulated.py`` runs end to end on the CPU with tiny sizes (so it cannot rot)."""
+"""``scripts/lab/bench_emulated.py`` runs end to end on the CPU with tiny sizes (so it cannot rot)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_emulated.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "lab" / "bench_emulated.py"
 
 
 def test_bench_emulated_quick_writes_its_tables(tmp_path, monkeypatch):
@@ -59,7 +59,7 @@ def test_cad_runs_choose_the_cad_variants_and_a_misspelt_one_is_refused_first(tm
     assert "calibrated prediction max/mean" in rows[-1] and "servers' tasks changed" in rows[-1]
 
     # --seed picks another batch of the mix's documents (the table's docs column counts them)
-    from hf_longctx.emulation.workloads import doc_lengths
+    from hf_longctx.lab.emulation.workloads import doc_lengths
 
     counts = {seed: len(doc_lengths("sft", 512, seed=seed)) for seed in range(6)}
     seed = next(s for s in range(1, 6) if counts[s] != counts[0])
@@ -78,7 +78,7 @@ def test_a_configuration_out_of_device_memory_runs_again_staged_on_the_host(tmp_
     spec = importlib.util.spec_from_file_location("bench_emulated", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    from hf_longctx.emulation import runner
+    from hf_longctx.lab.emulation import runner
 
     real = runner.emulate_step
     staged = []

@@ -61,9 +61,9 @@ def test_recorded_commands_name_no_path_of_the_machine_that_ran_them(tmp_path):
 
     repo = tmp_path / "repo"
     (repo / "bench").mkdir(parents=True)
-    command = portable_command("scripts/simulate_cad.py", ["--profile", "/tmp/cadsched/profile.json",
+    command = portable_command("scripts/lab/simulate_cad.py", ["--profile", "/tmp/cadsched/profile.json",
                                                            f"--out={repo}/bench/sim.md", "--ranks", "8"], repo)
-    assert command == "python scripts/simulate_cad.py --profile profile.json --out=bench/sim.md --ranks 8"
+    assert command == "python scripts/lab/simulate_cad.py --profile profile.json --out=bench/sim.md --ranks 8"
 
 
 def test_host_and_device_ms_times_each_phase_on_the_host_and_the_whole_until_the_device_is_done():

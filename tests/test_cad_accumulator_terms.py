@@ -11,12 +11,12 @@ import pytest
 import torch
 from test_cad_launch_cost import _fake_call_clock, small_profiles
 
-from hf_longctx.backends.cad import call_profile, profiled
-from hf_longctx.backends.cad.call_profile import profile_launch_cost
 from hf_longctx.backends.cad.launch_cost import LaunchCostModel, PhaseTerms, accumulator_terms, call_features
-from hf_longctx.backends.cad.profiled import SegmentShape, profiled_cost_model
 from hf_longctx.kernels import fa4
 from hf_longctx.kernels.launch import LaunchGrid, accumulator_share, backward_short_steps
+from hf_longctx.lab.cad import call_profile, profiled
+from hf_longctx.lab.cad.call_profile import profile_launch_cost
+from hf_longctx.lab.cad.profiled import SegmentShape, profiled_cost_model
 
 FA4_LIKE = LaunchGrid(forward_tile=(128, 128), backward_tile=(64, 128), forward_weight=0.3, launch_order="segment",
                       backward_min_steps=16, backward_accumulator_keys=(15360, 46080))

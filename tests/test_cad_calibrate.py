@@ -1,4 +1,4 @@
-"""CAD's schedule made again on what a run of it measured (:mod:`hf_longctx.backends.cad.calibrate`).
+"""CAD's schedule made again on what a run of it measured (:mod:`hf_longctx.lab.cad.calibrate`).
 
 A cost model misprices some servers' calls by a few percent, the same every time those calls run: the busiest
 server then runs above its price, whatever the schedule predicted. Given each server's measured kernel time, the
@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hf_longctx.backends.cad.calibrate import TaskScales, recalibrate, server_scales
 from hf_longctx.backends.cad.cost_model import ProfiledCostModel
 from hf_longctx.backends.cad.runtime import _server_time, cad_schedule, call_terms_for
 from hf_longctx.backends.cad.scheduler import verify_schedule, with_tasks
 from hf_longctx.backends.cad.tasks import CadTask, all_pieces, docs_per_rank, rows_cost
-from hf_longctx.emulation.workloads import doc_lengths
+from hf_longctx.lab.cad.calibrate import TaskScales, recalibrate, server_scales
+from hf_longctx.lab.emulation.workloads import doc_lengths
 from hf_longctx.layout import PackedBatch, shard_plan
 
 H200 = ProfiledCostModel.load(Path(__file__).with_name("h200_torch_flash_launch_profile.json"), interpolate="rate")
@@ -96,7 +96,7 @@ def test_a_recalibrated_schedule_still_computes_what_one_device_does():
     from test_cad_call_split import DOC_LENS, assert_ranks_equal_one_device, make_tensors, single_device
     from test_cad_refine import tailed_grid_model
 
-    from hf_longctx.emulation import emulate_step
+    from hf_longctx.lab.emulation import emulate_step
 
     world = 3
     batch = PackedBatch.from_doc_lens(DOC_LENS)

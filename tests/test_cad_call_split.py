@@ -22,10 +22,10 @@ from hf_longctx.backends.cad.runtime import (
     prepare,
     server_costs,
 )
-from hf_longctx.emulation import emulate_step
 from hf_longctx.kernels import attention_backward, attention_forward, reset_stats, stats
 from hf_longctx.kernels.calls import CallTerms, calls_overhead
 from hf_longctx.kernels.key_split import KeySplit
+from hf_longctx.lab.emulation import emulate_step
 from hf_longctx.layout import PackedBatch, shard_plan
 
 DOC_LENS = [700, 40, 33, 90, 12, 64, 300, 25]  # one long document among short ones

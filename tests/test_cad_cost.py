@@ -8,11 +8,11 @@ from test_backends import make_problem, reference
 
 from hf_longctx.backends.cad.cost_model import FlopsCostModel, ProfiledCostModel
 from hf_longctx.backends.cad.eps import EpsCandidate, choose_eps, sweep_eps
-from hf_longctx.backends.cad.profiled import ProfileBudget, SegmentShape, profiled_cost_model
 from hf_longctx.backends.cad.runtime import cad_schedule
 from hf_longctx.backends.cad.scheduler import verify_schedule
 from hf_longctx.backends.cad.tasks import docs_per_rank
-from hf_longctx.emulation import emulate_step
+from hf_longctx.lab.cad.profiled import ProfileBudget, SegmentShape, profiled_cost_model
+from hf_longctx.lab.emulation import emulate_step
 from hf_longctx.layout import shard_plan
 
 TINY = dict(q_lens=(16, 64), kv_lens=(16, 64, 256), budget=ProfileBudget(min_tokens=64, max_kv_tokens=1024,
@@ -74,8 +74,8 @@ def test_cad_on_a_profiled_model_and_auto_eps_stays_exact(tmp_path, monkeypatch,
             torch.testing.assert_close(got, ref[idx], rtol=1e-9, atol=1e-9)
 
 
-def test_profiled_string_makes_every_rank_schedule_on_one_table(tmp_path, monkeypatch):
-    """``cost_model="profiled"``: ranks that measured different tables agree on the largest value per cell (and on
+def test_a_model_file_makes_every_rank_schedule_on_one_table():
+    """A cost model file read on every rank: ranks whose copies differ agree on the largest value per cell (and on
     one launch grid: the most SMs any rank has)."""
     import hf_longctx.backends.cad.runtime as runtime
     from hf_longctx.comm.emulated import EmulationHub
@@ -83,21 +83,17 @@ def test_profiled_string_makes_every_rank_schedule_on_one_table(tmp_path, monkey
 
     base = ProfiledCostModel.from_grid((16, 64), (16, 64), [[1.0, 2.0], [3.0, 4.0]], interpolate="rate",
                                        segment_cost=0.25, tile=16, launch=LaunchGrid(slots=114), launch_heads=4)
-    monkeypatch.setattr(runtime, "_profiled", lambda kernel: base)
+    other = ProfiledCostModel.from_grid((16, 64), (16, 64), [[1.0, 2.5], [3.0, 4.0]], interpolate="rate",
+                                        segment_cost=0.5, tile=16, launch=LaunchGrid(slots=132), launch_heads=4)
 
-    def per_rank(group):
-        if group.rank == 1:  # a rank whose device measured one cell and the per-segment term slower
-            monkeypatch.setattr(runtime, "_profiled", lambda kernel: ProfiledCostModel.from_grid(
-                (16, 64), (16, 64), [[1.0, 2.5], [3.0, 4.0]], interpolate="rate", segment_cost=0.5, tile=16,
-                launch=LaunchGrid(slots=132), launch_heads=4))
-        return runtime.agreed_profile("reference", group)
+    def per_rank(group):  # rank 1's copy holds one cell and the per-segment term slower
+        return runtime.agreed_cost_model(other if group.rank == 1 else base, group)
 
     cached = dict(runtime._AGREED)
-    for _ in range(2):  # a new group each time: measured and agreed again, never taken from another group
+    for _ in range(2):  # a new group each time: agreed again, never taken from another group
         models = EmulationHub(3).run(per_rank)
         assert all(m.table == ((1.0, 2.5), (3.0, 4.0)) and m.segment_cost == 0.5 and m.tile == 16 for m in models)
         assert all(m.launch == LaunchGrid(slots=132) and m.launch_heads == 4 for m in models)
-        monkeypatch.setattr(runtime, "_profiled", lambda kernel: base)
     assert runtime._AGREED == cached  # emulated groups keep theirs on their hub, freed with it
 
 
@@ -115,7 +111,7 @@ def _fake_clock(call_ms: float, per_segment_ms: float, per_pair_ms: float):
 def test_profiler_fits_the_per_segment_term_from_cut_batches(tmp_path, monkeypatch):
     """On a clock with a known per-segment cost the profiler recovers it, the grid keeps the rows' cost, and the
     model prices shapes far from the grid (where a per-pair rate alone misses the term) right."""
-    import hf_longctx.backends.cad.profiled as profiled
+    import hf_longctx.lab.cad.profiled as profiled
     from hf_longctx.backends.cad.cost_model import PAIRS
 
     monkeypatch.setattr(profiled, "_run_ms", _fake_clock(call_ms=0.005, per_segment_ms=0.02, per_pair_ms=1e-6))
@@ -138,7 +134,7 @@ def test_profiler_fits_the_per_segment_term_from_cut_batches(tmp_path, monkeypat
 def test_a_cached_profile_without_the_segment_term_is_measured_again(tmp_path, monkeypatch):
     import json
 
-    import hf_longctx.backends.cad.profiled as profiled
+    import hf_longctx.lab.cad.profiled as profiled
 
     monkeypatch.setenv("HF_LONGCTX_CACHE", str(tmp_path))
     monkeypatch.setattr(profiled, "_run_ms", _fake_clock(call_ms=0.0, per_segment_ms=0.01, per_pair_ms=1e-6))
@@ -177,7 +173,7 @@ def test_a_profile_with_a_launch_grid_keeps_each_cells_work_without_its_copies_t
     """On a clock whose calls take their work times their tail factor, a profile that knows the launch grid holds
     each cell's work at full throughput (its timed copies' factor taken out, listed in the metadata); priced
     back with a call's factor it gives what that call took. Without the grid the cells keep their copies' tail."""
-    import hf_longctx.backends.cad.profiled as profiled
+    import hf_longctx.lab.cad.profiled as profiled
     from hf_longctx.backends.cad.cost_model import PAIRS
     from hf_longctx.kernels.launch import LaunchGrid, tail_factor
 

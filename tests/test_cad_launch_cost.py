@@ -11,8 +11,27 @@ import pytest
 import torch
 from test_backends import make_problem, reference
 
-from hf_longctx.backends.cad import call_profile, profiled
-from hf_longctx.backends.cad.call_profile import (
+from hf_longctx.backends.cad.cost_model import ProfiledCostModel
+from hf_longctx.backends.cad.launch_cost import (
+    PHASES,
+    TERM_NAMES,
+    LaunchCostModel,
+    PhaseTerms,
+    call_features,
+    call_waves,
+    fit_phase_terms,
+)
+from hf_longctx.backends.cad.runtime import prepare, server_costs
+from hf_longctx.kernels.calls import call_order, calls_overhead, plan_calls
+from hf_longctx.kernels.launch import (
+    LaunchGrid,
+    backward_step_total,
+    backward_steps,
+    forward_step_total,
+    forward_steps,
+)
+from hf_longctx.lab.cad import call_profile, profiled
+from hf_longctx.lab.cad.call_profile import (
     MIX_SHORTS,
     check_call_mix,
     check_launch_cost,
@@ -25,27 +44,8 @@ from hf_longctx.backends.cad.call_profile import (
     short_document_calls,
     sweep_shapes,
 )
-from hf_longctx.backends.cad.cost_model import ProfiledCostModel
-from hf_longctx.backends.cad.launch_cost import (
-    PHASES,
-    TERM_NAMES,
-    LaunchCostModel,
-    PhaseTerms,
-    call_features,
-    call_waves,
-    fit_phase_terms,
-)
-from hf_longctx.backends.cad.profiled import SegmentShape, profiled_cost_model
-from hf_longctx.backends.cad.runtime import prepare, server_costs
-from hf_longctx.emulation import emulate_step
-from hf_longctx.kernels.calls import call_order, calls_overhead, plan_calls
-from hf_longctx.kernels.launch import (
-    LaunchGrid,
-    backward_step_total,
-    backward_steps,
-    forward_step_total,
-    forward_steps,
-)
+from hf_longctx.lab.cad.profiled import SegmentShape, profiled_cost_model
+from hf_longctx.lab.emulation import emulate_step
 from hf_longctx.layout import shard_plan
 
 GRID = LaunchGrid(forward_tile=(128, 64), backward_tile=(64, 128), slots=132)
@@ -227,7 +227,7 @@ def test_the_profiles_server_calls_are_those_cads_servers_run():
     drawn in rounds of other documents (``runtime.server_calls``: ping-pong halves, cut into calls as the runtime
     cuts them), causal ones only."""
     from hf_longctx.backends.cad.runtime import cad_schedule, server_calls
-    from hf_longctx.emulation.workloads import doc_lengths
+    from hf_longctx.lab.emulation.workloads import doc_lengths
     from hf_longctx.layout import PackedBatch, shard_plan
 
     batches = (("pretrain", 4096, 4), ("sft", 2048, 3))
@@ -338,7 +338,7 @@ def test_the_keys_limit_check_times_both_sides_of_the_limit_and_a_batch_cut_unde
     """``profile_cad.py --keys-limit``'s measurements (here on the CPU's reference kernel, tiny): segments straddle
     the limit, only those past it are priced with the spill, and the batch over it is timed as one call and as
     the calls a server would cut it into, every one under the limit."""
-    from hf_longctx.backends.cad.call_profile import KEYS_LIMIT_SWEEP, check_keys_limit
+    from hf_longctx.lab.cad.call_profile import KEYS_LIMIT_SWEEP, check_keys_limit
 
     limit = 60
     model = LaunchCostModel(replace(GRID, backward_keys_limit=limit), 2, H200.forward,
@@ -500,7 +500,7 @@ def test_dumped_calls_errors_are_told_by_call_size_and_by_phase():
 def test_a_replayed_dump_times_each_distinct_call_once_alone(monkeypatch):
     """``--replay``: every dumped call comes back once with its median time in the step and its time alone; a call
     of the same segments on several servers (or phases) is timed once, rectangles as rectangles."""
-    from hf_longctx.backends.cad.call_profile import dumped_calls, replay_dumped_calls
+    from hf_longctx.lab.cad.call_profile import dumped_calls, replay_dumped_calls
 
     dump = _dump_with_errors(H200, dict.fromkeys([(r, p) for r in (0, 1) for p in PHASES], 0.0))
     for rep in dump["reps"]:
@@ -647,22 +647,17 @@ def test_the_runtime_prices_a_server_as_the_sum_of_its_calls():
         assert predicted[s] == pytest.approx(sum(H200.call_cost(q[a:b], k[a:b]) for a, b in calls), rel=1e-9)
 
 
-def test_ranks_agree_on_one_launch_model(monkeypatch):
-    """``cost_model="profiled"`` with launch models: ranks that fitted different terms (or have more SMs) schedule on
-    the largest of each."""
+def test_ranks_agree_on_one_launch_model():
+    """A launch model file whose copies differ between ranks (other terms, more SMs): every rank schedules on the
+    largest of each."""
     import hf_longctx.backends.cad.runtime as runtime
     from hf_longctx.comm.emulated import EmulationHub
 
     slower = LaunchCostModel(LaunchGrid(slots=114), 32, PhaseTerms(4e-4, 4.2e-6, 7.3e-6, 0.0, 0.0, 0.0195),
                              PhaseTerms(1.0e-3, 1.9e-5, 1.55e-5, 1.49e-4, 1.5e-3, 0.0292))
-    import threading
-
-    mine = threading.local()  # ranks run as threads: each one's device measured its own model
-    monkeypatch.setattr(runtime, "_profiled", lambda kernel: slower if mine.rank == 2 else H200)
 
     def per_rank(group):
-        mine.rank = group.rank
-        return runtime.agreed_profile("reference", group)
+        return runtime.agreed_cost_model(slower if group.rank == 2 else H200, group)
 
     models = EmulationHub(3).run(per_rank)
     want_forward = PhaseTerms(4e-4, 4.2e-6, 7.3e-6, 0.0, 0.0, 0.0195)

@@ -1,6 +1,6 @@
 """Where a forward call's blocks run: long blocks alone on an SM, or two to an SM at 1.6x their time.
 
-Measured with ``scripts/profile_cad.py --placement`` on an H200 and an H100 (torch's flash forward): up to 128
+Measured with ``scripts/lab/profile_cad.py --placement`` on an H200 and an H100 (torch's flash forward): up to 128
 blocks every block has an SM of its own; past that, long blocks mostly share one and take about 1.6x; a
 segment of 320-384 long blocks takes 2.5-2.6x (a paired wave, then a wave alone). The simulation follows
 those probes, and its fit to dumped calls recovers terms that priced them.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from hf_longctx.backends.cad.placement import fit_forward_placement
 from hf_longctx.kernels.launch import LaunchGrid, forward_block_steps, paired_makespan
+from hf_longctx.lab.cad.placement import fit_forward_placement
 
 GRID = LaunchGrid(forward_tile=(128, 64), backward_tile=(64, 128), slots=132)
 

@@ -27,8 +27,8 @@ from hf_longctx.backends.cad.runtime import (
 )
 from hf_longctx.backends.cad.scheduler import schedule, task_bytes, verify_schedule, with_tasks
 from hf_longctx.backends.cad.tasks import docs_per_rank
-from hf_longctx.emulation.workloads import doc_lengths
 from hf_longctx.kernels.launch import LaunchGrid
+from hf_longctx.lab.emulation.workloads import doc_lengths
 from hf_longctx.layout import PackedBatch, shard_plan
 
 # torch's flash kernel on an H200 with its launch grid: calls are priced with their tails
@@ -80,7 +80,7 @@ def test_a_refined_schedule_still_computes_what_one_device_does(world):
     every rank's outputs and q/k/v gradients equal the fp64 reference over the whole batch."""
     from test_cad_call_split import DOC_LENS, assert_ranks_equal_one_device, make_tensors, single_device
 
-    from hf_longctx.emulation import emulate_step
+    from hf_longctx.lab.emulation import emulate_step
 
     batch = PackedBatch.from_doc_lens(DOC_LENS)
     q, k, v, dout = make_tensors(batch)
@@ -118,7 +118,7 @@ def test_key_cuts_balance_a_long_documents_last_rows_and_stay_exact(world):
     here, where key cuts stop at 1.027; they are left out of the comparison, which is about key cuts.)"""
     from test_cad_call_split import assert_ranks_equal_one_device, make_tensors, single_device
 
-    from hf_longctx.emulation import emulate_step
+    from hf_longctx.lab.emulation import emulate_step
 
     batch = PackedBatch.from_doc_lens(LONG_DOC_LENS)
     plan = shard_plan(batch, world, "cad")

@@ -15,8 +15,8 @@ from hf_longctx.backends.cad.launch_cost import LaunchCostModel, PhaseTerms
 from hf_longctx.backends.cad.scheduler import parse_docs, schedule, verify_schedule
 from hf_longctx.backends.cad.tasks import docs_per_rank
 from hf_longctx.data.synthetic_lengths import synthetic_doc_lengths
-from hf_longctx.emulation.workloads import doc_lengths
 from hf_longctx.kernels.launch import LaunchGrid
+from hf_longctx.lab.emulation.workloads import doc_lengths
 from hf_longctx.layout import PackedBatch, shard_plan
 
 PAIRS = FlopsCostModel(flops_per_pair=1.0)
@@ -474,7 +474,7 @@ def test_flops_and_term_free_profiles_ignore_the_segment_machinery():
 
 # ---------------------------------------------------------------- scheduler: measured kernel time
 
-# torch's flash kernel profiled on an H200 (scripts/profile_cad.py): 128-row segments over long prefixes run at
+# torch's flash kernel profiled on an H200 (scripts/lab/profile_cad.py): 128-row segments over long prefixes run at
 # ~55% of the throughput of 2K-row ones, and every partial tile of 128 rows costs a whole one
 H200_PROFILE = Path(__file__).with_name("h200_torch_flash_profile.json")
 
@@ -507,7 +507,7 @@ def test_a_piece_sheds_its_first_rows_alone_where_no_ring_fits():
     assert sched.imbalance == pytest.approx(1.0, abs=1e-3)
 
 
-# torch_flash's launch cost model on an H200 (scripts/profile_cad.py --launch 160), rounded
+# torch_flash's launch cost model on an H200 (scripts/lab/profile_cad.py --launch 160), rounded
 H200_LAUNCH = LaunchCostModel(LaunchGrid(forward_tile=(128, 64), backward_tile=(64, 128), slots=132), 32,
                               PhaseTerms(3.5e-4, 4.2e-6, 7.3e-6, 0.0, 0.0, 0.0195),
                               PhaseTerms(1.02e-3, 1.84e-5, 1.55e-5, 1.49e-4, 1.5e-3, 0.0292))

@@ -12,14 +12,14 @@ import pytest
 import torch
 from test_cad_launch_cost import _fake_call_clock
 
-from hf_longctx.backends.cad import call_profile
-from hf_longctx.backends.cad.call_profile import fit_timed_calls, profile_launch_cost, random_calls
 from hf_longctx.backends.cad.launch_cost import PHASES, LaunchCostModel, PhaseTerms, fit_relative
 from hf_longctx.backends.cad.runtime import cad_schedule, server_calls
-from hf_longctx.emulation import step_calls
-from hf_longctx.emulation.step_calls import StepCall, calls_of_logs, time_step_calls
-from hf_longctx.emulation.workloads import doc_lengths
 from hf_longctx.kernels.launch import LaunchGrid
+from hf_longctx.lab.cad import call_profile
+from hf_longctx.lab.cad.call_profile import fit_timed_calls, profile_launch_cost, random_calls
+from hf_longctx.lab.emulation import step_calls
+from hf_longctx.lab.emulation.step_calls import StepCall, calls_of_logs, time_step_calls
+from hf_longctx.lab.emulation.workloads import doc_lengths
 from hf_longctx.layout import PackedBatch, shard_plan
 
 GRID = LaunchGrid(forward_tile=(16, 8), backward_tile=(8, 16), slots=6)
@@ -141,7 +141,7 @@ def test_profile_script_refits_a_saved_model_on_dumped_steps(tmp_path, capsys):
     """``--refit`` with ``--step-dumps``: the calls of emulated steps dumped by the benchmark are fitted beside the
     profile's, and kept in the refitted model."""
     spec = importlib.util.spec_from_file_location("profile_cad", Path(__file__).resolve().parents[1] / "scripts"
-                                                  / "profile_cad.py")
+                                                  / "lab" / "profile_cad.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     alone, steps = _alone_and_in_step(1.1)

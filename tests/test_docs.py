@@ -11,7 +11,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 CITING = [ROOT / "README.md", ROOT / "recipes" / "README.md", *sorted((ROOT / "bench").glob("*.md")),
-          *sorted((ROOT / "hf_longctx").rglob("*.py")), *sorted((ROOT / "scripts").glob("*.py")),
+          *sorted((ROOT / "hf_longctx").rglob("*.py")), *sorted((ROOT / "scripts").rglob("*.py")),
           *sorted((ROOT / "examples").glob("*.py"))]
 
 

@@ -17,8 +17,8 @@ from test_backends import make_problem, reference
 from hf_longctx.backends import default_strategy, sequence_parallel_attention
 from hf_longctx.comm.emulated import EmulationError, EmulationHub
 from hf_longctx.comm.links import LINKS, MB, transfer_seconds
-from hf_longctx.emulation import EmulatedStep, RankStep, emulate_step, noise_only_imbalance, real_rank_kernel_times
-from hf_longctx.emulation.timing import KernelTimer
+from hf_longctx.lab.emulation import EmulatedStep, RankStep, emulate_step, noise_only_imbalance, real_rank_kernel_times
+from hf_longctx.lab.emulation.timing import KernelTimer
 from hf_longctx.layout import shard_plan
 
 from distributed import run_distributed
@@ -139,7 +139,7 @@ def test_link_model_uses_the_measured_figures_and_interpolates_between_them():
 
 def test_auto_decides_from_emulated_steps_and_says_why():
     from hf_longctx.backends.auto import AUTO, _decision_key, auto_decisions, reset_auto_decisions
-    from hf_longctx.emulation.choose import decide_auto
+    from hf_longctx.lab.emulation.choose import decide_auto
 
     world = 3
     batch, q, k, v, dout = make_problem(9, world, torch.float64)
@@ -162,7 +162,7 @@ def test_auto_decides_from_emulated_steps_and_says_why():
 
 
 def test_median_rep_is_the_lower_median_of_the_totals():
-    from hf_longctx.emulation import median_rep
+    from hf_longctx.lab.emulation import median_rep
 
     assert median_rep([(1.0, 2.0)]) == (1.0, 2.0)
     assert median_rep([(5.0, 5.0), (1.0, 2.0)]) == (1.0, 2.0)  # of two, the smaller: one outlier dropped
@@ -277,7 +277,7 @@ def test_an_emulated_step_frees_its_plan_and_caches_when_it_returns(backend, no_
     caches of a benchmark alive)."""
     import weakref
 
-    import hf_longctx.emulation.runner as runner
+    import hf_longctx.lab.emulation.runner as runner
 
     plans = []
     real = runner.shard_plan
@@ -358,7 +358,7 @@ def test_emulated_ranks_pause_after_each_call_and_a_real_runs_rank_does_not():
     """An emulated rank's calls run one after another on one device, which heats up and slows down as a busy
     stretch goes on; each call is followed by a pause as long as itself (see the timing module). A real run's
     ranks run at once: their timer never pauses."""
-    from hf_longctx.emulation.timing import EMULATED_PAUSE, ThisProcess
+    from hf_longctx.lab.emulation.timing import EMULATED_PAUSE, ThisProcess
 
     assert KernelTimer(EmulationHub(1), torch.device("cpu")).pause == EMULATED_PAUSE > 0
     assert KernelTimer(ThisProcess(0), torch.device("cpu")).pause == 0.0
@@ -370,7 +370,7 @@ def test_emulated_ranks_pause_after_each_call_and_a_real_runs_rank_does_not():
 def test_the_pause_after_a_call_counts_only_the_time_the_device_worked():
     """A call whose host dispatch outran the spin ahead of it held the device waiting for the difference (a kernel
     compiling inside the call: seconds); the pause after it covers what the device did, not the wait."""
-    from hf_longctx.emulation.timing import pause_seconds
+    from hf_longctx.lab.emulation.timing import pause_seconds
 
     assert pause_seconds(0.010, host_s=0.001, spun_s=0.002, pause=1.0) == pytest.approx(0.010)
     assert pause_seconds(0.010, host_s=0.001, spun_s=0.002, pause=0.5) == pytest.approx(0.005)
@@ -440,7 +440,7 @@ def test_a_real_run_times_every_ranks_kernel_calls_as_the_emulation_does(tmp_pat
 def test_a_step_out_of_device_memory_runs_again_staged_on_the_host(monkeypatch):
     """One large step (every rank's buffers on one device) still measures: it runs again with its all_to_all
     buffers on the host, and says so; a step asked to stage runs staged once; any other error is the caller's."""
-    from hf_longctx.emulation import emulate_step_or_stage, runner
+    from hf_longctx.lab.emulation import emulate_step_or_stage, runner
 
     tensors = (torch.zeros(4, 1, 2),)
     calls = []

@@ -15,9 +15,7 @@ import random
 
 import pytest
 
-from hf_longctx.backends.cad.call_profile import few_rows_long_keys_calls
 from hf_longctx.backends.cad.launch_cost import LaunchCostModel, PhaseTerms, call_features
-from hf_longctx.backends.cad.profiled import _same_launch
 from hf_longctx.kernels import fa4
 from hf_longctx.kernels.launch import (
     LaunchGrid,
@@ -27,6 +25,8 @@ from hf_longctx.kernels.launch import (
     segment_phase_factor,
     tail_factor,
 )
+from hf_longctx.lab.cad.call_profile import few_rows_long_keys_calls
+from hf_longctx.lab.cad.profiled import _same_launch
 
 # FlashAttention-4's Hopper grid at head dim 128 with 4 query heads per KV head packed into a forward tile
 FA4 = LaunchGrid(forward_tile=(32, 128), backward_tile=(64, 128), slots=132, launch_order="segment",

@@ -230,7 +230,7 @@ def test_the_merge_reads_each_rows_parts_where_the_rect_call_wrote_them():
 def test_the_emulations_timer_warms_each_split_call_apart():
     """A cut forward allocates buffers of its own shapes; the emulation's timer runs each such call once untimed
     first (as it does each kernel configuration), so a first allocation never lands in a rank's time."""
-    from hf_longctx.emulation.timing import _configuration
+    from hf_longctx.lab.emulation.timing import _configuration
 
     def key(segments, split, **kwargs):
         q, k, v, cu_q, cu_k, max_q, max_k = _packed(segments, 0)

@@ -1,4 +1,4 @@
-"""``scripts/profile_cad.py`` profiles, saves, and checks a profile against shapes off its grid (CPU smoke run)."""
+"""``scripts/lab/profile_cad.py`` profiles, saves, and checks a profile against shapes off its grid (CPU smoke run)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from hf_longctx.backends.cad.cost_model import ProfiledCostModel
-from hf_longctx.backends.cad.profiled import random_shapes
+from hf_longctx.lab.cad.profiled import random_shapes
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "profile_cad.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "lab" / "profile_cad.py"
 TINY = ["--device", "cpu", "--heads", "2", "--kv-heads", "1", "--head-dim", "8", "--dtype", "fp32",
         "--q-lens", "16,64", "--kv-lens", "16,64,256", "--min-tokens", "64", "--max-kv-tokens", "1024",
         "--warmup", "0", "--reps", "1"]
@@ -52,8 +52,8 @@ def test_launch_fit_refuses_a_kernel_without_a_launch_grid(tmp_path, capsys):
 
 def _script_with_a_cpu_launch_grid(monkeypatch):
     """The script, with a launch grid given to the CPU kernel and random calls shrunk to CPU sizes: (script, grid)."""
-    from hf_longctx.backends.cad import call_profile
     from hf_longctx.kernels.launch import LaunchGrid
+    from hf_longctx.lab.cad import call_profile
 
     script = _script()
     grid = LaunchGrid(forward_tile=(16, 8), backward_tile=(8, 16), slots=4)
@@ -63,7 +63,7 @@ def _script_with_a_cpu_launch_grid(monkeypatch):
     servers = call_profile.cad_server_calls  # a few server calls of tiny batches (the CPU kernel times them)
     monkeypatch.setattr(call_profile, "cad_server_calls", lambda model, count, seed=0, scale=1.0, batches=(), **kw:
                         servers(model, min(count, 6), seed, 1 / 256, (("sft", 2048, 4),), rounds=1))
-    from hf_longctx.emulation import step_calls
+    from hf_longctx.lab.emulation import step_calls
 
     steps = step_calls.time_step_calls  # one tiny step (the CPU kernel runs it)
     monkeypatch.setattr(step_calls, "time_step_calls", lambda options, kernel, device, batches, *a, seeds=(), **kw:

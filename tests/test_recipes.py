@@ -129,8 +129,8 @@ def test_backend_options_come_from_the_sidecar_the_environment_or_the_command_li
     sidecar, as NAME=VALUE pairs in the environment or on the command line, each value read as YAML reads it."""
     recipe = tmp_path / "cad.yaml"
     recipe.write_text("compute_environment: LOCAL_MACHINE\n")
-    sidecar_path(recipe).write_text("backend: cad\nbackend_options: {eps: 0.01, cost_model: profiled}\n")
-    assert load_config(recipe).backend_options == {"eps": 0.01, "cost_model": "profiled"}
+    sidecar_path(recipe).write_text("backend: cad\nbackend_options: {eps: 0.01, cost_model: flops}\n")
+    assert load_config(recipe).backend_options == {"eps": 0.01, "cost_model": "flops"}
     monkeypatch.setenv("HF_LONGCTX_BACKEND_OPTIONS", "eps=auto, pingpong=false")
     assert load_config(recipe).backend_options == {"eps": "auto", "pingpong": False}
     _, overrides = _overrides("--backend-options", "refine_screen=0,key_cuts=true,call_terms=null")

@@ -102,7 +102,7 @@ def reset_auto_decisions() -> None:
 def record_verdict(q, k, plan: ShardPlan, group, backend: str, seconds: dict[str, float], reason: str,
                    verdicts: Verdicts | None = None) -> None:
     """Decide ``auto`` for this problem in advance, e.g. from W ranks emulated on one device
-    (:func:`hf_longctx.emulation.choose.decide_auto`) or a cost model: its first call then runs ``backend``
+    (:func:`hf_longctx.lab.emulation.choose.decide_auto`) or a cost model: its first call then runs ``backend``
     without timing the candidates on the group. Every rank must record the same verdict."""
     verdicts = AUTO.verdicts if verdicts is None else verdicts
     verdicts.record(_decision_key(q, k, plan, group), backend, dict(seconds), reason)

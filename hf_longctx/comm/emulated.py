@@ -10,7 +10,7 @@ Threads run one at a time (cooperative scheduling): a thread holds the hub's loc
 and gives it up only while it waits for a peer. So one rank's device work is never interleaved with
 another's on the device stream (events around a kernel call time exactly that call), package state
 needs no locks, and a run is deterministic. The hub counts what each rank sends to other ranks, by
-collective kind, for a communication model (:mod:`hf_longctx.emulation.comm_model`).
+collective kind, for a communication model (:mod:`hf_longctx.lab.emulation.comm_model`).
 
 Rank threads are kept and reused: rank ``r`` of every hub runs on the same long-lived thread (a new
 one only where that thread is busy, e.g. a hub run from inside another). Libraries keep per-thread

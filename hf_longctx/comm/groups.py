@@ -83,6 +83,15 @@ def remember_mesh(mesh):
     return mesh
 
 
+_cached_with_groups: list = []  # cache_clear of every cache that holds groups of the built meshes
+
+
+def clear_with_groups(cache_clear) -> None:
+    """Have :func:`release_groups` call ``cache_clear`` too: a module above this one (:mod:`.mesh`) that caches
+    groups of the meshes this package built registers its cache here, so that this module need not import it."""
+    _cached_with_groups.append(cache_clear)
+
+
 def release_groups() -> None:
     """Destroy the sub-groups of the meshes this package built and forget the meshes.
 
@@ -99,9 +108,8 @@ def release_groups() -> None:
     meshes = list(_built_meshes)
     _built_meshes.clear()
     _mesh.cache_clear()
-    from .mesh import _groups
-
-    _groups.cache_clear()
+    for cache_clear in _cached_with_groups:
+        cache_clear()
     if dist.is_available() and dist.is_initialized():  # else destroy_process_group() unregistered them all
         world = dist.group.WORLD
         seen: list = []

@@ -35,7 +35,7 @@ from functools import cache
 import torch
 import torch.distributed as dist
 
-from .groups import mesh_device_type, remember_mesh, sequence_parallel_override
+from .groups import clear_with_groups, mesh_device_type, remember_mesh, sequence_parallel_override
 
 
 def check_parallel_sizes(world_size: int, sp_size: int = 1, tp_size: int = 1, ep_size: int = 1,
@@ -123,6 +123,9 @@ def _groups(world: int, sp: int, tp: int, ep: int, etp: int, device_type: str) -
                           tp=mesh.get_group("tp"), ep=expert_mesh.get_group("ep"),
                           expert_tp=expert_mesh.get_group("etp"), moe=moe_mesh.get_group("moe"),
                           expert_dp=expert_mesh.get_group("edp"), batch=batch_mesh.get_group("batch"))
+
+
+clear_with_groups(_groups.cache_clear)
 
 
 def parallel_groups(sp_size: int = 1, tp_size: int = 1, ep_size: int = 1, expert_tp_size: int = 1) -> ParallelGroups:

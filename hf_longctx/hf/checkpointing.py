@@ -19,6 +19,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from ..backends.op import core_attention  # noqa: F401 - registers torch.ops.hf_longctx.core_attention
+from .model_layers import checkpointed_layers as _decoder_layers
 
 
 def recompute_aware_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -70,13 +71,6 @@ def enable_layer_checkpointing(model, kwargs: dict | None = None, offload: bool 
     for module in layers:
         module._gradient_checkpointing_func = function
     model._hf_longctx_offloader = offloader
-
-
-def _decoder_layers(model) -> list:
-    """The layers transformers checkpoints (its GradientCheckpointingLayer modules), in model order."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 def _plain_forward(module):

@@ -80,7 +80,7 @@ def _parse_int(value: str) -> int:
 
 
 def parse_backend_options(value: str) -> dict:
-    """``eps=0.01,cost_model=profiled`` -> ``{"eps": 0.01, "cost_model": "profiled"}``: each value read as a YAML
+    """``eps=0.01,cost_model=flops`` -> ``{"eps": 0.01, "cost_model": "flops"}``: each value read as a YAML
     scalar (a number, true/false, null or text), as the same value in the sidecar is, and text that is a number
     written with an exponent (``1e-3``, which YAML 1.1 leaves as text) as that number."""
     import yaml
@@ -90,7 +90,7 @@ def parse_backend_options(value: str) -> dict:
         name, sep, text = item.partition("=")
         if not sep or not name.strip():
             raise ValueError(f"{item!r} is not NAME=VALUE; write NAME=VALUE pairs separated by commas "
-                             "(eps=0.01,cost_model=profiled)")
+                             "(eps=0.01,cost_model=flops)")
         parsed = yaml.safe_load(text.strip()) if text.strip() else None
         if isinstance(parsed, str):
             try:

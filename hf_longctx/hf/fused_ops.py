@@ -23,7 +23,7 @@ import importlib.util
 
 import torch
 
-from .checkpointing import _decoder_layers
+from .model_layers import checkpointed_layers as _decoder_layers
 
 
 def liger_installed() -> bool:

@@ -184,7 +184,7 @@ def accumulator_share(k_len, keys: tuple[int, int] | None):
     per tile step short of :attr:`LaunchGrid.backward_accumulator_steps`, times this share: with both, fitted on
     the profile and CAD's calls of other steps, the per-server error of held-out W = 64 steps fell from 2.0% to
     0.7% (standard deviation), the largest from 4.6% to 2.1% over the mean. Emulated with the profile's own
-    server calls (:func:`~hf_longctx.backends.cad.call_profile.cad_server_calls`), ProLong 128K at W = 64 (seed 0)
+    server calls (:func:`~hf_longctx.lab.cad.call_profile.cad_server_calls`), ProLong 128K at W = 64 (seed 0)
     went from 2.8% per-server error and 1.090 max/mean to 1.2% and 1.028."""
     if keys is None:
         return 0.0 if isinstance(k_len, int) else np.zeros(np.shape(k_len))
@@ -472,7 +472,7 @@ def paired_makespan(steps: Sequence[float], sms: int, pairing: float, empty: flo
     ones pairs past 128 blocks).
 
     Why: torch's flash forward runs up to one block per SM alone; past that, long blocks mostly end up two to
-    an SM and take 1.6x as long, whatever separates them in the launch order (``scripts/profile_cad.py
+    an SM and take 1.6x as long, whatever separates them in the launch order (``scripts/lab/profile_cad.py
     --placement`` on an H200 and an H100). The blocks before the last :data:`EXACT_WAVES` waves of ``2 * sms``
     are taken as spread evenly, two to an SM; the launch is never built whole (a forward call of 32 heads
     launches tens of thousands of blocks, and a schedule prices thousands of calls)."""

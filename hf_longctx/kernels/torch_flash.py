@@ -34,7 +34,7 @@ def launch_grid(head_dim: int) -> LaunchGrid | None:
     The forward takes 27% of a forward+backward on an H200; its weight, 0.15, is fitted to every kernel call of
     CAD steps of 8-64 emulated ranks on three document mixes there (per-server prediction error 1.4% standard
     deviation, against 1.5% at 0.27 and 1.9% without the tail). Forward blocks run two to an SM past one per SM,
-    each 1.6x slower (``scripts/profile_cad.py --placement`` on an H200 and an H100). An empty block takes its
+    each 1.6x slower (``scripts/lab/profile_cad.py --placement`` on an H200 and an H100). An empty block takes its
     place in a one-wave launch (the blocks after it pair as if it ran) and no time past that. With the forward's
     key split and its one-kernel merge, that priced 16 dumped CAD steps of W = 64 over three mixes closer per
     server than empty blocks holding their slot for 0.3 tile steps (forward error standard deviation, mean over
@@ -54,7 +54,7 @@ def backward_keys_limit(heads: int, kv_heads: int, head_dim: int, itemsize: int)
     Why: with grouped-query attention the backward computes every query head's dK and dV (``heads`` of them, in
     the input dtype) and sums each group into its KV head with a torch reduction. Once that buffer passes 2 GiB
     the reduction leaves 32-bit indexing and slows down: measured on an H200 (32 heads, 8 KV heads, head dim 128,
-    bf16; ``scripts/profile_cad.py``), one 256-row segment over 262,000 keys ran 1.4% under the launch model and
+    bf16; ``scripts/lab/profile_cad.py``), one 256-row segment over 262,000 keys ran 1.4% under the launch model and
     over 270,000 keys 3.9% over, in one call or in three, about 2e-6 ms more per key; the reduction itself took
     1.32x as long per key. A CAD server cuts its batch into calls under this limit
     (:func:`~hf_longctx.kernels.calls.plan_calls`), and the launch cost model prices what a longer single segment

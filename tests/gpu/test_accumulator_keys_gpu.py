@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_longctx.backends.cad.call_profile import time_call_phases
-from hf_longctx.backends.cad.profiled import SegmentShape, launch_grid
 from hf_longctx.kernels import fa4
 from hf_longctx.kernels.launch import backward_steps
+from hf_longctx.lab.cad.call_profile import time_call_phases
+from hf_longctx.lab.cad.profiled import SegmentShape, launch_grid
 
 pytestmark = pytest.mark.gpu
 

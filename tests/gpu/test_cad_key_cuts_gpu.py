@@ -13,9 +13,9 @@ import torch
 
 from hf_longctx.backends.cad.launch_cost import LaunchCostModel, PhaseTerms
 from hf_longctx.backends.cad.runtime import prepare
-from hf_longctx.emulation import emulate_step
 from hf_longctx.kernels import attention_backward, attention_forward
 from hf_longctx.kernels.launch import LaunchGrid
+from hf_longctx.lab.emulation import emulate_step
 from hf_longctx.layout import PackedBatch, shard_plan
 
 pytestmark = pytest.mark.gpu

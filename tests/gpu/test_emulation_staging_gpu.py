@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_longctx.emulation import emulate_step
+from hf_longctx.lab.emulation import emulate_step
 from hf_longctx.layout import PackedBatch
 
 pytestmark = pytest.mark.gpu

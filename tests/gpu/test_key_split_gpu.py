@@ -3,7 +3,7 @@
 :mod:`hf_longctx.kernels.key_split`: one 128-row segment over 112K keys launches 32 forward blocks (one per head)
 on an H200's 132 SMs under torch_flash, 32 under FlashAttention-4 (a KV head's 4 query heads packed, 32 rows each);
 cut into chunks of its keys it fills them. Measured on an H200 in a W = 64 ProLong step with torch_flash: 3.2 ms
-whole, 1.0 ms cut (``scripts/bench_key_split.sh``). FlashAttention-4 has no split-KV forward on Hopper: the package
+whole, 1.0 ms cut (``scripts/lab/bench_key_split.sh``). FlashAttention-4 has no split-KV forward on Hopper: the package
 cuts it the same way, by the rule its launch grid declares. The backward takes the merged output and log-sum-exp,
 so its gradients are those of the whole call.
 """
@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_longctx.backends.cad.call_profile import segment_batch, time_call_phases
-from hf_longctx.backends.cad.profiled import SegmentShape, launch_grid
 from hf_longctx.kernels import attention_backward, attention_forward, fa4
 from hf_longctx.kernels.key_split import KeySplit, plan_key_split
+from hf_longctx.lab.cad.call_profile import segment_batch, time_call_phases
+from hf_longctx.lab.cad.profiled import SegmentShape, launch_grid
 
 pytestmark = pytest.mark.gpu
 

@@ -4,7 +4,7 @@
 kernel's per-head dK and dV pass 2 GiB at 262,144 keys, and the torch reduction that sums them into the KV heads
 slows down. Measured on an H200: a 256-row segment's backward took 5% longer per key just past the limit than just
 under it, and three segments over 1.2x the limit ran faster as the two calls a CAD server cuts them into than as
-one (``scripts/profile_cad.py --keys-limit``). If a torch release moves or removes the cliff, these fail: the
+one (``scripts/lab/profile_cad.py --keys-limit``). If a torch release moves or removes the cliff, these fail: the
 limit (and the calls it costs) must then follow.
 """
 
@@ -15,10 +15,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from hf_longctx.backends.cad.call_profile import check_keys_limit, time_call_phases
 from hf_longctx.backends.cad.launch_cost import LaunchCostModel, PhaseTerms
 from hf_longctx.kernels import torch_flash
 from hf_longctx.kernels.launch import LaunchGrid
+from hf_longctx.lab.cad.call_profile import check_keys_limit, time_call_phases
 
 pytestmark = pytest.mark.gpu
 

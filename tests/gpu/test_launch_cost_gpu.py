@@ -1,9 +1,9 @@
 """The launch cost model on this GPU: fitted to random kernel calls, it prices calls it was not fitted on.
 
-:mod:`hf_longctx.backends.cad.call_profile` times random calls of the kinds CAD servers make (torch's flash
+:mod:`hf_longctx.lab.cad.call_profile` times random calls of the kinds CAD servers make (torch's flash
 kernel, 8B heads) and fits six terms per phase; every fourth call is held out of the fit and priced. Measured on
 an H200 with 160 calls: 0.6% standard deviation of the held-out calls' forward+backward error. Here with fewer
-calls (and a few of CAD's own server calls, :func:`~hf_longctx.backends.cad.call_profile.cad_server_calls`), so
+calls (and a few of CAD's own server calls, :func:`~hf_longctx.lab.cad.call_profile.cad_server_calls`), so
 the bound is looser.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_longctx.backends.cad.call_profile import profile_launch_cost
-from hf_longctx.backends.cad.profiled import SegmentShape, launch_grid
+from hf_longctx.lab.cad.call_profile import profile_launch_cost
+from hf_longctx.lab.cad.profiled import SegmentShape, launch_grid
 
 pytestmark = pytest.mark.gpu
 

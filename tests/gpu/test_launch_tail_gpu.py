@@ -12,8 +12,8 @@ import statistics
 import pytest
 import torch
 
-from hf_longctx.backends.cad.profiled import ProfileBudget, SegmentShape, launch_grid, time_segments
 from hf_longctx.kernels.launch import tail_factor
+from hf_longctx.lab.cad.profiled import ProfileBudget, SegmentShape, launch_grid, time_segments
 
 pytestmark = pytest.mark.gpu
 

@@ -1,7 +1,7 @@
 """CAD's server calls timed inside emulated steps on this GPU: every call the servers make, the
 backward's near its time alone.
 
-:func:`hf_longctx.emulation.step_calls.time_step_calls` feeds the launch model's last fit; a call missing, doubled
+:func:`hf_longctx.lab.emulation.step_calls.time_step_calls` feeds the launch model's last fit; a call missing, doubled
 or timed with another call's work in it would move the model by what the profile never ran.
 """
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 from test_cad_step_calls import planned_step_calls
 
-from hf_longctx.backends.cad.call_profile import time_call_phases
-from hf_longctx.emulation.step_calls import time_step_calls
+from hf_longctx.lab.cad.call_profile import time_call_phases
+from hf_longctx.lab.emulation.step_calls import time_step_calls
 
 pytestmark = pytest.mark.gpu
 

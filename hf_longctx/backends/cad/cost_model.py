@@ -9,7 +9,7 @@ measured kernel times are interchangeable.
   ``kv_len - q_len + i + 1`` keys, so the segment has ``q_len * kv_len - q_len * (q_len - 1) / 2``
   visible (query, key) pairs; forward FLOPs are ``4 * heads * head_dim`` per pair (QK^T and PV).
 - :class:`ProfiledCostModel` interpolates measured kernel times on a (q_len, kv_len) grid
-  bilinearly (written by ``scripts/profile_cad.py``), which captures what FLOPs miss: short
+  bilinearly (written by ``scripts/lab/profile_cad.py``), which captures what FLOPs miss: short
   segments run below peak throughput. Optionally it also charges what a segment costs inside a
   fused batch whatever its size (``segment_cost``) and prices partial kernel tiles like full ones
   (``tile``): the two terms that make a measured cost non-additive over rows.
@@ -223,8 +223,8 @@ class ProfiledCostModel:
     sum, as the grid was timed.
 
     Both default to 0 ("no extra term"): the model then prices exactly as before they existed, and a
-    JSON file without them loads as such. ``scripts/profile_cad.py`` (and
-    :func:`~.profiled.profile_segment_costs`) measure ``segment_cost`` as the time one more segment
+    JSON file without them loads as such. ``scripts/lab/profile_cad.py`` (and
+    :func:`hf_longctx.lab.cad.profiled.profile_segment_costs`) measure ``segment_cost`` as the time one more segment
     adds to a fused batch of the same rows.
 
     What a *call* costs beyond its segments (``call_cost``, ``q_tile_cost``, ``k_tile_cost``; see
@@ -287,7 +287,7 @@ class ProfiledCostModel:
 
     @classmethod
     def load(cls, path: str | Path, interpolate: str = "time") -> ProfiledCostModel:
-        """Read the JSON written by ``scripts/profile_cad.py``: ``{"q_lens", "kv_lens", "cost", "units"}`` and,
+        """Read the JSON written by ``scripts/lab/profile_cad.py``: ``{"q_lens", "kv_lens", "cost", "units"}`` and,
         from profiles that measured them, ``"segment_cost"``, ``"tile"``, the call terms (absent: 0, no
         extra term) and the launch grid (absent: none)."""
         data = json.loads(Path(path).read_text())

@@ -30,7 +30,6 @@ scheduler and the nano-batch split price tasks on the pairs the window leaves vi
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import time
@@ -58,8 +57,8 @@ from .cost_model import (
 )
 from .eps import sweep_eps
 from .launch_cost import LaunchCostModel, PhaseTerms
+from .model_file import is_model_path, load_model_file, model_file_problem
 from .pingpong import pingpong_split
-from .profiled import profiled_cost_model
 from .refine import refine_in_time
 from .scheduler import CadSchedule, schedule, with_tasks
 from .shared_pricing import PricingShare, priced_together
@@ -220,28 +219,23 @@ def _batches(ctx: RunContext, device: torch.device) -> list[NanoBatch]:
     return nano_batches(ctx.plan, ctx.options["tasks"], ctx.rank, ctx.options.get("pingpong", True), device, terms)
 
 
-@functools.cache
-def _profiled(kernel: str) -> CostModel:
-    return profiled_cost_model(kernel)[0]
+_AGREED: dict[tuple[int, object], tuple[CostModel, CostModel]] = {}
 
 
-_AGREED: dict[tuple[str, object], CostModel] = {}
-
-
-def agreed_profile(kernel: str, group) -> CostModel:
-    """The profiled cost model of ``kernel``, identical on every rank of ``group``: each rank profiles (or
-    reads) its own device, then every cell takes the largest rank's value (one all_reduce), because ranks
-    that schedule on different costs would disagree on who serves what (the per-segment term, the tile and
-    the call terms too). Kept per kernel and group (the group object, not its ``id``, which a later group may
-    reuse and then skip the all_reduce its peers make); an emulated group's on its hub, so that it is freed
-    with it."""
+def agreed_cost_model(model: CostModel, group) -> CostModel:
+    """``model`` made identical on every rank of ``group``: every cell (the per-segment term, the tile, the call
+    terms, a launch model's terms and slots) takes the largest rank's value (one all_reduce), because ranks that
+    schedule on different costs would disagree on who serves what (each rank reads its own copy of the model file,
+    which another host may hold in another version). Kept per model and group (the group object, not its ``id``,
+    which a later group may reuse and then skip the all_reduce its peers make); an emulated group's on its hub, so
+    that it is freed with it."""
     if isinstance(group, EmulatedGroup):
-        store, key = group.hub.cache, ("cad_agreed_profile", kernel, group.rank)
+        store, key = group.hub.cache, ("cad_agreed_cost_model", id(model), group.rank)
     else:
-        store, key = _AGREED, (kernel, group)
-    model = store.get(key)
-    if model is None:
-        model = _profiled(kernel)
+        store, key = _AGREED, (id(model), group)
+    kept = store.get(key)  # (model, agreed): the model kept alive with it, so that its id names it alone
+    if kept is None:
+        agreed_model = model
         if isinstance(model, ProfiledCostModel) and is_distributed(group):
             values = [*(v for row in model.table for v in row), model.segment_cost, float(model.tile),
                       model.call_cost, model.q_tile_cost, model.k_tile_cost,
@@ -252,32 +246,31 @@ def agreed_profile(kernel: str, group) -> CostModel:
             width = len(model.kv_lens)
             table = [cells[i:i + width] for i in range(0, len(cells), width)]
             launch = replace(model.launch, slots=int(slots)) if model.launch else None
-            model = ProfiledCostModel.from_grid(model.q_lens, model.kv_lens, table, model.units, model.interpolate,
-                                                segment_cost, int(tile), call_cost, q_tile_cost, k_tile_cost, launch,
-                                                model.launch_heads)
+            agreed_model = ProfiledCostModel.from_grid(model.q_lens, model.kv_lens, table, model.units,
+                                                       model.interpolate, segment_cost, int(tile), call_cost,
+                                                       q_tile_cost, k_tile_cost, launch, model.launch_heads)
         elif isinstance(model, LaunchCostModel) and is_distributed(group):
             values = [*model.forward.as_vector(), *model.backward.as_vector(), float(model.launch.slots)]
             agreed = torch.tensor(values, dtype=torch.float64, device=collective_device(group))
             all_reduce_max(agreed, group)
             *terms, slots = agreed.tolist()
             half = len(terms) // 2
-            model = replace(model, launch=replace(model.launch, slots=int(slots)),
-                            forward=PhaseTerms.from_vector(terms[:half]), backward=PhaseTerms.from_vector(terms[half:]))
-        store[key] = model
-    return model
+            agreed_model = replace(model, launch=replace(model.launch, slots=int(slots)),
+                                   forward=PhaseTerms.from_vector(terms[:half]),
+                                   backward=PhaseTerms.from_vector(terms[half:]))
+        kept = store[key] = (model, agreed_model)
+    return kept[1]
 
 
 def cost_model_for(plan: ShardPlan, options: dict) -> CostModel:
-    """The cost model the scheduler balances: ``options["cost_model"]`` is ``"flops"`` (default), ``"profiled"``
-    (the kernel's measured cost on this GPU kind, see :mod:`.profiled`; FLOPs where it cannot be had) or a
+    """The cost model the scheduler balances: ``options["cost_model"]`` is ``"flops"`` (default), the path of a
+    fitted cost model file (made ahead by ``hf-longctx-lab profile-cad --out FILE``, see :mod:`.model_file`) or a
     cost model object; priced under the plan's sliding window."""
     spec = options.get("cost_model", "flops")
     if spec in (None, "flops"):
         base: CostModel = FlopsCostModel()
-    elif spec == "profiled":
-        base = _profiled(options.get("cost_kernel", "auto"))
-    elif isinstance(spec, str):
-        raise ValueError(f"cad cost_model must be 'flops', 'profiled' or a cost model object, got {spec!r}")
+    elif is_model_path(spec):
+        base = load_model_file(spec, options.get("cost_kernel", "auto"))
     else:
         base = spec
     return base if plan.window is None else WindowedCostModel(base, plan.window)
@@ -643,16 +636,19 @@ def option_problem(options: dict) -> str | None:
     if eps != "auto" and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf")):
         return f"eps must be a number >= 0 (the scheduler's tolerance: 0.1 by default, 0.01 tighter) or 'auto', " \
                f"got {eps!r}"
-    model = options.get("cost_model", "flops")
-    if isinstance(model, str) or model is None:
-        if model not in (None, "flops", "profiled"):
-            return f"cost_model must be 'flops' or 'profiled' (or a cost model object), got {model!r}"
-    elif not isinstance(model, CostModel):
-        return f"cost_model must be 'flops', 'profiled' or a cost model object (with cost and cost_array), got " \
-               f"{type(model).__name__}"
     kernel = options.get("cost_kernel", "auto")
     if kernel not in ("auto", *kernel_names()):
         return f"cost_kernel must be 'auto' or one of {', '.join(kernel_names())}, got {kernel!r}"
+    model = options.get("cost_model", "flops")
+    if model is None or model == "flops":
+        pass
+    elif is_model_path(model):
+        problem = model_file_problem(model, kernel)
+        if problem:
+            return problem
+    elif not isinstance(model, CostModel):
+        return f"cost_model must be 'flops', the path of a fitted cost model file or a cost model object (with " \
+               f"cost and cost_array), got {type(model).__name__}"
     for key in ("min_shard", "search_width"):
         if key in options and not _is_whole(options[key], 1):
             return f"{key} must be a whole number >= 1, got {options[key]!r}"
@@ -685,7 +681,7 @@ def check_same_schedule(tasks: Sequence[CadTask], group) -> None:
     if int(both[0]) != digest or int(both[1]) != -digest:
         raise RuntimeError("cad: the ranks made different schedules of this batch (their floating point differs, "
                            "or their options or cost models do); give every rank the same cost model and options "
-                           "(cost_model='profiled' agrees one over the group), or pass a schedule's tasks in "
+                           "(a cost model file's values are agreed over the group), or pass a schedule's tasks in "
                            "options['tasks']")
 
 
@@ -705,8 +701,9 @@ class CadBackend(Backend):
 
     def run_context(self, plan, group, rank, world, scale, kernel, options=None):
         options = dict(options or {})
-        if options.get("cost_model") == "profiled":  # price the kernel this run calls, the same on every rank
-            options["cost_model"] = agreed_profile(options.get("cost_kernel", kernel), group)
+        if is_model_path(options.get("cost_model")):  # the file's model, the same on every rank
+            options["cost_model"] = agreed_cost_model(load_model_file(options["cost_model"],
+                                                                      options.get("cost_kernel", "auto")), group)
         # every rank makes the same schedule here: on real process groups they price it together
         share = PricingShare(group, rank, world) if world > 1 and is_distributed(group) \
             and not isinstance(group, EmulatedGroup) else None

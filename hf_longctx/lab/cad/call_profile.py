@@ -16,7 +16,7 @@ is no longer where the GPU puts a few long blocks, and :func:`split_forward_call
 Random calls span the kernel's shapes but do not weigh them as CAD's servers do; so, fitted on them, the profile
 then schedules CAD on that fit over a few batches of the benchmarks' mixes and times the servers' own calls
 (:func:`cad_server_calls`), and fits again on all. Last, it emulates a few such steps and times their calls where
-they run, one device running every server's calls (:mod:`hf_longctx.emulation.step_calls`): alone, a call runs back
+they run, one device running every server's calls (:mod:`hf_longctx.lab.emulation.step_calls`): alone, a call runs back
 to back over its own buffers, and its time in a step differs by its size. It fits again on all, a step's call
 weighing :data:`STEP_CALL_WEIGHT` calls timed alone.
 
@@ -36,13 +36,22 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from ...benchmarking import HOST_AHEAD, one_run_ms
-from ...kernels import attention_backward, attention_forward
-from ...kernels.calls import call_order, plan_calls
-from ...kernels.key_split import KeySplit
-from ...kernels.launch import LaunchGrid
-from .cost_model import PAIRS
-from .launch_cost import PHASES, TERM_NAMES, LaunchCostModel, PhaseTerms, call_features, call_waves, fit_phase_terms
+from hf_longctx.backends.cad.cost_model import PAIRS
+from hf_longctx.backends.cad.launch_cost import (
+    PHASES,
+    TERM_NAMES,
+    LaunchCostModel,
+    PhaseTerms,
+    call_features,
+    call_waves,
+    fit_phase_terms,
+)
+from hf_longctx.benchmarking import HOST_AHEAD, one_run_ms
+from hf_longctx.kernels import attention_backward, attention_forward
+from hf_longctx.kernels.calls import call_order, plan_calls
+from hf_longctx.kernels.key_split import KeySplit
+from hf_longctx.kernels.launch import LaunchGrid
+from hf_longctx.lab.emulation.step_calls import dumped_calls
 
 __all__ = ["CALL_KINDS", "CALL_SET", "SERVER_CALLS", "SERVER_CALL_BATCHES", "STEP_CALL_BATCHES", "STEP_CALL_SEEDS",
            "STEP_CALL_WEIGHT", "SWEEPS", "WAVE_BINS", "cad_server_calls", "check_call_mix", "check_keys_limit",
@@ -172,7 +181,7 @@ def short_document_calls(count: int = 32, seed: int = 0, scale: float = 1.0) -> 
 
 
 # batches whose CAD schedules :func:`cad_server_calls` takes calls from: (length mix, tokens, servers), the mixes of
-# :mod:`hf_longctx.emulation.workloads` at the world sizes where a server's calls are smallest and most varied
+# :mod:`hf_longctx.lab.emulation.workloads` at the world sizes where a server's calls are smallest and most varied
 SERVER_CALL_BATCHES = (("prolong", 131072, 64), ("pretrain", 524288, 64), ("sft", 524288, 64),
                        ("prolong", 262144, 16), ("pretrain", 524288, 16), ("sft", 262144, 16))
 SERVER_CALL_SEED = 1000  # the batches' seeds start here, away from the benchmarks' (0, 1, 2, ...)
@@ -184,7 +193,7 @@ SERVER_CALL_ROUNDS = 2
 SERVER_CALL_REPS = 3  # timed runs of each server call (their median): they are many, and as steady as the rest
 SERVER_CALLS = 960  # server calls the profile times at most (two rounds of the batches hold about 850 on an H200)
 # CAD steps the profile emulates after its fits, one per batch of STEP_CALL_BATCHES and seed, their calls timed
-# where they run (:mod:`hf_longctx.emulation.step_calls`); the seeds are away from the benchmarks' and the server
+# where they run (:mod:`hf_longctx.lab.emulation.step_calls`); the seeds are away from the benchmarks' and the server
 # calls'. Checked on FlashAttention-4 (H200) on the CPU, pricing each of 18 dumped W = 64 steps by a fit without its
 # batch: the per-server error was 1.01% (standard deviation) on the profile alone, 0.78% with 8 other steps and 0.74%
 # with 15
@@ -216,9 +225,9 @@ def cad_server_calls(model: LaunchCostModel, count: int, seed: int = 0, scale: f
     of held-out W = 64 steps (H200) with a per-server error of 1.5% (standard deviation; the largest 3.6% over the
     mean); with 240 calls of six such batches, 1.37% (3.3%); with CAD's calls of other steps, the more the better
     (see :data:`SERVER_CALL_ROUNDS`)."""
-    from ...emulation.workloads import doc_lengths
-    from ...layout import PackedBatch, shard_plan
-    from .runtime import cad_schedule, server_calls
+    from hf_longctx.backends.cad.runtime import cad_schedule, server_calls
+    from hf_longctx.lab.emulation.workloads import doc_lengths
+    from hf_longctx.layout import PackedBatch, shard_plan
 
     rng = random.Random(seed + 4099)
     pool: list[list[tuple[int, int]]] = []
@@ -329,7 +338,7 @@ def profile_launch_cost(kernel: str, device: torch.device, grid: LaunchGrid, hea
     ``kernel`` and fit both phases' terms (ms); then time ``server_calls`` calls of CAD's servers scheduled on
     that fit (:func:`cad_server_calls` over ``server_batches``) and fit again on all; then emulate CAD's steps of
     ``step_batches`` drawn with each of ``step_seeds``, scheduled on that fit, time their calls where they run
-    (:func:`~hf_longctx.emulation.step_calls.time_step_calls`) and fit again on all (:func:`fit_timed_calls`):
+    (:func:`~hf_longctx.lab.emulation.step_calls.time_step_calls`) and fit again on all (:func:`fit_timed_calls`):
     (model, metadata with the held-out check, the fit's own error and every timed call). ``grid``: the kernel's
     launch grid on this device (its slots the SM count). ``cold``: every run with the L2 cache evicted first
     (:func:`time_call_phases`; the steps run as steps do)."""
@@ -359,7 +368,7 @@ def profile_launch_cost(kernel: str, device: torch.device, grid: LaunchGrid, hea
         model, fit = fit_timed_calls(timed, grid, heads)
     steps: list = []
     if step_seeds:
-        from ...emulation.step_calls import time_step_calls
+        from hf_longctx.lab.emulation.step_calls import time_step_calls
 
         steps = time_step_calls({"cost_model": model, "eps": 0.01}, kernel, device, step_batches, heads, kv_heads,
                                 head_dim, dtype, seeds=step_seeds, scale=scale, reps=STEP_CALL_REPS)
@@ -385,12 +394,12 @@ def fit_timed_calls(timed: Sequence[tuple[Sequence[tuple[int, int]], float, floa
                     step_weight: float = STEP_CALL_WEIGHT) -> tuple[LaunchCostModel, dict]:
     """Both phases' terms fitted to timed calls ``(segments, forward ms, backward ms)`` on ``grid``, and to
     ``step_calls`` ``(phase, q_lens, k_lens, ms)`` timed inside emulated steps
-    (:func:`~hf_longctx.emulation.step_calls.time_step_calls`), each weighing ``step_weight`` calls timed alone:
+    (:func:`~hf_longctx.lab.emulation.step_calls.time_step_calls`), each weighing ``step_weight`` calls timed alone:
     (model, {the held-out check, the fit's own error}). The held-out check fits on three calls in four (of each
     set) and prices the fourth: ``held_out_relative_error_std`` over the calls timed alone,
     ``held_out_step_error_std`` over the step's. A profile's saved calls (its metadata's ``timed`` and
     ``step_calls``) can so be fitted again away from the device, on a grid that models the kernel differently
-    (``scripts/profile_cad.py --load PROFILE --refit OUT``)."""
+    (``scripts/lab/profile_cad.py --load PROFILE --refit OUT``)."""
     features = {p: np.array([call_features(p, [q for q, _ in s], [k for _, k in s], grid, heads)
                              for s, _, _ in timed]) for p in PHASES}
     seconds = {"forward": np.array([f for _, f, _ in timed]), "backward": np.array([b for _, _, b in timed])}
@@ -550,19 +559,6 @@ def check_launch_cost(model: LaunchCostModel, shapes: Sequence[tuple[int, int]],
             for q_len, kv_len in shapes]
 
 
-def dumped_calls(dump: dict) -> list[tuple[dict, float]]:
-    """Every kernel call of a dumped emulated step (``bench_emulated.py --dump-calls``) once, with its median time
-    over the repetitions (ms). Calls are matched across repetitions by rank, phase, causal and segments (ranks run
-    in threads, so the log's order differs between repetitions); repetitions must hold the same calls."""
-    def key(call: dict) -> tuple:
-        return call["rank"], call["phase"], call.get("causal", True), tuple(call["q_lens"]), tuple(call["k_lens"])
-
-    reps = [sorted(rep, key=key) for rep in dump["reps"]]
-    if not reps or any([key(c) for c in rep] != [key(c) for c in reps[0]] for rep in reps):
-        raise ValueError("the dump's repetitions do not hold the same kernel calls")
-    return [(call, statistics.median(rep[i]["seconds"] for rep in reps) * 1e3) for i, call in enumerate(reps[0])]
-
-
 def replay_dumped_calls(dump: dict, kernel: str, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                         device: torch.device, warmup: int = 1, reps: int = 5, key_split: KeySplit | None = None,
                         cold: bool = False) -> list[tuple[dict, float, float]]:
@@ -615,7 +611,7 @@ def errors_by_waves(model: LaunchCostModel, dumps: Sequence[dict]) -> list[dict]
     Why: a model fitted on the profile's calls is right on average over them, and may be off by call size where
     the calls a schedule makes are sized differently. Over 14 dumped steps of CAD at 64 servers on FlashAttention-4
     (H200), backward calls of under one wave ran 13% over their price, those of 16-64 waves 5% under and those of
-    more at their price, where the profile held 19 calls of under 8 waves in 243 (``scripts/profile_cad.py --calls``
+    more at their price, where the profile held 19 calls of under 8 waves in 243 (``scripts/lab/profile_cad.py --calls``
     prints the table for a dumped step)."""
     groups: dict[tuple[str, int], list[float]] = {}
     for dump in dumps:

@@ -29,9 +29,9 @@ from typing import Any, Protocol
 
 import torch
 
-from ..benchmarking import HOST_AHEAD, queue_ahead
-from ..kernels import KernelCall
-from ..kernels.key_split import plan_key_split
+from hf_longctx.benchmarking import HOST_AHEAD, queue_ahead
+from hf_longctx.kernels import KernelCall
+from hf_longctx.kernels.key_split import plan_key_split
 
 _WARM: set[tuple] = set()  # kernel configurations already run in this process
 EMULATED_PAUSE = 1.0  # seconds the device spins after a timed call of an emulated rank, per second of the call
@@ -109,7 +109,7 @@ class KernelTimer:
     kernels compile per configuration (FA4: 0.1-0.7 s), which would otherwise land in one rank's time. The
     configuration (:func:`_configuration`) does not name every variant FA4 compiles for: in a W = 64 CAD step on
     an H200 one backward call still compiled inside its timed run (3.7 s); the emulation's lower median over
-    repetitions (:func:`~hf_longctx.emulation.runner.median_rep`) leaves such a repetition out.
+    repetitions (:func:`~hf_longctx.lab.emulation.runner.median_rep`) leaves such a repetition out.
 
     ``keep_calls``: also keep every timed call's segment lengths and seconds (:meth:`call_log`), so that a cost
     model can be checked call by call against what the kernel took. ``hub``: who computes now, an emulation's

@@ -9,12 +9,12 @@
 #    cached with another merge or rule is not reused), every W = 64 seed's calls dumped;
 # 4. that model (with every call its fit timed) and the dumps copied to $OUT.
 #
-#   SEEDS="0 1 2" SEEDS_W16=0 OUT=bench/logs scripts/bench_cad_merge.sh
+#   SEEDS="0 1 2" SEEDS_W16=0 OUT=bench/logs scripts/lab/bench_cad_merge.sh
 #
 # Writes $OUT/merge_gpu_tests.log, $OUT/merge_bench.md, $OUT/cad_merge_w64_seed$S.md, $OUT/cad_merge_w16_seed$S.md,
 # $OUT/launch_model_merge.json and $OUT/cad_merge_w64_dumps.tgz.
 set -uo pipefail
-source "$(dirname "$0")/bench_env.sh"
+source "$(dirname "$0")/../bench_env.sh"
 SEEDS=${SEEDS:-0 1 2}
 SEEDS_W16=${SEEDS_W16:-0}
 DUMPS=${DUMPS:-bench/logs/cad_merge_w64_dumps_1xH200_2026-11-28.tgz}

@@ -27,11 +27,18 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ...layout import ShardPlan
-from .cost_model import CostModel
-from .refine import refine_in_time
-from .runtime import _server_time, call_terms_for, cost_model_for, option_problem, prepare, refine_options
-from .tasks import CadTask, rows_cost
+from hf_longctx.backends.cad.cost_model import CostModel
+from hf_longctx.backends.cad.refine import refine_in_time
+from hf_longctx.backends.cad.runtime import (
+    _server_time,
+    call_terms_for,
+    cost_model_for,
+    option_problem,
+    prepare,
+    refine_options,
+)
+from hf_longctx.backends.cad.tasks import CadTask, rows_cost
+from hf_longctx.layout import ShardPlan
 
 
 class Recalibration(NamedTuple):
@@ -105,7 +112,7 @@ def recalibrate(plan: ShardPlan, options: dict, measured: Sequence[float]) -> Re
     refined with every task priced at its server's measured (one kernel time per server, any unit) over predicted
     time (:func:`server_scales`, :class:`TaskScales`). The refinement takes the schedule's own options
     (``key_cuts``, ``refine_chains``, ``refine_screen``). Meant for a measured cost model (``cost_model``
-    "profiled" or a model object); on FLOPs the scales carry the whole of the kernel's shape effects."""
+    a model file or object); on FLOPs the scales carry the whole of the kernel's shape effects."""
     problem = option_problem(options)
     if problem:
         raise ValueError(f"cad: {problem}")

@@ -2,7 +2,7 @@
 
 Why: the launch cost model used to simulate a call's blocks on one slot per SM, each at full speed. A call of a
 few rows over a long prefix is a chain of long blocks, and its time is how fast those blocks run. On an H200 and
-an H100, torch's flash forward (``scripts/profile_cad.py --placement``) runs up to 128 blocks one to an SM; past
+an H100, torch's flash forward (``scripts/lab/profile_cad.py --placement``) runs up to 128 blocks one to an SM; past
 that, long blocks mostly end up two to an SM and take 1.6x as long (an SM gives two blocks about 1.25x the
 throughput of one), even when short blocks separate them in the launch order. One slot per SM priced such calls
 20-40% low or high (ProLong at 64 servers: per-server forward error 9-11%).
@@ -21,10 +21,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ...kernels.launch import LaunchGrid, forward_block_steps, paired_makespan
-from ...kernels.torch_flash import FORWARD_PAIRING
-from .call_profile import dumped_calls
-from .launch_cost import fit_relative
+from hf_longctx.backends.cad.launch_cost import fit_relative
+from hf_longctx.kernels.launch import LaunchGrid, forward_block_steps, paired_makespan
+from hf_longctx.kernels.torch_flash import FORWARD_PAIRING
+from hf_longctx.lab.cad.call_profile import dumped_calls
 
 __all__ = ["fit_forward_placement"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..data.synthetic_lengths import MIXES, synthetic_doc_lengths
+from hf_longctx.data.synthetic_lengths import MIXES, synthetic_doc_lengths
 
 SFT_MU, SFT_SIGMA, SFT_CAP = 6.0, 0.9, 8192
 WORKLOAD_MIXES = (*MIXES, "sft")

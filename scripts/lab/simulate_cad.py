@@ -17,7 +17,7 @@ is placed four ways and priced with the FLOPs cost model (one attention layer, f
 
 Reports attention imbalance (max / mean cost per rank), token imbalance (max / mean tokens per rank),
 MiB sent per rank (Llama-3-8B attention shapes, bf16) and the scheduler's wall time, as a markdown
-table and a PNG. Run: ``python scripts/simulate_cad.py`` (defaults take about a minute on 2 cores).
+table and a PNG. Run: ``python scripts/lab/simulate_cad.py`` (defaults take about a minute on 2 cores).
 """
 
 from __future__ import annotations
@@ -204,7 +204,8 @@ def profile_section(rows: list[Row], profile_path: Path, interpolate: str) -> li
         "",
         "## Balance in measured attention time",
         "",
-        f"Cost grid measured by `scripts/profile_cad.py` on {meta.get('device', '?')} (torch {meta.get('torch', '?')}, "
+        f"Cost grid measured by `scripts/lab/profile_cad.py` on {meta.get('device', '?')} "
+        f"(torch {meta.get('torch', '?')}, "
         f"{meta.get('mode', '?')}, H={meta.get('heads')}, Hkv={meta.get('kv_heads')}, D={meta.get('head_dim')}, "
         f"{meta.get('dtype')}, kernel {meta.get('kernel')}): ms per segment of q_len queries over kv_len keys "
         f"inside a fused batch (cells extrapolated by FLOPs: {meta.get('extrapolated', [])}).",
@@ -363,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reps", type=int, default=3, help="schedule() calls timed per row (best is kept)")
     p.add_argument("--profile", type=Path, default=None,
-                   help="JSON from scripts/profile_cad.py: add a section priced in measured time")
+                   help="JSON from scripts/lab/profile_cad.py: add a section priced in measured time")
     p.add_argument("--profile-interpolate", choices=["time", "rate"], default="rate",
                    help="how the profile is interpolated between grid points (see ProfiledCostModel)")
     p.add_argument("--out", type=Path, default=None, help="markdown file (e.g. bench/cad_simulation.md)")
@@ -377,8 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - t0
     from hf_longctx.benchmarking import portable_command
 
-    command = portable_command("scripts/simulate_cad.py", sys.argv[1:] if argv is None else argv,
-                               Path(__file__).resolve().parents[1])
+    command = portable_command("scripts/lab/simulate_cad.py", sys.argv[1:] if argv is None else argv,
+                               Path(__file__).resolve().parents[2])
     text = markdown(rows, args, command, elapsed)
     if args.out:
         args.out.write_text(text)

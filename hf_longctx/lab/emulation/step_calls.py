@@ -12,15 +12,16 @@ first fit (:func:`time_step_calls`) and fits again.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
-from ..layout import PackedBatch
-from .runner import emulate_step_or_stage, release_memory
-from .timing import KernelTimer
-from .workloads import doc_lengths, global_tensors
+from hf_longctx.lab.emulation.runner import emulate_step_or_stage, release_memory
+from hf_longctx.lab.emulation.timing import KernelTimer
+from hf_longctx.lab.emulation.workloads import doc_lengths, global_tensors
+from hf_longctx.layout import PackedBatch
 
 
 class StepCall(NamedTuple):
@@ -33,12 +34,23 @@ class StepCall(NamedTuple):
     ms: float
 
 
+def dumped_calls(dump: dict) -> list[tuple[dict, float]]:
+    """Every kernel call of a dumped emulated step (``scripts/lab/bench_emulated.py --dump-calls``) once, with its
+    median time over the repetitions (ms). Calls are matched across repetitions by rank, phase, causal and segments
+    (ranks run in threads, so the log's order differs between repetitions); repetitions must hold the same calls."""
+    def key(call: dict) -> tuple:
+        return call["rank"], call["phase"], call.get("causal", True), tuple(call["q_lens"]), tuple(call["k_lens"])
+
+    reps = [sorted(rep, key=key) for rep in dump["reps"]]
+    if not reps or any([key(c) for c in rep] != [key(c) for c in reps[0]] for rep in reps):
+        raise ValueError("the dump's repetitions do not hold the same kernel calls")
+    return [(call, statistics.median(rep[i]["seconds"] for rep in reps) * 1e3) for i, call in enumerate(reps[0])]
+
+
 def calls_of_logs(logs: Sequence[Sequence[dict]]) -> list[StepCall]:
     """The causal calls of a step's timed repetitions (:meth:`~.timing.KernelTimer.call_log` each), every call
     once with its median time: the calls a dump of the step holds
-    (:func:`~hf_longctx.backends.cad.call_profile.dumped_calls`)."""
-    from ..backends.cad.call_profile import dumped_calls
-
+    (:func:`dumped_calls`)."""
     return [StepCall(call["phase"], tuple(call["q_lens"]), tuple(call["k_lens"]), ms)
             for call, ms in dumped_calls({"reps": [list(log) for log in logs]}) if call.get("causal", True)]
 

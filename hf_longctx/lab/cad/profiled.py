@@ -38,15 +38,15 @@ from pathlib import Path
 
 import torch
 
-from ...benchmarking import one_run_ms
-from ...kernels import attention_backward, attention_forward, get_kernel, kernel_call, select_kernel
-from ...kernels.calls import CallTerms
-from ...kernels.launch import LaunchGrid, tail_factor
-from ...kernels.merge import merge_implementation
-from .call_profile import CALL_SET, profile_launch_cost, segment_batch
-from .cost_model import PAIRS, CostModel, FlopsCostModel, ProfiledCostModel
-from .launch_cost import KIND as LAUNCH_KIND
-from .launch_cost import PHASES, TERM_NAMES, LaunchCostModel
+from hf_longctx.backends.cad.cost_model import PAIRS, CostModel, FlopsCostModel, ProfiledCostModel
+from hf_longctx.backends.cad.launch_cost import KIND as LAUNCH_KIND
+from hf_longctx.backends.cad.launch_cost import PHASES, TERM_NAMES, LaunchCostModel
+from hf_longctx.benchmarking import one_run_ms
+from hf_longctx.kernels import attention_backward, attention_forward, get_kernel, kernel_call, select_kernel
+from hf_longctx.kernels.calls import CallTerms
+from hf_longctx.kernels.launch import LaunchGrid, tail_factor
+from hf_longctx.kernels.merge import merge_implementation
+from hf_longctx.lab.cad.call_profile import CALL_SET, profile_launch_cost, segment_batch
 
 log = logging.getLogger(__name__)
 

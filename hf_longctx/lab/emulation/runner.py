@@ -41,14 +41,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..backends import default_strategy
-from ..backends.api import RankCall, check_group_agrees, check_options, make_run_context, resolve_backend
-from ..benchmarking import FORWARD_BACKWARD_FACTOR
-from ..comm.emulated import EmulatedGroup, EmulationHub
-from ..comm.links import LINKS, transfer_seconds
-from ..kernels import observe_kernels
-from ..layout import PackedBatch, ShardPlan, shard_plan
-from .timing import KernelTimer, ThisProcess
+from hf_longctx.backends import default_strategy
+from hf_longctx.backends.api import RankCall, check_group_agrees, check_options, make_run_context, resolve_backend
+from hf_longctx.benchmarking import FORWARD_BACKWARD_FACTOR
+from hf_longctx.comm.emulated import EmulatedGroup, EmulationHub
+from hf_longctx.comm.links import LINKS, transfer_seconds
+from hf_longctx.kernels import observe_kernels
+from hf_longctx.lab.emulation.timing import KernelTimer, ThisProcess
+from hf_longctx.layout import PackedBatch, ShardPlan, shard_plan
 
 HALF_NORMAL_MEDIAN = 0.6744897501960817  # median of |x| for x standard normal (its 75th percentile)
 

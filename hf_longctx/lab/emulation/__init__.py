@@ -1,6 +1,6 @@
 """W sequence-parallel ranks emulated on one device: per-rank kernel time, bytes, predicted step time."""
 
-from .runner import (
+from hf_longctx.lab.emulation.runner import (
     EmulatedStep,
     RankStep,
     device_memory,

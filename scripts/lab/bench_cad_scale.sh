@@ -10,12 +10,12 @@
 # two, 2.5 minutes at REPS=4). Pretrain 512K at W = 64, seed 1, does not fit one H200: it runs again with its
 # buffers staged on the host (bench_emulated.py), which took 4.2 minutes alone at 2 repetitions.
 #
-#   SEEDS="0 1 2" SEEDS_W16=0 REPS=2 OUT=bench/logs scripts/bench_cad_scale.sh
+#   SEEDS="0 1 2" SEEDS_W16=0 REPS=2 OUT=bench/logs scripts/lab/bench_cad_scale.sh
 #
 # Writes $OUT/cad_scale_w8_w16_seed$S.md, $OUT/cad_scale_w64_seed$S.md, $OUT/cad_scale_launch_model.json and
 # $OUT/cad_scale_w64_dumps.tgz.
 set -uo pipefail
-source "$(dirname "$0")/bench_env.sh"
+source "$(dirname "$0")/../bench_env.sh"
 SEEDS=${SEEDS:-0 1 2}
 SEEDS_W16=${SEEDS_W16:-0}
 GPUS=${GPUS:-$($PY -c "import torch; print(max(torch.cuda.device_count(), 1))")}

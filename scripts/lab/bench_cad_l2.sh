@@ -9,12 +9,12 @@
 #    evicted (HF_LONGCTX_PROFILE_L2=evicted), every seed's calls dumped;
 # 4. that model (with every call its fit timed) and the dumps copied to $OUT.
 #
-#   SEEDS="0 1" OUT=bench/logs scripts/bench_cad_l2.sh
+#   SEEDS="0 1" OUT=bench/logs scripts/lab/bench_cad_l2.sh
 #
 # Writes $OUT/l2_gpu_tests.log, $OUT/l2_replay_{sft,prolong}_{warm,evicted}.log, $OUT/cad_l2_w64_seed$S.md,
 # $OUT/launch_model_l2_evicted.json and $OUT/cad_l2_w64_dumps.tgz.
 set -uo pipefail
-source "$(dirname "$0")/bench_env.sh"
+source "$(dirname "$0")/../bench_env.sh"
 SEEDS=${SEEDS:-0 1}
 DUMPS=${DUMPS:-bench/logs/cad_merge_min_shared16k_w64_dumps_1xH200_2026-11-28.tgz}
 MODEL=${MODEL:-bench/logs/launch_model_merge_min_shared16k_1xH200_2026-11-28.json}
@@ -25,7 +25,7 @@ mkdir -p "$work/earlier" && tar xzf "$DUMPS" -C "$work/earlier"
 for mix in sft prolong; do
   for l2 in warm evicted; do
     flag=(); [ "$l2" = evicted ] && flag=(--cold)
-    $PY scripts/profile_cad.py --load "$MODEL" --calls "$work/earlier/s0/${mix}_w64_cad_profiled_eps0_01.json" \
+    $PY scripts/lab/profile_cad.py --load "$MODEL" --calls "$work/earlier/s0/${mix}_w64_cad_profiled_eps0_01.json" \
       --replay --kernel torch_flash "${flag[@]}" > "$OUT/l2_replay_${mix}_${l2}.log" 2>&1
     grep -E "calls, |replayed" "$OUT/l2_replay_${mix}_${l2}.log"
   done

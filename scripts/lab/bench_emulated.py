@@ -2,7 +2,7 @@
 
 Each configuration runs the W ranks' shares of one forward+backward step on one device (same plans,
 schedules, kernels and merges as a real run; transfers as local copies; see
-:mod:`hf_longctx.emulation`), measures each rank's kernel time and counts its bytes, and predicts the
+:mod:`hf_longctx.lab.emulation`), measures each rank's kernel time and counts its bytes, and predicts the
 step time of a real group from the measured link bandwidths of the design document's section 7
 (reference numbers: NCCL sendrecv and all_to_all per rank on 4x H200). CAD runs five ways: balanced
 on FLOPs at eps 0.1 (the default), on the kernel's profiled cost at eps 0.1 and 0.01 (also with every
@@ -12,9 +12,9 @@ per-server cost (``server_costs``: segments plus what the calls add) is compared
 per-server kernel time. One CAD
 eps sweep is measured end to end. Every number is marked "emulated on one GPU".
 
-    python scripts/bench_emulated.py --out <file>.md         # GPU, about 8 minutes
-    python scripts/bench_emulated.py --quick --out <file>.md # CPU smoke run, tiny sizes
-    python scripts/bench_emulated.py --kernel torch_flash --mixes pretrain --out <file>.md  # one mix per process
+    python scripts/lab/bench_emulated.py --out <file>.md         # GPU, about 8 minutes
+    python scripts/lab/bench_emulated.py --quick --out <file>.md # CPU smoke run, tiny sizes
+    python scripts/lab/bench_emulated.py --kernel torch_flash --mixes pretrain --out <file>.md  # one mix per process
 
 Without FlashAttention-4, name ``--kernel torch_flash``: ``auto`` then picks the dense cuDNN kernel for
 equal-length groups, which builds a graph per shape inside the timed calls.
@@ -41,7 +41,7 @@ one; its kernels are timed as before). Each such row gives the largest all_to_al
 holds at once), and the memory lines the process's peak resident host memory.
 
 ``--calibrate N``: after each CAD run on a measured model, N rounds of the schedule made again with every task priced
-at its server's measured over predicted kernel time (:mod:`hf_longctx.backends.cad.calibrate`) and emulated again;
+at its server's measured over predicted kernel time (:mod:`hf_longctx.lab.cad.calibrate`) and emulated again;
 each round's row gives the scales, its calibrated prediction and how many servers' tasks changed.
 
 Configurations run in order (mix, then W, then backend); each mix gets its share of what ``--budget-s`` leaves
@@ -62,14 +62,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hf_longctx.backends.cad.calibrate import recalibrate
 from hf_longctx.backends.cad.cost_model import ProfiledCostModel
 from hf_longctx.backends.cad.eps import EPS_CANDIDATES, a2a_bandwidth, candidate, choose_eps
 from hf_longctx.backends.cad.launch_cost import TERM_NAMES, LaunchCostModel
-from hf_longctx.backends.cad.profiled import ProfileBudget, SegmentShape, profiled_cost_model
 from hf_longctx.backends.cad.runtime import cad_schedule, prepare, server_costs
 from hf_longctx.benchmarking import HOST_AHEAD, table_header, table_row, token_counts
-from hf_longctx.emulation import (
+from hf_longctx.lab.cad.calibrate import recalibrate
+from hf_longctx.lab.cad.profiled import ProfileBudget, SegmentShape, profiled_cost_model
+from hf_longctx.lab.emulation import (
     EmulatedStep,
     device_memory,
     emulate_step_or_stage,
@@ -77,9 +77,9 @@ from hf_longctx.emulation import (
     link_sources,
     release_memory,
 )
-from hf_longctx.emulation.choose import choose_from_steps
-from hf_longctx.emulation.timing import KernelTimer
-from hf_longctx.emulation.workloads import doc_lengths, global_tensors
+from hf_longctx.lab.emulation.choose import choose_from_steps
+from hf_longctx.lab.emulation.timing import KernelTimer
+from hf_longctx.lab.emulation.workloads import doc_lengths, global_tensors
 from hf_longctx.layout import PackedBatch, shard_plan
 
 MiB = float(1 << 20)
@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
                   "regions (warm-ups and profiling included) took the host longer to enqueue than their spin lasted."]
     if skipped:
         lines += ["", f"Not run (--skip, or the time budget of {args.budget_s:.0f} s spent): " + ", ".join(skipped)]
-    lines += ["", f"Total {elapsed:.0f} s; torch {torch.__version__}; command: python scripts/bench_emulated.py "
+    lines += ["", f"Total {elapsed:.0f} s; torch {torch.__version__}; command: python scripts/lab/bench_emulated.py "
               + " ".join(sys.argv[1:] if argv is None else argv)]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
@@ -409,7 +409,7 @@ def _by_server(tasks) -> dict[int, frozenset]:
 def calibrated_runs(batch: PackedBatch, world: int, tensors, step: EmulatedStep, options: dict, rounds: int,
                     emulate):
     """``rounds`` times: CAD's schedule made again on the last run's measured per-server kernel times
-    (:func:`~hf_longctx.backends.cad.calibrate.recalibrate`) and emulated. Yields (name, the options run, the step,
+    (:func:`~hf_longctx.lab.cad.calibrate.recalibrate`) and emulated. Yields (name, the options run, the step,
     its notes) per round; ``emulate(batch, world, tensors, backend, options)`` returns (step, staged)."""
     plan = shard_plan(batch, world, "cad")
     current = {**options, "tasks": prepare(plan, options)["tasks"]}  # the run's schedule, made once here

@@ -23,20 +23,20 @@ kernel that ran is recorded in ``meta.kernel``.
 
 Run on the GPU machine:
 
-    python scripts/profile_cad.py --out cad_profile.json
+    python scripts/lab/profile_cad.py --out cad_profile.json
 
 then ``ProfiledCostModel.load("cad_profile.json")`` and pass it to
 ``hf_longctx.backends.cad.scheduler.schedule(..., cost_model=...)``. ``--mode fwd`` times the
 forward only; the default ``fwd+bwd`` is what a training step pays. ``--device cpu`` runs the same
 measurements on the CPU (reference kernel, tiny sizes: a smoke run, not a profile to schedule on).
 
-``--launch N`` fits the launch cost model instead (:mod:`hf_longctx.backends.cad.call_profile`): N random kernel
+``--launch N`` fits the launch cost model instead (:mod:`hf_longctx.lab.cad.call_profile`): N random kernel
 calls, forward and backward timed apart, six terms per phase by non-negative least squares, and the error on every
 fourth call held out of the fit. It needs a kernel that declares a launch grid (torch_flash at head dim 128).
 ``--sweep prefix,waves,square`` (with ``--launch N``, or ``--load`` of a saved launch model) then times single-segment
-calls along those lines (:func:`~hf_longctx.backends.cad.call_profile.sweep_shapes`) and prints each phase's
+calls along those lines (:func:`~hf_longctx.lab.cad.call_profile.sweep_shapes`) and prints each phase's
 measured and predicted time: where the model follows the kernel and where it does not. ``--mix`` (likewise) times
-a long causal prefix beside short documents as one call and as two (:func:`~hf_longctx.backends.cad.call_profile.
+a long causal prefix beside short documents as one call and as two (:func:`~hf_longctx.lab.cad.call_profile.
 mix_pairs`): what one call costs more than two, measured and as the model prices it. ``--calls DUMP.json`` (with
 ``--load`` of a launch model) prices the kernel calls that ``bench_emulated.py --dump-calls`` wrote for one emulated
 step and prints every server's forward and backward, measured against predicted, then which phase makes the
@@ -55,7 +55,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hf_longctx.backends.cad.call_profile import (
+from hf_longctx.backends.cad.cost_model import ProfiledCostModel
+from hf_longctx.backends.cad.launch_cost import KIND as LAUNCH_KIND
+from hf_longctx.backends.cad.launch_cost import PHASES, LaunchCostModel, clear_pricing_caches
+from hf_longctx.backends.cad.runtime import prepare, server_costs
+from hf_longctx.benchmarking import token_counts
+from hf_longctx.kernels.key_split import RULE, KeySplit, plan_key_split
+from hf_longctx.lab.cad.call_profile import (
     SERVER_CALLS,
     STEP_CALL_SEEDS,
     SWEEPS,
@@ -73,25 +79,20 @@ from hf_longctx.backends.cad.call_profile import (
     sweep_shapes,
     time_placement,
 )
-from hf_longctx.backends.cad.cost_model import ProfiledCostModel
-from hf_longctx.backends.cad.launch_cost import KIND as LAUNCH_KIND
-from hf_longctx.backends.cad.launch_cost import PHASES, LaunchCostModel, clear_pricing_caches
-from hf_longctx.backends.cad.placement import fit_forward_placement
-from hf_longctx.backends.cad.profiled import (
+from hf_longctx.lab.cad.placement import fit_forward_placement
+from hf_longctx.lab.cad.profiled import (
     ProfileBudget,
     SegmentShape,
     check_shapes,
     default_tile,
+    device_name,
     launch_grid,
     profile_segment_costs,
     random_shapes,
     resolved_kernel,
 )
-from hf_longctx.backends.cad.runtime import prepare, server_costs
-from hf_longctx.benchmarking import token_counts
-from hf_longctx.emulation.step_calls import StepCall, calls_of_logs
-from hf_longctx.emulation.workloads import doc_lengths
-from hf_longctx.kernels.key_split import RULE, KeySplit, plan_key_split
+from hf_longctx.lab.emulation.step_calls import StepCall, calls_of_logs
+from hf_longctx.lab.emulation.workloads import doc_lengths
 from hf_longctx.layout import PackedBatch, shard_plan
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="--predict: the refinement's screen (0: every move priced; default: the runtime's)")
     p.add_argument("--fit-placement", default=None, metavar="DUMP,...",
                    help="with --load of a launch model: fit the paired-block forward simulation "
-                        "(hf_longctx.backends.cad.placement) to these dumped steps' forward calls, on the CPU")
+                        "(hf_longctx.lab.cad.placement) to these dumped steps' forward calls, on the CPU")
     p.add_argument("--empty", default="0,0.3", help="--fit-placement: how long an empty block holds its slot "
                    "(tile steps), each value fitted apart")
     p.add_argument("--refit", default=None, metavar="OUT",
@@ -217,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                                           shape.dtype, count=args.launch, warmup=args.warmup, reps=args.reps,
                                           report=lambda line: print(line, flush=True), cold=args.cold,
                                           server_calls=args.server_calls, step_seeds=args.step_seeds)
+        meta["device"] = device_name(device)  # what a run's cost_model=FILE is checked against
         model.save(args.out, **meta)
         print(f"wrote {args.out}: launch cost model of {kernel}, held-out error std "
               f"{meta['held_out_relative_error_std']}")
@@ -384,8 +386,8 @@ def refit_saved_model(args: argparse.Namespace) -> int:
 def report_dumped_calls(args: argparse.Namespace) -> int:
     """``--calls``: each server's forward and backward of a dumped emulated step, measured against the loaded
     launch model, then each phase's per-server error spread and the step's max/mean both ways, how much of the
-    servers' spread each phase makes (:func:`~hf_longctx.backends.cad.call_profile.phase_spreads`) and the calls'
-    error by size (:func:`~hf_longctx.backends.cad.call_profile.errors_by_waves`)."""
+    servers' spread each phase makes (:func:`~hf_longctx.lab.cad.call_profile.phase_spreads`) and the calls'
+    error by size (:func:`~hf_longctx.lab.cad.call_profile.errors_by_waves`)."""
     model = loaded_launch_model(args, "--calls prices dumped kernel calls with a launch cost model")
     if model is None:
         return 2

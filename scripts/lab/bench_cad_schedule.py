@@ -7,7 +7,7 @@ mix times ``cad_schedule`` from cleared pricing caches twice on every rank: alon
 run did before) and together (the run's way), and checks that both give the same tasks. Prints one markdown row per
 mix: the slowest rank's seconds each way and their ratio.
 
-    python scripts/bench_cad_schedule.py --model bench/logs/launch_model_placement_1xH200_2026-11-28.json \
+    python scripts/lab/bench_cad_schedule.py --model bench/logs/launch_model_placement_1xH200_2026-11-28.json \
         --worlds 8,16 --mixes sft:256k,prolong:256k,pretrain:512k
 
 Host work: run it on the GPU machine's host (its CPU cores), not for a GPU figure. With ``--nccl`` every rank takes a
@@ -30,7 +30,7 @@ from hf_longctx.backends.cad.launch_cost import LaunchCostModel, clear_pricing_c
 from hf_longctx.backends.cad.runtime import cad_schedule, server_costs
 from hf_longctx.backends.cad.shared_pricing import PricingShare
 from hf_longctx.benchmarking import free_port, table_header, table_row, token_counts
-from hf_longctx.emulation.workloads import doc_lengths
+from hf_longctx.lab.emulation.workloads import doc_lengths
 from hf_longctx.layout import PackedBatch, shard_plan
 
 
@@ -77,7 +77,7 @@ def worker(rank: int, world: int, port: int, args) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="a LaunchCostModel JSON (scripts/profile_cad.py writes one)")
+    p.add_argument("--model", required=True, help="a LaunchCostModel JSON (scripts/lab/profile_cad.py writes one)")
     p.add_argument("--worlds", type=token_counts, default=[8])
     p.add_argument("--mixes", type=lambda s: s.split(","), default=["sft:256k", "prolong:256k", "pretrain:512k"],
                    help="mix:tokens of each batch (tokens over the whole group)")

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backends.auto import candidates_for, record_verdict
-from ..layout import PackedBatch, shard_plan
-from .runner import EmulatedStep, emulate_step
+from hf_longctx.backends.auto import candidates_for, record_verdict
+from hf_longctx.lab.emulation.runner import EmulatedStep, emulate_step
+from hf_longctx.layout import PackedBatch, shard_plan
 
 
 @dataclass(frozen=True)

@@ -3,15 +3,15 @@
 # minutes on 4 H200s): per backend and mix, the emulation's per-rank kernel max/mean and predicted step time beside
 # the real run's per-rank kernel max/mean (each call timed as the emulation times it) and measured step time.
 #
-#   OUT=bench/logs scripts/bench_real_vs_emulated.sh                  # W = the machine's GPU count
-#   W=8 TOKENS=524288 OUT=bench/logs scripts/bench_real_vs_emulated.sh
+#   OUT=bench/logs scripts/lab/bench_real_vs_emulated.sh                  # W = the machine's GPU count
+#   W=8 TOKENS=524288 OUT=bench/logs scripts/lab/bench_real_vs_emulated.sh
 #
 # The emulation runs first and fits CAD's launch cost model once (cached in $HF_LONGCTX_CACHE), which the real run's
 # ranks then read. The real run also checks every backend's outputs and gradients against one GPU.
 # Writes $OUT/emulated_w$W.md and $OUT/real_w$W.md; with TRACE=1 also every rank's host ms per phase (in the real
 # log) and op profiles with device timelines ($OUT/trace_w$W.tgz, see bench_attention.py --trace).
 set -uo pipefail
-source "$(dirname "$0")/bench_env.sh"
+source "$(dirname "$0")/../bench_env.sh"
 W=${W:-$($PY -c "import torch; print(torch.cuda.device_count())")}
 TOKENS=${TOKENS:-262144}
 MIXES=${MIXES:-prolong,pretrain,sft}

@@ -1,0 +1,1 @@
+"""CAD's research machinery: kernel profiles, launch-model fitting, recalibration and placement fits."""
