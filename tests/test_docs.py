@@ -3,6 +3,7 @@ the measured ones, context sizes are the sidecars', example options exist."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import re
 from pathlib import Path
@@ -10,7 +11,9 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-CITING = [ROOT / "README.md", ROOT / "recipes" / "README.md", *sorted((ROOT / "bench").glob("*.md")),
+DOCS = [ROOT / "README.md", ROOT / "recipes" / "README.md", ROOT / "scripts" / "README.md",
+        *sorted((ROOT / "docs").glob("*.md"))]
+CITING = [*DOCS, *sorted((ROOT / "bench").glob("*.md")),
           *sorted((ROOT / "hf_longctx").rglob("*.py")), *sorted((ROOT / "scripts").rglob("*.py")),
           *sorted((ROOT / "examples").glob("*.py"))]
 
@@ -68,3 +71,73 @@ def test_the_one_process_options_the_readme_names_exist():
     assert _example_args("trainer_flattening", ["--docs-per-step", "8"]).docs_per_step == 8
     assert _example_args("sft_trl", ["--rows-per-process", "2"]).rows_per_process == 2
     assert _example_args("sft_trl", []).rows_per_process == 1  # one row per process, as the README says
+
+
+def test_the_readme_is_short_enough_for_its_readers():
+    """The README is for users; architecture, CAD, memory and models live in docs/."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 400, len(lines)
+    for page in ("architecture.md", "cad.md", "memory.md", "models.md", "moe.md"):
+        assert (ROOT / "docs" / page).is_file(), page
+        assert f"docs/{page}" in "\n".join(lines), f"the README does not link docs/{page}"
+
+
+_PATH = re.compile(r"`((?:scripts|hf_longctx|tests|recipes|examples|bench|data|docs)/[\w./-]*[\w/])`")
+_NAME = re.compile(r"\bhf_longctx(?:\.\w+)+")
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether ``hf_longctx.a.b.c`` is a module of the package or an attribute of one (modules that need an
+    optional dependency, such as Triton, count by their file)."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        name = ".".join(parts[:cut])
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:
+            found = False
+        if found:
+            break
+    else:
+        return False
+    if cut == len(parts):
+        return True
+    obj = importlib.import_module(name)
+    for attr in parts[cut:]:
+        if not hasattr(obj, attr):
+            return False
+        obj = getattr(obj, attr)
+    return True
+
+
+def test_every_path_and_name_the_documents_cite_exists():
+    """Files (`scripts/...`, `hf_longctx/...`, ...) and dotted names (`hf_longctx.x.y`) the documents cite are in
+    the repository today: a moved script or a renamed function fails here, not in a reader's shell."""
+    missing = []
+    for doc in DOCS:
+        text, where = doc.read_text(), str(doc.relative_to(ROOT))
+        missing += [(where, path) for path in sorted(set(_PATH.findall(text))) if not (ROOT / path).exists()]
+        missing += [(where, name) for name in sorted(set(_NAME.findall(text))) if not _resolves(name)]
+    assert not missing, f"cited but not in the repository: {missing}"
+
+
+def test_the_model_counts_agree_with_the_lists():
+    """The README's one line of sweep counts equals the counts of docs/models.md, they add up to the total, and
+    the exact and no-interface lists hold as many names as they say."""
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    said = re.search(r"transformers ([\d.]+), (\d+) causal-LM classes: (\d+) exact, (\d+) refused by name, "
+                     r"(\d+) without an attention interface, (\d+) not checked", readme)
+    assert said, "the README no longer has its one line of model counts"
+    version, total, exact, refused, no_interface, unchecked = said.groups()
+    models = (ROOT / "docs" / "models.md").read_text()
+    assert f"({total} in {version})" in models and f"With transformers {version}:" in models
+    assert f"**exact ({exact})**" in models and f"**refused by name ({refused})**" in models
+    assert f"**no attention interface ({no_interface})**" in models
+    assert int(exact) + int(refused) + int(no_interface) + int(unchecked) == int(total)
+
+    def listed(start: str, end: str) -> int:
+        body = models[models.index(start) + len(start):models.index(end)]
+        return len([name for name in body.replace("\n", " ").split(",") if name.strip()])
+
+    assert listed(f"**exact ({exact})**:", "(*biogpt") == int(exact)
+    assert listed(f"**no attention interface ({no_interface})**:", "run their own attention") == int(no_interface)
