@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-# Cycles the device spins at least before a timed region (``torch.cuda._sleep``), ~2 ms at the 1.7-2 GHz clocks
-# of an H100 or H200: longer than the host takes to enqueue one call of torch's flash kernel (0.25 ms measured on
-# an H200's host, 1.0 ms on an H100's). :class:`HostAhead` spins longer where the host takes longer.
+# Cycles the device spins at least before a timed region (``torch.cuda._sleep``), ~2 ms at Hopper's clocks: longer than
+# the host takes to enqueue one call of torch's flash kernel (measured: bench/results/2026-12-04_from-modules.md).
+# :class:`HostAhead` spins longer where the host takes longer.
 HOST_AHEAD_CYCLES = 4_000_000
 
 
@@ -44,9 +44,8 @@ class HostAhead:
     launches, so a small region's events measure Python dispatch as much as kernels. A real step keeps its
     stream full (the host runs layers ahead), so a kernel's cost is its device time; spinning the device first
     (before the start event) measures that, if the spin lasts until the region's last launch. A fixed spin does
-    not always: in CAD's W = 64 steps on an H200 the host took 0.5-0.6 ms per kernel call at the median but up to
-    9 ms, and 16% of a Pretrain step's torch_flash calls took it longer than 2 ms; their events then count host
-    time, differently from run to run.
+    not always: in CAD's W = 64 steps the host's time per kernel call has a long tail, and calls past the spin
+    count host time in their events, differently from run to run (measured: bench/results/2026-11-29_cad-fa4.md).
 
     So the spin follows the host: ``margin`` times the longest host time of the last ``history`` regions
     (:meth:`record`), at least ``minimum_cycles`` and at most ``maximum_s`` seconds. A host time over

@@ -8,7 +8,8 @@
 #   scripts/bench_memory.sh plans   # the planner's verdict (no run) from 64K to 1M on this GPU
 #
 # HF_LONGCTX_HOST_MEMORY_GIB tells the planner the host's memory where /proc/meminfo under-reports it.
-# Every number printed is copied into bench/RESULTS.md with the date, GPU and command.
+# Every number printed is copied into a dated file of bench/results/ (indexed in bench/RESULTS.md) with the date,
+# GPU and command.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=${PYTHONPATH:-}:$PWD

@@ -7,7 +7,8 @@
 #   scripts/bench_scale.sh maxctx      # 1 GPU: full Llama-3-8B shape with offload (SEQS="262144 ...")
 #   scripts/bench_scale.sh throughput  # 2 GPUs: tokens/s, MFU, memory at 128K, ours and the peer
 #
-# Logs go to $OUT (or bench/logs). Every number printed is copied into bench/RESULTS.md with the date.
+# Logs go to $OUT (or bench/logs). Every number printed is copied into a dated
+# file of bench/results/ (indexed in bench/RESULTS.md) with the date.
 set -uo pipefail
 source "$(dirname "$0")/bench_env.sh"
 BACKENDS=${BACKENDS-ring zigzag distflash ulysses tasp cad}  # set empty for the peer alone

@@ -13,7 +13,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "recipes" / "README.md", ROOT / "scripts" / "README.md",
         *sorted((ROOT / "docs").glob("*.md"))]
-CITING = [*DOCS, *sorted((ROOT / "bench").glob("*.md")),
+CITING = [*DOCS, *sorted((ROOT / "bench").glob("*.md")), *sorted((ROOT / "bench" / "results").glob("*.md")),
           *sorted((ROOT / "hf_longctx").rglob("*.py")), *sorted((ROOT / "scripts").rglob("*.py")),
           *sorted((ROOT / "examples").glob("*.py"))]
 
@@ -21,14 +21,27 @@ CITING = [*DOCS, *sorted((ROOT / "bench").glob("*.md")),
 def test_every_cited_markdown_file_exists():
     present = {p.name for p in ROOT.rglob("*.md") if ".git" not in p.parts}
     missing = {(str(path.relative_to(ROOT)), name) for path in CITING
-               for name in re.findall(r"\b([A-Za-z_][\w.-]*\.md)\b", path.read_text()) if name not in present}
+               for name in re.findall(r"(?<![\w.-])([\w][\w.-]*\.md)\b", path.read_text()) if name not in present}
     assert not missing, f"cited but not in the repository: {sorted(missing)}"
 
 
+def test_the_results_index_links_every_results_file_and_every_bench_link_resolves():
+    """bench/RESULTS.md is the index other documents cite: it names every dated file, and no link in bench/ is dead."""
+    bench = ROOT / "bench"
+    index = (bench / "RESULTS.md").read_text()
+    results = sorted(path.name for path in (bench / "results").glob("*.md"))
+    assert results, "bench/results/ holds no dated results file"
+    assert not [name for name in results if f"](results/{name})" not in index], "RESULTS.md does not link them all"
+    dead = [(str(path.relative_to(ROOT)), target) for path in [*bench.glob("*.md"), *(bench / "results").glob("*.md")]
+            for target in re.findall(r"\]\(([^)#\s]+)[^)]*\)", path.read_text())
+            if "://" not in target and not (path.parent / target).exists()]
+    assert not dead, f"links to nothing: {dead}"
+
+
 def _cad_fwd_bwd() -> dict[tuple[str, str], int]:
-    """fwd+bwd TFLOP/s/GPU of the plain `cad` rows of RESULTS' packed-mix table, by (mix, tokens)."""
-    rows = re.findall(r"^\| (prolong|pretrain) \| (\d+K) \| cad \| \d+ \| (\d+) \|", (ROOT / "bench" / "RESULTS.md")
-                      .read_text(), re.M)
+    """fwd+bwd TFLOP/s/GPU of the plain `cad` rows of the packed-mix table in bench/results/, by (mix, tokens)."""
+    results = "\n".join(path.read_text() for path in sorted((ROOT / "bench" / "results").glob("*.md")))
+    rows = re.findall(r"^\| (prolong|pretrain) \| (\d+K) \| cad \| \d+ \| (\d+) \|", results, re.M)
     return {(mix, tokens): int(value) for mix, tokens, value in rows}
 
 

@@ -396,8 +396,8 @@ def _mask(runs: Sequence[Run], holder: int, rows: int) -> np.ndarray:
 def row_sums(targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Where each entry ``i`` of ``targets`` (int64) adds to, as sums per target, on ``targets``' device: (the
     distinct targets; each one's first position in the order, one more at the end; the entries sorted by target,
-    in their own order within one). One sort where the targets live: numpy's sort and unique took 20 ms of host
-    time per plan for 200K rows on a 2-core host, and an emulated CAD step 6-11% longer."""
+    in their own order within one). One sort where the targets live: numpy's sort and unique on the host made
+    an emulated CAD step measurably longer (bench/results/2026-12-04_from-modules.md)."""
     ordered, order = torch.sort(targets, stable=True)
     rows, counts = torch.unique_consecutive(ordered, return_counts=True)
     starts = torch.zeros(rows.shape[0] + 1, dtype=torch.int64, device=targets.device)

@@ -57,8 +57,8 @@ def sequence_parallel_override(device_type: str, sp_size: int, world_size: int) 
     (:func:`high_priority_options`); None where it does not apply: not CUDA, a torch without NCCL or without
     ``backend_override``, or a sequence-parallel group that spans the world (the default group serves it, and a
     second communicator over every rank would cost memory; ``TORCH_NCCL_HIGH_PRIORITY=1`` raises the default
-    group's streams instead). Measured on 4 H200s: CAD 2-3% faster on the Pretrain mix, the other backends
-    within run-to-run noise (``scripts/bench_comm_priority.sh``)."""
+    group's streams instead). CAD's all-to-alls, which overlap its kernels, no longer wait behind
+    them (``scripts/bench_comm_priority.sh``; measured: bench/results/2026-11-22_backends-multi-gpu.md)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     options = high_priority_options() if device_type == "cuda" else None

@@ -2,7 +2,7 @@
 
 Why: an emulated run (W ranks on one device) and CAD's choice of ``eps`` both need the seconds a
 rank's bytes take on a real fabric. The figures are the design document's section 7 ("Reference
-numbers measured here", 2026-11-22, 4x H200, all pairs NV18, NCCL, torch 2.11 cu130), per rank, at
+numbers measured here": 4x H200, all pairs NV18, NCCL, torch 2.11 cu130; :data:`_SOURCE`), per rank, at
 16/64/256 MB:
 
 - ``p2p``: "NCCL ring sendrecv per rank": 71 / 114 / 246 GB/s (the ring, zigzag, distfa engine);

@@ -4,9 +4,9 @@ the other way (CUDA only; imported lazily).
 A :class:`~hf_longctx.comm.gather.GatherPlan` builds each segment sequence from two sources: rows this rank holds
 and the unique rows the all_to_all brought. In eager torch that is two row gathers into temporaries and two
 ``index_copy_`` into the segment buffer, four passes over the rows, the copies through torch's generic indexing
-kernel; in an emulated CAD step of short documents on an H200, row gathers and index copies took more than half as
-long as the attention kernels. Here each program copies one block of one segment row from whichever source holds it:
-one read and one write per row.
+kernel; in an emulated CAD step of short documents, row gathers and index copies took more than half as long as the
+attention kernels (measured: bench/results/2026-11-22_backends-multi-gpu.md). Here each program copies one block of one
+segment row from whichever source holds it: one read and one write per row.
 
 The return is the inverse (:func:`scatter_rows`): each local row and each slot of the send buffer gets the sum of
 the segment rows that read it (key gradients: several), in a fixed order, converted to the destination's dtype in

@@ -39,25 +39,14 @@ states and the logits: ``T x V x (2 a + 8)`` for the logits, their float32 copy,
 the gradient cast back, or one chunk's with the tiled loss); each layer's backward (the checkpoints of the layers
 below it, the gradients of the layers above it, its own working set); the optimizer step. Static
 terms: weights, gradients, optimizer states and master weights as the precision and the ZeRO stage
-put them. Host: an overhead (:func:`default_host_overhead`: 3 GiB per process, measured, and 3 GiB for
-the system) plus the pinned checkpoints of every process on the host, plus the optimizer when it lives
+put them. Host: an overhead (:func:`default_host_overhead`: 3 GiB per process, see :data:`HOST_PROCESS_BYTES`, and 3 GiB
+for the system) plus the pinned checkpoints of every process on the host, plus the optimizer when it lives
 there.
 
-Calibration: measured peaks (``torch.cuda.max_memory_allocated``, one or two H200, bf16 weights and
-bf16 AdamW moments, ``bench/RESULTS.md`` 2026-11-23) against this model, which is above every one
-of them by 1.5-8%:
-
-==========================================================  ========  =====
-run (Llama-3-8B shape, vocab 128256)                        measured  model
-==========================================================  ========  =====
-32 layers, 128K, layer ckpt, tiled loss 8192 + MLP 16384        97.8   99.3
-32 layers, 192K, same                                          123.6  125.9
-32 layers, 256K, same, every checkpoint offloaded              101.6  104.6
-4 layers, 64K, recompute-aware, tiled loss + MLP                30.1   30.5
-4 layers, 256K, same                                            65.4   68.4
-4 layers, 64K/GPU on 2 GPUs, recompute-aware, nothing tiled    110.8  112.7
-4 layers, 64K/GPU on 2 GPUs, tiled loss only                    31.7   34.2
-==========================================================  ========  =====
+Calibration: measured peaks (``torch.cuda.max_memory_allocated``, whole steps and layer by layer with
+``memory_probe``) against this model, which is to stay above every one of them by a few percent (measured:
+bench/results/2026-11-22_training-memory.md; the per-layer windows the tests check are in
+``tests/memory_measurements.json``).
 
 On CPU the tests check the saved tensors of each checkpointing mode byte for byte
 (``tests/test_memory_plan.py``).
@@ -65,10 +54,10 @@ Every coefficient is a module constant, so newer measurements can move it.
 
 Cost model (which plan is fastest), in FLOPs per token: a layer's forward is its matmuls
 (``2 x its parameters``) plus causal attention (``4 q x keys per query``), its backward twice the
-matmuls plus :data:`ATTENTION_BACKWARD_FACTOR` times the attention. Layer checkpointing adds a
-layer's forward; recompute-aware only its matmuls (the measured 1.18-1.21x over layer checkpointing
-at 128-256K); the tiled MLP one MLP forward per layer; the tiled loss one output-projection forward;
-an offloaded checkpoint :data:`OFFLOAD_OVERHEAD` of the layer's step (measured 0.05-0.5%) or the
+matmuls plus :data:`ATTENTION_BACKWARD_FACTOR` times the attention. Layer checkpointing adds a layer's forward;
+recompute-aware only its matmuls (as measured against layer checkpointing, bench/results/2026-11-22_checkpointing.md);
+the tiled MLP one MLP forward per layer; the tiled loss one output-projection forward; an offloaded checkpoint
+:data:`OFFLOAD_OVERHEAD` of the layer's step or the
 copy time that the layer's compute does not hide, whichever is more. So spare memory buys speed:
 first untiled loss and MLP, then fewer checkpointed layers, recompute-aware before layer
 checkpointing, and checkpoints on the host while host memory lasts.
@@ -118,32 +107,31 @@ NORMS_PER_LAYER = 2
 
 FUSED_NORM_KEPT_INPUTS = 2
 """Per layer, the inputs a fused RMSNorm (Liger) keeps for backward: the layer's input and the residual sum
-before the MLP (transformers' norm keeps its float32 upcast instead). Measured on an H100 (tiny Llama,
-bf16): a layer without checkpointing keeps exactly this model's bytes. Each fused norm also keeps its
-output (the next projection's input) and a float32 rsqrt per token. Under checkpointing the layer's input
+before the MLP (transformers' norm keeps its float32 upcast instead). Measured on a tiny bf16 Llama: a layer without
+checkpointing keeps exactly this model's bytes (bench/results/2026-12-04_from-modules.md). Each fused norm also keeps
+its output (the next projection's input) and a float32 rsqrt per token. Under checkpointing the layer's input
 is the checkpoint itself: counted twice, which leaves ``a h`` per token of margin in the recomputed layer.
 
-What the fused norm does not change, measured layer by layer (``memory_probe``) on an H100 at 64K and 192K
-tokens and an H200 at 512K (8B shape): the peak of a layer's forward (the same with either norm) and the
-temporaries of a layer's backward (Liger's backward needs as much as transformers' float32 ones there).
-A layer's backward with the fused norm needs 35 KiB per token less than with transformers' (8B shape): the
-float32 upcasts it does not keep."""
+What the fused norm does not change, measured layer by layer (``memory_probe``, 8B shape): the peak of a
+layer's forward (the same with either norm) and the temporaries of a layer's backward (Liger's backward needs as
+much as transformers' float32 ones there). A layer's backward with the fused norm needs less per token than with
+transformers': the float32 upcasts it does not keep (measured: bench/results/2026-12-04_from-modules.md)."""
 
 FORWARD_ATTENTION_TRANSIENT_HIDDEN = 13
 """Per token, in units of ``a h``: what a checkpointed layer's forward holds at its attention part (its input,
 the norm's output, q, k and v before and after the rotary embedding and in the kernel's layout, the attention
-output and the projection after it). Measured layer by layer (``memory_probe``) on an H100 at 64K and 192K
-tokens and on an H200 at 512K, 8B shape, with either norm: 101 KiB per token (12.6 ``a h``)."""
+output and the projection after it). Measured layer by layer (``memory_probe``), 8B shape, with either norm:
+just under 13 ``a h`` per token (bench/results/2026-12-04_from-modules.md)."""
 
 MLP_FORWARD_HIDDEN_TENSORS = 4
 """T x h tensors alive during a checkpointed layer's MLP forward besides its intermediates: the layer's input,
-the residual sum, the MLP's input and its output (measured with Liger's SwiGLU at 192K: 4 ``a h`` + 3 ``a I``
-per token, exactly)."""
+the residual sum, the MLP's input and its output (measured with Liger's SwiGLU: 4 ``a h`` + 3 ``a I``
+per token, exactly; bench/results/2026-12-04_from-modules.md)."""
 
 FUSED_MLP_GRAD_INTERMEDIATES = 1
 """Liger's SwiGLU backward writes d(gate) and d(up) over its saved gate(x) and up(x): of the MLP's gradients
-only d(product) is a new T x I tensor (measured at 192K tokens on an H100, 8B shape: the un-fused count of
-3 over-predicted a layer's backward by 13.7 GiB)."""
+only d(product) is a new T x I tensor (the un-fused count of 3 over-predicted a layer's backward; measured:
+bench/results/2026-12-04_from-modules.md)."""
 
 LSE_BYTES = 4
 """Per head per token: the core attention's log-sum-exp is float32."""
@@ -169,8 +157,8 @@ ATTENTION_DQ_ACCUMULATOR_BYTES = 4
 
 LOGIT_BYTES_BEYOND_ACTIVATION = 4 + 4
 """Per token and vocabulary entry, besides the logits and their gradient in activation dtype
-(``2 a``): cross-entropy's float32 copy (transformers upcasts) and its float32 gradient. ``2 a + 8``
-= 12 bytes for bf16 matches the 79 GiB the tiled loss saved at 64K tokens (Llama-3 vocabulary)."""
+(``2 a``): cross-entropy's float32 copy (transformers upcasts) and its float32 gradient. ``2 a + 8`` = 12 bytes for bf16
+matches what the tiled loss saved (Llama-3 vocabulary; measured: bench/results/2026-11-22_training-memory.md)."""
 
 TOKEN_INPUT_BYTES = 3 * 8
 """input_ids, position_ids and labels (int64) per token."""
@@ -204,15 +192,15 @@ GPU_RESERVED_BYTES = 2 * GiB
 """GPU memory the caching allocator never sees: CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers."""
 
 GPU_FRAGMENTATION = 0.08
-"""Share of the GPU lost to the caching allocator's fragmentation. Measured on one H200 (full 8B shape, 128K
-tokens, default allocator): 8.6 of 139.8 GiB reserved but unallocated when a plan that filled 96% ran out
-of memory; expandable_segments (which the training scripts turn on) leaves less, this keeps the margin."""
+"""Share of the GPU lost to the caching allocator's fragmentation. A plan that filled 96% of the GPU ran out of memory
+with the default allocator, with nearly this share reserved but unallocated (measured:
+bench/results/2026-11-22_training-memory.md); expandable_segments (which the training scripts turn on) leaves less, this
+keeps the margin."""
 
 HOST_PROCESS_BYTES = 3 * GiB
 """Host memory of one training process besides what the plan models (its pinned checkpoints and host optimizer):
-Python, torch, CUDA's host side, the data. Measured on one H200 and one H100 (full 8B shape, 64K-256K
-tokens): the process's peak resident memory (VmHWM) was 2.0 GiB above its pinned checkpoints every time;
-1 GiB more is margin."""
+Python, torch, CUDA's host side, the data: the process's peak resident memory (VmHWM) stayed about 2 GiB above
+its pinned checkpoints, full 8B shape (measured: bench/results/2026-11-22_training-memory.md); 1 GiB more is margin."""
 
 HOST_RESERVED_BYTES = 3 * GiB
 """Host memory for everything besides the training processes (the system, the page cache it cannot drop)."""
@@ -230,9 +218,9 @@ ATTENTION_BACKWARD_FACTOR = 2.5
 """Attention backward / forward FLOPs: FlashAttention's backward runs 5 matmuls to the forward's 2."""
 
 OFFLOAD_OVERHEAD = 0.01
-"""Share of an offloaded layer's step spent on its copies: measured 0.05-0.5% on one GPU with side
-streams, counted as 1% for copies that share PCIe with NCCL traffic and for the pinned host memory
-they take, so a plan offloads only where that buys a whole non-checkpointed layer or a fit."""
+"""Share of an offloaded layer's step spent on its copies: well under it on one GPU with side streams (measured:
+bench/results/2026-11-22_checkpointing.md), counted as 1% for copies that share PCIe with NCCL traffic and for the
+pinned host memory they take, so a plan offloads only where that buys a whole non-checkpointed layer or a fit."""
 
 HOST_LINK_BYTES_PER_S = 25e9
 """Pinned host <-> GPU copy bandwidth assumed (PCIe Gen4 x16 measures ~25 GB/s, Gen5 ~50)."""

@@ -1,9 +1,9 @@
 """AdamW with its states in host memory (torchao's ``CPUOffloadOptimizer``), for one-GPU long-context runs.
 
-Why: on one GPU the weights, gradients and AdamW states of an 8B model take 60 of an H100's 79 GiB,
-which is what caps its context (112K tokens with ``memory: auto``). torchao's offload optimizer keeps
-a pinned host copy of every parameter and its gradient, runs ``torch.optim.AdamW`` (fused, on the
-CPU) there, and copies the updated parameters back; with ``offload_gradients`` each GPU gradient is
+Why: on one GPU the weights, gradients and AdamW states of an 8B model take most of an H100's memory,
+which is what caps its context with ``memory: auto`` (measured: bench/results/2026-11-22_training-memory.md). torchao's
+offload optimizer keeps a pinned host copy of every parameter and its gradient, runs ``torch.optim.AdamW`` (fused, on
+the CPU) there, and copies the updated parameters back; with ``offload_gradients`` each GPU gradient is
 freed as soon as its copy has left, so neither the states nor the gradients stay on the GPU.
 
 What it does not do on its own, and :class:`HostOffloadAdamW` adds, so a run with it is never silently

@@ -3,11 +3,10 @@
 Why: GPU varlen attention kernels size their launch grid by the batch's longest segment. FlashAttention's
 forward launches ``ceil(max_q / tile)`` query tiles for every segment and head, its backward
 ``ceil(max_k / tile)`` key tiles; a short segment's surplus tiles find no rows and exit, but each costs a
-launch slot. Measured with torch's flash kernel on an H200 (forward+backward, 32 heads of 128): a 128-row
-segment fused with a 32K-key one costs about 40 us more than alone, beside a 128K-key one 155-220 us. A
-CAD server that computes one long document's last rows beside dozens of short documents pays that per
-short segment, so its kernel time is no longer the sum of its tasks' costs (at 64 ranks a schedule
-balanced on per-task costs was 1.3-1.5x off in kernel time).
+launch slot, and the more the longer the segment beside it. A CAD server that computes one long document's
+last rows beside dozens of short documents pays that per short segment, so its kernel time is no longer the sum
+of its tasks' costs, and a schedule balanced on per-task costs was far off in kernel time at 64 ranks (measured:
+bench/results/2026-12-04_from-modules.md).
 
 The cure is cheap: sort a batch's segments by key length (longest first) and cut it into runs, one kernel
 call each, so that each run's grid fits its own longest segment. A call has a fixed cost of its own, so a

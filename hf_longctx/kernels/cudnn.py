@@ -1,8 +1,8 @@
 """cuDNN fused attention through torch's dense SDPA op, for packed inputs of few distinct shapes.
 
-On Hopper cuDNN's attention runs about 1.7x faster than torch's FlashAttention-2 (one causal 64K
-document on an H200, forward+backward: 556 against 331 TFLOP/s; bench/RESULTS.md, single-GPU
-kernels), but torch exposes it only for dense (B, H, S, D) batches (its varlen path is unproven).
+On Hopper cuDNN's attention runs well ahead of torch's FlashAttention-2 on single documents (measured:
+bench/results/2026-11-22_kernels.md), but torch exposes it only for dense (B, H, S, D) batches (its varlen path is
+unproven).
 Distributed attention pieces are mostly one segment (a single document crossing a shard boundary)
 or a run of equal-length documents, so this module groups the segments of a packed call by
 (q_len, k_len) and runs one dense batched call per group. A single group that is contiguous in
@@ -22,8 +22,8 @@ name = "cudnn"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 128
 MAX_GROUPS = 4
-# cuDNN's dense backward (torch 2.11, cuDNN 9.19, H100 and H200) crashes the process with a segmentation
-# fault when a graph for single-token segments is run a second time; those calls go to torch_flash.
+# cuDNN's dense backward (torch 2.11, cuDNN 9.19; bench/results/2026-11-22_kernels.md) crashes the process with a
+# segmentation fault when a graph for single-token segments is run a second time; those calls go to torch_flash.
 MIN_SEGMENT_LEN = 2
 
 
@@ -74,7 +74,7 @@ def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-# cuDNN takes fewer KV heads than query heads natively in forward (checked on H200, torch 2.11); its
+# cuDNN takes fewer KV heads than query heads natively in forward (checked on Hopper, torch 2.11); its
 # backward is tried natively once and falls back to repeated KV heads if this build rejects it.
 _native_gqa_backward: bool | None = None
 

@@ -3,9 +3,9 @@
 ``pip install "hf-longctx[cudnn]"`` brings ``nvidia-cudnn-frontend`` (one 11 MB wheel that uses the
 libcudnn torch already ships; its packed-document path builds its offset tables with the CUTLASS
 Python DSL, so that comes along). Its ``torch.ops.cudnn.sdpa_fwd/sdpa_bwd`` take cu_seqlens, native
-GQA and bottom-right causal masks, so any mix of document lengths runs in one call, at about 1.5x
-torch's FlashAttention-2 on Hopper (bench/RESULTS.md). Sliding windows are declined: cuDNN's band
-did not match the reference on the GPU. Unlike the dense path in
+GQA and bottom-right causal masks, so any mix of document lengths runs in one call, faster than
+torch's FlashAttention-2 on Hopper (measured: bench/results/2026-11-22_kernels.md). Sliding windows are declined:
+cuDNN's band did not match the reference on the GPU. Unlike the dense path in
 :mod:`.cudnn` it is not limited to a few distinct document shapes.
 
 Two costs shape this module:
@@ -83,8 +83,8 @@ def supports(call: KernelCall) -> str | None:
     """Why the cuDNN frontend cannot take this call, or None when it can."""
     q, cu_q, cu_k, causal = call.q, call.cu_seqlens_q, call.cu_seqlens_k, call.causal
     if call.window is not None:
-        # Measured on an H200 (cuDNN 9.19, frontend 1.32): its diagonal band missed the reference by
-        # 2.5-9% in every windowed case, so windows go to FlashAttention-4 or torch's FlashAttention-2.
+        # cuDNN 9.19, frontend 1.32: its diagonal band missed the reference in every windowed case
+        # (bench/results/2026-11-22_kernels.md), so windows go to FlashAttention-4 or torch's FlashAttention-2.
         return "cudnn_varlen does not serve sliding windows (its band did not match the reference on the GPU)"
     ops = _ops()
     if isinstance(ops, str):

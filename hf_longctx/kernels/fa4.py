@@ -1,8 +1,8 @@
 """FlashAttention-4 varlen kernels (the flash-attention project's CuTe-DSL kernels), an optional extra.
 
 ``pip install "hf-longctx[fa4]"`` brings ``flash-attn-4``; on Hopper it runs packed documents at
-about 1.8x torch's FlashAttention-2 (bench/RESULTS.md). The package is pure Python and compiles a
-kernel per configuration (dtype, head dims, GQA ratio, causal, window) on first use, not per
+nearly twice torch's FlashAttention-2's rate (measured: bench/results/2026-11-22_kernels.md). The package is pure Python
+and compiles a kernel per configuration (dtype, head dims, GQA ratio, causal, window) on first use, not per
 shape, so varying document lengths cost nothing after warm-up. Its persistent compile cache is
 switched on here (unless the user set ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED``), so a second
 process of the same run loads compiled kernels from disk instead of compiling again.
@@ -111,9 +111,9 @@ def _configuration(direction: str, q, k, causal: bool, window: int | None) -> tu
     return (direction, q.dtype, q.shape[1], k.shape[1], q.shape[2], causal, window is not None, q.device)
 
 
-# Tile steps under which a backward block of 128 keys runs slower per step (launch.backward_short_steps): on an
-# H200, 16 priced a W = 64 ProLong step's servers best (per-server backward error 3.7%; 3.9-5.2% with 8, 24, 32 or
-# 48; 6.6% without the term), its held-out error per call 4.0% (3.9-4.3% with the others; 4.8% without).
+# Tile steps under which a backward block of 128 keys runs slower per step (launch.backward_short_steps): 16
+# priced a W = 64 ProLong step's servers best of 8-48 and of no term, per server and per held-out call
+# (measured: bench/results/2026-12-04_from-modules.md).
 BACKWARD_MIN_STEPS = 16
 
 
@@ -142,10 +142,8 @@ def backward_accumulator_keys(heads: int, kv_heads: int, head_dim: int, l2_bytes
 
     One query head's accumulators take ``2 * head_dim * 4`` bytes per key (dK and dV in fp32); they start to leave
     the L2 once they fill a quarter of it and are out of it at three quarters (the block's K, V, dO and dQ lines
-    share the cache). Checked on an H200 (60 MiB, so 15,360 to 46,080 keys at head dim 128) by fitting the profile
-    with each ramp and pricing 15 dumped W = 64 steps: the largest server over the mean 2.7% (ProLong), 2.5%
-    (Pretrain), 1.8% (SFT); from a third to the whole L2, 3.8%, 2.5% and 1.5%; from a sixth to three quarters,
-    2.8%, 2.5% and 1.9%."""
+    share the cache). That ramp priced dumped W = 64 steps closer than a third to the whole L2 or a sixth to three
+    quarters (measured: bench/results/2026-11-29_cad-fa4.md)."""
     if heads == kv_heads or l2_bytes <= 0:
         return None
     full = l2_bytes // (2 * head_dim * 4)

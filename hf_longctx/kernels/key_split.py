@@ -2,11 +2,11 @@
 
 Why: a non-persistent forward kernel launches one block per query tile and head, and each block sweeps all the
 keys its rows see. A call of few rows over a long prefix (a CAD server's share of a long document's last rows, or
-a key cut's rectangle) launches few blocks that each run long: one 128-row segment over 112K keys is 32 blocks of
-1,755 key tiles each on an H200's 132 SMs, and took 3.2 ms (72 TFLOP/s) in a W = 64 ProLong step. Such calls held
-three quarters of those servers' forward time, and their time is set by where the GPU places the blocks, which
-the launch model prices 3-15% off. Cut into chunks of keys, the same call launches many short blocks that fill the
-device: 0.9 ms for that call, and 9-10% off those servers' forward (``scripts/lab/bench_key_split.sh``).
+a key cut's rectangle) launches few blocks that each run long, on a fraction of the SMs, far below the kernel's
+rate. In W = 64 ProLong steps such calls held most of those servers' forward time, and their time is set by where
+the GPU places the blocks, which the launch model prices poorly. Cut into chunks of keys, the same call launches
+many short blocks that fill the device, and those servers' forward got faster (``scripts/lab/bench_key_split.sh``;
+measured: bench/results/2026-12-04_from-modules.md).
 
 :func:`plan_key_split` decides by :class:`KeySplit`'s rule which calls are cut and into which chunks of the keys
 every row of a segment sees (all of a rectangle's; under a causal mask the prefix before the segment's first
@@ -56,16 +56,16 @@ class KeySplit:
     blocks, and no shorter than ``min_keys`` (each chunk reads its rows again and writes an output to merge); a call
     is cut only where some segment's rows all share ``min_shared`` keys, and then every segment sharing more than a
     chunk is cut (one left whole keeps the call's long blocks). The rule was chosen on the forward calls of CAD
-    steps at 64 servers on an H200 (``scripts/lab/bench_key_split.sh``). ``min_shared`` was 32K while each cut segment's
-    merge took a dozen kernels (below it cut calls then ran no faster); with the merge one kernel, such calls ran
-    cut at 0.79x their whole time sharing 24-32K keys, 0.86x at 16-24K, 0.93x at 8-16K and 1.09x at 4-8K
-    (``scripts/bench_merge.py --calls``), and 16K is the threshold that CAD steps at 64 servers were measured with.
+    steps at 64 servers (``scripts/lab/bench_key_split.sh``). ``min_shared`` was 32K while each cut segment's
+    merge took a dozen kernels (below it cut calls then ran no faster); with the merge one kernel, cutting pays
+    down to calls sharing 8-16K keys and not below (``scripts/bench_merge.py --calls``), so the threshold is 16K
+    (measured: bench/results/2026-12-04_from-modules.md).
 
     A kernel that launches segment by segment (``launch_order`` ``"segment"``: FlashAttention-4 on Hopper, one
     forward block to an SM, a KV head's ``head_pack`` query heads in one tile) is judged by its own launch
     simulation (:func:`~hf_longctx.kernels.launch.segment_phase_factor`, its longest blocks first), and its chunks
-    make ``waves`` waves of ``sms`` blocks. It runs by torch_flash's rule (not yet swept for it); on an H200 its
-    forward of 128 rows over 112K keys ran in under half the time cut.
+    make ``waves`` waves of ``sms`` blocks. It runs by torch_flash's rule (not yet swept for it), which cuts
+    such a forward's time by more than half (bench/results/2026-12-04_from-modules.md).
     """
 
     sms: int

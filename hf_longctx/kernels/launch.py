@@ -5,10 +5,9 @@ Why: a tiled attention kernel launches one thread block (CTA) per query tile (fo
 per SM for FlashAttention-2's backward at head dim 128). Under a causal mask the blocks' work differs: the
 forward block of a segment's last query tile sweeps every key tile, the first one sweeps one. When a
 call holds one large causal segment, its longest blocks run at the end with most SMs idle, and the call
-takes longer than its work at full throughput. Measured with torch's flash kernel on an H200: a lone
-8K x 8K causal segment took 5-6% longer per segment than the four copies per call a profile cell times,
-and a CAD server whose batch is one such segment was priced 5% short; a server of a dozen 2-4K documents
-fills the machine and was not.
+takes longer than its work at full throughput: a lone large causal segment takes longer per segment than the
+copies per call a profile cell times, so a CAD server whose batch is one such segment was priced short; a server
+of a dozen short documents fills the machine and was not (measured: bench/results/2026-11-24_cad-kernel-time.md).
 
 :func:`tail_factor` simulates the launch: every block's work in tile steps, in the order the kernel's
 grid launches them (tile fastest, then segment, then head), each taking the slot that frees first. The
@@ -179,13 +178,11 @@ def accumulator_share(k_len, keys: tuple[int, int] | None):
     accumulators of its KV head (1 KB per key at head dim 128), a segment's heads one after another. While one
     head's accumulators (its segment's keys times 1 KB) fit the L2, the next head of the group adds into lines the
     cache still holds; past it, every block's additions go to memory, and a block of few tile steps waits on them.
-    Measured on an H200 (60 MiB of L2) in CAD's own calls: a block of 2-3 query tiles took 15-16 us over 16-22K keys
-    and 19-21 us over 57-73K, where a block of 8 took 26 us at any length. Priced by the launch model per key and
-    per tile step short of :attr:`LaunchGrid.backward_accumulator_steps`, times this share: with both, fitted on
-    the profile and CAD's calls of other steps, the per-server error of held-out W = 64 steps fell from 2.0% to
-    0.7% (standard deviation), the largest from 4.6% to 2.1% over the mean. Emulated with the profile's own
-    server calls (:func:`~hf_longctx.lab.cad.call_profile.cad_server_calls`), ProLong 128K at W = 64 (seed 0)
-    went from 2.8% per-server error and 1.090 max/mean to 1.2% and 1.028."""
+    In CAD's own calls a block of few query tiles took longer over long keys, where a block of many did not.
+    Priced by the launch model per key and per tile step short of :attr:`LaunchGrid.backward_accumulator_steps`,
+    times this share, held-out W = 64 steps and emulated CAD steps (with the profile's own server calls,
+    :func:`~hf_longctx.lab.cad.call_profile.cad_server_calls`) were priced and balanced closer (measured:
+    bench/results/2026-12-04_from-modules.md)."""
     if keys is None:
         return 0.0 if isinstance(k_len, int) else np.zeros(np.shape(k_len))
     first, full = keys
@@ -200,10 +197,10 @@ def backward_short_steps(q_len, k_len, tile: tuple[int, int], min_steps: int | N
     arrays (0 where q_len is 0, and everywhere with ``min_steps`` None).
 
     Why: a backward block loads its keys and values, fills its pipeline and stores dK and dV whatever its steps;
-    over enough steps that is hidden, over a few it is not. Measured with FlashAttention-4 on an H200 (64 x 128
-    tiles), a key block of few rows over a long prefix took 4.7 us per block at 3 query tiles and 0.54 us per
-    step past 26: a CAD server running a long document's last 128-256 rows was priced 12-18% low at one price
-    per step. The model prices the shortfall per step (fitted like the other terms).
+    over enough steps that is hidden, over a few it is not: with FlashAttention-4 a key block of few rows over a
+    long prefix costs a fixed time per block beyond its steps, and a CAD server running a long document's last
+    rows was priced low at one price per step (measured: bench/results/2026-12-04_from-modules.md). The model prices the
+    shortfall per step (fitted like the other terms).
 
     Closed form in the blocks: every block up to the rows' first key sweeps all ``ceil(q / rows)`` query tiles;
     after it, each block sweeps ``keys / rows`` tiles fewer than the one before, so only the last
@@ -368,9 +365,9 @@ def _makespan(head: list[int], tail: list[int], blocks: int, total: int, slots: 
 
     Why the first waves too: a kernel that launches a segment's longest blocks first (FlashAttention-4's causal
     forward) starts a call with its longest blocks; spread evenly with the rest, a few rows over a long prefix
-    vanished from the price (a CAD server's forward of 573 rows over 52K keys beside short documents, 144 blocks
-    of 410 key tiles on 132 SMs: two rounds of them, measured 1.15 ms, priced 0.83). Simulating every block would
-    cost the scheduler too much: a forward of 32 heads launches tens of thousands."""
+    vanished from the price (a CAD server's forward of a few hundred rows over a long prefix beside short
+    documents ran two rounds of long blocks and was priced well short; measured: bench/results/2026-11-29_cad-fa4.md).
+    Simulating every block would cost the scheduler too much: a forward of 32 heads launches tens of thousands."""
     if blocks <= len(head) + len(tail):  # the head and the tail overlap: every block is simulated, in order
         head, tail = head + tail[len(head) + len(tail) - blocks:], []
     finish = [0.0] * slots
@@ -472,9 +469,10 @@ def paired_makespan(steps: Sequence[float], sms: int, pairing: float, empty: flo
     ones pairs past 128 blocks).
 
     Why: torch's flash forward runs up to one block per SM alone; past that, long blocks mostly end up two to
-    an SM and take 1.6x as long, whatever separates them in the launch order (``scripts/lab/profile_cad.py
-    --placement`` on an H200 and an H100). The blocks before the last :data:`EXACT_WAVES` waves of ``2 * sms``
-    are taken as spread evenly, two to an SM; the launch is never built whole (a forward call of 32 heads
+    an SM and take longer, whatever separates them in the launch order (``scripts/lab/profile_cad.py
+    --placement``; measured: bench/results/2026-11-24_cad-kernel-time.md). The blocks before the last
+    :data:`EXACT_WAVES` waves of ``2 * sms`` are taken as spread evenly, two to an SM; the launch is never built whole
+    (a forward call of 32 heads
     launches tens of thousands of blocks, and a schedule prices thousands of calls)."""
     if sms < 1 or pairing < 1.0 or empty < 0 or repeats < 0:
         raise ValueError(f"paired_makespan needs sms >= 1, pairing >= 1, empty >= 0 and repeats >= 0, got {sms}, "

@@ -24,24 +24,22 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 
 
-FORWARD_PAIRING = 1.6  # two forward blocks on one SM each take this times their time alone (H200, H100)
+FORWARD_PAIRING = 1.6  # two forward blocks on one SM each take this times their time alone (see launch_grid)
 EMPTY_HOLD = 0.0  # tile steps an empty forward block holds its slot past a one-wave launch (see launch_grid)
 
 
 def launch_grid(head_dim: int) -> LaunchGrid | None:
     """FlashAttention-2's blocks at head dim 128 (forward: 128 query rows over 64-key tiles, 4 warps; backward:
     128 keys over 64-row query tiles, 8 warps, one block per SM), launched tile-fastest, then segment, then head.
-    The forward takes 27% of a forward+backward on an H200; its weight, 0.15, is fitted to every kernel call of
-    CAD steps of 8-64 emulated ranks on three document mixes there (per-server prediction error 1.4% standard
-    deviation, against 1.5% at 0.27 and 1.9% without the tail). Forward blocks run two to an SM past one per SM,
-    each 1.6x slower (``scripts/lab/profile_cad.py --placement`` on an H200 and an H100). An empty block takes its
-    place in a one-wave launch (the blocks after it pair as if it ran) and no time past that. With the forward's
-    key split and its one-kernel merge, that priced 16 dumped CAD steps of W = 64 over three mixes closer per
-    server than empty blocks holding their slot for 0.3 tile steps (forward error standard deviation, mean over
-    the steps: SFT 2.9% against 3.5%, ProLong 3.8% against 4.2%, Pretrain 1.9% against 2.1%; 0.3 had fitted best
-    before the key split). A forward call whose few long blocks leave SMs idle runs as chunks of its keys
-    (:data:`.key_split.RULE`): the forward of ProLong servers at W = 64 ran 9-10% faster on an H200.
-    Other head dims use other tiles: not modelled."""
+    The forward's weight, 0.15 (below its share of a forward+backward's time), is fitted to every kernel call of
+    CAD steps of 8-64 emulated ranks on three document mixes; it priced servers closer than the forward's time
+    share or no tail. Forward blocks run two to an SM past one per SM, each :data:`FORWARD_PAIRING` times slower
+    (``scripts/lab/profile_cad.py --placement``). An empty block takes its place in a one-wave launch (the blocks
+    after it pair as if it ran) and no time past that: with the forward's key split and its one-kernel merge, that
+    priced dumped CAD steps of W = 64 closer per server than empty blocks holding their slot for 0.3 tile steps
+    (0.3 had fitted best before the key split). A forward call whose few long blocks leave SMs idle runs as chunks
+    of its keys (:data:`.key_split.RULE`), which made the forward of ProLong servers at W = 64 faster (measured:
+    bench/results/2026-12-04_from-modules.md). Other head dims use other tiles: not modelled."""
     if head_dim != 128:
         return None
     return LaunchGrid(forward_tile=(128, 64), backward_tile=(64, 128), forward_weight=0.15,
@@ -53,10 +51,9 @@ def backward_keys_limit(heads: int, kv_heads: int, head_dim: int, itemsize: int)
 
     Why: with grouped-query attention the backward computes every query head's dK and dV (``heads`` of them, in
     the input dtype) and sums each group into its KV head with a torch reduction. Once that buffer passes 2 GiB
-    the reduction leaves 32-bit indexing and slows down: measured on an H200 (32 heads, 8 KV heads, head dim 128,
-    bf16; ``scripts/lab/profile_cad.py``), one 256-row segment over 262,000 keys ran 1.4% under the launch model and
-    over 270,000 keys 3.9% over, in one call or in three, about 2e-6 ms more per key; the reduction itself took
-    1.32x as long per key. A CAD server cuts its batch into calls under this limit
+    the reduction leaves 32-bit indexing and slows down per key, in one call or in several
+    (``scripts/lab/profile_cad.py``; measured: bench/results/2026-12-04_from-modules.md). A CAD server cuts its batch
+    into calls under this limit
     (:func:`~hf_longctx.kernels.calls.plan_calls`), and the launch cost model prices what a longer single segment
     pays (:class:`~hf_longctx.backends.cad.launch_cost.PhaseTerms`' ``k_spill``)."""
     if heads == kv_heads:

@@ -11,8 +11,8 @@ of the same merge for CPU and float64.
 The same kernel merges one partial result into a block of consecutive rows of a running result
 (:meth:`~hf_longctx.kernels.merge.PartialAccumulator.add`, every ring step's and helper's result): rows
 ``start + m`` from part ``m``, no table. In eager torch that merge is a dozen elementwise passes over the block in
-float32 (conversions, logaddexp, two weights, products, copies back); this launch took 1/6 of their time on an H200
-(16K rows of 32 heads of 128 into 64K).
+float32 (conversions, logaddexp, two weights, products, copies back); this one launch takes a fraction of their
+time (measured: bench/results/2026-11-22_backends-multi-gpu.md).
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ and ``down_proj`` (E, H, I), or their transposes (E, H, 2I) / (E, I, H) when the
 its own.
 
 Why two paths. ``torch._grouped_mm`` runs every expert's GEMM in one kernel from device-side offsets:
-on an H200 it reaches 394-548 TFLOP/s on the Qwen3-30B-A3B and Mixtral shapes where a Python loop over
-experts gets 16-342 (many small GEMMs, one launch each). It takes bf16/fp16/fp32 only and wants
-16-byte aligned strides, so float64 (the exactness tests) and odd shapes go through the loop, which
+on the Qwen3-30B-A3B and Mixtral shapes it runs several times faster than a Python loop over experts (many small GEMMs,
+one launch each; measured: bench/results/2026-12-04_from-modules.md). It takes bf16/fp16/fp32 only and wants 16-byte
+aligned strides, so float64 (the exactness tests) and odd shapes go through the loop, which
 computes the same thing with ``F.linear`` per expert. On the grouped path a plain SwiGLU gate runs as
 one fused kernel (:func:`~hf_longctx.moe.row_ops.swiglu`) with the same rounding as eager mode.
 """

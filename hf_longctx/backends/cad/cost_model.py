@@ -207,11 +207,10 @@ class ProfiledCostModel:
       must then be multiples of ``tile``, so that grid points stay exact.
 
     Not in a segment's price: what it costs depending on the *other* segments of its call. Varlen kernels
-    size their grid by the call's longest segment, so a short segment fused with a long one costs about
-    1.2 us per 1K keys of the longest segment more than alone (torch_flash on an H200, forward+backward,
-    mostly the backward: 40 us beside a 32K-key segment, 155-220 us beside a 128K-key one). That is a
-    property of a call, not of a segment; the runtime avoids most of it by cutting a server's batch into
-    calls of similar segments (the call terms below).
+    size their grid by the call's longest segment, so a short segment fused with a long one costs more than
+    alone, the more the longer that segment, mostly in the backward (measured:
+    bench/results/2026-11-24_emulation-vs-real.md). That is a property of a call, not of a segment; the runtime avoids
+    most of it by cutting a server's batch into calls of similar segments (the call terms below).
 
     The tail of a call (``launch``, a :class:`~hf_longctx.kernels.launch.LaunchGrid`, with ``launch_heads``):
     a kernel that launches one block per tile runs a lone large causal segment's longest blocks at the end,

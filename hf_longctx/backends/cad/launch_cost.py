@@ -6,8 +6,8 @@ per-token passes (loading the queries, writing the output and log-sum-exp, the b
 dq accumulator and dK/dV write-out) scale with tokens, not pairs, and a segment of 644 rows does 36 of the 42
 backward tile steps that the 768 rows it is rounded to do. Both error by several percent per kernel call on
 calls of a dozen 200-2000-token documents, and CAD's servers then differ in time by what their calls hold
-(measured with torch's flash kernel on an H200: per-server error 1.4-2.3% standard deviation on a short-document
-mix, so the busiest of 16-64 servers ran 3-4% over the mean while the prediction was balanced to 0.4%).
+(so the busiest of 16-64 servers ran several percent over the mean on a prediction balanced well under one;
+measured: bench/results/2026-11-24_cad-kernel-time.md).
 
 :class:`LaunchCostModel` prices one kernel call per phase (forward, backward) as a sum of what its launch grid
 (:class:`~hf_longctx.kernels.launch.LaunchGrid`) makes it do::
@@ -30,7 +30,7 @@ backward segment's keys and its blocks' steps short of ``backward_accumulator_st
 dK/dV accumulators out of the L2 (0 without ``backward_accumulator_keys``: see
 :func:`~hf_longctx.kernels.launch.accumulator_share`). The coefficients per phase are fitted by
 :func:`fit_phase_terms` to calls timed on the device (see :mod:`.call_profile`); fitted on two mixes and checked
-on a third (H200, torch_flash), the per-server error fell to 0.4-0.8%.
+on a third, it prices servers several times closer (bench/results/2026-12-04_from-modules.md).
 
 The scheduler prices a task alone, at full throughput (:meth:`LaunchCostModel.cost`); what a call adds beyond
 its segments (its constant and the surplus blocks) is :attr:`LaunchCostModel.call_terms`, and its tail

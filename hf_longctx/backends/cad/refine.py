@@ -35,29 +35,23 @@ from .tasks import CadTask, first_row_in_doc, rows_cost
 
 REFINE_MOVES = 64  # moves (or cuts) at most per schedule (it stops sooner when no move helps)
 # least busy servers tried as receivers per move: a receiver whose forward calls would pass one block per SM runs
-# its long blocks two to an SM (LaunchGrid.forward_pairing), so the least busy one is often not the best. With 8
-# instead of 3, ProLong 128K at 64 servers was predicted 1.013 instead of 1.063 max/mean on an H200's model (the
-# worst of 24 batches of the emulation's mixes 1.016 instead of 1.063), for twice the refinement's time.
+# its long blocks two to an SM (LaunchGrid.forward_pairing), so the least busy one is often not the best. 8 instead
+# of 3 balanced the worst batches far closer, for twice the refinement's time (bench/results/2026-11-29_cad-fa4.md).
 REFINE_TARGETS = 8
 # when none of the least busy servers takes a part of the busiest's work, the next ones are tried, twice as many each
-# time, up to this many in all. On an H200's FlashAttention-4 launch model at 64 servers, Pretrain 512K's schedules
-# stopped at 1.024 and 1.025 predicted max/mean with 16 and reached 1.016 and 1.020 with 64; the others stayed as
-# they were, in the same host time (a step widens only where the least busy take nothing; Pretrain seed 0 took
-# 1.5 s instead of 0.9 on a 2-core host). Emulated on the H200 (then with cuts
-# of 64 rows, which moved FA4's predictions by under 0.001), the measured max/mean did not change beyond the model's
-# own error (1.025, 1.057, 1.035 against 1.023, 1.043, 1.053 for seeds 0-2). On ProLong 128K (seed 1) 16 had
-# reached 1.017 where 8 stopped at 1.024
+# time, up to this many in all. On FlashAttention-4's launch model at 64 servers, 64 took schedules
+# that stopped at 16 lower and left the others as they were, in the same host time (a step widens only where the least
+# busy take nothing); emulated, the measured max/mean did not change beyond the model's own error
+# (bench/results/2026-12-04_from-modules.md)
 REFINE_WIDEST = 64
 # a step with more moves than this is screened (see refine_in_time's ``screen``): below it, the additive estimate
-# ranks too many of the moves that win low (ProLong 128K at 64 servers, about 130 moves per step: 6 batches'
-# predicted max/mean 1.0103 on average pricing every move, 1.0142 screened to 32 in a row)
+# ranks too many of the moves that win low (ProLong 128K at 64 servers, about 130 moves per step, balanced
+# worse screened; measured: bench/results/2026-11-22_backends-multi-gpu.md)
 SCREEN_ABOVE = 256
 # ejection chains (refine_in_time's ``chains``) are tried only while the busiest server stands this far above the
-# mean. On an H200's FlashAttention-4 launch model at 64 servers (ProLong 128K, Pretrain 512K, SFT 512K, seeds 0-5, on
-# a 2-core host) chains from 1.01 took the worst of the 18 batches from 1.069 to 1.010 predicted max/mean; the
-# refinements that chained took 1.6-3.8 s instead of 0.8-1.9 s (SFT seeds 4 and 5, left at 1.069 and 1.059 by single
-# moves in 0.5 s, went on to 1.004 in 5.5-6.8 s), the others as long as before. Chains at any imbalance reached 1.009
-# at worst and 1.001-1.007 on Pretrain, but took Pretrain's refinements to 4.0-8.1 s
+# mean. On FlashAttention-4's launch model at 64 servers chains from 1.01 took the worst batches from
+# several percent to about 1% predicted max/mean for about twice the host time of those refinements; chains at any
+# imbalance balanced little better for several times the time (measured: bench/results/2026-11-29_cad-fa4.md)
 CHAIN_ABOVE = 1.01
 # the busiest's first hops tried per chain, least time on their receiver first, the first chain found taken: 4 and 8
 # found the same chains on those 18 batches. Taking the chain of the lowest peak of 4 instead ended SFT 512K (seed 4)

@@ -196,7 +196,7 @@ def call_terms_for(options: dict, model: CostModel) -> CallTerms | None:
     """How a server cuts its batch into kernel calls: ``options["call_terms"]`` when given (a
     :class:`~hf_longctx.kernels.calls.CallTerms`, or None / ``"none"``: always one call), else the profiled
     cost model's measured terms, else one call. No default guesses the terms: what a call costs on its own is
-    mostly the host's dispatch (0.25 ms per forward+backward measured on an H200's host, 1.0 ms on an H100's),
+    mostly the host's dispatch, which differs from host to host (bench/results/2026-12-04_from-modules.md),
     so cutting on a guess can cost more than the surplus tiles it saves (and the CPU kernels compute only the
     rows they are given)."""
     if "call_terms" in options:
@@ -286,9 +286,9 @@ def cad_schedule(plan: ShardPlan, options: dict, share: PricingShare | None = No
     server's calls cost something of their own, and a call whose last blocks run alone has a tail
     (:mod:`hf_longctx.kernels.launch`). The schedule is made again with those costs as per-server offsets
     (:func:`~.scheduler.schedule`'s ``server_offsets``), twice, and the one whose predicted busiest server
-    (:func:`server_costs`) is least is kept. On H200 profiles this took 64 servers of 8K rows from 1.063 to
-    ~1.02 max/mean predicted (before tails were priced), where the tasks alone were balanced to 1.012. Last,
-    the busiest server gives tasks away while that lowers the predicted maximum (:mod:`.refine`), also as key
+    (:func:`server_costs`) is least is kept. On measured profiles at 64 servers this brought the predicted
+    max/mean most of the way to what the tasks alone were balanced to (bench/results/2026-11-24_cad-kernel-time.md).
+    Last, the busiest server gives tasks away while that lowers the predicted maximum (:mod:`.refine`), also as key
     cuts (``options["key_cuts"]``, default True; see :mod:`.tasks`), and by ejection chains where no single move
     helps (``options["refine_chains"]``, default True; see :func:`~.refine.refine_in_time`). A step of many moves
     prices them in the order of an additive estimate until ``options["refine_screen"]`` in a row found nothing
@@ -365,8 +365,8 @@ def refine_options(options: dict) -> dict:
 def _say_if_slow(seconds: float, plan: ShardPlan, eps, model: CostModel) -> None:
     """Warn once when a schedule took :data:`SLOW_SCHEDULE_S` or more. Why: a schedule is made when a batch's first
     attention layer needs it, on every rank of the group, so in training each new batch waits for it; on a measured
-    cost model at a small eps that is seconds (SFT 256K at 8 servers: about 1 s on a 2-core host), which the user
-    should hear of rather than find as a slow step."""
+    cost model at a small eps that can be seconds on a small host (bench/results/2026-11-22_backends-multi-gpu.md),
+    which the user should hear of rather than find as a slow step."""
     global _said_slow
     if seconds < SLOW_SCHEDULE_S or _said_slow or (dist.is_initialized() and dist.get_rank() != 0):
         return
@@ -380,10 +380,8 @@ def _say_if_slow(seconds: float, plan: ShardPlan, eps, model: CostModel) -> None
 
 RUNTIME_OFFSET_ROUNDS = 2  # schedules made again with the runtime's per-server extra costs (see cad_schedule)
 # the refinement's screen (refine_in_time): on steps of many moves, moves are priced in full in the order of an
-# additive estimate until this many in a row found nothing better. On an H200's launch model, per batch on a 2-core
-# host from cleared pricing caches: SFT 256K at 4 servers 10.1 s -> 1.0 s, at 16 servers 7.6 s -> 1.4 s, SFT 512K
-# at 64 servers 11.3 s -> 5.9 s, the predicted max/mean within 0.002 (ProLong 128K and Pretrain 512K at 64 servers
-# make steps of few moves, which are not screened)
+# additive estimate until this many in a row found nothing better: several times less host time per batch, the
+# predicted max/mean within 0.002 (measured: bench/results/2026-11-22_backends-multi-gpu.md)
 REFINE_SCREEN = 32
 
 
@@ -491,11 +489,11 @@ def _land_fetches(posted: Sequence[tuple]) -> None:
     """Order the compute stream after every nano-batch's fetches, before its first kernel.
 
     Why: a transfer kernel that reaches the device after a long attention kernel has filled every SM waits for
-    that kernel to finish, however early it was queued, and its peers wait in the same collective. Measured on
-    4 H200s (ProLong mix, 256K tokens, eps 0.01): one rank's second fetch waited behind its 245 ms first
-    nano-batch, the three others idled for it, and the step took 496 ms (409 with the fetches landed first). The
-    fetches are a few ms against the nano-batches' hundreds; what ping-pong must overlap is the returns, which
-    still run beside the next nano-batch's kernels."""
+    that kernel to finish, however early it was queued, and its peers wait in the same collective. On 4 GPUs one rank's
+    second fetch waited behind its first nano-batch, the others idled for it, and the step took a fifth longer
+    than with the fetches landed first (measured: bench/results/2026-11-24_emulation-vs-real.md). The fetches are short
+    against the nano-batches; what ping-pong must overlap is the returns, which still run beside the next nano-batch's
+    kernels."""
     if len(posted) < 2:
         return  # one nano-batch: its gather waits for its fetches anyway
     for pending_q, pending_kv in posted:

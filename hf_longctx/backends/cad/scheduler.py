@@ -334,8 +334,9 @@ class _Balancer:
                 return self._priced(i, dst, r, o, df, rows, end, -head - 1, over, gain)
         if k > 0 and not self.pair_flops:
             # a measured cost need not be additive over rows: thin segments run below the piece's throughput
-            # (torch's flash kernel on an H200: 128-row segments over long prefixes at ~55% of 2K-row ones), so
-            # the source sheds what its remainder stops costing, which may be much less than the ring costs
+            # (thin segments over long prefixes at about half the rate of thick ones;
+            # bench/results/2026-12-04_from-modules.md), so the source sheds what its remainder stops costing, which may
+            # be much less than the ring costs
             gain = f_item - self.cm.cost(hi - lo - 2 * k, o + hi - k)
         else:
             gain = df - fixed if k > 0 else df
@@ -360,9 +361,9 @@ class _Balancer:
         """Most of the remainder's first rows for an overshoot move: up to ``slack``, but leaving ``dst`` no more
         than :data:`OVERSHOOT_ABOVE_TARGET` of the target (or the smallest cut, ``min_shard`` rows, if larger)
         above it. Bounded by ``slack`` alone, a source far above the target (the holder of a long document's end)
-        handed a receiver a shard worth up to half their gap, which then moves on only whole: 1.4-1.5 x the mean
-        at 64 servers with a wider search. A tighter bound (the smallest cut alone) balanced that batch to 1.02
-        but changed most other schedules, two of them 2-3% worse in emulated kernel time on an H200."""
+        handed a receiver a shard worth up to half their gap, which then moves on only whole: far above the mean
+        at 64 servers with a wider search. A tighter bound (the smallest cut alone) balanced that batch but changed
+        most other schedules, some of them worse in emulated kernel time (bench/results/2026-12-04_from-modules.md)."""
         ms = self.min_shard
         above = max(self.cm.cost(ms, o + lo + ms), OVERSHOOT_ABOVE_TARGET * self.target)
         return self._head_rows(o, lo, hi, min(slack, max(self.target - self.loads[dst], 0.0) + above))

@@ -1,12 +1,13 @@
 """A CAD schedule made again on what one run of it measured: each task priced with its server's measured error.
 
-Why: a launch cost model (:mod:`.launch_cost`) prices each server's kernel calls to about 1% (standard deviation
-over servers, an H200's FlashAttention-4 model at 16-64 servers), and that error is a property of each server's
-calls, not of the timing: the same schedules measured again on other machines of the same kind differ by 0.2-0.5%
-run to run, and their errors against the price correlate at 0.75-0.98. Over W servers the busiest then runs about
-``sqrt(2 ln W)`` errors above its price (2.9 at 64), so schedules predicted within 1% of the mean measured 2-3%
-above it. Corrections of the model by a call's rows, keys and segments, fitted on other steps, did not carry over
-to held-out batches. A batch's own calls can be timed, though: every layer of a step runs the same schedule, and an
+Why: a launch cost model (:mod:`.launch_cost`) prices each server's kernel calls to about a percent, and that
+error is a property of each server's calls, not of the timing: the same schedules measured again on other machines
+of the same kind differ by less run to run, and their errors against the price correlate strongly (measured:
+bench/results/2026-11-29_cad-fa4.md). Over W servers the busiest then runs about ``sqrt(2 ln W)`` errors above its price
+(2.9 at 64), so schedules predicted within 1% of the mean measure a few percent above it
+(bench/results/2026-12-01_cad-calibrated.md). Corrections of the model by a call's rows, keys and segments, fitted on
+other steps, did not carry over to held-out batches. A batch's own calls can be timed, though: every layer of a step
+runs the same schedule, and an
 emulation runs it as often as asked.
 
 Here each server's measured over predicted time (its *scale*) is given to the tasks it ran, and the refinement

@@ -7,11 +7,11 @@ batch is cut into: a dozen short documents; a few shards over their causal prefi
 documents; one large segment. Each call's forward and backward are timed apart (the device's events, the stream
 queued ahead, as the emulation times a server's calls), the median of ``reps`` after ``warmup``.
 
-Two further kinds were tried and dropped: a few tiny documents and few rows over long keys. With them (192 calls)
-the held-out error rose from 0.6-1.2% to 2.3-2.6% (H200, H100) and ProLong servers, whose time is one long
-document's tile steps, were priced up to 6% off (max/mean 1.036 at 4 ranks on the H100, 1.011 without). Where the
-kernel's forward runs few rows over long keys as chunks of them (:mod:`~hf_longctx.kernels.key_split`), their time
-is no longer where the GPU puts a few long blocks, and :func:`split_forward_calls` adds a fixed set of them.
+Two further kinds were tried and dropped: a few tiny documents and few rows over long keys. With them the held-out error
+rose and ProLong servers, whose time is one long document's tile steps, were priced further off
+(bench/results/2026-12-04_from-modules.md). Where the kernel's forward runs few rows over long keys as chunks of them
+(:mod:`~hf_longctx.kernels.key_split`), their time is no longer where the GPU puts a few long blocks, and
+:func:`split_forward_calls` adds a fixed set of them.
 
 Random calls span the kernel's shapes but do not weigh them as CAD's servers do; so, fitted on them, the profile
 then schedules CAD on that fit over a few batches of the benchmarks' mixes and times the servers' own calls
@@ -68,7 +68,7 @@ SWEEPS = ("prefix", "waves", "square")  # the lines of :func:`sweep_shapes`
 # (3: random calls, the keys limit's, split forwards' and short-document batches; 4: and CAD's own server calls; 5: and
 # those calls timed inside emulated CAD steps; 6: and those steps at W = 8 and 32 too)
 CALL_SET = 6
-MAX_CALL_PAIRS = float(1 << 30)  # visible pairs of one timed call (about 0.2 s of an 8B layer's fwd+bwd on an H200)
+MAX_CALL_PAIRS = float(1 << 30)  # visible pairs of one timed call (a fraction of a second of an 8B layer's fwd+bwd)
 
 
 def _log_uniform(rng: random.Random, low: float, high: float) -> int:
@@ -116,7 +116,7 @@ def few_rows_long_keys_calls(grid: LaunchGrid, count: int = 24, seed: int = 0, s
     that launches in segment order (none for the ``tile`` order, where this kind raised torch_flash's held-out
     error; see the module). Why: CAD's servers at 64 ranks of ProLong run a long document's last rows as such
     calls, and FlashAttention-4's backward of them, whose key blocks all add into the same few query rows, was
-    priced 11% low by a model fitted without them (the forward 9% high)."""
+    priced low by a model fitted without them, the forward high (bench/results/2026-12-04_from-modules.md)."""
     if grid.launch_order != "segment":
         return []
     rng = random.Random(seed + 1)
@@ -145,7 +145,7 @@ def keys_limit_calls(grid: LaunchGrid, scale: float = 1.0) -> list[list[tuple[in
 def split_forward_calls(grid: LaunchGrid, scale: float = 1.0) -> list[list[tuple[int, int]]]:
     """Calls of few rows over long keys (none unless the grid's forward runs them as chunks of their keys): a key
     cut's rows, a long document's last rows on a server, several of them together. Random calls hold few of these,
-    which are most of a CAD server's forward at 64 ranks (whole, such calls were priced 2-6% off and left out, see
+    which are most of a CAD server's forward at 64 ranks (whole, such calls were priced off and left out, see
     the module). ``scale`` shrinks every length."""
     if grid.forward_key_split is None:
         return []
@@ -165,8 +165,8 @@ def short_document_calls(count: int = 32, seed: int = 0, scale: float = 1.0) -> 
 
     Why: random calls draw short documents log-uniform up to 4K rows beside longer ones, so few of them hold only
     documents of a few hundred rows, whose blocks sweep a few key tiles each. Fitted without such calls, the
-    forward of SFT servers at W = 64 (an H200, torch's flash kernel) ran 7-9% over its price, more on the servers
-    whose calls held the shortest documents."""
+    forward of SFT servers at W = 64 (torch's flash kernel) ran over its price, more on the servers whose calls
+    held the shortest documents (bench/results/2026-12-04_from-modules.md)."""
     rng = random.Random(seed + 7919)
     calls = []
     for _ in range(count):
@@ -185,29 +185,26 @@ def short_document_calls(count: int = 32, seed: int = 0, scale: float = 1.0) -> 
 SERVER_CALL_BATCHES = (("prolong", 131072, 64), ("pretrain", 524288, 64), ("sft", 524288, 64),
                        ("prolong", 262144, 16), ("pretrain", 524288, 16), ("sft", 262144, 16))
 SERVER_CALL_SEED = 1000  # the batches' seeds start here, away from the benchmarks' (0, 1, 2, ...)
-# each batch drawn this many times (other seeds): more calls of more steps price CAD's servers closer. Checked on
-# FlashAttention-4 (H200) by fitting the profile with N calls of other W = 64 steps and pricing held-out steps: the
-# per-server error fell from 1.37% (standard deviation; the profile alone) to 1.24%, 1.14%, 1.02%, 0.88% and 0.78%
-# with 120, 240, 480, 960 and 1920 such calls
+# each batch drawn this many times (other seeds): more calls of more steps price CAD's servers closer (checked on
+# FlashAttention-4 by fitting the profile with more calls of other W = 64 steps and pricing held-out steps;
+# bench/results/2026-12-04_from-modules.md)
 SERVER_CALL_ROUNDS = 2
 SERVER_CALL_REPS = 3  # timed runs of each server call (their median): they are many, and as steady as the rest
-SERVER_CALLS = 960  # server calls the profile times at most (two rounds of the batches hold about 850 on an H200)
+SERVER_CALLS = 960  # server calls the profile times at most (two rounds of the batches hold a little fewer)
 # CAD steps the profile emulates after its fits, one per batch of STEP_CALL_BATCHES and seed, their calls timed
 # where they run (:mod:`hf_longctx.lab.emulation.step_calls`); the seeds are away from the benchmarks' and the server
-# calls'. Checked on FlashAttention-4 (H200) on the CPU, pricing each of 18 dumped W = 64 steps by a fit without its
-# batch: the per-server error was 1.01% (standard deviation) on the profile alone, 0.78% with 8 other steps and 0.74%
-# with 15
+# calls'. Checked on FlashAttention-4 on the CPU, pricing each dumped W = 64 step by a fit without its batch: the
+# per-server error falls with more other steps (bench/results/2026-12-04_from-modules.md)
 STEP_CALL_SEEDS = (2000, 2001)
 # the batches of those steps: SERVER_CALL_BATCHES, and each mix at W = 32 and 8, whose servers' calls are larger
 # and of other shapes than W = 16's and 64's. The same check on held-out steps at W = 8-32 (each seed priced by a fit
-# with the others' W = 8 and 32 steps added): per-server error at W = 32 ProLong 0.90% -> 0.75%, Pretrain 0.51% ->
-# 0.33%; at W = 16 ProLong 0.70% -> 0.47%; at W = 64 Pretrain 0.83% -> 0.64%, SFT 0.78% -> 0.71%, ProLong 1.30% ->
-# 1.27%
+# with the others' W = 8 and 32 steps added) lowered the per-server error at every W
+# (bench/results/2026-12-04_from-modules.md)
 STEP_CALL_BATCHES = SERVER_CALL_BATCHES + (("prolong", 131072, 32), ("pretrain", 524288, 32), ("sft", 524288, 32),
                                            ("prolong", 131072, 8), ("pretrain", 524288, 8), ("sft", 524288, 8))
 # what one call timed in a step weighs in the fit against one timed alone: the steps' calls are what is priced, the
-# random calls span shapes the steps do not hold. The same check: per-server error 0.81%, 0.74% and 0.76% with
-# weights 1, 3 and 10
+# random calls span shapes the steps do not hold. The same check priced best at weight 3 of 1, 3 and 10
+# (bench/results/2026-12-04_from-modules.md)
 STEP_CALL_WEIGHT = 3.0
 STEP_CALL_REPS = 2  # timed repetitions of each step (a warm-up first): a call's time is its median over them
 
@@ -222,9 +219,8 @@ def cad_server_calls(model: LaunchCostModel, count: int, seed: int = 0, scale: f
 
     Why: random calls are drawn to span the kernel's shapes, not to weigh them as CAD's servers do, and a
     server's time is a few such calls. Fitted on random calls alone, FlashAttention-4's model priced the servers
-    of held-out W = 64 steps (H200) with a per-server error of 1.5% (standard deviation; the largest 3.6% over the
-    mean); with 240 calls of six such batches, 1.37% (3.3%); with CAD's calls of other steps, the more the better
-    (see :data:`SERVER_CALL_ROUNDS`)."""
+    of held-out W = 64 steps further off than with calls of such batches; with CAD's calls of other steps, the more
+    the better (see :data:`SERVER_CALL_ROUNDS`; bench/results/2026-12-04_from-modules.md)."""
     from hf_longctx.backends.cad.runtime import cad_schedule, server_calls
     from hf_longctx.lab.emulation.workloads import doc_lengths
     from hf_longctx.layout import PackedBatch, shard_plan
@@ -609,9 +605,9 @@ def errors_by_waves(model: LaunchCostModel, dumps: Sequence[dict]) -> list[dict]
     Groups without calls are left out.
 
     Why: a model fitted on the profile's calls is right on average over them, and may be off by call size where
-    the calls a schedule makes are sized differently. Over 14 dumped steps of CAD at 64 servers on FlashAttention-4
-    (H200), backward calls of under one wave ran 13% over their price, those of 16-64 waves 5% under and those of
-    more at their price, where the profile held 19 calls of under 8 waves in 243 (``scripts/lab/profile_cad.py --calls``
+    the calls a schedule makes are sized differently. On dumped steps of CAD at 64 servers on FlashAttention-4,
+    backward calls of under one wave ran over their price and those of 16-64 waves under, where the profile held
+    few calls of under 8 waves (bench/results/2026-12-04_from-modules.md; ``scripts/lab/profile_cad.py --calls``
     prints the table for a dumped step)."""
     groups: dict[tuple[str, int], list[float]] = {}
     for dump in dumps:
@@ -633,8 +629,8 @@ def phase_spreads(rows: Sequence[dict]) -> dict[str, float]:
     phase, the standard deviation over servers of that phase's measured time less its predicted time scaled by the
     phase's measured / predicted over all servers, over the server's predicted total. A phase whose error is the
     same on every server adds nothing (a uniform error does not unbalance a schedule); the phase with the larger
-    spread is the one to model better. Over five dumped CAD steps at 64 servers on FlashAttention-4 (H200) the
-    backward made 0.011-0.029 of it and the forward 0.002-0.005."""
+    spread is the one to model better. On dumped CAD steps at 64 servers on FlashAttention-4 the backward made
+    most of it (bench/results/2026-12-04_from-modules.md)."""
     if not rows:
         return dict.fromkeys(PHASES, 0.0)
     total = np.array([sum(r[p]["predicted"] for p in PHASES) for r in rows])

@@ -1,11 +1,11 @@
 """Where a forward call's blocks run: a launch simulation in which blocks that share an SM run slower.
 
 Why: the launch cost model used to simulate a call's blocks on one slot per SM, each at full speed. A call of a
-few rows over a long prefix is a chain of long blocks, and its time is how fast those blocks run. On an H200 and
-an H100, torch's flash forward (``scripts/lab/profile_cad.py --placement``) runs up to 128 blocks one to an SM; past
-that, long blocks mostly end up two to an SM and take 1.6x as long (an SM gives two blocks about 1.25x the
-throughput of one), even when short blocks separate them in the launch order. One slot per SM priced such calls
-20-40% low or high (ProLong at 64 servers: per-server forward error 9-11%).
+few rows over a long prefix is a chain of long blocks, and its time is how fast those blocks run. Torch's flash
+forward (``scripts/lab/profile_cad.py --placement``) runs up to one block per SM alone; past that, long blocks
+mostly end up two to an SM and each takes longer (an SM gives two blocks more throughput than one, not twice),
+even when short blocks separate them in the launch order. One slot per SM priced such calls far low or high
+(measured: bench/results/2026-11-24_cad-kernel-time.md, bench/results/2026-12-04_from-modules.md).
 
 :func:`~hf_longctx.kernels.launch.paired_makespan` is the simplest rule that follows those probes: blocks start
 in launch order on two slots per SM, and a block that starts while more than ``sms`` blocks run takes

@@ -1,8 +1,8 @@
 """CAD's cost model measured on the kernel it will run: profiled once per device kind and kernel, cached.
 
 Why: the scheduler balances what its cost model prices. FLOPs miss that a kernel's throughput depends
-on segment shape (FA4 on one H200: ~620 TFLOP/s on one 128K document, ~100 on 256-token ones), so a
-schedule balanced in FLOPs is not balanced in time. :func:`profiled_cost_model` returns a
+on segment shape (several times lower on short documents than on long ones; bench/results/2026-12-04_from-modules.md),
+so a schedule balanced in FLOPs is not balanced in time. :func:`profiled_cost_model` returns a
 :class:`~.cost_model.ProfiledCostModel` of forward+backward milliseconds per (q_len, kv_len) segment,
 timed as CA-tasks run on a server (many segments fused in one varlen call), read from
 ``~/.cache/hf_longctx/cad_cost/`` (``HF_LONGCTX_CACHE`` moves the root) or profiled and written

@@ -117,11 +117,9 @@ class EmulatedStep:
         repetitions of every rank: a difference of two repetitions of normal noise ``s`` is normal with twice the
         variance, whose absolute value has the median ``0.6745 * sqrt(2) * s``; the median of them is taken, not
         their mean square. Why: a rank's time is the lower median of its repetitions, which one outlying
-        repetition does not move, and the noise must be read the same way. With their mean square, CAD's ProLong
-        step at W = 64 on FlashAttention-4 (H200, 4 repetitions) read 25% noise per repetition and a noise-alone
-        max/mean of 1.37 in three runs, where its other seeds and mixes read 0.2-2.7%: one rank's first timed
-        repetition held a backward call whose host dispatch took 3.7 s (a kernel variant compiled inside it), which
-        made that repetition 4x the others. The median reads 0.26%.
+        repetition does not move, and the noise must be read the same way. With their mean square, one rank's repetition
+        whose backward call compiled a kernel variant inside it made a W = 64 step read tens of percent of noise
+        where the median reads a fraction of one (measured: bench/results/2026-11-29_cad-fa4.md).
         """
         diffs = []
         for r in self.ranks:

@@ -1,13 +1,12 @@
 """CAD's server calls timed where they run: inside emulated steps, one device running every server's calls.
 
 Why: a launch cost model (:mod:`hf_longctx.backends.cad.launch_cost`) is fitted on calls timed alone, each run
-back to back over its own buffers; in a step the same call follows other servers' calls over other buffers. On
-an H200 (FlashAttention-4, 18 dumped W = 64 steps of the three mixes), priced by a model fitted on calls alone,
-backward calls under 0.2 ms took 4-6% more in their steps and those over 0.8 ms 2.5% less, where the profile's
-own calls of those sizes were off by +2-3% and -0.9%. Fitted on the calls of other steps too (each step priced by
-a model fitted without its batch), the per-server error fell from 1.01% to 0.74% (standard deviation; Pretrain
-1.04% to 0.54%, SFT 0.76% to 0.71%, ProLong 1.12% to 1.04%). A profile so times a few whole CAD steps after its
-first fit (:func:`time_step_calls`) and fits again.
+back to back over its own buffers; in a step the same call follows other servers' calls over other buffers. Priced by
+a model fitted on calls alone, short backward calls took more in their steps and long ones less than the profile's
+own calls of those sizes; fitted on the calls of other steps too (each step priced by a model fitted without its
+batch), the per-server error fell (measured: bench/results/2026-11-29_cad-fa4.md,
+bench/results/2026-12-04_from-modules.md). A profile so times a few whole CAD steps after its first fit
+(:func:`time_step_calls`) and fits again.
 """
 
 from __future__ import annotations

@@ -6,15 +6,14 @@ holds exactly that call's kernels, and its time is read once the step is over. N
 device during the step. The device spins before each call's start event
 (:func:`~hf_longctx.benchmarking.queue_ahead`), so the call's kernels are all queued when it fires and
 the events time the device's work, not the host's dispatch between launches (which a real step, its host
-running layers ahead, hides; on an H100's host it was 1 ms per call, more than the kernels of a small one).
+running layers ahead, hides; on a slow host it takes longer than the kernels of a small call).
 The spin follows the host's dispatch times (:class:`~hf_longctx.benchmarking.HostAhead`); a call whose dispatch
 still outran it is counted in :attr:`KernelTimer.overruns`.
 Emulated ranks pause: after each timed call the device spins (idle, at little power) for as long as the call
-took (:data:`EMULATED_PAUSE`) before the next call's start event. Why: an H200 running one rank's calls after
+took (:data:`EMULATED_PAUSE`) before the next call's start event. Why: a GPU running one rank's calls after
 another with no gap heats up and lowers its clocks, so a rank measured late in a busy stretch took longer than the
-same calls early: in an 8-server Pretrain 512K step (0.5 s of kernels per repetition) the backward calls ran 4%
-over their price in the first repetition and 7-9% in the next three, and the rank order (shuffled per repetition)
-decided which rank looked slowest (max/mean 1.021 on a schedule priced at 1.002). A real group's ranks all run at
+same calls early, and the rank order (shuffled per repetition) decided which rank looked slowest (measured:
+bench/results/2026-11-29_cad-fa4.md). A real group's ranks all run at
 once, each as hot as the others; the emulation keeps every rank's calls at one duty cycle instead. The W = 32 and
 64 steps, whose calls are short against the spins ahead of them, showed no such drift.
 On the CPU a call's wall time is its kernel time (the CPU runs it synchronously).
@@ -41,7 +40,7 @@ def _configuration(name: str, args: tuple, kwargs: dict) -> tuple:
     """What a kernel compiles for: entry point, dtypes and row shapes of the tensors, flags (not lengths); and for
     a forward cut into chunks of its keys (``key_split``), its segments too: each such call allocates buffers of
     its own shapes (the chunks' rows, their merge), and the first allocation of a size can stall the device for
-    milliseconds (17 ms once, in a 3 ms call of a W = 64 step on an H200), which a training step pays once."""
+    milliseconds, more than the call itself (bench/results/2026-11-29_cad-fa4.md), which a training step pays once."""
     split = kwargs.get("key_split")
     if split is not None and kwargs.get("window") is None:
         q_lens, k_lens = segment_lengths(name, args, kwargs)
@@ -106,10 +105,10 @@ class KernelTimer:
 
     Calls made outside an emulated rank's thread (no current rank) pass through untimed. On a GPU, the
     first call of each kernel configuration in this process runs once untimed before the timed call:
-    kernels compile per configuration (FA4: 0.1-0.7 s), which would otherwise land in one rank's time. The
-    configuration (:func:`_configuration`) does not name every variant FA4 compiles for: in a W = 64 CAD step on
-    an H200 one backward call still compiled inside its timed run (3.7 s); the emulation's lower median over
-    repetitions (:func:`~hf_longctx.lab.emulation.runner.median_rep`) leaves such a repetition out.
+    kernels compile per configuration (FA4: a fraction of a second each), which would otherwise land in one rank's
+    time. The configuration (:func:`_configuration`) does not name every variant FA4 compiles for: in a W = 64 CAD
+    step one backward call still compiled inside its timed run (bench/results/2026-11-29_cad-fa4.md); the emulation's
+    lower median over repetitions (:func:`~hf_longctx.lab.emulation.runner.median_rep`) leaves such a repetition out.
 
     ``keep_calls``: also keep every timed call's segment lengths and seconds (:meth:`call_log`), so that a cost
     model can be checked call by call against what the kernel took. ``hub``: who computes now, an emulation's

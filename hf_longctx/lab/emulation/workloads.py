@@ -1,8 +1,8 @@
 """Document-length mixes for emulated benchmarks: ProLong, Pretrain, and a short-document SFT mix.
 
-Why a third mix: kernel efficiency collapses on short segments (FA4 on one H200: ~100 TFLOP/s on
-256-token documents), so a schedule balanced in FLOPs can be far off in time exactly where documents
-are short. ``sft``: lognormal lengths with median ~400 tokens (``mu = 6.0``, ``sigma = 0.9``), capped
+Why a third mix: kernel efficiency collapses on short segments (bench/results/2026-12-04_from-modules.md), so a schedule
+balanced in FLOPs can be far off in time exactly where documents are short. ``sft``: lognormal lengths with median ~400
+tokens (``mu = 6.0``, ``sigma = 0.9``), capped
 at 8K, so most documents are under 2K tokens; lengths sum exactly to the total.
 """
 
