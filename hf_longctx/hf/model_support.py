@@ -11,7 +11,11 @@ layer need more than that, and a model that has one is refused by name instead o
   computes under sequence parallelism;
 * **indexed (sparse-selection) attention** (DeepSeek-style indexers) and **dynamic mask attention**
   (Doge): the model reads transformers' dense 4-D mask itself, which a ``longctx_*`` implementation
-  never builds (:func:`reads_dense_mask`: refused whenever the mask is built).
+  never builds (:func:`reads_dense_mask`: refused whenever the mask is built). So does a model whose
+  causality lives in that mask alone (BigBirdPegasus: its decoder's self-attention modules say
+  ``is_causal = False``, and only the dense causal mask of eager attention, its one implementation in
+  transformers, makes them causal; the attention function reads ``is_causal`` as transformers' sdpa
+  and flash paths do, so it would attend to future tokens).
 
 The configs of transformers 5 say which layers a model has (``layer_types``, ``layers_block_type``) or
 that it has Mamba blocks (``mamba_*`` settings); the model sweep test keeps this list honest for
@@ -22,6 +26,8 @@ from __future__ import annotations
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention", "global", "local"})
 _LAYER_TYPE_KEYS = ("layer_types", "layers_block_type", "block_types")
+# model types whose causal self-attention modules say is_causal = False: the dense mask alone is causal
+_CAUSAL_ONLY_IN_MASK = {"bigbird_pegasus": "BigBirdPegasusDecoderAttention"}
 
 
 def _layer_types(config) -> set[str]:
@@ -51,6 +57,11 @@ def reads_dense_mask(config) -> str | None:
     if getattr(config, "keep_window_size", None) is not None:  # Doge's dynamic mask attention
         return ("its dynamic mask attention adds a learned bias to the dense attention mask, which no backend "
                 "computes")
+    module = _CAUSAL_ONLY_IN_MASK.get(getattr(config, "model_type", None))
+    if module is not None:
+        return (f"its causal self-attention ({module}) says is_causal=False and is causal only through "
+                "transformers' dense causal mask (eager attention, its one implementation in transformers), which "
+                "longctx_* attention never builds, so it would attend to future tokens")
     return None
 
 
