@@ -8,7 +8,9 @@ is built once per process and every form runs on it.
 Forms (each rank brings its own rows; the group trains on all of them):
 
 * ``packed``: one row of several documents with ``position_ids`` restarting at 0 per document (one
-  document of a single token); the reference is SDPA document by document;
+  document of a single token); the reference is SDPA document by document, each given its slice of
+  the row's ``position_ids`` (the same inputs: RoBERTa's embeddings number a row from
+  ``padding_idx + 1`` when given none, but use given positions as they are);
 * ``right_padded`` / ``left_padded``: (B, S) rows with a 2-D ``attention_mask`` and no ``position_ids``
   (the model derives positions its own way); labels are -100 at padding, and a padding position
   predicts nothing (left padding: the first real token is no target), since what a query that sees no
@@ -51,6 +53,7 @@ One spawn of 2 processes runs the whole sweep.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import time
@@ -509,6 +512,12 @@ def _grad_err(got: torch.Tensor, ref: torch.Tensor, names: list[str], numels: li
     return err, worst
 
 
+def _takes_position_ids(model) -> bool:
+    """Whether ``model.forward`` names ``position_ids`` (a forward taking only ``**kwargs`` passes them on
+    to places of its own, so the per-document reference gives them only to a forward that names them)."""
+    return "position_ids" in inspect.signature(model.forward).parameters
+
+
 def _reference(model, batch: Batch, spy, packed_ref: dict | None) -> dict:
     """transformers' own attention on the group's batch in one process: loss, gradients, logits, aux, and the
     float32 ops of its forward. Packed: documents one by one (their LM loss adds up); packed+aux: the aux loss of
@@ -520,9 +529,13 @@ def _reference(model, batch: Batch, spy, packed_ref: dict | None) -> dict:
     try:
         if batch.form == "packed" and not batch.aux:
             ids, logits, loss_sum, start = batch.group["input_ids"], [], 0.0, 0
+            positions = batch.group["position_ids"] if _takes_position_ids(model) else None
             for i, n in enumerate(batch.doc_lens):
+                doc = {"input_ids": ids[:, start : start + n]}
+                if positions is not None:  # the packed row's own positions: not every model's default
+                    doc["position_ids"] = positions[:, start : start + n]
                 with float32 if i == 0 else nullcontext():
-                    out = _call(model, {"input_ids": ids[:, start : start + n]}, False)
+                    out = _call(model, doc, False)
                 loss = _lm_loss(out.logits, batch.targets[:, start : start + n], batch.count)
                 loss.backward()
                 loss_sum += float(loss.detach())

@@ -321,6 +321,8 @@ def test_trainer_loss_options_on_two_processes_equal_their_reference(tmp_path):
     ("lfm2", None),  # its default layer list in transformers is all attention
     ("llama4_text", "chunked-attention layers"),
     ("hy_v4", "sparse indexer reads transformers' dense attention mask"),
+    ("bigbird_pegasus", "is causal only through transformers' dense causal mask"),
+    ("inkling_text", "adds learned relative position logits (position_bias"),
 ])
 def test_layers_no_backend_computes_are_named_from_the_config(model_type, expected):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING

@@ -11,7 +11,14 @@ layer need more than that, and a model that has one is refused by name instead o
   computes under sequence parallelism;
 * **indexed (sparse-selection) attention** (DeepSeek-style indexers) and **dynamic mask attention**
   (Doge): the model reads transformers' dense 4-D mask itself, which a ``longctx_*`` implementation
-  never builds (:func:`reads_dense_mask`: refused whenever the mask is built).
+  never builds (:func:`reads_dense_mask`: refused whenever the mask is built). So does a model whose
+  causality lives in that mask alone (BigBirdPegasus: its decoder's self-attention modules say
+  ``is_causal = False``, and only the dense causal mask of eager attention, its one implementation in
+  transformers, makes them causal; the attention function reads ``is_causal`` as transformers' sdpa
+  and flash paths do, so it would attend to future tokens). And so does a model that adds a dense
+  (q x kv) bias of its own to the scores (Inkling's learned relative position logits, handed to the
+  attention function as ``position_bias``, which transformers' sdpa and eager add): no backend adds
+  it, so the bias and the weights that make it would drop out.
 
 The configs of transformers 5 say which layers a model has (``layer_types``, ``layers_block_type``) or
 that it has Mamba blocks (``mamba_*`` settings); the model sweep test keeps this list honest for
@@ -22,6 +29,8 @@ from __future__ import annotations
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention", "global", "local"})
 _LAYER_TYPE_KEYS = ("layer_types", "layers_block_type", "block_types")
+# model types whose causal self-attention modules say is_causal = False: the dense mask alone is causal
+_CAUSAL_ONLY_IN_MASK = {"bigbird_pegasus": "BigBirdPegasusDecoderAttention"}
 
 
 def _layer_types(config) -> set[str]:
@@ -38,9 +47,11 @@ def _text_config(config):
 
 
 def reads_dense_mask(config) -> str | None:
-    """Why a model of this config reads transformers' dense (q x kv) mask itself, or None.
+    """Why a model of this config needs a dense (q x kv) tensor in its attention, or None: transformers'
+    dense mask, which it reads itself or which alone makes it causal, or a score bias of its own.
 
-    Such a model cannot run a ``longctx_*`` implementation at all: the mask function never builds it.
+    Such a model cannot run a ``longctx_*`` implementation at all: the mask function never builds the
+    mask, and no backend adds a bias.
     """
     if config is None:
         return None
@@ -51,6 +62,14 @@ def reads_dense_mask(config) -> str | None:
     if getattr(config, "keep_window_size", None) is not None:  # Doge's dynamic mask attention
         return ("its dynamic mask attention adds a learned bias to the dense attention mask, which no backend "
                 "computes")
+    if getattr(config, "d_rel", None) and getattr(config, "rel_extent", None):  # Inkling's relative logits
+        return ("its attention adds learned relative position logits (position_bias, a dense q x kv bias made by "
+                "r_proj and rel_logits_proj) to the scores, which no backend adds")
+    module = _CAUSAL_ONLY_IN_MASK.get(getattr(config, "model_type", None))
+    if module is not None:
+        return (f"its causal self-attention ({module}) says is_causal=False and is causal only through "
+                "transformers' dense causal mask (eager attention, its one implementation in transformers), which "
+                "longctx_* attention never builds, so it would attend to future tokens")
     return None
 
 

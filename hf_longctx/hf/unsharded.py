@@ -74,7 +74,8 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, *args, attentio
     """
     reason = reads_dense_mask(config)
     if reason is not None:
-        raise ValueError(f"{type(config).__name__}: {reason}; use attn_implementation='sdpa' or 'eager'")
+        raise ValueError(f"{type(config).__name__}: {reason}; use attn_implementation='eager' (or 'sdpa' where the "
+                         "model has it)")
     if attention_mask is not None and attention_mask.dim() == 2:
         return attention_mask[:, -kv_length:]
     if attention_mask is not None or mask_function is None or q_length != kv_length or kv_length < 2:
