@@ -326,3 +326,14 @@ def test_unsupported_attention_features_are_refused_by_name():
                         plan_for(packed, "local", None), 0)
     with pytest.raises(ValueError, match=r"attention sinks \(s_aux\)"):
         model(**local)
+
+
+def test_an_additive_position_bias_is_refused_by_name():
+    """A model that hands attention a bias to add to the scores (Inkling's relative logits, T5's position_bias) is
+    refused: no backend adds it, so computing without it would be another model."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    attention = ALL_ATTENTION_FUNCTIONS["longctx_local"]
+    q = k = v = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"position_bias"):
+        attention(torch.nn.Module(), q, k, v, None, position_bias=torch.zeros(1, 2, 4, 4))

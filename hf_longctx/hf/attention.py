@@ -88,7 +88,8 @@ def _make_attention(backend: str):
                   scaling: float | None = None, **kwargs):
         if dropout:
             raise ValueError("attention dropout is not supported by hf_longctx backends; set attention_dropout=0")
-        for feature, what in (("softcap", "attention logit soft-capping"), ("s_aux", "attention sinks (s_aux)")):
+        for feature, what in (("softcap", "attention logit soft-capping"), ("s_aux", "attention sinks (s_aux)"),
+                              ("position_bias", "an additive position bias on the scores (position_bias)")):
             if kwargs.get(feature) is not None:
                 raise ValueError(f"this model uses {what} (attention argument {feature!r}), which hf_longctx "
                                  "backends do not compute; use attn_implementation='sdpa' or 'eager' for it")
