@@ -27,6 +27,7 @@ from ..backends.registry import on_backend_registered
 from .context import calls_under, context_of, count_attention_call
 from .model_support import unsupported_layers
 from .router_aux import has_router_aux_loss, refuse_local_router_aux_loss
+from .sharded_model import check_sharded_forward
 from .unsharded import match_dtypes, padding_mask, unsharded_attention, without_autocast
 
 PREFIX = "longctx_"
@@ -59,13 +60,17 @@ def _context(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, kw
     """The sequence-parallel context of this call: its keyword, else the sharded forward it runs in.
 
     A decoder layer that does not pass its keywords to attention still runs on this rank's shard of a
-    sharded batch; :func:`~.context.context_of` finds the forward's context on the call stack.
+    sharded batch; :func:`~.context.context_of` finds the forward's context on the call stack. Everything
+    here is decided before the call's first collective, the same on every rank: first the model of the
+    forward gets the input hook's refusals (:func:`~.sharded_model.check_sharded_forward`), whatever path
+    sharded its batch.
     """
     ctx = kwargs.get("longctx")
     if ctx is None:
         ctx = context_of(module)
     if ctx is None:
         return None
+    check_sharded_forward(ctx)
     local = ctx.plan.num_local_tokens(ctx.rank)
     if query.shape[0] != 1 or query.shape[2] != local or key.shape[2] != local:
         raise ValueError(

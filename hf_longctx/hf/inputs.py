@@ -25,7 +25,6 @@ cache): a shard's keys and values are no prompt to continue from.
 
 from __future__ import annotations
 
-import inspect
 import time
 
 import torch
@@ -35,11 +34,11 @@ from ..backends.load import attention_load
 from ..comm.groups import group_rank_and_size
 from .attention import backend_of
 from .context import attention_calls
-from .model_support import packed_sequence_refusal, unsupported_layers
-from .positions import PositionRule, position_rule
+from .positions import PositionRule
 from .router_aux import refuse_local_router_aux_loss
 from .rows import flatten_batch, unflatten_rows
 from .settings import checked_backend_options
+from .sharded_model import check_model
 from .sharding import gather_group_batch, plan_for
 
 # keywords that describe the unsharded batch of this rank: the shard's documents come from the plan
@@ -60,31 +59,6 @@ def is_decoding_call(kwargs: dict) -> bool:
     from transformers.cache_utils import Cache
 
     return any(isinstance(value, Cache) for value in kwargs.values())
-
-
-def check_model(model) -> PositionRule:
-    """Raise before any collective if the model cannot take sharded, position-carrying inputs; else the rule
-    the model numbers its tokens by when it gets no ``position_ids`` (:func:`~.positions.position_rule`).
-
-    Positions travel with the tokens as ``position_ids``; a model whose forward does not take them
-    would number each shard's tokens from 0, and one whose positions cannot be handed over as
-    ``position_ids`` (ALiBi from the mask) is refused by :func:`~.positions.position_rule`. (That the
-    model's attention runs through the ``longctx_*`` function at all is checked after its first sharded
-    forward: see ``restore_outputs``.)
-    """
-    impl = getattr(model.config, "_attn_implementation", None) or ""
-    if not impl.startswith("longctx_"):
-        raise ValueError(f"the model uses attn_implementation={impl!r}; load it with "
-                         "attn_implementation='longctx_<backend>' (e.g. 'longctx_distfa', 'longctx_zigzag')")
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT wrapper
-    name = type(base).__name__
-    reason = unsupported_layers(base.config)
-    if reason is not None:
-        raise ValueError(packed_sequence_refusal(name, reason))
-    if "position_ids" not in inspect.signature(base.forward).parameters:
-        raise ValueError(f"{name}.forward takes no position_ids; sequence parallelism needs positions to travel with "
-                         "the tokens of each shard, so this model cannot be sharded (train it in one process)")
-    return position_rule(base)
 
 
 class SequenceParallelInputs:

@@ -18,8 +18,8 @@ from ..backends import default_strategy
 from ..comm.groups import group_rank_and_size
 from ..layout import PackedBatch, ShardPlan, shard_plan
 from .context import SequenceParallelContext
-from .positions import position_rule
 from .rows import IGNORE_INDEX, FlatBatch, shift_labels_per_document
+from .sharded_model import checked_model
 
 
 def shard_batch(
@@ -42,20 +42,31 @@ def shard_batch(
     ``padding_idx + 1`` for RoBERTa and its kin), computed before sharding; without positions and
     without the model this raises, since 0-based positions would be wrong for a model with a rule of
     its own.
+
+    The model gets the refusals of the callback's input hook (:func:`~.sharded_model.check_model`:
+    not a ``longctx_*`` implementation, layers that cannot take packed documents, a forward without
+    ``position_ids``, positions that cannot be handed over): here when ``model=`` is given, and in any
+    case at the first attention call of ``model(**local)``, on every rank before any collective. What
+    no attention call can see is a model whose attention never calls its ``longctx_*`` function (loaded
+    with ``sdpa``, or attention modules that bypass transformers' AttentionInterface): it would attend
+    inside each shard only, and only ``model=`` refuses the first case; the input hook refuses both
+    after the forward. A caller without the hook can ask the same after ``model(**local)``:
+    ``hf_longctx.hf.context.attention_calls(local["longctx"])`` is 0 for such a model.
     """
     packed = plan.batch
     input_ids = batch["input_ids"].reshape(-1)
     labels = batch.get("labels")
     labels = input_ids if labels is None else labels.reshape(-1)
+    rule = checked_model(model) if model is not None else None
     positions = batch.get("position_ids")
     if positions is not None:
         positions = positions.reshape(-1)
-    elif model is None:
+    elif rule is None:
         raise ValueError("shard_batch got no position_ids: pass the batch's position_ids, or model=<the model> so "
                          "that every document is numbered by the model's own rule (0-based for most models; "
                          "RoBERTa-like models start at padding_idx + 1)")
     else:
-        positions = position_rule(model).document_positions(input_ids, packed.doc_lens)
+        positions = rule.document_positions(input_ids, packed.doc_lens)
     return _shard(input_ids, positions, shift_labels_per_document(labels, packed), None, plan, rank, group, kernel,
                   options)
 
