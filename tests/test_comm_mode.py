@@ -144,3 +144,17 @@ def test_a_row_gather_on_a_groups_own_ops_assembles_the_rows_its_peer_sends():
     (got,) = plan.gather(plan.start([mine], StubGroup(ops)), [mine])
     assert got.flatten().tolist() == [41.0, 42.0, 30.0, 31.0, 42.0, 43.0]
     assert ops.calls == [("all_to_all", [0, 3], [0, 1], True)]  # unique rows only: three in, one out
+
+
+def test_a_group_whose_ops_stage_on_the_host_receives_device_rows_there():
+    """All_to_all receive buffers of device tensors (here ``meta``) land in host memory where the group's ops
+    stage them, beside the tensors otherwise."""
+    from hf_longctx.comm.gather import _receive_buffer
+
+    like = torch.empty(2, 3, device="meta")
+    staged = StubOps()
+    staged.stages_on_host = lambda: True
+    assert _receive_buffer(like, 4, 3, StubGroup(staged)).device == torch.device("cpu")
+    assert _receive_buffer(like, 4, 3, StubGroup(StubOps())).device.type == "meta"
+    assert _receive_buffer(like, 4, 3, None).device.type == "meta"
+    assert _receive_buffer(torch.empty(2, 3), 4, 3, StubGroup(staged)).shape == (4, 3)  # host rows stay put
