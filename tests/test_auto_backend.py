@@ -89,7 +89,7 @@ def test_candidates_follow_the_placement():
 def test_a_verdict_dies_with_its_group():
     """A later group may take a freed group's address: keyed by ``id``, it would inherit the verdict on some ranks
     and time the candidates on others, which then wait in collectives their peers never issue."""
-    from hf_longctx.comm.emulated import EmulatedGroup, EmulationHub
+    from hf_longctx.lab.emulation.group import EmulatedGroup, EmulationHub
 
     q, k = torch.zeros(8, 4, 16), torch.zeros(8, 2, 16)
     plan = shard_plan(PackedBatch.from_doc_lens([8]), 2, "contiguous")

@@ -78,8 +78,9 @@ def test_a_model_file_makes_every_rank_schedule_on_one_table():
     """A cost model file read on every rank: ranks whose copies differ agree on the largest value per cell (and on
     one launch grid: the most SMs any rank has)."""
     import hf_longctx.backends.cad.runtime as runtime
-    from hf_longctx.comm.emulated import EmulationHub
+    import hf_longctx.comm.mode as mode
     from hf_longctx.kernels.launch import LaunchGrid
+    from hf_longctx.lab.emulation.group import EmulationHub
 
     base = ProfiledCostModel.from_grid((16, 64), (16, 64), [[1.0, 2.0], [3.0, 4.0]], interpolate="rate",
                                        segment_cost=0.25, tile=16, launch=LaunchGrid(slots=114), launch_heads=4)
@@ -89,12 +90,13 @@ def test_a_model_file_makes_every_rank_schedule_on_one_table():
     def per_rank(group):  # rank 1's copy holds one cell and the per-segment term slower
         return runtime.agreed_cost_model(other if group.rank == 1 else base, group)
 
-    cached = dict(runtime._AGREED)
+    kept = {group: dict(state) for group, state in mode._STATE_BY_GROUP.items()}
     for _ in range(2):  # a new group each time: agreed again, never taken from another group
         models = EmulationHub(3).run(per_rank)
         assert all(m.table == ((1.0, 2.5), (3.0, 4.0)) and m.segment_cost == 0.5 and m.tile == 16 for m in models)
         assert all(m.launch == LaunchGrid(slots=132) and m.launch_heads == 4 for m in models)
-    assert runtime._AGREED == cached  # emulated groups keep theirs on their hub, freed with it
+    # emulated groups keep theirs on their hub (their own comm ops' state), freed with it
+    assert {group: dict(state) for group, state in mode._STATE_BY_GROUP.items()} == kept
 
 
 def _fake_clock(call_ms: float, per_segment_ms: float, per_pair_ms: float):

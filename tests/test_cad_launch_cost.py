@@ -651,7 +651,7 @@ def test_ranks_agree_on_one_launch_model():
     """A launch model file whose copies differ between ranks (other terms, more SMs): every rank schedules on the
     largest of each."""
     import hf_longctx.backends.cad.runtime as runtime
-    from hf_longctx.comm.emulated import EmulationHub
+    from hf_longctx.lab.emulation.group import EmulationHub
 
     slower = LaunchCostModel(LaunchGrid(slots=114), 32, PhaseTerms(4e-4, 4.2e-6, 7.3e-6, 0.0, 0.0, 0.0195),
                              PhaseTerms(1.0e-3, 1.9e-5, 1.55e-5, 1.49e-4, 1.5e-3, 0.0292))

@@ -15,9 +15,9 @@ import torch
 from test_backends import make_problem, reference
 
 from hf_longctx.backends import default_strategy, sequence_parallel_attention
-from hf_longctx.comm.emulated import EmulationError, EmulationHub
 from hf_longctx.comm.links import LINKS, MB, transfer_seconds
 from hf_longctx.lab.emulation import EmulatedStep, RankStep, emulate_step, noise_only_imbalance, real_rank_kernel_times
+from hf_longctx.lab.emulation.group import EmulationError, EmulationHub
 from hf_longctx.lab.emulation.timing import KernelTimer
 from hf_longctx.layout import shard_plan
 
@@ -334,7 +334,7 @@ def test_ranks_run_on_reused_threads():
     built once per rank, not per step and leaked at every thread's exit."""
     import threading
 
-    from hf_longctx.comm.emulated import rank_threads
+    from hf_longctx.lab.emulation.group import rank_threads
 
     def ident(group):
         return threading.get_ident()
@@ -462,3 +462,21 @@ def test_a_step_out_of_device_memory_runs_again_staged_on_the_host(monkeypatch):
     assert calls == [True]
     with pytest.raises(RuntimeError, match="not a memory error"):
         emulate_step_or_stage(None, 3, tensors, "ring")
+
+
+def test_an_emulated_group_is_its_own_comm_mode():
+    """The comm layer sees an emulated group only through its comm ops: every rank in this process, collectives on
+    CPU tensors, all_to_alls staged on the host where the hub says, state per rank freed with the hub."""
+    from hf_longctx.comm.collectives import collective_device, group_state, in_one_process, is_distributed
+    from hf_longctx.comm.groups import global_rank, group_rank_and_size
+    from hf_longctx.comm.mode import CommOps, ops_for
+    from hf_longctx.lab.emulation.group import EmulatedGroup
+
+    hub = EmulationHub(3, stage_on_host=True)
+    group = EmulatedGroup(hub, 2)
+    assert ops_for(group) is group and isinstance(group, CommOps)
+    assert is_distributed(group) and in_one_process(group) and collective_device(group) == torch.device("cpu")
+    assert group_rank_and_size(group) == (2, 3) and global_rank(group, 1) == 1
+    assert group.stages_on_host() and not EmulatedGroup(EmulationHub(3), 0).stages_on_host()
+    assert group_state(group) is group_state(EmulatedGroup(hub, 2))  # one rank's state, whatever handle
+    assert group_state(group) is not group_state(EmulatedGroup(hub, 1))

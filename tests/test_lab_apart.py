@@ -82,6 +82,23 @@ def test_no_product_module_imports_the_lab():
     assert not offenders, f"the product imports the lab: {offenders}"
 
 
+def test_no_product_module_names_the_emulated_group():
+    """The comm layer and the backends reach an emulated group only through its comm ops (``comm.mode``): no module
+    of the product names the emulation's types (an ``isinstance`` test, an attribute of its hub)."""
+    named = {}
+    for module, (path, _) in _modules().items():
+        if _in_lab(module):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        names |= {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+        found = sorted(n for n in names if n in {"hub", "stage_on_host"} or n.startswith(("Emulated", "Emulation")))
+        if found:
+            named[module] = found
+    assert not named, f"product modules name the emulation: {named}"
+
+
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components of more than one module (Tarjan)."""
     index: dict[str, int] = {}

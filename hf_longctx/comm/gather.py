@@ -33,11 +33,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from ..kernels.merge import merge_rows_
 from ..optional_triton import TRITON_DTYPES, switched_on, triton_module
-from .emulated import EmulatedGroup
+from .mode import ops_for
 from .p2p import count_all_to_all
 
 Run = tuple[int, int, int]  # (holder rank, local row start, local row end)
@@ -106,19 +105,18 @@ def triton_returns(segments: Sequence[torch.Tensor], locals_: Sequence[torch.Ten
 
 
 def _receive_buffer(like: torch.Tensor, rows: int, width: int, group) -> torch.Tensor:
-    """Where an all_to_all lands: beside ``like``, or on the host for an emulated group that stages its buffers
-    there (:class:`~hf_longctx.comm.emulated.EmulationHub`'s ``stage_on_host``: one device emulating W ranks
-    would hold all W ranks' buffers at once)."""
-    if isinstance(group, EmulatedGroup) and group.hub.stage_on_host and like.device.type != "cpu":
+    """Where an all_to_all lands: beside ``like``, or on the host for a group whose comm ops stage all_to_alls
+    there (:meth:`~.mode.CommOps.stages_on_host`: one device emulating W ranks would hold all W ranks' buffers at
+    once)."""
+    if like.device.type != "cpu" and ops_for(group).stages_on_host():
         return torch.empty(rows, width, dtype=like.dtype, device="cpu")
     return like.new_empty(rows, width)
 
 
 def _a2a(recv: torch.Tensor, send: torch.Tensor, recv_counts: list[int], send_counts: list[int], group):
-    if isinstance(group, EmulatedGroup) and len(recv_counts) > 1:
-        return group.all_to_all_single(recv, send, recv_counts, send_counts, async_op=True)
-    if dist.is_available() and dist.is_initialized() and len(recv_counts) > 1:
-        return dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group, async_op=True)
+    ops = ops_for(group)
+    if len(recv_counts) > 1 and ops.is_distributed():
+        return ops.all_to_all_single(recv, send, recv_counts, send_counts, async_op=True)
     recv.copy_(send)
     return None
 

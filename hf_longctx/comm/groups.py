@@ -15,7 +15,7 @@ from functools import cache
 import torch
 import torch.distributed as dist
 
-from .emulated import EmulatedGroup
+from .mode import current_device, ops_for  # noqa: F401 - current_device: importable here as before
 
 # Float dtypes as small integers, for the signatures ranks exchange before a collective (0: none of them).
 DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
@@ -23,18 +23,12 @@ DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.floa
 
 def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """(rank inside ``group``, group size); (0, 1) without torch.distributed."""
-    if isinstance(group, EmulatedGroup):
-        return group.rank, group.world
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+    return ops_for(group).rank_and_size()
 
 
 def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
     """Translate a rank inside ``group`` into the global rank P2P calls need."""
-    if group is None or isinstance(group, EmulatedGroup):
-        return group_rank
-    return dist.get_global_rank(group, group_rank)
+    return ops_for(group).global_rank(group_rank)
 
 
 def high_priority_options() -> dist.ProcessGroupNCCL.Options | None:
@@ -154,8 +148,3 @@ def sequence_parallel_group(sp_size: int) -> dist.ProcessGroup | None:
         return None
     return mesh.get_group("sp")
 
-
-def current_device() -> torch.device:
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

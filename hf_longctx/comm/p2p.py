@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .emulated import EmulatedGroup
-from .groups import global_rank
+from .mode import CommunicationError, ops_for
 
 _counters: Counter = Counter()
 
@@ -49,10 +48,6 @@ def count_all_to_all(send: torch.Tensor, send_counts: list[int], recv_counts: li
         row *= size
     count_collective("all_to_all", row * sum(c for d, c in enumerate(send_counts) if d != rank),
                      row * sum(c for s, c in enumerate(recv_counts) if s != rank))
-
-
-class CommunicationError(RuntimeError):
-    """A peer rank did not answer: it most likely raised or died. Carries the step for diagnosis."""
 
 
 @dataclass
@@ -86,30 +81,11 @@ def post_exchange(
 
     Ranks are group ranks. Returns at once; receive buffers appear under their key after wait().
     """
-    if isinstance(group, EmulatedGroup):
-        return _post_emulated(sends, recvs, group, what)
-    ops = [dist.P2POp(dist.isend, t.contiguous(), global_rank(group, dst), group, tag) for dst, t, tag in sends]
-    ops += [dist.P2POp(dist.irecv, buf, global_rank(group, src), group, tag) for _, src, buf, tag in recvs]
     pending = PendingExchange(recv={key: buf for key, _, buf, _ in recvs}, what=what)
     _counters["sent_messages"] += len(sends)
     _counters["sent_bytes"] += sum(t.numel() * t.element_size() for _, t, _ in sends)
     _counters["recv_messages"] += len(recvs)
     _counters["recv_bytes"] += sum(b.numel() * b.element_size() for _, _, b, _ in recvs)
-    if ops:
-        try:
-            pending.works = dist.batch_isend_irecv(ops)
-        except Exception as exc:
-            raise CommunicationError(f"hf_longctx: posting {what} failed: {exc}") from exc
-    return pending
-
-
-def _post_emulated(sends, recvs, group: EmulatedGroup, what: str) -> PendingExchange:
-    """:func:`post_exchange` on an emulated group: the same messages, as local copies (counted as well)."""
-    pending = PendingExchange(recv={key: buf for key, _, buf, _ in recvs}, what=what)
-    _counters["sent_messages"] += len(sends)
-    _counters["sent_bytes"] += sum(t.numel() * t.element_size() for _, t, _ in sends)
-    _counters["recv_messages"] += len(recvs)
-    _counters["recv_bytes"] += sum(b.numel() * b.element_size() for _, _, b, _ in recvs)
-    pending.works = group.post([(dst, t.contiguous(), tag) for dst, t, tag in sends],
-                               [(src, buf, tag) for _, src, buf, tag in recvs], what)
+    pending.works = ops_for(group).post([(dst, t.contiguous(), tag) for dst, t, tag in sends],
+                                        [(src, buf, tag) for _, src, buf, tag in recvs], what)
     return pending

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from hf_longctx.comm import GatherPlan
-from hf_longctx.comm.emulated import EmulationHub
 from hf_longctx.comm.gather import triton_gathers, triton_returns
 from hf_longctx.kernels import attention_backward, attention_forward
 from hf_longctx.lab.emulation import emulate_step
+from hf_longctx.lab.emulation.group import EmulationHub
 from hf_longctx.layout import PackedBatch, shard_plan
 
 pytestmark = pytest.mark.gpu

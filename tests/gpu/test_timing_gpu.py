@@ -59,7 +59,7 @@ def test_the_spin_grows_to_cover_a_region_whose_host_side_takes_longer_than_the_
 
 
 def test_emulated_kernel_time_is_device_time():
-    from hf_longctx.comm.emulated import EmulationHub
+    from hf_longctx.lab.emulation.group import EmulationHub
     from hf_longctx.lab.emulation.timing import KernelTimer
 
     hub = EmulationHub(1)
@@ -79,7 +79,7 @@ def test_an_emulated_rank_pauses_after_a_call_for_as_long_as_it_took_and_the_pau
     as it worked), and neither call's time holds the pause. Without a pause the spin stays near its ~2 ms."""
     import hf_longctx.benchmarking as benchmarking
     import hf_longctx.lab.emulation.timing as timing
-    from hf_longctx.comm.emulated import EmulationHub
+    from hf_longctx.lab.emulation.group import EmulationHub
     from hf_longctx.lab.emulation.timing import KernelTimer
 
     x = torch.ones(16, device="cuda")

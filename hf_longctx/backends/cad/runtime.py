@@ -40,8 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ...comm.collectives import all_reduce_max, collective_device, is_distributed
-from ...comm.emulated import EmulatedGroup
+from ...comm.collectives import all_reduce_max, collective_device, group_state, in_one_process, is_distributed
 from ...comm.gather import GatherPlan, Run
 from ...kernels import accumulation_dtype
 from ...kernels.calls import CallTerms, backward_in_calls, call_order, calls_overhead, forward_in_calls, plan_calls
@@ -219,20 +218,14 @@ def _batches(ctx: RunContext, device: torch.device) -> list[NanoBatch]:
     return nano_batches(ctx.plan, ctx.options["tasks"], ctx.rank, ctx.options.get("pingpong", True), device, terms)
 
 
-_AGREED: dict[tuple[int, object], tuple[CostModel, CostModel]] = {}
-
-
 def agreed_cost_model(model: CostModel, group) -> CostModel:
     """``model`` made identical on every rank of ``group``: every cell (the per-segment term, the tile, the call
     terms, a launch model's terms and slots) takes the largest rank's value (one all_reduce), because ranks that
     schedule on different costs would disagree on who serves what (each rank reads its own copy of the model file,
     which another host may hold in another version). Kept per model and group (the group object, not its ``id``,
-    which a later group may reuse and then skip the all_reduce its peers make); an emulated group's on its hub, so
-    that it is freed with it."""
-    if isinstance(group, EmulatedGroup):
-        store, key = group.hub.cache, ("cad_agreed_cost_model", id(model), group.rank)
-    else:
-        store, key = _AGREED, (id(model), group)
+    which a later group may reuse and then skip the all_reduce its peers make), in the group's state
+    (:func:`~hf_longctx.comm.collectives.group_state`: a group that keeps its own frees it with itself)."""
+    store, key = group_state(group), ("cad_agreed_cost_model", id(model))
     kept = store.get(key)  # (model, agreed): the model kept alive with it, so that its id names it alone
     if kept is None:
         agreed_model = model
@@ -702,9 +695,9 @@ class CadBackend(Backend):
         if is_model_path(options.get("cost_model")):  # the file's model, the same on every rank
             options["cost_model"] = agreed_cost_model(load_model_file(options["cost_model"],
                                                                       options.get("cost_kernel", "auto")), group)
-        # every rank makes the same schedule here: on real process groups they price it together
+        # every rank makes the same schedule here: ranks in processes of their own price it together
         share = PricingShare(group, rank, world) if world > 1 and is_distributed(group) \
-            and not isinstance(group, EmulatedGroup) else None
+            and not in_one_process(group) else None
         options = prepare(plan, options, share)
         return super().run_context(plan, group, rank, world, scale, kernel, options)
 

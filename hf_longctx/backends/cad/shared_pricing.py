@@ -28,7 +28,8 @@ T = TypeVar("T")
 @dataclass
 class PricingShare:
     """This process's part in pricing for a group: ``rank`` of ``world`` processes of ``group`` (a torch.distributed
-    process group, not an emulated one: emulated ranks share one process and would gain nothing).
+    process group, not one whose ranks share this process, :func:`~hf_longctx.comm.collectives.in_one_process`: they
+    would gain nothing).
 
     ``dealt``: items dealt so far (the same count on every rank). The deal goes on round robin from call to call, so
     that calls of fewer items than ranks (a step of few moves) do not all land on rank 0."""

@@ -2,7 +2,7 @@
 
 Why: whether the work of W ranks is balanced in kernel time (and what a schedule costs in bytes) needs
 the W ranks' kernel calls, not W devices. :func:`emulate_step` runs every rank's share of one
-forward+backward, as one thread per rank over an :class:`~hf_longctx.comm.emulated.EmulatedGroup`:
+forward+backward, as one thread per rank over an :class:`~hf_longctx.lab.emulation.group.EmulatedGroup`:
 the same plan, checks, schedule, kernels and merges as a real run, with transfers replaced by local
 copies. Each rank's kernel calls are timed (:class:`~.timing.KernelTimer`) and its bytes counted, and
 a communication model (:mod:`hf_longctx.comm.links`) predicts the step time of a real group.
@@ -44,9 +44,9 @@ import torch.distributed as dist
 from hf_longctx.backends import default_strategy
 from hf_longctx.backends.api import RankCall, check_group_agrees, check_options, make_run_context, resolve_backend
 from hf_longctx.benchmarking import FORWARD_BACKWARD_FACTOR
-from hf_longctx.comm.emulated import EmulatedGroup, EmulationHub
 from hf_longctx.comm.links import LINKS, transfer_seconds
 from hf_longctx.kernels import observe_kernels
+from hf_longctx.lab.emulation.group import EmulatedGroup, EmulationHub
 from hf_longctx.lab.emulation.timing import KernelTimer, ThisProcess
 from hf_longctx.layout import PackedBatch, ShardPlan, shard_plan
 
@@ -209,7 +209,7 @@ def emulate_step(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ..
     the lower median over them (:func:`median_rep`). ``keep_results`` keeps every rank's ``(out, dq, dk, dv)``
     of the last step (in ``RankStep.results``, local row order). Traffic and kernel calls are those of the
     last step. ``make_timer(hub, device)`` builds each step's kernel timer (:class:`~.timing.KernelTimer`).
-    ``stage_on_host``: all_to_all buffers live on the host (see :class:`~hf_longctx.comm.emulated.EmulationHub`),
+    ``stage_on_host``: all_to_all buffers live on the host (see :class:`~hf_longctx.lab.emulation.group.EmulationHub`),
     for steps whose W ranks' buffers do not fit on the one device together.
     """
     if reps < 1 or warmup < 0:

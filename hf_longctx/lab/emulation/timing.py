@@ -1,7 +1,7 @@
 """Per-rank kernel time of an emulated group: every attention kernel call charged to the rank that made it.
 
 Why events and no synchronisation: the emulated ranks run one at a time (see
-:mod:`hf_longctx.comm.emulated`), so between the two events recorded around a call the device stream
+:mod:`hf_longctx.lab.emulation.group`), so between the two events recorded around a call the device stream
 holds exactly that call's kernels, and its time is read once the step is over. Nothing waits on the
 device during the step. The device spins before each call's start event
 (:func:`~hf_longctx.benchmarking.queue_ahead`), so the call's kernels are all queued when it fires and
@@ -112,7 +112,7 @@ class KernelTimer:
 
     ``keep_calls``: also keep every timed call's segment lengths and seconds (:meth:`call_log`), so that a cost
     model can be checked call by call against what the kernel took. ``hub``: who computes now, an emulation's
-    hub (:class:`~hf_longctx.comm.emulated.EmulationHub`) or :class:`ThisProcess` in a real run (the same
+    hub (:class:`~hf_longctx.lab.emulation.group.EmulationHub`) or :class:`ThisProcess` in a real run (the same
     per-rank kernel time, measured where the ranks really run). ``pause``: seconds the device spins after a timed
     call per second of it, before the next call's start event (see the module); default :data:`EMULATED_PAUSE` for
     an emulation, 0 in a real run (its ranks run at once: pausing would only slow its step)."""

@@ -2,9 +2,10 @@
 
 Why: whether the work of W sequence-parallel ranks is balanced in *kernel time* needs no W GPUs, only
 the W ranks' kernel calls on one device, with the same plans, schedules, kernels and merges as a real
-run. The backends talk to their peers only through this package's ``comm`` layer, which dispatches on
-the group's type: given an :class:`EmulatedGroup`, point-to-point batches, ``all_to_all_single``,
-``all_gather``, ``all_reduce`` and ``barrier`` become copies through the shared :class:`EmulationHub`.
+run. The backends talk to their peers only through the package's ``comm`` layer, which asks every group for its
+comm ops (:func:`hf_longctx.comm.mode.ops_for`): an :class:`EmulatedGroup` carries its own, so point-to-point
+batches, ``all_to_all_single``, ``all_gather``, ``all_reduce`` and ``barrier`` become copies through the shared
+:class:`EmulationHub`, and the comm layer never learns that the group is emulated.
 
 Threads run one at a time (cooperative scheduling): a thread holds the hub's lock whenever it runs
 and gives it up only while it waits for a peer. So one rank's device work is never interleaved with
@@ -144,11 +145,12 @@ def rank_threads() -> list[threading.Thread]:
 class EmulationHub:
     """Shared state of one emulated group of ``world`` ranks; :meth:`run` runs a function on every rank.
 
-    ``cache``: state the package keeps per group for the hub's lifetime (freed with it, unlike a module-level
-    dict keyed by ``id(group)``, whose keys a later group may reuse).
+    ``cache``: state the package keeps per group for the hub's lifetime, per rank (:meth:`EmulatedGroup.state`;
+    freed with the hub, unlike a module-level dict keyed by ``id(group)``, whose keys a later group may reuse).
 
     ``stage_on_host``: an all_to_all's send and receive buffers live in host memory (see
-    :class:`~hf_longctx.comm.gather.GatherPlan`, which allocates the receive buffers). A real device holds its own
+    :class:`~hf_longctx.comm.gather.GatherPlan`, which allocates the receive buffers where
+    :meth:`EmulatedGroup.stages_on_host` says). A real device holds its own
     rank's buffers; one device emulating W ranks holds all of them, since every rank posts before any
     collective completes, and CAD's backward returns fp32 key gradients for every gathered row.
     :attr:`largest_all_to_all` (bytes) is about what staging then holds on the host at once; the price is a copy
@@ -375,11 +377,17 @@ class EmulationHub:
 
 
 class EmulatedGroup:
-    """One rank's handle on an :class:`EmulationHub`: what ``comm`` functions receive as ``group``."""
+    """One rank's handle on an :class:`EmulationHub`: what ``comm`` functions receive as ``group``, and its own comm
+    ops (:class:`hf_longctx.comm.mode.CommOps`): transfers are copies through the hub, every rank is in this
+    process, collectives take CPU tensors, and all_to_all buffers are staged on the host where the hub says."""
 
     def __init__(self, hub: EmulationHub, rank: int) -> None:
         self.hub = hub
         self.rank = rank
+
+    @property
+    def comm_ops(self) -> EmulatedGroup:
+        return self
 
     @property
     def world(self) -> int:
@@ -387,6 +395,17 @@ class EmulatedGroup:
 
     def size(self) -> int:
         return self.hub.world
+
+    # ------------------------------------------------------------------ comm ops
+
+    def is_distributed(self) -> bool:
+        return True
+
+    def rank_and_size(self) -> tuple[int, int]:
+        return self.rank, self.world
+
+    def global_rank(self, group_rank: int) -> int:
+        return group_rank
 
     def post(self, sends, recvs, what: str) -> list[_Work]:
         return self.hub.post(self.rank, sends, recvs, what)
@@ -399,6 +418,20 @@ class EmulatedGroup:
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         self.hub.all_reduce(self.rank, tensor, op)
+
+    def collective_device(self) -> torch.device:
+        """The CPU: the ranks share one process, and a collective's tensors are copied between them."""
+        return torch.device("cpu")
+
+    def stages_on_host(self) -> bool:
+        return self.hub.stage_on_host
+
+    def in_one_process(self) -> bool:
+        return True
+
+    def state(self) -> dict:
+        """This rank's part of the hub's ``cache``: freed with the hub."""
+        return self.hub.cache.setdefault(("rank state", self.rank), {})
 
     def barrier(self) -> None:
         self.hub.barrier(self.rank)
