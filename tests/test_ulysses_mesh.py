@@ -60,9 +60,28 @@ def check_meshes(rank, world, inner_sizes, backends):
                                                msg=lambda m, n=name, w=where: f"{n} {w} {m}")
 
 
+def check_mixed_sizes_are_refused_by_every_rank(rank, world):
+    """Ranks of one group given different ulysses_size all raise where the mesh is made, none waits in it."""
+    import torch.distributed as dist
+
+    batch, q, k, v, _ = mesh_problem(7, world, 2)
+    plan = shard_plan(batch, world, "zigzag")
+    idx = plan.local_indices(rank)
+    group = dist.new_group(list(range(world)))  # a group whose mesh is not made yet
+    with pytest.raises(ValueError, match="run different ulysses_sizes"):
+        sequence_parallel_attention(q[idx], k[idx], v[idx], plan=plan, backend="ulysses_zigzag", group=group,
+                                    options={"ulysses_size": 2 if rank < 2 else 4})
+
+
+def check_meshes_and_refusal(rank, world, inner_sizes, backends):
+    check_meshes(rank, world, inner_sizes, backends)
+    if world == 4:
+        check_mixed_sizes_are_refused_by_every_rank(rank, world)
+
+
 @pytest.mark.parametrize("world,inner_sizes", [(4, [2]), (6, [2, 3])])
 def test_ulysses_over_every_outer_backend_matches_single_device(world, inner_sizes):
-    run_distributed(world, check_meshes, inner_sizes, list(OUTER_BACKENDS), timeout_s=300)
+    run_distributed(world, check_meshes_and_refusal, inner_sizes, list(OUTER_BACKENDS), timeout_s=300)
 
 
 @pytest.mark.parametrize("strategy", ["contiguous", "zigzag", "doc_zigzag", "cad"])

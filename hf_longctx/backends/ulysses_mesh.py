@@ -146,6 +146,13 @@ def mesh_groups(group: dist.ProcessGroup | None, rank: int, world: int, inner: i
         members = [global_rank(group, r) for r in range(world)]
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (members, inner))
+        sizes: dict[tuple, set] = {}
+        for ranks, size in everyone:
+            sizes.setdefault(tuple(ranks), set()).add(size)
+        mixed = {ranks: sorted(s) for ranks, s in sizes.items() if len(s) > 1}
+        if mixed:  # every rank saw the same list: the whole world raises together, nobody waits in new_group
+            raise ValueError(f"the ranks of a sequence-parallel group run different {OPTION}s ({mixed}: group ranks "
+                             f"-> sizes); give every rank the same backend options")
         wanted = set()
         for ranks, size in everyone:
             for o in range(len(ranks) // size):
