@@ -28,11 +28,16 @@ LAUNCHES = {
     "zigzag": ("cpu-3proc", [], {"HF_LONGCTX_BACKEND": "zigzag"}, "cpu-3proc"),  # the environment's override
     # local is one process's attention: data parallel on the same shape, against distfa at sp_size 1
     "local": ("cpu-2proc", ["--backend", "local", "--sp-size", "1"], {}, "cpu-2proc --sp-size 1"),
+    # two-dimensional: Ulysses over pairs of processes, the outer backend across the pairs (a 2 x 2 mesh)
+    **{f"ulysses_{outer}": ("cpu-4proc", ["--backend", f"ulysses_{outer}", "--sp-size", "4", "--backend-options",
+                                          "ulysses_size=2"], {}, "cpu-4proc --sp-size 4")
+       for outer in ("zigzag", "distfa", "tasp", "ring", "cad")},
 }
 REFERENCES = {  # a run of the recipe's own backend: (shape, command line, backend it must report)
     "cpu-2proc": ("cpu-2proc", [], "distfa"),
     "cpu-3proc": ("cpu-3proc", [], "tasp"),
     "cpu-2proc --sp-size 1": ("cpu-2proc", ["--sp-size", "1"], "distfa"),
+    "cpu-4proc --sp-size 4": ("cpu-4proc", ["--sp-size", "4"], "zigzag"),
 }
 _runs: dict[str, tuple[list[dict], dict]] = {}
 
@@ -79,7 +84,8 @@ def test_every_backend_trains_like_the_recipe_backend(tmp_path, tmp_path_factory
     expected = reference(tmp_path_factory, against)
     steps, summary = train(tmp_path, shape, extra, env)
     assert summary["backend"] == backend, "the override must train another backend, or the comparison is void"
-    assert summary["backend_options"] == ({"eps": 0.01, "pingpong": False} if "--backend-options" in extra else {})
+    options = {"cad": {"eps": 0.01, "pingpong": False}}.get(backend, {"ulysses_size": 2})
+    assert summary["backend_options"] == (options if "--backend-options" in extra else {})
     assert summary["sp_size"] == _runs[against][1]["sp_size"] == (1 if backend == "local" else int(shape[4]))
     assert len(steps) == len(expected) == 3
     for step, (a, b) in enumerate(zip(steps, expected)):

@@ -14,6 +14,7 @@ from .registry import register_backend
 from .schedule import distfa_schedule, rotation_schedule
 from .tasp import TaspBackend
 from .ulysses import UlyssesBackend
+from .ulysses_mesh import OUTER_BACKENDS, UlyssesMeshBackend
 
 register_backend(LocalBackend())
 register_backend(ScheduleBackend(
@@ -33,4 +34,6 @@ register_backend(ScheduleBackend(
 register_backend(UlyssesBackend())
 register_backend(TaspBackend())
 register_backend(CadBackend())
+for _outer in OUTER_BACKENDS:  # Ulysses inside a node x a ring-family backend or CAD across nodes
+    register_backend(UlyssesMeshBackend(_outer))
 register_backend(AUTO)

@@ -51,19 +51,36 @@ def _order(ctx: RunContext, device: torch.device) -> torch.Tensor | None:
     return idx.to(device)
 
 
-def _to_heads(x: torch.Tensor, ctx: RunContext, order: torch.Tensor | None) -> torch.Tensor:
-    """(T_local, H, D) token shard -> (T, H / P, D) head shard in global token order."""
-    world = ctx.plan.world_size
+def tokens_to_heads(x: torch.Tensor, counts: list[int], rank: int, group) -> torch.Tensor:
+    """(T_local, H, D) token shard of ``rank`` -> (sum(counts), H / P, D): every rank's tokens, in rank order, for
+    this rank's P-th of the heads; ``counts`` are the token counts of the P ranks of ``group``."""
+    world = len(counts)
     if world == 1:
         return x
     t, h, d = x.shape
     send = x.view(t, world, h // world, d).transpose(0, 1).contiguous()  # (P, T_local, H/P, D)
-    counts = _token_counts(ctx)
     recv = x.new_empty(sum(counts), h // world, d)
-    send_counts = [t] * world
-    count_all_to_all(send.view(world * t, h // world, d), send_counts, counts, ctx.rank)
-    all_to_all_single(recv, send.view(world * t, h // world, d), counts, [t] * world, group=ctx.group)
-    if order is None:
+    count_all_to_all(send.view(world * t, h // world, d), [t] * world, counts, rank)
+    all_to_all_single(recv, send.view(world * t, h // world, d), counts, [t] * world, group=group)
+    return recv
+
+
+def heads_to_tokens(x: torch.Tensor, counts: list[int], rank: int, group) -> torch.Tensor:
+    """Inverse of :func:`tokens_to_heads`: (sum(counts), H / P, D) in rank order -> (T_local, H, D) of ``rank``."""
+    world = len(counts)
+    if world == 1:
+        return x
+    t = counts[rank]
+    recv = x.new_empty(world * t, *x.shape[1:])
+    count_all_to_all(x, counts, [t] * world, rank)
+    all_to_all_single(recv, x.contiguous(), [t] * world, counts, group=group)
+    return recv.view(world, t, *x.shape[1:]).transpose(0, 1).reshape(t, world * x.shape[1], x.shape[2])
+
+
+def _to_heads(x: torch.Tensor, ctx: RunContext, order: torch.Tensor | None) -> torch.Tensor:
+    """(T_local, H, D) token shard -> (T, H / P, D) head shard in global token order."""
+    recv = tokens_to_heads(x, _token_counts(ctx), ctx.rank, ctx.group)
+    if order is None or ctx.plan.world_size == 1:
         return recv
     out = torch.empty_like(recv)
     out[order] = recv
@@ -72,17 +89,9 @@ def _to_heads(x: torch.Tensor, ctx: RunContext, order: torch.Tensor | None) -> t
 
 def _to_tokens(x: torch.Tensor, ctx: RunContext, order: torch.Tensor | None, rank: int) -> torch.Tensor:
     """Inverse of :func:`_to_heads`: (T, H / P, D) -> (T_local, H, D)."""
-    world = ctx.plan.world_size
-    if world == 1:
-        return x
-    if order is not None:
+    if order is not None and ctx.plan.world_size > 1:
         x = x[order]
-    counts = _token_counts(ctx)
-    t = counts[rank]
-    recv = x.new_empty(world * t, *x.shape[1:])
-    count_all_to_all(x, counts, [t] * world, ctx.rank)
-    all_to_all_single(recv, x.contiguous(), [t] * world, counts, group=ctx.group)
-    return recv.view(world, t, *x.shape[1:]).transpose(0, 1).reshape(t, world * x.shape[1], x.shape[2])
+    return heads_to_tokens(x, _token_counts(ctx), rank, ctx.group)
 
 
 def _heads(ctx: RunContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):

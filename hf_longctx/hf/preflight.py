@@ -210,6 +210,15 @@ def check_model_config(cfg: LongContextConfig, model_config, world_size: int | N
             raise ConfigError(f"{source}: backend ulysses splits the model's {heads} query heads over the {sp} "
                               f"processes of a sequence-parallel group, and {sp} does not divide {heads}; set sp_size "
                               f"to one of {fits}, or use a ring backend (--backend zigzag, distfa or ring)")
+    from ..backends import get_backend
+    from ..backends.ulysses_mesh import UlyssesMeshBackend, mesh_problem
+
+    spec = get_backend(cfg.backend)
+    if isinstance(spec, UlyssesMeshBackend) and heads:
+        problem = mesh_problem(cfg.backend_options.get("ulysses_size"), sp, heads,
+                               getattr(text, "num_key_value_heads", None) or heads)
+        if problem:
+            raise ConfigError(f"{source}: backend {cfg.backend}: {problem}")
 
 
 def check_run(recipe: str | os.PathLike | None = None, *, overrides: Mapping[str, object] | None = None,
