@@ -30,6 +30,9 @@ class _CostModelsTerms:
     def __repr__(self) -> str:
         return "COST_MODELS_TERMS"
 
+    def __reduce__(self) -> str:
+        return "COST_MODELS_TERMS"  # one object: copies and pickles (options sent to spawned ranks) are it
+
 
 COST_MODELS_TERMS = _CostModelsTerms()
 
