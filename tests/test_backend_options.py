@@ -113,3 +113,104 @@ def test_a_mismatched_model_file_is_refused_when_the_settings_are_checked(tmp_pa
         LongContextConfig(backend="cad", backend_options=options)
     with pytest.raises(ValueError, match=problem):
         _call("cad", options)
+
+
+def test_options_are_one_frozen_object_the_run_never_writes():
+    """The schedule and the eps it used are the run's state (what prepare returns), never left in the options:
+    the next batch's call must not find the last batch's tasks."""
+    import dataclasses
+
+    from hf_longctx.backends.cad.options import CadOptions, CadRun
+
+    options = CadOptions(eps=0.01, pingpong=False)
+    before = dataclasses.asdict(options)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.eps = 0.2  # type: ignore[misc]
+    batch = PackedBatch.from_doc_lens([48, 16])
+    plan = shard_plan(batch, 2, "cad")
+    run = get_backend("cad").run_context(plan, None, 0, 2, 0.25, "auto", options)
+    assert isinstance(run.state, CadRun) and run.state.tasks and run.state.eps_used == 0.01
+    assert run.options == options and options.tasks is None and dataclasses.asdict(options) == before
+    import pickle
+
+    assert pickle.loads(pickle.dumps(options)) == options  # as spawned ranks receive them
+    given = CadOptions(tasks=list(run.state.tasks))  # a schedule's tasks given to run instead of scheduling
+    assert given.tasks == run.state.tasks and get_backend("cad").prepare(plan, given) == CadRun(run.state.tasks)
+
+
+def test_an_options_object_is_checked_once_when_made_not_on_every_call(monkeypatch):
+    """A mapping is parsed (and checked) where it is given; an options object was checked when it was made, so the
+    calls of every layer take it as it is."""
+    from hf_longctx.backends.cad.options import CadOptions
+
+    checks = []
+    original = CadOptions.problem
+    monkeypatch.setattr(CadOptions, "problem", lambda self: checks.append(1) or original(self))
+    options = CadOptions(eps=0.01)
+    assert len(checks) == 1
+    _call("cad", options)
+    _call("cad", options)
+    assert len(checks) == 1
+    _call("cad", {"eps": 0.01})
+    assert len(checks) == 2
+
+
+def test_the_options_of_another_backend_are_refused():
+    from hf_longctx.backends.cad.options import CadOptions
+
+    with pytest.raises(ValueError, match="backend 'ring' takes NoOptions, got CadOptions"):
+        _call("ring", CadOptions())
+    with pytest.raises(ValueError, match="backend 'cad': options must be a mapping of option names"):
+        _call("cad", [("eps", 0.01)])
+
+
+def test_the_backend_declares_its_options_type():
+    from hf_longctx.backends.cad.options import CadOptions
+    from hf_longctx.backends.options import NoOptions
+
+    cad = get_backend("cad")
+    assert cad.options_type is CadOptions and cad.option_names == CadOptions.names()
+    assert cad.option_names[:2] == ("eps", "cost_model") and "tasks" in cad.option_names
+    assert get_backend("ring").options_type is NoOptions and get_backend("ring").option_names == ()
+
+
+def test_causal_is_a_field_of_the_run_not_an_option():
+    """A bidirectional layer's ``causal=False`` reaches the backend in the run, and its options stay its own."""
+    from hf_longctx.backends.options import NoOptions
+
+    batch = PackedBatch.from_doc_lens([48, 16])
+    plan = shard_plan(batch, 1, "contiguous")
+    run = get_backend("ulysses").run_context(plan, None, 0, 1, 0.25, "auto", NoOptions(), causal=False)
+    assert run.causal is False and run.options == NoOptions()
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch.num_tokens, 4, 8, dtype=torch.float64, generator=gen) for _ in range(3))
+    out = sequence_parallel_attention(q, k, v, plan=plan, backend="ulysses", causal=False, rank=0)
+    from hf_longctx.backends import one_process_attention
+
+    cu = batch.cu_seqlens.tolist()
+    torch.testing.assert_close(out, one_process_attention(q, k, v, cu, cu, causal=False), rtol=1e-9, atol=1e-12)
+
+
+def test_shard_batch_parses_a_mapping_for_the_model_it_is_given():
+    """With ``model=``, the backend is known: a misspelt option fails at shard_batch, before any forward."""
+    from types import SimpleNamespace
+
+    from hf_longctx.backends.cad.options import CadOptions
+    from hf_longctx.hf import shard_batch
+
+    batch = PackedBatch.from_doc_lens([48, 16])
+    plan = shard_plan(batch, 1, "cad")
+    class Model(torch.nn.Module):  # what shard_batch checks of a model: its config and a forward taking positions
+        def forward(self, input_ids=None, position_ids=None, **kwargs):
+            raise AssertionError("not called")
+
+    model = Model()
+    model.config = SimpleNamespace(_attn_implementation="longctx_cad")
+    tokens = {"input_ids": torch.zeros(1, 64, dtype=torch.long), "position_ids": torch.arange(64)[None]}
+    with pytest.raises(ValueError, match=r"has no option 'epss' \(did you mean 'eps'\?\)"):
+        shard_batch(tokens, plan, 0, options={"epss": 0.01}, model=model)
+    local = shard_batch(tokens, plan, 0, options={"eps": 0.01}, model=model)
+    assert local["longctx"].options == CadOptions(eps=0.01)
+    unparsed = shard_batch(tokens, plan, 0, options={"eps": 0.01})  # parsed at the first attention call
+    assert unparsed["longctx"].options_for("cad") == CadOptions(eps=0.01)
+    assert unparsed["longctx"].options_for("cad") is unparsed["longctx"].options_for("cad")

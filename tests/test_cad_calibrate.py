@@ -9,12 +9,14 @@ outputs and gradients those of one device.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from hf_longctx.backends.cad.cost_model import ProfiledCostModel
+from hf_longctx.backends.cad.options import CadOptions
 from hf_longctx.backends.cad.runtime import _server_time, cad_schedule, call_terms_for
 from hf_longctx.backends.cad.scheduler import verify_schedule, with_tasks
 from hf_longctx.backends.cad.tasks import CadTask, all_pieces, docs_per_rank, rows_cost
@@ -52,7 +54,7 @@ def true_times(plan, tasks, options, slow: dict[int, float]) -> np.ndarray:
 def test_servers_the_model_underprices_are_lowered_once_their_times_are_measured(mix, tokens, world, seed):
     batch = PackedBatch.from_doc_lens(doc_lengths(mix, tokens, seed=seed))
     plan = shard_plan(batch, world, "cad")
-    options = {"eps": 0.01, "cost_model": H200}
+    options = CadOptions(eps=0.01, cost_model=H200)
     tasks = cad_schedule(plan, options).tasks
     longest = np.argsort(batch.doc_lens)[::-1]
     slow = {int(longest[0]): 1.08, int(longest[2]): 1.05}  # two documents' segments run 8% and 5% over their price
@@ -74,7 +76,7 @@ def test_servers_the_model_underprices_are_lowered_once_their_times_are_measured
     unchanged = recalibrate(plan, options, true_times(plan, tasks, options, {}))
     assert sorted(map(repr, unchanged.tasks)) == sorted(map(repr, tasks))
     # a second round starts from the first's tasks (options["tasks"]) and its own measurement
-    again = recalibrate(plan, {**options, "tasks": rec.tasks}, after)
+    again = recalibrate(plan, replace(options, tasks=rec.tasks), after)
     final = true_times(plan, again.tasks, options, slow)
     assert final.max() <= after.max() * (1 + 1e-9)
 
@@ -103,7 +105,7 @@ def test_a_recalibrated_schedule_still_computes_what_one_device_does():
     q, k, v, dout = make_tensors(batch, seed=5)
     want = single_device(batch, q, k, v, dout)
     model = tailed_grid_model()
-    options = {"eps": 0.0, "min_shard": 16, "cost_model": model}
+    options = CadOptions(eps=0.0, min_shard=16, cost_model=model)
     plan = shard_plan(batch, world, "cad")
     first = cad_schedule(plan, options).tasks
     terms = call_terms_for(options, model)
@@ -111,7 +113,7 @@ def test_a_recalibrated_schedule_still_computes_what_one_device_does():
     measured = np.array(priced) * np.array([1.0, 1.0, 1.5])  # server 2's calls run half again as long
     tasks = recalibrate(plan, options, measured).tasks
     assert {t.server for t in tasks if t not in first} and len(tasks) >= len(first), "nothing moved"
-    step = emulate_step(batch, world, (q, k, v, dout), "cad", options={**options, "tasks": tasks},
+    step = emulate_step(batch, world, (q, k, v, dout), "cad", options=replace(options, tasks=tasks),
                         kernel="reference", keep_results=True)
     assert_ranks_equal_one_device(step, plan, want)
 

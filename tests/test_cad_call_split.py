@@ -57,7 +57,7 @@ def single_device(batch: PackedBatch, q, k, v, dout):
 
 def server_batches(plan, options):
     """Every rank's nano-batches as the runtime builds them on the CPU under ``options``."""
-    tasks = prepare(plan, options)["tasks"]
+    tasks = prepare(plan, options).tasks
     terms = call_terms_for(options, cost_model_for(plan, options))
     return [nano_batches(plan, tasks, r, options.get("pingpong", True), CPU, terms) for r in range(plan.world_size)]
 
@@ -211,7 +211,7 @@ def test_server_costs_add_each_calls_tail_on_a_profile_with_a_launch_grid(pingpo
     tailed = ProfiledCostModel.from_grid(**cells, launch=grid, launch_heads=2)
     plan = shard_plan(PackedBatch.from_doc_lens(DOC_LENS), 3, "cad")
     base = {"eps": 0.0, "min_shard": 16, "pingpong": pingpong, "call_terms": None}
-    tasks = prepare(plan, {**base, "cost_model": plain})["tasks"]  # one schedule, priced both ways
+    tasks = prepare(plan, {**base, "cost_model": plain}).tasks  # one schedule, priced both ways
     without = server_costs(plan, {**base, "cost_model": plain, "tasks": tasks})
     added = server_costs(plan, {**base, "cost_model": tailed, "tasks": tasks}) - without
     want = []

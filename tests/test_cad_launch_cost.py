@@ -637,7 +637,7 @@ def test_the_runtime_prices_a_server_as_the_sum_of_its_calls():
     batch = PackedBatch.from_doc_lens([9000, 300, 2500, 700, 128, 4100, 1500, 64, 3000])
     plan = shard_plan(batch, 3, "cad")
     options = {"cost_model": H200, "eps": 0.01, "pingpong": False}
-    tasks = prepare(plan, options)["tasks"]
+    tasks = prepare(plan, options).tasks
     predicted = server_costs(plan, options)
     for s in range(3):
         seg = [_segment_shape(plan, t) for t in tasks if t.server == s and t.q_end > t.q_start]

@@ -17,6 +17,7 @@ import pytest
 
 from hf_longctx.backends.cad.cost_model import ProfiledCostModel, TokenBytes
 from hf_longctx.backends.cad.launch_cost import LaunchCostModel, PhaseTerms
+from hf_longctx.backends.cad.options import CadOptions
 from hf_longctx.backends.cad.refine import refine_in_time
 from hf_longctx.backends.cad.runtime import (
     _predicted_costs,
@@ -50,7 +51,7 @@ def test_refinement_lowers_the_busiest_predicted_server_and_keeps_every_row(mix,
     batch = PackedBatch.from_doc_lens(doc_lengths(mix, tokens, seed=0))
     plan = shard_plan(batch, world, "cad")
     docs = docs_per_rank(plan)
-    options = {"eps": 0.01, "cost_model": H200}
+    options = CadOptions(eps=0.01, cost_model=H200)
     first = schedule(docs, world, eps=0.01, cost_model=H200)
     terms = call_terms_for(options, H200)
     moved = refine_in_time(plan, first.tasks, H200, lambda ts: _server_time(plan, ts, options, H200, terms))
@@ -86,7 +87,7 @@ def test_a_refined_schedule_still_computes_what_one_device_does(world):
     q, k, v, dout = make_tensors(batch)
     want = single_device(batch, q, k, v, dout)
     model = tailed_grid_model()
-    options = {"eps": 0.0, "min_shard": 16, "cost_model": model}
+    options = CadOptions(eps=0.0, min_shard=16, cost_model=model)
     plan = shard_plan(batch, world, "cad")
     first = schedule(docs_per_rank(plan), world, eps=0.0, cost_model=model, min_shard=16)
     tasks = refine_in_time(plan, first.tasks, model, lambda ts: _server_time(plan, ts, options, model, None))
@@ -97,7 +98,7 @@ def test_a_refined_schedule_still_computes_what_one_device_does(world):
     assert rows(tasks) != rows(first.tasks)
     if world == 2:  # a task's first rows moved: a boundary the scheduler did not make
         assert {(t.owner, t.piece, t.q_start) for t in tasks} - {(t.owner, t.piece, t.q_start) for t in first.tasks}
-    step = emulate_step(batch, world, (q, k, v, dout), "cad", options={**options, "tasks": tasks},
+    step = emulate_step(batch, world, (q, k, v, dout), "cad", options=replace(options, tasks=tasks),
                         kernel="reference", keep_results=True)
     assert_ranks_equal_one_device(step, plan, want)
     assert np.isfinite([r.kernel_s for r in step.ranks]).all()
@@ -122,9 +123,9 @@ def test_key_cuts_balance_a_long_documents_last_rows_and_stay_exact(world):
 
     batch = PackedBatch.from_doc_lens(LONG_DOC_LENS)
     plan = shard_plan(batch, world, "cad")
-    options = {"cost_model": SMALL, "eps": 0.01}
+    options = CadOptions(cost_model=SMALL, eps=0.01)
     with_cuts = cad_schedule(plan, options)
-    without = server_costs(plan, {**options, "key_cuts": False, "refine_chains": False})  # single moves of rows
+    without = server_costs(plan, replace(options, key_cuts=False, refine_chains=False))  # single moves of rows
     predicted = server_costs(plan, options)
     assert any(t.is_rect for t in with_cuts.tasks), "no key was cut: the test tests nothing"
     assert predicted.max() / predicted.mean() < 1.03 < without.max() / without.mean()
@@ -205,7 +206,7 @@ def _count_pricings(screen: int | None):
     servers on the H200 model with ``screen``."""
     batch = PackedBatch.from_doc_lens(doc_lengths("sft", 64 << 10, seed=0))
     plan = shard_plan(batch, 4, "cad")
-    options = {"eps": 0.01, "cost_model": H200}
+    options = CadOptions(eps=0.01, cost_model=H200)
     first = schedule(docs_per_rank(plan), 4, eps=0.01, cost_model=H200)
     terms = call_terms_for(options, H200)
     priced = [0]

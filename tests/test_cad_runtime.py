@@ -15,6 +15,7 @@ import torch
 from test_backends import make_problem, reference
 
 from hf_longctx.backends.cad import runtime
+from hf_longctx.backends.cad.options import CadOptions, CadRun
 from hf_longctx.backends.cad.pingpong import PINGPONG_TOLERANCE, pingpong_split
 from hf_longctx.backends.cad.tasks import CadTask, docs_per_rank, pieces_of, server_holds_keys, task_cost
 from hf_longctx.backends.engine import RunContext
@@ -68,7 +69,7 @@ def check_random_schedules(rank, world, seeds, pingpong, key_cuts=False):
                 assert any(t.is_rect for t in tasks), "no key was cut: the test tests nothing"
             r, _ = group_rank_and_size(None)
             run = RunContext(plan, (), None, r, 1 / math.sqrt(q.shape[-1]), "auto", runtime.run_forward,
-                             runtime.run_backward, {"tasks": tasks, "pingpong": pingpong})
+                             runtime.run_backward, CadOptions(pingpong=pingpong), CadRun(tuple(tasks)))
             idx = plan.local_indices(rank)
             ql, kl, vl = (t[idx].clone().requires_grad_() for t in (q, k, v))
             out, _ = core_attention(ql, kl, vl, register_context(run))
@@ -198,7 +199,7 @@ def check_query_gradient_buffers(rank, world):
             plan = shard_plan(batch, world, "contiguous")
             tasks = random_key_cut_tasks(plan, 1) if key_cuts else random_tasks(plan, 1)
             run = RunContext(plan, (), None, rank, 1 / math.sqrt(q.shape[-1]), "auto", runtime.run_forward,
-                             runtime.run_backward, {"tasks": tasks, "pingpong": True})
+                             runtime.run_backward, CadOptions(pingpong=True), CadRun(tuple(tasks)))
             idx = plan.local_indices(rank)
             ql, kl, vl = (t[idx].clone().requires_grad_() for t in (q, k, v))
             out, _ = core_attention(ql, kl, vl, register_context(run))
@@ -230,7 +231,7 @@ def run_schedule(rank, world, batch, tensors, tasks, pingpong):
     q, k, v, dout = tensors
     plan = shard_plan(batch, world, "contiguous")
     run = RunContext(plan, (), None, rank, 1 / math.sqrt(q.shape[-1]), "auto", runtime.run_forward,
-                     runtime.run_backward, {"tasks": tasks, "pingpong": pingpong})
+                     runtime.run_backward, CadOptions(pingpong=pingpong), CadRun(tuple(tasks)))
     idx = plan.local_indices(rank)
     ql, kl, vl = (t[idx].clone().requires_grad_() for t in (q, k, v))
     calls, real = [], dist.all_to_all_single

@@ -16,6 +16,7 @@ from test_cad_call_split import DOC_LENS, make_tensors, single_device
 from hf_longctx.backends import sequence_parallel_attention
 from hf_longctx.backends.cad import refine
 from hf_longctx.backends.cad.cost_model import ProfiledCostModel
+from hf_longctx.backends.cad.options import CadOptions
 from hf_longctx.backends.cad.refine import refine_in_time
 from hf_longctx.backends.cad.runtime import _server_time, cad_schedule
 from hf_longctx.backends.cad.scheduler import schedule
@@ -31,7 +32,7 @@ CELLS = dict(q_lens=[16, 64, 256, 1024], kv_lens=[16, 64, 256, 1024],
              table=[[0.2, 0.5, 1.5, 5.0], [0.0, 1.5, 5.0, 18.0], [0.0, 0.0, 20.0, 70.0], [0.0, 0.0, 0.0, 300.0]],
              interpolate="rate", tile=16)
 MODEL = ProfiledCostModel.from_grid(**CELLS, launch=LaunchGrid((16, 16), (16, 16), 0.3, 3), launch_heads=4)
-OPTIONS = {"eps": 0.0, "min_shard": 16, "cost_model": MODEL}
+OPTIONS = CadOptions(eps=0.0, min_shard=16, cost_model=MODEL)
 
 
 def rows(tasks) -> set:

@@ -158,7 +158,11 @@ def check_backend_options_reach_every_attention_call(rank, world, options):
     labels[0, list(packed.doc_starts)] = -100
     loss = model(input_ids=ids, position_ids=packed.position_ids[None], labels=labels).loss
     loss.backward()
-    assert seen == [options] * model.config.num_hidden_layers, seen
+    from hf_longctx.backends.cad.options import CadOptions
+
+    # parsed once by the input hook: every layer gets the same frozen object
+    assert seen == [CadOptions(**options)] * model.config.num_hidden_layers, seen
+    assert all(s is seen[0] for s in seen)
     assert_group_sum_equal(loss, model, ref_loss, ref_grads, f"cad {options} rank={rank}", tol=1e-6)
 
 
@@ -181,7 +185,11 @@ def test_shard_batch_hands_its_options_to_every_attention_call(monkeypatch):
     local = shard_batch({"input_ids": ids, "position_ids": packed.position_ids[None]}, plan, 0,
                         options={"eps": 0.01, "pingpong": False})
     model(**local)
-    assert seen == [{"eps": 0.01, "pingpong": False}] * model.config.num_hidden_layers
+    from hf_longctx.backends.cad.options import CadOptions
+
+    # without model=, parsed at the forward's first attention call, then the same object for every layer
+    assert seen == [CadOptions(eps=0.01, pingpong=False)] * model.config.num_hidden_layers
+    assert all(s is seen[0] for s in seen)
 
 
 def test_backend_options_for_another_backend_than_the_model_runs_are_refused():

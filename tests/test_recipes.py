@@ -11,6 +11,8 @@ import pytest
 import yaml
 from accelerate.commands.config.config_args import ClusterConfig
 
+from hf_longctx.backends.cad.options import CadOptions
+from hf_longctx.backends.options import NoOptions
 from hf_longctx.hf import ConfigError, LongContextConfig, check_run, load_config
 from hf_longctx.hf.config import PACKAGE_ENVIRONMENT, add_config_arguments, config_overrides, sidecar_path
 
@@ -130,15 +132,21 @@ def test_backend_options_come_from_the_sidecar_the_environment_or_the_command_li
     recipe = tmp_path / "cad.yaml"
     recipe.write_text("compute_environment: LOCAL_MACHINE\n")
     sidecar_path(recipe).write_text("backend: cad\nbackend_options: {eps: 0.01, cost_model: flops}\n")
-    assert load_config(recipe).backend_options == {"eps": 0.01, "cost_model": "flops"}
+    assert load_config(recipe).backend_options == CadOptions(eps=0.01, cost_model="flops")
     monkeypatch.setenv("HF_LONGCTX_BACKEND_OPTIONS", "eps=auto, pingpong=false")
-    assert load_config(recipe).backend_options == {"eps": "auto", "pingpong": False}
+    assert load_config(recipe).backend_options == CadOptions(eps="auto", pingpong=False)
     _, overrides = _overrides("--backend-options", "refine_screen=0,key_cuts=true,call_terms=null")
-    assert load_config(recipe, overrides).backend_options == {"refine_screen": 0, "key_cuts": True, "call_terms": None}
-    assert load_config(recipe, {"backend_options": ""}).backend_options == {}
+    assert load_config(recipe, overrides).backend_options == CadOptions(refine_screen=0, key_cuts=True,
+                                                                        call_terms=None)
+    assert load_config(recipe, {"backend_options": ""}).backend_options == CadOptions()
     # a number with an exponent, which YAML 1.1 reads as text, is the number
-    assert load_config(recipe, {"backend_options": "eps=1e-3"}).backend_options == {"eps": 0.001}
-    assert LongContextConfig().backend_options == {}
+    assert load_config(recipe, {"backend_options": "eps=1e-3"}).backend_options == CadOptions(eps=0.001)
+    assert LongContextConfig().backend_options == NoOptions()
+    # parsed once, as the backend's frozen options: what the settings print, and read back, is what differs
+    cfg = load_config(recipe, overrides)
+    assert cfg.to_dict()["backend_options"] == {"refine_screen": 0, "call_terms": None}
+    assert LongContextConfig.from_dict(cfg.to_dict()) == cfg
+    assert LongContextConfig.from_dict(cfg.to_dict()).backend_options == cfg.backend_options
 
 
 @pytest.mark.parametrize("argv,expected", [

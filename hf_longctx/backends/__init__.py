@@ -9,6 +9,7 @@ from .api import sequence_parallel_attention
 from .contract import Backend, ScheduleBackend
 from .engine import RunContext
 from .one_process import one_process_attention
+from .options import BackendOptions, NoOptions
 from .registry import (
     backend_names,
     default_strategy,
@@ -21,6 +22,8 @@ from .schedule import distfa_schedule
 
 __all__ = [
     "Backend",
+    "BackendOptions",
+    "NoOptions",
     "RunContext",
     "ScheduleBackend",
     "backend_names",

@@ -13,7 +13,6 @@ and caches follow from it.
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from ..comm.groups import DTYPE_CODES, group_rank_and_size
 from ..layout import ShardPlan
 from .engine import RunContext
 from .op import run_core_attention
+from .options import BackendOptions, NoOptions, parse_options
 from .registry import get_backend, registered_backends
 
 
@@ -44,7 +44,8 @@ class RankCall:
     """One rank's call of :func:`sequence_parallel_attention`, as every step from checks to run sees it.
 
     ``plan`` is the plan the backend runs (its window view under a sliding window), ``window_problem``
-    why the call's window could not be applied (every rank hears of it before any raises).
+    why the call's window could not be applied (every rank hears of it before any raises). ``causal`` is
+    False for a bidirectional layer; ``options`` are ``backend``'s, already parsed (:func:`check_options`).
     """
 
     q: torch.Tensor
@@ -58,7 +59,7 @@ class RankCall:
     causal: bool
     scale: float
     kernel: str
-    options: dict[str, object] = field(default_factory=dict)
+    options: BackendOptions = field(default_factory=NoOptions)
     window_problem: str | None = None
 
 
@@ -143,28 +144,24 @@ def check_group_agrees(call: RankCall) -> None:
     plan.cached(key, lambda: True)
 
 
-def check_options(backend: str, options: dict | None) -> None:
-    """Refuse a key of ``options`` that ``backend`` does not read (its ``option_names``), naming the closest one,
-    then a value the backend cannot run (its :meth:`~.contract.Backend.option_problem`): an ignored option would
-    run another configuration than the one asked for, silently. Every rank gets the same options, so every rank
-    refuses them together, before any collective."""
-    spec = get_backend(backend)
-    names = spec.option_names
-    unknown = sorted(set(options or {}) - set(names), key=str)
-    if unknown:
-        hints = [f"{key!r} (did you mean {close[0]!r}?)"
-                 if (close := difflib.get_close_matches(str(key), names, n=1)) else repr(key) for key in unknown]
-        takes = f"it takes {', '.join(names)}" if names else "it takes none"
-        raise ValueError(f"backend {backend!r} has no option {', '.join(hints)}; {takes}")
-    problem = spec.option_problem(dict(options or {}))
-    if problem:
-        raise ValueError(f"backend {backend!r}: {problem}")
+def check_options(backend: str, options: BackendOptions | dict | None) -> BackendOptions:
+    """``options`` as ``backend``'s options object (its :attr:`~.contract.Backend.options_type`): a mapping (or
+    None) is parsed once, refusing a key the backend does not read (naming the closest one) and then a value it
+    cannot run, since an ignored option would run another configuration than the one asked for, silently; an
+    object of the type is taken as it is (it was checked when it was made). Every rank gets the same options, so
+    every rank refuses them together, before any collective."""
+    return parse_options(backend, get_backend(backend).options_type, options)
 
 
 def make_run_context(call: RankCall, backend: str) -> RunContext:
-    """The run of ``backend`` (a name) for this rank: its schedule, prepared options, forward and backward."""
-    return get_backend(backend).run_context(call.plan, call.group, call.rank, call.world, call.scale, call.kernel,
-                                            call.options)
+    """The run of ``backend`` (a name) for this rank: its schedule, prepared state, forward and backward.
+
+    ``call.options`` are ``call.backend``'s; a backend that another chose (``auto``'s candidates) runs with its
+    own defaults."""
+    spec = get_backend(backend)
+    options = call.options if backend == call.backend else spec.options_type()
+    return spec.run_context(call.plan, call.group, call.rank, call.world, call.scale, call.kernel, options,
+                            call.causal)
 
 
 def _rank_and_world(group: dist.ProcessGroup | None, rank: int | None) -> tuple[int, int]:
@@ -185,7 +182,7 @@ def sequence_parallel_attention(
     causal: bool = True,
     softmax_scale: float | None = None,
     kernel: str = "auto",
-    options: dict | None = None,
+    options: BackendOptions | dict | None = None,
     window: int | None = None,
     rank: int | None = None,
 ) -> torch.Tensor:
@@ -196,26 +193,24 @@ def sequence_parallel_attention(
     three local inputs. ``backend`` is one of :func:`~hf_longctx.backends.registry.backend_names`
     (``"auto"`` times the candidates once per problem shape and keeps the fastest, see :mod:`.auto`);
     ``kernel`` is ``"auto"`` or a registered kernel name (:func:`~hf_longctx.kernels.kernel_names`);
-    ``options`` tune a backend (CAD: ``eps``, ``pingpong``, ...); a key the backend does not read (its
-    ``option_names``) is refused before any collective. ``window``: sliding window in positions,
+    ``options`` tune a backend: its options object (CAD: :class:`~.cad.options.CadOptions`) or a mapping
+    parsed into one here (``{"eps": 0.01}``); a key the backend does not read (its ``option_names``) is
+    refused before any collective. ``window``: sliding window in positions,
     transformers' ``sliding_window`` (a query at document position p sees keys p - window + 1 .. p);
     None for plain causal attention (or the window of a plan from ``plan.with_window``). Every backend
     honours it exactly and skips blocks and key rows beyond it. ``rank``: this rank's index in
     ``group`` when the caller already has it (the transformers layer's context carries it); None asks
     the group.
     """
-    check_options(backend, options)
+    options = check_options(backend, options)
     rank, world = _rank_and_world(group, rank)
     try:
         run_plan, window_problem = windowed_plan(plan, window), None
     except ValueError as exc:
         run_plan, window_problem = plan, str(exc)
-    call_options = dict(options or {})
-    if not causal:
-        call_options["causal"] = False
     call = RankCall(q_local, k_local, v_local, run_plan, backend, group, rank, world, causal,
                     softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_local.shape[-1]), kernel,
-                    call_options, window_problem)
+                    options, window_problem)
     check_group_agrees(call)
     run = make_run_context(call, resolve_backend(call))
     return run_core_attention(q_local, k_local, v_local, run)

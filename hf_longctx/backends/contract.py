@@ -1,12 +1,15 @@
-"""What a sequence-parallel backend is: the five things every backend answers.
+"""What a sequence-parallel backend is: its options type and the five things every backend answers.
 
 A backend is an object of a :class:`Backend` subclass, registered by name (:mod:`.registry`). The entry
-point (:func:`~hf_longctx.backends.sequence_parallel_attention`) asks it, in order:
+point (:func:`~hf_longctx.backends.sequence_parallel_attention`) parses a call's options into the backend's
+:attr:`Backend.options_type` (a frozen dataclass, :mod:`.options`; a recipe's ``backend_options`` are parsed the
+same way when it is read), then asks it, in order:
 
 1. :meth:`Backend.validate`: problems with this rank's inputs that only this backend has (checked on
    every rank before the first collective, so a bad input stops the whole group with one error);
 2. :meth:`Backend.resolve`: which backend actually runs (itself; ``auto`` measures and names another);
-3. :meth:`Backend.prepare`: per-plan state kept in the run's ``options`` (CAD: its scheduled tasks);
+3. :meth:`Backend.prepare`: per-plan state of the run, kept in the run's ``state`` (CAD: its scheduled tasks
+   and the eps it used), never in the options, which serve every call unchanged;
 4. :meth:`Backend.forward` and :meth:`Backend.backward`: this rank's (out, lse), then (dq, dk, dv),
    run inside the one ``hf_longctx::core_attention`` op;
 
@@ -29,6 +32,7 @@ import torch.distributed as dist
 
 from ..layout import ShardPlan, exchange_plan
 from .engine import RunContext, run_backward, run_forward
+from .options import BackendOptions, NoOptions
 from .schedule import Schedule
 
 ForwardProbe = Callable[[str], object]  # runs one forward of the named backend on the problem being resolved
@@ -49,10 +53,12 @@ class Backend:
     ring it keeps on a tie). ``sequence_parallel`` is False for a backend that runs on one rank only
     (``local``); ``chooses_backend`` is True for one that never runs itself but names another per
     problem in :meth:`resolve` (``auto``). ``bidirectional`` is True for a backend that also computes
-    non-causal attention (every query sees every key of its document): it then finds ``"causal": False``
-    in the run's options; the others refuse such a layer before any collective. ``option_names`` are the keys of
-    a call's ``options`` the backend reads; any other key is refused before any collective (a misspelt one would
-    otherwise be ignored, and the run would silently be another than the one asked for).
+    non-causal attention (every query sees every key of its document): it then finds ``causal=False`` in the
+    run (:attr:`~.engine.RunContext.causal`); the others refuse such a layer before any collective.
+    ``options_type`` is the frozen dataclass of the backend's options (:class:`~.options.BackendOptions`; its
+    fields are the keys a mapping of options may name, :attr:`option_names`); any other key is refused where the
+    options are given (a misspelt one would otherwise be ignored, and the run would silently be another than the
+    one asked for), and so is a value the type's :meth:`~.options.BackendOptions.problem` names.
     """
 
     name: str = ""
@@ -63,7 +69,12 @@ class Backend:
     sequence_parallel: bool = True
     chooses_backend: bool = False
     bidirectional: bool = False
-    option_names: tuple[str, ...] = ()
+    options_type: type[BackendOptions] = NoOptions
+
+    @property
+    def option_names(self) -> tuple[str, ...]:
+        """The keys of a call's ``options`` the backend reads: its :attr:`options_type`'s fields."""
+        return self.options_type.names()
 
     def validate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ShardPlan, world: int) -> str | None:
         """A problem (one sentence naming the fix) with these inputs for this backend, or None.
@@ -71,12 +82,6 @@ class Backend:
         Runs after the checks every backend shares (causal, group size, plan size, placement, shapes, GQA,
         dtype).
         """
-        return None
-
-    def option_problem(self, options: dict) -> str | None:
-        """A problem (one sentence naming the fix) with the values of ``options``, whose keys are already among
-        :attr:`option_names`, or None. Checked where the options are given (a recipe when it is read, a call
-        before any collective), so a wrong value fails there, not inside a schedule on every rank."""
         return None
 
     def resolve(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ShardPlan,
@@ -88,9 +93,10 @@ class Backend:
         """The steps the engine walks; a runner backend walks none."""
         return ()
 
-    def prepare(self, plan: ShardPlan, options: dict) -> dict:
-        """The run's options with the per-plan state this backend needs (cache it on the plan)."""
-        return options
+    def prepare(self, plan: ShardPlan, options: BackendOptions) -> object:
+        """The per-plan state a run of this backend needs (cache it on the plan), or None; it becomes the run's
+        ``state``. ``options`` are read, never written."""
+        return None
 
     def forward(self, run: RunContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,10 +113,12 @@ class Backend:
         return own_query_load(plan)
 
     def run_context(self, plan: ShardPlan, group: dist.ProcessGroup | None, rank: int, world: int, scale: float,
-                    kernel: str, options: dict | None = None) -> RunContext:
-        """Everything :meth:`forward` and :meth:`backward` read, for this rank and plan."""
-        options = self.prepare(plan, dict(options or {}))
-        return RunContext(plan, self.schedule(world), group, rank, scale, kernel, self.forward, self.backward, options)
+                    kernel: str, options: BackendOptions | None = None, causal: bool = True) -> RunContext:
+        """Everything :meth:`forward` and :meth:`backward` read, for this rank and plan; ``options`` are an
+        :attr:`options_type` object (None: the defaults)."""
+        options = self.options_type() if options is None else options
+        return RunContext(plan, self.schedule(world), group, rank, scale, kernel, self.forward, self.backward,
+                          options=options, state=self.prepare(plan, options), causal=causal)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ..comm.p2p import PendingExchange, post_exchange
 from ..kernels import PartialAccumulator, accumulation_dtype, kernel_backward, kernel_call, kernel_forward
 from ..layout import Exchange, Pair, ShardPlan, exchange_plan
+from .options import BackendOptions, NoOptions
 from .schedule import BlockTask, Schedule
 
 # Message kinds, part of the tag so gloo matches messages exactly.
@@ -61,7 +62,8 @@ class RunContext:
 
     ``forward_fn(run, q, k, v) -> (out, lse)`` and ``backward_fn(run, dout, q, k, v, out, lse) -> (dq, dk,
     dv)`` are what the core-attention op runs (a backend's :meth:`~.contract.Backend.forward` and
-    :meth:`~.contract.Backend.backward`); left out, they are this module's schedule runner.
+    :meth:`~.contract.Backend.backward`); left out, they are this module's schedule runner. ``options`` are the
+    call's (never written: they serve every call of the run), ``state`` what belongs to this run alone.
     """
 
     plan: ShardPlan
@@ -72,7 +74,9 @@ class RunContext:
     kernel: str
     forward_fn: ForwardFn | None = None
     backward_fn: BackwardFn | None = None
-    options: dict = field(default_factory=dict)  # backend-specific state (e.g. CAD tasks)
+    options: BackendOptions = field(default_factory=NoOptions)  # the backend's options, read only
+    state: object = None  # what the backend's prepare gave this run of the plan (CAD: its tasks, the eps used)
+    causal: bool = True  # False: a bidirectional layer (every query sees every key of its document)
 
     def __post_init__(self) -> None:
         if self.forward_fn is None:

@@ -106,7 +106,7 @@ def run_forward(ctx: RunContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     order, _, (qh, kh, vh) = _heads(ctx, q, k, v)
     cu = ctx.plan.batch.cu_seqlens.tolist()
     m = ctx.plan.batch.max_seqlen
-    out, lse = attention_forward(qh, kh, vh, cu, cu, m, m, causal=ctx.options.get("causal", True),
+    out, lse = attention_forward(qh, kh, vh, cu, cu, m, m, causal=ctx.causal,
                                  softmax_scale=ctx.scale, kernel=ctx.kernel, window=ctx.plan.window)
     out_local = _to_tokens(out, ctx, order, ctx.rank)
     lse_local = _to_tokens(lse.t().unsqueeze(-1).contiguous(), ctx, order, ctx.rank).squeeze(-1).t()
@@ -120,7 +120,7 @@ def run_backward(ctx: RunContext, dout: torch.Tensor, q: torch.Tensor, k: torch.
     lseh = _to_heads(lse.t().unsqueeze(-1).contiguous(), ctx, order).squeeze(-1).t().contiguous()
     cu = ctx.plan.batch.cu_seqlens.tolist()
     m = ctx.plan.batch.max_seqlen
-    dq, dk, dv = attention_backward(douth, qh, kh, vh, outh, lseh, cu, cu, m, m, causal=ctx.options.get("causal", True),
+    dq, dk, dv = attention_backward(douth, qh, kh, vh, outh, lseh, cu, cu, m, m, causal=ctx.causal,
                                     softmax_scale=ctx.scale, kernel=ctx.kernel, window=ctx.plan.window)
     dq, dk, dv = (_to_tokens(g, ctx, order, ctx.rank) for g in (dq, dk, dv))
     if rep > 1:  # repeated KV heads: their gradients add up on the original head

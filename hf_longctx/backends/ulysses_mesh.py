@@ -25,6 +25,7 @@ backend sees an ordinary R-rank problem, and the inner exchange only moves rows 
 from __future__ import annotations
 
 from collections.abc import Hashable
+from dataclasses import MISSING, field, fields, make_dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ from ..layout import ShardPlan
 from ..layout.plan import Piece, Slot
 from .contract import Backend
 from .engine import RunContext
+from .options import BackendOptions, parse_options
 from .registry import get_backend
 from .ulysses import heads_to_tokens, kv_repeat, tokens_to_heads
 
@@ -165,10 +167,57 @@ def mesh_groups(group: dist.ProcessGroup | None, rank: int, world: int, inner: i
     return _MESH_GROUPS[key]
 
 
+def _size_problem(size: object) -> str | None:
+    if size is None:
+        return f"needs option {OPTION} (ranks per Ulysses group, e.g. the GPUs of one node): backend_options: " \
+               f"{{{OPTION}: 8}}"
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        return f"{OPTION} must be a whole number >= 1 (ranks per Ulysses group), got {size!r}"
+    return None
+
+
+def mesh_options_type(outer: str) -> type[BackendOptions]:
+    """The options of ``ulysses_<outer>``: ``ulysses_size`` (required), then every option of ``outer`` with its
+    default; :meth:`outer_options` gives the outer backend its own options object. Made once per outer backend
+    and kept as a module attribute, so that the objects pickle like any other backend's options."""
+    outer_type = get_backend(outer).options_type
+    own = [f for f in fields(outer_type) if f.init]
+
+    def default_of(f):
+        return f.default if f.default is not MISSING else f.default_factory()
+
+    def problem(self) -> str | None:
+        size = _size_problem(self.ulysses_size)
+        if size:
+            return size
+        try:
+            self.outer_options()
+        except ValueError as err:
+            return str(err)
+        return None
+
+    def outer_options(self) -> BackendOptions:
+        return outer_type(**{f.name: getattr(self, f.name) for f in own})
+
+    def given(self) -> dict[str, object]:  # the defaults alone are no valid object (ulysses_size is required)
+        return {OPTION: self.ulysses_size} | {f.name: getattr(self, f.name) for f in own
+                                              if getattr(self, f.name) != default_of(f)}
+
+    spec = [(OPTION, "int | None", field(default=None))]
+    spec += [(f.name, f.type, field(default=f.default) if f.default is not MISSING
+              else field(default_factory=f.default_factory)) for f in own]
+    name = f"Ulysses{outer.title().replace('_', '')}Options"
+    cls = make_dataclass(name, spec, bases=(BackendOptions,), frozen=True,
+                         namespace={"problem": problem, "outer_options": outer_options, "given": given,
+                                    "__module__": __name__})
+    globals()[name] = cls
+    return cls
+
+
 class UlyssesMeshBackend(Backend):
     """Backend ``ulysses_<outer>``: Ulysses over inner groups of ``ulysses_size`` consecutive ranks, ``outer`` over
     the groups of ranks with the same inner index (module docstring). Option ``ulysses_size`` (required), then the
-    outer backend's own options."""
+    outer backend's own options (:func:`mesh_options_type`)."""
 
     def __init__(self, outer: str):
         spec = get_backend(outer)
@@ -178,42 +227,32 @@ class UlyssesMeshBackend(Backend):
         self.default_strategy = spec.default_strategy
         self.strategies = spec.strategies
         self.bidirectional = spec.bidirectional
-        self.option_names = (OPTION, *spec.option_names)
+        self.options_type = mesh_options_type(outer)
 
     @property
     def _outer_spec(self) -> Backend:
         return get_backend(self.outer)
 
-    def option_problem(self, options: dict) -> str | None:
-        size = options.get(OPTION)
-        if size is None:
-            return (f"needs option {OPTION} (ranks per Ulysses group, e.g. the GPUs of one node): "
-                    f"backend_options: {{{OPTION}: 8}}")
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            return f"{OPTION} must be a whole number >= 1 (ranks per Ulysses group), got {size!r}"
-        rest = {k: v for k, v in options.items() if k != OPTION}
-        return self._outer_spec.option_problem(rest)
-
     def validate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ShardPlan, world: int):
         return None  # the heads are checked against ulysses_size, which only the run's options know
 
     def run_context(self, plan: ShardPlan, group: dist.ProcessGroup | None, rank: int, world: int, scale: float,
-                    kernel: str, options: dict | None = None) -> RunContext:
-        options = dict(options or {})
-        problem = self.option_problem(options)
-        if problem:  # the same options on every rank: every rank refuses before any collective
-            raise ValueError(f"backend {self.name!r}: {problem}")
-        inner, outer = mesh_sizes(world, options.pop(OPTION))
+                    kernel: str, options: BackendOptions | None = None, causal: bool = True) -> RunContext:
+        # the same options on every rank: every rank refuses a missing ulysses_size before any collective
+        options = parse_options(self.name, self.options_type, options)
+        inner, outer = mesh_sizes(world, options.ulysses_size)
         inner_group, outer_group = mesh_groups(group, rank, world, inner)
         o, i = divmod(rank, inner)
         oplan = outer_plan(plan, inner)
-        outer_run = self._outer_spec.run_context(oplan, outer_group, o, outer, scale, kernel, options)
+        outer_run = self._outer_spec.run_context(oplan, outer_group, o, outer, scale, kernel, options.outer_options(),
+                                                 causal)
         state = {"name": self.name, "inner": inner, "inner_rank": i, "inner_group": inner_group, "outer_run": outer_run,
                  "outer_index": o, "outer_plan": oplan}
-        return RunContext(plan, (), group, rank, scale, kernel, self.forward, self.backward, {"mesh": state})
+        return RunContext(plan, (), group, rank, scale, kernel, self.forward, self.backward, options=options,
+                          state=state, causal=causal)
 
     def forward(self, run: RunContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        state = run.options["mesh"]
+        state = run.state
         rep, order, to_outer = _exchange(run, q, k)
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -224,7 +263,7 @@ class UlyssesMeshBackend(Backend):
 
     def backward(self, run: RunContext, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor):
-        state = run.options["mesh"]
+        state = run.state
         rep, order, to_outer = _exchange(run, q, k)
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -244,19 +283,19 @@ class UlyssesMeshBackend(Backend):
 
 
 def _inner_counts(run: RunContext) -> list[int]:
-    state = run.options["mesh"]
+    state = run.state
     inner, o = state["inner"], state["outer_index"]
     return [run.plan.num_local_tokens(o * inner + j) for j in range(inner)]
 
 
 def _exchange(run: RunContext, q: torch.Tensor, k: torch.Tensor):
     """(KV repeat, outer-order rows, function taking a (T_local, H, D) tensor to the outer shard's (T, H / U, D))."""
-    state = run.options["mesh"]
+    state = run.state
     inner = state["inner"]
     try:
         rep = kv_repeat(q.shape[1], k.shape[1], inner)
     except ValueError:  # the same heads on every rank (agreed before the run): every rank raises here
-        raise ValueError(f"hf_longctx {run.options['mesh']['name']}: Ulysses splits the {q.shape[1]} query heads "
+        raise ValueError(f"hf_longctx {run.state['name']}: Ulysses splits the {q.shape[1]} query heads "
                          f"over the {inner} ranks of an inner group, and {inner} does not divide {q.shape[1]}; set "
                          f"backend option {OPTION} to a divisor of {q.shape[1]}") from None
     order = _outer_order(run.plan, state["outer_plan"], inner, state["outer_index"], q.device)
@@ -270,7 +309,7 @@ def _exchange(run: RunContext, q: torch.Tensor, k: torch.Tensor):
 
 
 def _from_outer(run: RunContext, order: torch.Tensor | None):
-    state = run.options["mesh"]
+    state = run.state
     counts = _inner_counts(run)
 
     def back(x: torch.Tensor) -> torch.Tensor:

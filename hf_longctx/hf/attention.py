@@ -127,7 +127,7 @@ def _make_attention(backend: str):
             else:
                 out = sequence_parallel_attention(q, k, v, plan=ctx.plan, backend=backend, group=ctx.group,
                                                   rank=ctx.rank, softmax_scale=scaling, kernel=ctx.kernel,
-                                                  window=window, causal=causal, options=ctx.options)
+                                                  window=window, causal=causal, options=ctx.options_for(backend))
             if ctx.padding is not None:  # padding tokens attend to nothing (see hf_longctx.hf.rows)
                 out = out.masked_fill(ctx.padding.to(out.device)[:, None, None], 0)
             return out.unsqueeze(0), None

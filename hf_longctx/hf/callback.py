@@ -181,7 +181,7 @@ class LongContextCallback(TrainerCallback):
         self.summary = {"backend": impl[len(PREFIX):], "attn_implementation": impl, "sp_size": sp,
                         "dp_size": world // sp, "checkpointing": checkpointing, "kernel": cfg.kernel,
                         "backend_options": {k: v if isinstance(v, (str, int, float, bool, type(None))) else repr(v)
-                                            for k, v in cfg.backend_options.items()},  # printable as JSON
+                                            for k, v in cfg.backend_options.given().items()},  # printable as JSON
                         "tiled_loss": cfg.tiled_loss, "tiled_mlp": cfg.tiled_mlp, "fused_ops": cfg.fused_ops,
                         "offload_checkpoints": cfg.offload_checkpoints and checkpointing != "none",
                         "kernels_available": available_kernels(args.device)}

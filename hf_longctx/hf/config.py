@@ -103,7 +103,7 @@ def parse_backend_options(value: str) -> dict:
 
 # How a setting given as text (environment, command line) becomes the sidecar's value, by the type of
 # its field: a new key is settable from the environment and the command line with no edit here.
-_PARSERS = {"str": str, "int": _parse_int, "bool": _parse_bool, "dict": parse_backend_options}
+_PARSERS = {"str": str, "int": _parse_int, "bool": _parse_bool, "BackendOptions": parse_backend_options}
 _FROM_TEXT = {f.name: _PARSERS[f.type] for f in fields(LongContextConfig)}
 
 

@@ -27,12 +27,13 @@ from __future__ import annotations
 import inspect
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from ..backends.options import BackendOptions
 from ..layout import ShardPlan
 
 # every context alive now, by id: while it is empty no sharded forward runs, so nothing walks the stack
@@ -43,7 +44,8 @@ _ATTENTION_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # con
 @dataclass(frozen=True, eq=False)
 class SequenceParallelContext:
     """``padding``: this rank's rows that are padding tokens (their attention output is zero), or None.
-    ``options``: the backend's options (the settings' ``backend_options``), handed to every attention call.
+    ``options``: the backend's options (the settings' ``backend_options``), handed to every attention call: its
+    options object, or a mapping that :meth:`options_for` parses once for the backend the layers run.
 
     Compared by identity: each sharded forward has its own context.
     """
@@ -53,10 +55,26 @@ class SequenceParallelContext:
     rank: int
     kernel: str = "auto"
     padding: torch.Tensor | None = None
-    options: dict | None = field(default=None, hash=False)
+    options: BackendOptions | Mapping | None = field(default=None, hash=False)
 
     def __post_init__(self):
         _LIVE[id(self)] = self
+
+    def options_for(self, backend: str) -> BackendOptions:
+        """``options`` as ``backend``'s options object: parsed at the first attention call of this forward when they
+        came as a mapping (:func:`~hf_longctx.hf.shard_batch` without the model cannot know the backend), kept
+        for every later layer."""
+        if isinstance(self.options, BackendOptions):
+            return self.options
+        parsed = _PARSED_OPTIONS.get(self)
+        if parsed is None or parsed[0] != backend:
+            from ..backends.api import check_options
+
+            parsed = _PARSED_OPTIONS[self] = (backend, check_options(backend, self.options))
+        return parsed[1]
+
+
+_PARSED_OPTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # context -> (backend, its options)
 
 
 def count_attention_call(ctx: SequenceParallelContext) -> None:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..backends.load import attention_load
+from ..backends.options import BackendOptions
 from ..comm.groups import group_rank_and_size
 from .attention import backend_of
 from .context import attention_calls
@@ -67,12 +68,12 @@ class SequenceParallelInputs:
     ``current`` is the context of the model's current sharded forward (None between them).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, kernel: str = "auto", options: dict | None = None,
+    def __init__(self, group: dist.ProcessGroup | None, kernel: str = "auto", options: BackendOptions | None = None,
                  positions: PositionRule | None = None):
         self.group = group
         self.positions = positions  # None: transformers' default, 0, 1, 2, ... in every row
         self.kernel = kernel
-        self.options = dict(options or {})
+        self.options = options  # the backend's options object (install_input_hook parses them), or None
         self.tokens = 0
         self.causal_pairs = 0
         self.work_max = 0
@@ -236,11 +237,12 @@ def _exchange(send: torch.Tensor, recv_counts: list[int], send_counts: list[int]
 
 
 def install_input_hook(model, group: dist.ProcessGroup | None, kernel: str = "auto",
-                       options: dict | None = None) -> SequenceParallelInputs:
+                       options: BackendOptions | dict | None = None) -> SequenceParallelInputs:
     """Shard every forward of ``model`` over ``group`` from now on; ``options`` (the backend's, the settings'
-    ``backend_options``) go to every attention call, checked here against the backend the model was loaded with."""
+    ``backend_options``: an options object, or a mapping parsed here) go to every attention call, checked here
+    against the backend the model was loaded with."""
     positions = check_model(model)
-    if options:
+    if isinstance(options, BackendOptions) or options:
         impl = model.config._attn_implementation
         options = checked_backend_options(backend_of(impl), options, f"the model runs attn_implementation={impl!r}")
     hook = SequenceParallelInputs(group, kernel, options, positions)

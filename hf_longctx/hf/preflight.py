@@ -215,7 +215,7 @@ def check_model_config(cfg: LongContextConfig, model_config, world_size: int | N
 
     spec = get_backend(cfg.backend)
     if isinstance(spec, UlyssesMeshBackend) and heads:
-        problem = mesh_problem(cfg.backend_options.get("ulysses_size"), sp, heads,
+        problem = mesh_problem(getattr(cfg.backend_options, "ulysses_size", None), sp, heads,
                                getattr(text, "num_key_value_heads", None) or heads)
         if problem:
             raise ConfigError(f"{source}: backend {cfg.backend}: {problem}")

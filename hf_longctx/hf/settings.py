@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
+from ..backends.options import BackendOptions
 from .backend_names import backend_from_name
 
 
@@ -65,9 +66,9 @@ class LongContextConfig:
     expert_tp_size: int = 1  # ranks splitting each expert's intermediate dimension (expert tensor parallel)
     memory: str = "manual"  # auto: a memory plan picks per-layer checkpointing, offload and tiling (hf.memory_plan)
     fused_ops: str = "auto"  # Liger's RMSNorm/RoPE/SwiGLU: auto (memory: auto uses them where they run), liger, off
-    # the backend's own options (CAD: eps, cost_model, ...), checked against the backend when read; every attention
-    # call of the run gets them (kept out of the hash: a mapping has none)
-    backend_options: dict = field(default_factory=dict, hash=False)
+    # the backend's own options (CAD: eps, cost_model, ...): given as a mapping, parsed into the backend's options
+    # object when read (checked then); every attention call of the run gets that object (kept out of the hash)
+    backend_options: BackendOptions = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         object.__setattr__(self, "backend", backend_from_name(self.backend))
@@ -150,7 +151,9 @@ class LongContextConfig:
             raise ValueError(f"{source}: {err}") from None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The settings as :meth:`from_dict` takes them: ``backend_options`` as the mapping of those that differ
+        from the backend's defaults."""
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {"backend_options": self.backend_options.given()}
 
 
 def group_heads(modes) -> list[int]:
@@ -175,23 +178,20 @@ def group_heads(modes) -> list[int]:
 
 
 def checked_backend_options(backend: str, options, hint: str = "options belong to one backend: change them with "
-                            "it; --backend-options '' sets none") -> dict:
-    """``options`` as a plain dict, every key one the backend reads and every value one it can run (see
-    :func:`hf_longctx.backends.api.check_options`): a misspelt option would otherwise be ignored, and the run would
-    silently be another one than the recipe asked for. ``hint`` ends the error."""
+                            "it; --backend-options '' sets none") -> BackendOptions:
+    """``options`` (a mapping, None, or the backend's options object) as the backend's options object, every key one
+    the backend reads and every value one it can run (see :func:`hf_longctx.backends.api.check_options`): a misspelt
+    option would otherwise be ignored, and the run would silently be another one than the recipe asked for. The one
+    place the settings' options are parsed; ``hint`` ends the error."""
     from ..backends.api import check_options
 
-    if options is None:
-        return {}
-    if not isinstance(options, Mapping):
+    if options is not None and not isinstance(options, (Mapping, BackendOptions)):
         raise ValueError(f"backend_options must be a mapping of option names to values (in a sidecar `backend_options: "
                          f"{{eps: 0.01}}`, on the command line `--backend-options eps=0.01`), got {options!r}")
-    options = dict(options)
     try:
-        check_options(backend, options)
+        return check_options(backend, options)
     except ValueError as err:
         raise ValueError(f"backend_options: {err} ({hint})") from None
-    return options
 
 
 def _check_kernel(kernel: str) -> None:

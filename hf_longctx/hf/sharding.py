@@ -9,12 +9,14 @@ into one flat packed sequence per rank; :func:`gather_group_batch` joins a group
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..backends import default_strategy
+from ..backends.options import BackendOptions
 from ..comm.groups import group_rank_and_size
 from ..layout import PackedBatch, ShardPlan, shard_plan
 from .context import SequenceParallelContext
@@ -28,12 +30,14 @@ def shard_batch(
     rank: int,
     group: dist.ProcessGroup | None = None,
     kernel: str = "auto",
-    options: dict | None = None,
+    options: BackendOptions | Mapping | None = None,
     *,
     model: torch.nn.Module | None = None,
 ) -> dict:
     """kwargs of ``model(**local)`` for ``rank``: its tokens, positions, shifted targets, context.
-    ``options`` go to every attention call of the forward (the backend's, e.g. CAD's ``eps``).
+    ``options`` go to every attention call of the forward (the backend's, e.g. CAD's ``eps``): its options
+    object, or a mapping, parsed here when ``model=`` names the backend (at the forward's first attention call
+    otherwise).
 
     ``batch`` holds one packed sequence: ``input_ids`` (1, T), ``position_ids`` (1, T), optional
     ``labels`` (1, T; default input_ids). Given positions travel with the tokens unchanged. Without
@@ -67,13 +71,26 @@ def shard_batch(
                          "RoBERTa-like models start at padding_idx + 1)")
     else:
         positions = rule.document_positions(input_ids, packed.doc_lens)
+    if model is not None and isinstance(options, Mapping):
+        options = _model_options(model, options)
     return _shard(input_ids, positions, shift_labels_per_document(labels, packed), None, plan, rank, group, kernel,
                   options)
 
 
+def _model_options(model: torch.nn.Module, options: Mapping) -> BackendOptions | Mapping:
+    """``options`` parsed for the backend ``model`` runs (a mapping as it is for a model without one)."""
+    from .attention import PREFIX, backend_of
+    from .settings import checked_backend_options
+
+    impl = str(getattr(getattr(model, "config", None), "_attn_implementation", None))
+    if not impl.startswith(PREFIX):
+        return options
+    return checked_backend_options(backend_of(impl), options, f"the model runs attn_implementation={impl!r}")
+
+
 def _shard(input_ids: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor | None,
            padding: torch.Tensor | None, plan: ShardPlan, rank: int, group: dist.ProcessGroup | None,
-           kernel: str, options: dict | None = None) -> dict:
+           kernel: str, options: BackendOptions | Mapping | None = None) -> dict:
     """This rank's rows of a packed sequence's tokens, positions and targets, as model keywords."""
     idx = plan.local_indices(rank).to(input_ids.device)
     local_padding = padding[idx.to(padding.device)] if padding is not None else None
@@ -108,7 +125,7 @@ class GroupBatch:
     rank_tokens: list[int]
 
     def shard(self, plan: ShardPlan, rank: int, group: dist.ProcessGroup | None, kernel: str = "auto",
-              options: dict | None = None) -> dict:
+              options: BackendOptions | Mapping | None = None) -> dict:
         """kwargs of ``model(**local)`` for ``rank`` under ``plan``."""
         return _shard(self.input_ids, self.position_ids, self.targets, self.padding, plan, rank, group, kernel,
                       options)

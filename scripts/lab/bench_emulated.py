@@ -412,7 +412,7 @@ def calibrated_runs(batch: PackedBatch, world: int, tensors, step: EmulatedStep,
     (:func:`~hf_longctx.lab.cad.calibrate.recalibrate`) and emulated. Yields (name, the options run, the step,
     its notes) per round; ``emulate(batch, world, tensors, backend, options)`` returns (step, staged)."""
     plan = shard_plan(batch, world, "cad")
-    current = {**options, "tasks": prepare(plan, options)["tasks"]}  # the run's schedule, made once here
+    current = {**options, "tasks": prepare(plan, options).tasks}  # the run's schedule, made once here
     for k in range(1, rounds + 1):
         t0 = time.perf_counter()
         rec = recalibrate(plan, current, step.kernel_s)

@@ -543,7 +543,7 @@ def report_predicted_balance(args: argparse.Namespace) -> int:
                     options["refine_screen"] = args.refine_screen
                 clear_pricing_caches()  # timed as a process's first schedule, not after the same batch's others
                 start = time.perf_counter()
-                tasks = prepare(plan, options)["tasks"]
+                tasks = prepare(plan, options).tasks
                 took = time.perf_counter() - start
                 costs = server_costs(plan, options)
                 rects = sum(t.is_rect for t in tasks)

@@ -40,7 +40,7 @@ def test_key_cuts_on_torch_flash_are_as_close_to_fp32_as_whole_tasks():
     errors = {}
     for cuts in (True, False):
         options = {"cost_model": SMALL, "eps": 0.01, "key_cuts": cuts}
-        assert any(t.is_rect for t in prepare(plan, options)["tasks"]) == cuts
+        assert any(t.is_rect for t in prepare(plan, options).tasks) == cuts
         step = emulate_step(batch, 4, (q, k, v, dout), "cad", options=options, kernel="torch_flash",
                             keep_results=True)
         worst = [0.0] * 4  # largest error relative to the largest reference value, per tensor

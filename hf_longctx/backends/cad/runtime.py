@@ -56,7 +56,8 @@ from .cost_model import (
 )
 from .eps import sweep_eps
 from .launch_cost import LaunchCostModel, PhaseTerms
-from .model_file import is_model_path, load_model_file, model_file_problem
+from .model_file import is_model_path, load_model_file
+from .options import COST_MODELS_TERMS, CadOptions, CadRun, cad_options
 from .pingpong import pingpong_split
 from .refine import refine_in_time
 from .scheduler import CadSchedule, schedule, with_tasks
@@ -191,20 +192,16 @@ def nano_batches(plan: ShardPlan, tasks: Sequence[CadTask], rank: int, pingpong:
     return plan.cached(("cad_nano", key, rank, pingpong, str(device), terms), build)
 
 
-def call_terms_for(options: dict, model: CostModel) -> CallTerms | None:
-    """How a server cuts its batch into kernel calls: ``options["call_terms"]`` when given (a
+def call_terms_for(options: CadOptions | dict, model: CostModel) -> CallTerms | None:
+    """How a server cuts its batch into kernel calls: ``options.call_terms`` when given (a
     :class:`~hf_longctx.kernels.calls.CallTerms`, or None / ``"none"``: always one call), else the profiled
     cost model's measured terms, else one call. No default guesses the terms: what a call costs on its own is
     mostly the host's dispatch, which differs from host to host (bench/results/2026-12-04_from-modules.md),
     so cutting on a guess can cost more than the surplus tiles it saves (and the CPU kernels compute only the
     rows they are given)."""
-    if "call_terms" in options:
-        spec = options["call_terms"]
-        if spec is None or spec == "none":
-            return None
-        if not isinstance(spec, CallTerms):
-            raise ValueError(f"cad call_terms must be a CallTerms, None or 'none', got {spec!r}")
-        return spec
+    spec = cad_options(options).call_terms
+    if spec is not COST_MODELS_TERMS:
+        return None if spec is None or spec == "none" else spec
     base = _base(model)
     return base.call_terms if isinstance(base, (ProfiledCostModel, LaunchCostModel)) else None
 
@@ -214,8 +211,9 @@ def _base(model: CostModel) -> CostModel:
 
 
 def _batches(ctx: RunContext, device: torch.device) -> list[NanoBatch]:
+    """This rank's nano-batches of the run's tasks (``ctx.state``, a :class:`~.options.CadRun`)."""
     terms = call_terms_for(ctx.options, cost_model_for(ctx.plan, ctx.options))
-    return nano_batches(ctx.plan, ctx.options["tasks"], ctx.rank, ctx.options.get("pingpong", True), device, terms)
+    return nano_batches(ctx.plan, ctx.state.tasks, ctx.rank, ctx.options.pingpong, device, terms)
 
 
 def agreed_cost_model(model: CostModel, group) -> CostModel:
@@ -255,21 +253,22 @@ def agreed_cost_model(model: CostModel, group) -> CostModel:
     return kept[1]
 
 
-def cost_model_for(plan: ShardPlan, options: dict) -> CostModel:
-    """The cost model the scheduler balances: ``options["cost_model"]`` is ``"flops"`` (default), the path of a
+def cost_model_for(plan: ShardPlan, options: CadOptions | dict) -> CostModel:
+    """The cost model the scheduler balances: ``options.cost_model`` is ``"flops"`` (default), the path of a
     fitted cost model file (made ahead by ``hf-longctx-lab profile-cad --out FILE``, see :mod:`.model_file`) or a
     cost model object; priced under the plan's sliding window."""
-    spec = options.get("cost_model", "flops")
-    if spec in (None, "flops"):
+    options = cad_options(options)
+    spec = options.cost_model
+    if spec is None or (isinstance(spec, str) and spec == "flops"):
         base: CostModel = FlopsCostModel()
     elif is_model_path(spec):
-        base = load_model_file(spec, options.get("cost_kernel", "auto"))
+        base = load_model_file(spec, options.cost_kernel)
     else:
         base = spec
     return base if plan.window is None else WindowedCostModel(base, plan.window)
 
 
-def cad_schedule(plan: ShardPlan, options: dict, share: PricingShare | None = None) -> CadSchedule:
+def cad_schedule(plan: ShardPlan, options: CadOptions | dict, share: PricingShare | None = None) -> CadSchedule:
     """The plan's schedule under ``options`` (``eps``: a float, default 0.1, or ``"auto"`` for the eps whose
     schedule is predicted fastest, see :mod:`.eps`; ``cost_model``; ``min_shard`` and ``search_width`` of
     :func:`~.scheduler.schedule`), cached on the plan.
@@ -282,21 +281,19 @@ def cad_schedule(plan: ShardPlan, options: dict, share: PricingShare | None = No
     (:func:`server_costs`) is least is kept. On measured profiles at 64 servers this brought the predicted
     max/mean most of the way to what the tasks alone were balanced to (bench/results/2026-11-24_cad-kernel-time.md).
     Last, the busiest server gives tasks away while that lowers the predicted maximum (:mod:`.refine`), also as key
-    cuts (``options["key_cuts"]``, default True; see :mod:`.tasks`), and by ejection chains where no single move
-    helps (``options["refine_chains"]``, default True; see :func:`~.refine.refine_in_time`). A step of many moves
-    prices them in the order of an additive estimate until ``options["refine_screen"]`` in a row found nothing
+    cuts (``options.key_cuts``, default True; see :mod:`.tasks`), and by ejection chains where no single move
+    helps (``options.refine_chains``, default True; see :func:`~.refine.refine_in_time`). A step of many moves
+    prices them in the order of an additive estimate until ``options.refine_screen`` in a row found nothing
     better (default :data:`REFINE_SCREEN`; 0 or None: every move is priced).
 
     ``share``: this rank's part when every rank of a group makes this schedule (the backend's run does): the
     refinement's pricing is then split over the group (:mod:`.shared_pricing`), the schedule the same, and the
     ranks check that it is (:func:`check_same_schedule`).
     """
-    eps = options.get("eps", 0.1)
+    options = cad_options(options)  # a mapping from a direct caller gets the check a recipe's options get
+    eps = options.eps
     model = cost_model_for(plan, options)
-    knobs = {k: int(options[k]) for k in ("min_shard", "search_width") if k in options}
-    problem = option_problem(options)  # the check a recipe's options get, for callers that come here directly
-    if problem:
-        raise ValueError(f"cad: {problem}")
+    knobs = options.scheduler_knobs()
     refinement = refine_options(options)
 
     def build() -> CadSchedule:
@@ -348,11 +345,11 @@ SLOW_SCHEDULE_S = 0.5  # a schedule that took longer on the host is said once pe
 _said_slow = False
 
 
-def refine_options(options: dict) -> dict:
+def refine_options(options: CadOptions | dict) -> dict:
     """The keyword arguments of :func:`~.refine.refine_in_time` that CAD's ``options`` set (``key_cuts``,
     ``refine_screen``, ``refine_chains``), defaults filled in: every refinement of a schedule takes the same."""
-    return {"key_cuts": options.get("key_cuts", True), "screen": options.get("refine_screen", REFINE_SCREEN) or None,
-            "chains": options.get("refine_chains", True)}
+    options = cad_options(options)
+    return {"key_cuts": options.key_cuts, "screen": options.refine_screen or None, "chains": options.refine_chains}
 
 
 def _say_if_slow(seconds: float, plan: ShardPlan, eps, model: CostModel) -> None:
@@ -372,16 +369,12 @@ def _say_if_slow(seconds: float, plan: ShardPlan, eps, model: CostModel) -> None
 
 
 RUNTIME_OFFSET_ROUNDS = 2  # schedules made again with the runtime's per-server extra costs (see cad_schedule)
-# the refinement's screen (refine_in_time): on steps of many moves, moves are priced in full in the order of an
-# additive estimate until this many in a row found nothing better: several times less host time per batch, the
-# predicted max/mean within 0.002 (measured: bench/results/2026-11-22_backends-multi-gpu.md)
-REFINE_SCREEN = 32
 
 
-def _server_batches(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, model: CostModel, split: bool):
+def _server_batches(plan: ShardPlan, tasks: Sequence[CadTask], options: CadOptions, model: CostModel, split: bool):
     """One server's ``tasks`` as the runtime batches them: per ping-pong half (with ``split``, those of these tasks
     alone), causal segments and rectangles (key cuts) apart, each batch's (rows, keys, price) in launch order."""
-    groups = pingpong_split(plan, tasks) if split and options.get("pingpong", True) else [list(tasks)]
+    groups = pingpong_split(plan, tasks) if split and options.pingpong else [list(tasks)]
     for group in groups:
         for causal in (True, False):  # rectangles (key cuts) run in calls of their own
             seg = [(*_segment_shape(plan, t), rows_cost(plan, t, t.q_start, t.q_end, model))
@@ -390,11 +383,12 @@ def _server_batches(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, mo
                 yield causal, [seg[i] for i in call_order([q for q, _, _ in seg], [k for _, k, _ in seg])]
 
 
-def server_calls(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, model: CostModel,
+def server_calls(plan: ShardPlan, tasks: Sequence[CadTask], options: CadOptions | dict, model: CostModel,
                  split: bool = True) -> list[tuple[list[int], list[int], bool]]:
     """The kernel calls one server's ``tasks`` make, as the runtime cuts its batches
     (:func:`~hf_longctx.kernels.calls.plan_calls` under :func:`call_terms_for`): (query rows, keys, causal) per call,
     in order. What :mod:`.call_profile` times to fit a kernel's cost on calls shaped like CAD's own."""
+    options = cad_options(options)
     terms = call_terms_for(options, model)
     calls = []
     for causal, seg in _server_batches(plan, tasks, options, model, split):
@@ -403,7 +397,7 @@ def server_calls(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, model
     return calls
 
 
-def _server_time(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, model: CostModel,
+def _server_time(plan: ShardPlan, tasks: Sequence[CadTask], options: CadOptions, model: CostModel,
                  terms: CallTerms | None, split: bool = True) -> float:
     """Predicted cost of one server's ``tasks`` as the runtime computes them (see :func:`server_costs`); with
     ``split``, ping-pong's halves are those of these tasks alone (every server's are made on its own)."""
@@ -423,13 +417,13 @@ def _server_time(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, model
     return total
 
 
-def _predicted_costs(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, model: CostModel,
+def _predicted_costs(plan: ShardPlan, tasks: Sequence[CadTask], options: CadOptions, model: CostModel,
                      share: PricingShare | None = None) -> np.ndarray:
     """Per-server cost of ``tasks`` as the runtime computes them (see :func:`server_costs`); with ``share``, the
     servers are priced by the ranks of a group together (:mod:`.shared_pricing`)."""
     terms = call_terms_for(options, model)
     groups = plan.cached(("cad_pingpong", tuple(tasks)), lambda: pingpong_split(plan, tasks)) \
-        if options.get("pingpong", True) else [list(tasks)]
+        if options.pingpong else [list(tasks)]
     by_server: dict[int, list[list[CadTask]]] = {}
     for h, group in enumerate(groups):
         for t in group:
@@ -443,28 +437,31 @@ def _predicted_costs(plan: ShardPlan, tasks: Sequence[CadTask], options: dict, m
     return costs
 
 
-def server_costs(plan: ShardPlan, options: dict) -> np.ndarray:
+def server_costs(plan: ShardPlan, options: CadOptions | dict) -> np.ndarray:
     """Predicted cost of each server's kernel calls under ``options`` (the cost model's units): every segment it
     computes priced alone (ping-pong's halves as the runtime cuts them), plus what its calls add beyond their
     segments (:func:`~hf_longctx.kernels.calls.calls_overhead`, under the call terms the runtime uses, see
     :func:`call_terms_for`). The schedule's own loads price whole tasks and no call term."""
+    options = cad_options(options)
     model = cost_model_for(plan, options)
-    return _predicted_costs(plan, prepare(plan, options)["tasks"], options, model)
+    return _predicted_costs(plan, prepare(plan, options).tasks, options, model)
 
 
-def prepare(plan: ShardPlan, options: dict, share: PricingShare | None = None) -> dict:
-    """Runner hook: schedule the plan's documents onto servers (cached per plan, so per sliding window,
-    eps and cost model); ``share``: see :func:`cad_schedule`."""
-    if "tasks" in options:
-        return options
+def prepare(plan: ShardPlan, options: CadOptions | dict, share: PricingShare | None = None) -> CadRun:
+    """Runner hook: the run's tasks, ``options.tasks`` when given, else the plan's documents scheduled onto servers
+    (cached per plan, so per sliding window, eps and cost model); ``share``: see :func:`cad_schedule`. The options
+    are read, never written: the schedule belongs to this run, not to the next batch's."""
+    options = cad_options(options)
+    if options.tasks is not None:
+        return CadRun(options.tasks)
     sched = cad_schedule(plan, options, share)
-    return {**options, "tasks": sched.tasks, "eps_used": sched.eps}
+    return CadRun(tuple(sched.tasks), sched.eps)
 
 
 def attention_load(plan: ShardPlan) -> list[int]:
     """Visible (query, key) pairs each server computes under the scheduled tasks."""
     work = [0] * plan.world_size
-    for t in prepare(plan, {})["tasks"]:
+    for t in prepare(plan, CadOptions()).tasks:
         work[t.server] += round(task_cost(plan, t))
     return work
 
@@ -614,51 +611,6 @@ def run_backward(ctx: RunContext, dout: torch.Tensor, q: torch.Tensor, k: torch.
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _is_whole(value, least: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
-
-
-def option_problem(options: dict) -> str | None:
-    """What is wrong with the values of CAD's ``options`` (one sentence naming the fix), or None: checked when a
-    recipe is read and before a call's first collective, not deep inside a schedule on every rank."""
-    from ...kernels import kernel_names
-
-    eps = options.get("eps", 0.1)
-    if eps != "auto" and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf")):
-        return f"eps must be a number >= 0 (the scheduler's tolerance: 0.1 by default, 0.01 tighter) or 'auto', " \
-               f"got {eps!r}"
-    kernel = options.get("cost_kernel", "auto")
-    if kernel not in ("auto", *kernel_names()):
-        return f"cost_kernel must be 'auto' or one of {', '.join(kernel_names())}, got {kernel!r}"
-    model = options.get("cost_model", "flops")
-    if model is None or model == "flops":
-        pass
-    elif is_model_path(model):
-        problem = model_file_problem(model, kernel)
-        if problem:
-            return problem
-    elif not isinstance(model, CostModel):
-        return f"cost_model must be 'flops', the path of a fitted cost model file or a cost model object (with " \
-               f"cost and cost_array), got {type(model).__name__}"
-    for key in ("min_shard", "search_width"):
-        if key in options and not _is_whole(options[key], 1):
-            return f"{key} must be a whole number >= 1, got {options[key]!r}"
-    for key in ("key_cuts", "refine_chains", "pingpong"):
-        if key in options and not isinstance(options[key], bool):
-            return f"{key} must be true or false, got {options[key]!r}"
-    screen = options.get("refine_screen", REFINE_SCREEN)
-    if screen is not None and not _is_whole(screen, 0):
-        return f"refine_screen must be a whole number (moves priced in full per step; 0: every move), got {screen!r}"
-    terms = options.get("call_terms")
-    if terms is not None and terms != "none" and not isinstance(terms, CallTerms):
-        return f"call_terms must be a CallTerms, None or 'none', got {terms!r}"
-    tasks = options.get("tasks")
-    if tasks is not None and (isinstance(tasks, (str, bytes)) or not isinstance(tasks, Sequence)
-                              or not all(isinstance(t, CadTask) for t in tasks)):
-        return "tasks must be a schedule's tasks (a sequence of CadTask, e.g. cad_schedule(plan, options).tasks)"
-    return None
-
-
 def check_same_schedule(tasks: Sequence[CadTask], group) -> None:
     """Raise on every rank of ``group`` unless all hold the same ``tasks`` (one all_reduce of a digest).
 
@@ -673,36 +625,32 @@ def check_same_schedule(tasks: Sequence[CadTask], group) -> None:
         raise RuntimeError("cad: the ranks made different schedules of this batch (their floating point differs, "
                            "or their options or cost models do); give every rank the same cost model and options "
                            "(a cost model file's values are agreed over the group), or pass a schedule's tasks in "
-                           "options['tasks']")
+                           "the options' tasks")
 
 
 class CadBackend(Backend):
-    """Backend ``cad``: the runtime above behind the backend contract. Options: ``eps``, ``cost_model`` and
-    ``cost_kernel``, ``min_shard`` and ``search_width``, ``key_cuts``, ``refine_chains`` and ``refine_screen``
-    (:func:`cad_schedule`),
-    ``pingpong`` (two nano-batches), ``call_terms`` (:func:`call_terms_for`), and ``tasks``: a schedule's tasks
-    to run instead of scheduling."""
+    """Backend ``cad``: the runtime above behind the backend contract. Its options are :class:`~.options.CadOptions`
+    (the scheduler's in :func:`cad_schedule`, ``pingpong``, ``call_terms`` in :func:`call_terms_for`, and ``tasks``:
+    a schedule's tasks to run instead of scheduling); its run's state a :class:`~.options.CadRun`."""
 
     name = "cad"
     summary = "CAD: documents stay whole; a scheduler balances core-attention tasks over all ranks as servers"
     default_strategy = "cad"
     strategies = ("cad", "contiguous")
-    option_names = ("eps", "cost_model", "cost_kernel", "min_shard", "search_width", "key_cuts", "refine_chains",
-                    "refine_screen", "pingpong", "call_terms", "tasks")
+    options_type = CadOptions
 
-    def run_context(self, plan, group, rank, world, scale, kernel, options=None):
-        options = dict(options or {})
-        if is_model_path(options.get("cost_model")):  # the file's model, the same on every rank
-            options["cost_model"] = agreed_cost_model(load_model_file(options["cost_model"],
-                                                                      options.get("cost_kernel", "auto")), group)
+    def run_context(self, plan, group, rank, world, scale, kernel, options=None, causal=True):
+        options = cad_options(options)
+        if is_model_path(options.cost_model):  # the file's model, the same on every rank (a copy: options stay)
+            agreed = agreed_cost_model(load_model_file(options.cost_model, options.cost_kernel), group)
+            options = replace(options, cost_model=agreed)
         # every rank makes the same schedule here: ranks in processes of their own price it together
         share = PricingShare(group, rank, world) if world > 1 and is_distributed(group) \
             and not in_one_process(group) else None
-        options = prepare(plan, options, share)
-        return super().run_context(plan, group, rank, world, scale, kernel, options)
+        return RunContext(plan, self.schedule(world), group, rank, scale, kernel, self.forward, self.backward,
+                          options=options, state=prepare(plan, options, share), causal=causal)
 
     # the runner's module functions are the contract's methods
-    option_problem = staticmethod(option_problem)
     prepare = staticmethod(prepare)
     forward = staticmethod(run_forward)
     backward = staticmethod(run_backward)

@@ -15,7 +15,7 @@ Here each server's measured over predicted time (its *scale*) is given to the ta
 (weighted by their prices): the error travels with the work that makes it, as a moved task or a part cut from one.
 That is what one device emulating every rank sees, and a group of GPUs of one kind at one clock; a GPU slower than
 its peers would need its error to stay with the server, which is not done here. A second measurement of the new
-schedule scales its servers again (:func:`recalibrate` takes a schedule's tasks in ``options["tasks"]``). Every
+schedule scales its servers again (:func:`recalibrate` takes a schedule's tasks in ``options.tasks``). Every
 (query row, key) pair is still computed once: only the refinement's moves change the tasks, so outputs and
 gradients are those of any schedule.
 """
@@ -29,12 +29,12 @@ from typing import NamedTuple
 import numpy as np
 
 from hf_longctx.backends.cad.cost_model import CostModel
+from hf_longctx.backends.cad.options import CadOptions, cad_options
 from hf_longctx.backends.cad.refine import refine_in_time
 from hf_longctx.backends.cad.runtime import (
     _server_time,
     call_terms_for,
     cost_model_for,
-    option_problem,
     prepare,
     refine_options,
 )
@@ -45,7 +45,7 @@ from hf_longctx.layout import ShardPlan
 class Recalibration(NamedTuple):
     """What :func:`recalibrate` made of one measured run."""
 
-    tasks: list[CadTask]  # the new schedule's tasks (pass them as options["tasks"])
+    tasks: list[CadTask]  # the new schedule's tasks (pass them as the options' tasks)
     scales: np.ndarray  # per server: measured over predicted time, the mean over servers 1
     before: np.ndarray  # the run's predicted per-server times, scaled (the measured times, in the model's units)
     after: np.ndarray  # the new tasks' predicted per-server times, scaled
@@ -93,9 +93,10 @@ class TaskScales:
         return total / weight if weight else 1.0
 
 
-def scaled_server_cost(plan: ShardPlan, options: dict, model: CostModel, scales: TaskScales):
+def scaled_server_cost(plan: ShardPlan, options: CadOptions | dict, model: CostModel, scales: TaskScales):
     """A server's time as the refinement prices it (:func:`~.runtime._server_time`), times the mean scale of its
     tasks weighted by their prices."""
+    options = cad_options(options)
     terms = call_terms_for(options, model)
 
     def cost(tasks: Sequence[CadTask]) -> float:
@@ -108,18 +109,16 @@ def scaled_server_cost(plan: ShardPlan, options: dict, model: CostModel, scales:
     return cost
 
 
-def recalibrate(plan: ShardPlan, options: dict, measured: Sequence[float]) -> Recalibration:
+def recalibrate(plan: ShardPlan, options: CadOptions | dict, measured: Sequence[float]) -> Recalibration:
     """The schedule of ``plan`` under ``options`` (its ``tasks`` when given, else :func:`~.runtime.cad_schedule`'s)
     refined with every task priced at its server's measured (one kernel time per server, any unit) over predicted
     time (:func:`server_scales`, :class:`TaskScales`). The refinement takes the schedule's own options
     (``key_cuts``, ``refine_chains``, ``refine_screen``). Meant for a measured cost model (``cost_model``
     a model file or object); on FLOPs the scales carry the whole of the kernel's shape effects."""
-    problem = option_problem(options)
-    if problem:
-        raise ValueError(f"cad: {problem}")
+    options = cad_options(options)
     measured = _checked(measured, plan.world_size)  # before the schedule is made or priced
     model = cost_model_for(plan, options)
-    tasks = [t for t in prepare(plan, options)["tasks"] if t.q_end > t.q_start]
+    tasks = [t for t in prepare(plan, options).tasks if t.q_end > t.q_start]
     terms = call_terms_for(options, model)
     raw = np.array([_server_time(plan, ts, options, model, terms) if ts else 0.0
                     for ts in _per_server(tasks, plan.world_size)])

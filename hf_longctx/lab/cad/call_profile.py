@@ -221,6 +221,7 @@ def cad_server_calls(model: LaunchCostModel, count: int, seed: int = 0, scale: f
     server's time is a few such calls. Fitted on random calls alone, FlashAttention-4's model priced the servers
     of held-out W = 64 steps further off than with calls of such batches; with CAD's calls of other steps, the more
     the better (see :data:`SERVER_CALL_ROUNDS`; bench/results/2026-12-04_from-modules.md)."""
+    from hf_longctx.backends.cad.options import CadOptions
     from hf_longctx.backends.cad.runtime import cad_schedule, server_calls
     from hf_longctx.lab.emulation.workloads import doc_lengths
     from hf_longctx.layout import PackedBatch, shard_plan
@@ -231,7 +232,7 @@ def cad_server_calls(model: LaunchCostModel, count: int, seed: int = 0, scale: f
         total = max(64 * world, int(tokens * scale))
         plan = shard_plan(PackedBatch.from_doc_lens(doc_lengths(mix, total, seed=SERVER_CALL_SEED + seed + i)),
                           world, "cad")
-        options = {"cost_model": model, "eps": 0.01}
+        options = CadOptions(cost_model=model, eps=0.01)
         tasks = cad_schedule(plan, options).tasks
         for server in range(world):
             mine = [t for t in tasks if t.server == server]

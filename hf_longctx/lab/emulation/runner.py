@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from hf_longctx.backends import default_strategy
 from hf_longctx.backends.api import RankCall, check_group_agrees, check_options, make_run_context, resolve_backend
+from hf_longctx.backends.options import BackendOptions
 from hf_longctx.benchmarking import FORWARD_BACKWARD_FACTOR
 from hf_longctx.comm.links import LINKS, transfer_seconds
 from hf_longctx.kernels import observe_kernels
@@ -169,7 +170,7 @@ def _rank_step(group: EmulatedGroup, plan: ShardPlan, backend: str, tensors, opt
     scale = 1.0 / math.sqrt(q.shape[-1])
     with torch.no_grad():
         call = RankCall(ql, kl, vl, plan, backend, group, rank, world, causal=True, scale=scale, kernel=kernel,
-                        options=dict(options or {}))
+                        options=options)
         check_group_agrees(call)
         run = make_run_context(call, resolve_backend(call))
         out, lse = run.forward_fn(run, ql, kl, vl)
@@ -198,8 +199,9 @@ def median_rep(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
 
 
 def emulate_step(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ...], backend: str, *,
-                 strategy: str | None = None, options: dict | None = None, kernel: str = "auto", warmup: int = 0,
-                 reps: int = 1, keep_results: bool = False, timeout_s: float = 600.0, stage_on_host: bool = False,
+                 strategy: str | None = None, options: BackendOptions | dict | None = None, kernel: str = "auto",
+                 warmup: int = 0, reps: int = 1, keep_results: bool = False, timeout_s: float = 600.0,
+                 stage_on_host: bool = False,
                  make_timer: Callable[[EmulationHub, torch.device], KernelTimer] = KernelTimer) -> EmulatedStep:
     """Run ``world`` ranks of ``backend`` on ``batch`` (forward + backward) on the device of ``tensors``.
 
@@ -214,7 +216,7 @@ def emulate_step(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ..
     """
     if reps < 1 or warmup < 0:
         raise ValueError(f"need reps >= 1 and warmup >= 0, got reps={reps}, warmup={warmup}")
-    check_options(backend, options)
+    options = check_options(backend, options)  # parsed once: every rank's every step gets the same object
     q = tensors[0]
     strategy = strategy or default_strategy(backend)
     plan = shard_plan(batch, world, strategy)
