@@ -268,7 +268,7 @@ BAD_SETTINGS = [
     ("backend: cad\nbackend_options: {epss: 0.01}\n", [], 2,
      ["bad.longctx.yaml", "backend 'cad' has no option 'epss'", "did you mean 'eps'?"]),
     ("backend: cad\nbackend_options: {cost_model: profile}\n", [], 2,
-     ["bad.longctx.yaml", "cost_model must be 'flops' or 'profiled'"]),
+     ["bad.longctx.yaml", "cost_model must be 'flops' or the path of a fitted cost model file"]),
     ("backend: cad\nbackend_options: 0.01\n", [], 2, ["backend_options must be a mapping"]),
 ]
 
