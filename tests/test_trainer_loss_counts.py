@@ -109,10 +109,14 @@ def _two_processes(rank, world, out_dir):
 
 
 def test_trainer_rule_for_passing_counts():
-    """The callback reads the Trainer's rule: the class attribute where there is one, else ``**kwargs``."""
+    """The callback reads the Trainer's rule: the attribute where there is one, else ``**kwargs``."""
     assert trainer_passes_counts(LlamaForCausalLM(LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8,
                                                               num_hidden_layers=1, num_attention_heads=2)))
     assert not trainer_passes_counts(tiny_model("sdpa"))
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(tiny_model("sdpa"), LoraConfig(target_modules=["q_proj"]))
+    assert not trainer_passes_counts(lora)  # judged by the base model, as the Trainer judges it
     args = TrainingArguments(output_dir="unused", report_to=[], use_cpu=True)
     assert trainer_averages_processes(tiny_model("sdpa"), args)
 

@@ -101,12 +101,13 @@ def trainer_passes_counts(model: torch.nn.Module) -> bool:
 
     The Trainer's own rule (``Trainer.model_accepts_loss_kwargs``): the model's ``accepts_loss_kwargs``
     attribute where it has one (several causal LMs set it False), else whether its ``forward`` takes
-    ``**kwargs``; a PEFT model is judged by its base model, as the Trainer does. A ``compute_loss_func``
-    takes the labels away from the model, so its count never reaches the input hook.
+    ``**kwargs``; a wrapped (DDP) or PEFT model is judged by the model inside, as the Trainer does. A
+    ``compute_loss_func`` takes the labels away from the model, so its count never reaches the input hook.
     """
+    from accelerate.utils import extract_model_from_parallel
     from transformers.trainer_utils import unwrap_peft_model
 
-    model = unwrap_peft_model(model)
+    model = unwrap_peft_model(extract_model_from_parallel(model))
     if hasattr(model, "accepts_loss_kwargs"):
         return bool(model.accepts_loss_kwargs)
     return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
