@@ -17,7 +17,8 @@ gradients, whether the callback installs it (its hooks after the tiled loss's, r
 checkpointing on) or ``apply_model_parallelism`` did before (its hooks first); without sharding the
 tiled loss adds transformers' own aux. With ``average_tokens_across_devices=False`` on 2 processes of
 one sequence-parallel group, DDP's average of the ranks' losses and gradients is the single-process
-reference (the aux multiplied by the group size, as the LM loss's count is divided by it).
+reference (the aux multiplied by the group size, as the LM loss's count is divided by it); so it is for a
+model that sets ``accepts_loss_kwargs = False``, to which Trainer passes no count and scales nothing.
 
 After ``apply_model_parallelism`` installed the aux loss for good, rank 0 alone runs an evaluation
 forward and ``generate()``: they must run no collective (a spy raises at once; the gloo timeout is
@@ -120,7 +121,8 @@ def train_args(average_tokens_across_devices: bool = True, checkpointing: bool =
 
 
 def callback_step(kind: str, backend: str, rows: dict, world: int, sp_size: int = 0, tiled_loss: int = 0,
-                  checkpointing: bool = False, aux_before: bool = False, average_tokens_across_devices: bool = True):
+                  checkpointing: bool = False, aux_before: bool = False, average_tokens_across_devices: bool = True,
+                  accepts_loss_kwargs: bool = True):
     """One forward and backward of this rank's ``rows`` under LongContextCallback, the loss scaled as Trainer
     scales it; the loss and gradients the ``world`` ranks' DDP step trains on.
 
@@ -128,10 +130,15 @@ def callback_step(kind: str, backend: str, rows: dict, world: int, sp_size: int 
     the world size, DDP averages, so the step's loss is the SUM of the ranks' losses (each rank's count is
     left to the hook: the group's, the same when the group is the world). False: each rank's forward gets
     its own rows' count, nothing is multiplied, and the step's loss is the MEAN of the ranks' losses.
+    ``accepts_loss_kwargs`` False: the model says so (as several transformers classes do), Trainer passes
+    no count and multiplies nothing: the step's loss is the MEAN of the ranks' losses as well.
     ``aux_before``: the aux loss is installed before the callback (apply_model_parallelism on several
     processes; its hooks directly in one), so its model hooks come before the tiled loss's.
     """
     model = tiny_moe(kind, implementation_name(backend))
+    if not accepts_loss_kwargs:
+        model.accepts_loss_kwargs = False
+    averaged = not average_tokens_across_devices or not accepts_loss_kwargs
     if aux_before:
         before = (apply_model_parallelism(model, LongContextConfig()).aux_loss if world > 1
                   else enable_distributed_aux_loss(model, group=None))
@@ -139,7 +146,7 @@ def callback_step(kind: str, backend: str, rows: dict, world: int, sp_size: int 
                                                                 tiled_loss=tiled_loss))
     args = train_args(average_tokens_across_devices, checkpointing)
     state, control = TrainerState(), TrainerControl()
-    if not average_tokens_across_devices:
+    if not average_tokens_across_devices and accepts_loss_kwargs:
         rows = {**rows, "num_items_in_batch": (rows["labels"][..., 1:] != -100).sum()}  # Trainer's, per process
     callback.on_train_begin(args, state, control, model=model)
     try:
@@ -158,7 +165,7 @@ def callback_step(kind: str, backend: str, rows: dict, world: int, sp_size: int 
         dist.all_reduce(total)
         for g in grads.values():
             dist.all_reduce(g)
-        if not average_tokens_across_devices:  # DDP's average, nothing scaled up before it
+        if averaged:  # DDP's average, nothing scaled up before it
             total /= world
             for g in grads.values():
                 g /= world
@@ -249,6 +256,11 @@ def check_average_per_device(rank: int, world: int) -> None:
         loss, grads = callback_step("mixtral", "zigzag", rows[rank], world, aux_before=aux_before,
                                     average_tokens_across_devices=False)
         assert_same(loss, grads, ref_loss, ref_grads, f"average per device, aux before={aux_before}, {name}")
+    # a model the Trainer passes no count to: the same averaging, the Trainer's argument left True
+    rows, ref_batch = BATCHES["packed"](world)
+    ref_loss, ref_grads = reference("qwen3_moe", ref_batch)
+    loss, grads = callback_step("qwen3_moe", "zigzag", rows[rank], world, accepts_loss_kwargs=False)
+    assert_same(loss, grads, ref_loss, ref_grads, "model without loss keywords, packed")
 
 
 def test_callback_aux_loss_equals_transformers_in_one_process():

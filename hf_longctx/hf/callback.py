@@ -13,14 +13,16 @@ ranks. A MoE model (``router_aux_loss_coef`` in its config) gets the batch-exact
 (:mod:`~hf_longctx.moe.aux_loss`) unless :func:`~.parallelism.apply_model_parallelism` installed it
 already: the input hook takes ``attention_mask`` out of the call and spreads the batch over the group,
 so transformers' own aux loss would count padding and be each shard's own, not the batch's; its
-shares are scaled as the Trainer's ``average_tokens_across_devices`` scales the language-model loss
-(:func:`follow_loss_averaging`). At
+shares are scaled as the Trainer scales the language-model loss (:func:`follow_loss_averaging`): the
+Trainer passes ``num_items_in_batch`` and multiplies by the process count only for a model that
+accepts loss keywords and with ``average_tokens_across_devices`` (:func:`trainer_averages_processes`). At
 ``on_train_end`` it takes its hooks off again, so evaluation and ``generate()`` after
 training run the model as loaded (exact attention in each process).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -94,14 +96,43 @@ def install_aux_loss(model: torch.nn.Module) -> DistributedAuxLoss | None:
     return enable_distributed_aux_loss(model)
 
 
+def trainer_passes_counts(model: torch.nn.Module) -> bool:
+    """Whether the Trainer hands the model ``num_items_in_batch`` (and then scales its loss by the process count).
+
+    The Trainer's own rule (``Trainer.model_accepts_loss_kwargs``): the model's ``accepts_loss_kwargs``
+    attribute where it has one (several causal LMs set it False), else whether its ``forward`` takes
+    ``**kwargs``; a wrapped (DDP) or PEFT model is judged by the model inside, as the Trainer does. A
+    ``compute_loss_func`` takes the labels away from the model, so its count never reaches the input hook.
+    """
+    from accelerate.utils import extract_model_from_parallel
+    from transformers.trainer_utils import unwrap_peft_model
+
+    model = unwrap_peft_model(extract_model_from_parallel(model))
+    if hasattr(model, "accepts_loss_kwargs"):
+        return bool(model.accepts_loss_kwargs)
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
+
+
+def trainer_averages_processes(model: torch.nn.Module, args) -> bool:
+    """Whether the step's gradient is DDP's plain AVERAGE of the processes' losses, the Trainer scaling nothing.
+
+    So it is with ``average_tokens_across_devices=False`` (each process's own count), and for a model the
+    Trainer passes no count to (:func:`trainer_passes_counts`: the model's own mean, no scaling). Otherwise
+    the Trainer passes the world's count and multiplies each loss by the process count: DDP's average is
+    then the SUM of the processes' losses.
+    """
+    return not getattr(args, "average_tokens_across_devices", True) or not trainer_passes_counts(model)
+
+
 def follow_loss_averaging(model: torch.nn.Module, args) -> tuple[DistributedAuxLoss, bool] | None:
     """Scale the batch-exact aux loss as the Trainer scales the language-model loss; returns (the hooks, their
     setting before) to put back at the end, or None for a model without them.
 
-    With ``average_tokens_across_devices=False`` DDP's plain average over processes meets the shares, so
-    each is multiplied by its group's size (:attr:`~hf_longctx.moe.DistributedAuxLoss.averaged_over_processes`,
+    Where DDP's plain average over processes meets the shares (:func:`trainer_averages_processes`), each is
+    multiplied by its group's size (:attr:`~hf_longctx.moe.DistributedAuxLoss.averaged_over_processes`,
     the arithmetic is in :mod:`hf_longctx.moe.aux_loss`), as the input hook divides each shard's loss by
-    its group's target count over the group size.
+    its group's target count over the group size
+    (:attr:`~hf_longctx.hf.inputs.SequenceParallelInputs.average_in_group`).
     """
     from ..moe import installed_aux_loss
 
@@ -109,7 +140,7 @@ def follow_loss_averaging(model: torch.nn.Module, args) -> tuple[DistributedAuxL
     if aux is None:
         return None
     before = aux.averaged_over_processes
-    aux.averaged_over_processes = not getattr(args, "average_tokens_across_devices", True)
+    aux.averaged_over_processes = trainer_averages_processes(model, args)
     return aux, before
 
 
@@ -173,9 +204,10 @@ class LongContextCallback(TrainerCallback):
         if self._host_optimizer is not None:
             self._take_over_clipping_on_the_host(args)
         self.hook = install_input_hook(model, group, cfg.kernel, cfg.backend_options)
-        # average_tokens_across_devices=False: every sequence-parallel group averages its own tokens, as one
-        # device of plain DDP averages its batch (the group, not the process, holds a sequence)
-        self.hook.average_in_group = sp > 1 and not getattr(args, "average_tokens_across_devices", True)
+        # where the Trainer scales nothing (average_tokens_across_devices=False, or a model it passes no count
+        # to), every sequence-parallel group averages its own tokens, as one device of plain DDP averages its
+        # batch (the group, not the process, holds a sequence)
+        self.hook.average_in_group = sp > 1 and trainer_averages_processes(model, args)
         self._aux_loss = install_aux_loss(model)  # in either order with the tiled loss (hf.tiled_loss)
         self._aux_averaging = follow_loss_averaging(model, args)
         self.summary = {"backend": impl[len(PREFIX):], "attn_implementation": impl, "sp_size": sp,

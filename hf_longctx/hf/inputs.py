@@ -66,6 +66,15 @@ class SequenceParallelInputs:
     """Callable forward pre-hook; also counts tokens and attention load for logging.
 
     ``current`` is the context of the model's current sharded forward (None between them).
+
+    ``average_in_group`` says how a group's loss is split over its processes. False (the default, for
+    a caller of its own): without a count from the caller, each rank's loss is its share of the group's
+    mean (the group's target count), so the shares ADD UP to it; a caller's ``num_items_in_batch`` is
+    kept (Trainer's count of the world, which it then scales by the process count). True (set by
+    ``LongContextCallback`` where the Trainer scales nothing, so DDP's plain average over processes
+    meets the shares): the group's count, of this call or the sum of the caller's per-process counts,
+    is divided by the group size, so the AVERAGE over the group's processes is the group's mean, as
+    DDP averages the means of its devices.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, kernel: str = "auto", options: BackendOptions | None = None,
@@ -118,11 +127,14 @@ class SequenceParallelInputs:
         group_batch = gather_group_batch(flat, self.group, problem)
         plan = plan_for(group_batch.packed, backend, self.group)
         local = group_batch.shard(plan, rank, self.group, self.kernel, self.options)
-        if kwargs.get("num_items_in_batch") is not None:
-            local.pop("num_items_in_batch", None)  # Trainer's count covers the whole step (accumulation, devices)
-            if self.average_in_group:
-                kwargs["num_items_in_batch"] = self._group_count(kwargs["num_items_in_batch"], world,
-                                                                 local["input_ids"].device)
+        group_count = local.pop("num_items_in_batch", None)  # the targets of this call's group batch
+        caller_count = kwargs.get("num_items_in_batch")
+        if caller_count is not None and not self.average_in_group:
+            group_count = None  # Trainer's count covers the whole step (accumulation, devices): kept as it is
+        elif caller_count is not None:  # each process's count of the step (average_tokens_across_devices=False)
+            group_count = self._group_count(caller_count, local["input_ids"].device)
+        if group_count is not None:
+            kwargs["num_items_in_batch"] = group_count / world if self.average_in_group else group_count
         kwargs.update(local)
         kwargs["use_cache"] = False  # a shard's keys and values are no prompt to continue from
         self.current = local["longctx"]
@@ -137,16 +149,11 @@ class SequenceParallelInputs:
             self._restore = (_RowRoute(plan, rank, world, group_batch.rank_tokens, self.group), flat)
         return args, kwargs
 
-    def _group_count(self, rank_count, world: int, device: torch.device) -> torch.Tensor:
-        """Trainer's count of this process's targets -> the group's count / group size.
-
-        With ``average_tokens_across_devices=False`` Trainer scales nothing and DDP averages the
-        gradients over every process; dividing each shard's loss sum by this makes the group's
-        processes add up to its mean, so DDP's average is the mean over groups of each group's mean.
-        """
+    def _group_count(self, rank_count, device: torch.device) -> torch.Tensor:
+        """Trainer's count of this process's targets -> the group's count (the sum over its processes)."""
         count = torch.as_tensor(rank_count).to(device=device, dtype=torch.float64)
         dist.all_reduce(count, group=self.group)
-        return count / world
+        return count
 
     def restore_outputs(self, module, args, kwargs, output):
         """Forward hook: where the caller reads logits, this rank's own rows of them, in its own (B, S) order.

@@ -46,14 +46,16 @@ sum over processes of their losses, i.e. the language-model loss of the world's 
 the sum over groups of each group's aux, what plain DDP over one device per group trains on
 (transformers' DDP sums its devices' aux losses the same way). The shares go in as they are. With
 ``average_tokens_across_devices=False`` Trainer passes each process's own target count and multiplies
-by nothing, so DDP's average divides by W: the input hook divides each shard's loss sum by its
-group's target count / s (``SequenceParallelInputs._group_count``), making the processes' average the
-mean over groups of each group's token mean, as plain DDP averages its devices' means. The aux must
+by nothing, and for a model it passes no count to (``accepts_loss_kwargs = False``) it multiplies by
+nothing either, so DDP's average divides by W: the input hook divides each shard's loss sum by its
+group's target count / s (``SequenceParallelInputs.average_in_group``), making the processes' average
+the mean over groups of each group's token mean, as plain DDP averages its devices' means. The aux must
 then be multiplied by s as well, or each group's aux arrives divided by s: with
-:attr:`DistributedAuxLoss.averaged_over_processes` (set by ``LongContextCallback`` from that
-argument) each share is multiplied by its group's size, so the average over processes is the mean
-over groups of each group's aux, plain DDP's per-device aux (for the whole-world group: the world's
-aux, what one process on all rows trains on, as with the argument True).
+:attr:`DistributedAuxLoss.averaged_over_processes` (set by ``LongContextCallback`` with the Trainer's
+rule, ``hf_longctx.hf.callback.trainer_averages_processes``) each share is multiplied by its group's
+size, so the average over processes is the mean over groups of each group's aux, plain DDP's
+per-device aux (for the whole-world group: the world's aux, what one process on all rows trains on,
+as with the argument True).
 """
 
 from __future__ import annotations
