@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hf_longctx.backends import default_strategy, sequence_parallel_attention
-from hf_longctx.backends.registry import backend_names
+from hf_longctx.backends.registry import backend_names, get_backend
 from hf_longctx.kernels import (
     attention_backward,
     attention_forward,
@@ -203,7 +203,9 @@ def test_every_backend_at_world_size_one_on_the_gpu(backend, window):
     plan = shard_plan(batch, 1, default_strategy(backend))
     idx = plan.local_indices(0).to(DEVICE)
     ql, kl, vl = (t[idx].clone().requires_grad_() for t in (q, k, v))
-    out = sequence_parallel_attention(ql, kl, vl, plan=plan, backend=backend, window=window)
+    # the two-dimensional backends need their Ulysses group size: one rank is a 1 x 1 mesh
+    options = {"ulysses_size": 1} if "ulysses_size" in get_backend(backend).option_names else None
+    out = sequence_parallel_attention(ql, kl, vl, plan=plan, backend=backend, window=window, options=options)
     out.backward(dout[idx])
     cu = cumulative(lens)
     ref_out, _, ref_grads = _reference(q, k, v, dout, cu, cu, True, window=window)
