@@ -59,11 +59,26 @@ def packed_workloads(args) -> list[tuple[str, int, int, list[int]]]:
 VARIANTS = {"cad-nopp": ("cad", {"pingpong": False}), "cad-profiled": ("cad", {"cost_model": "profiled", "eps": 0.01})}
 
 
+def _measured_cost_model():
+    """CAD's measured cost model of this device's kernel, made by the lab now (or read from its cache): a benchmark
+    may profile, training never does (it names a file made by ``hf-longctx-lab profile-cad``)."""
+    import torch
+
+    from hf_longctx.lab.cad.profiled import SegmentShape, profiled_cost_model
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    kernel = "auto" if device.type == "cuda" else "reference"
+    return profiled_cost_model(kernel, device, SegmentShape())[0]
+
+
 def backend_and_options(label: str) -> tuple[str, dict | None]:
     """A backend label's backend and options: a named variant (:data:`VARIANTS`), or ``backend:key=value:...``
     (values read as a recipe's ``--backend-options`` are), e.g. ``cad:eps=0.01:pingpong=false``."""
     if label in VARIANTS:
-        return VARIANTS[label]
+        backend, options = VARIANTS[label]
+        if options.get("cost_model") == "profiled":
+            options = {**options, "cost_model": _measured_cost_model()}
+        return backend, options
     backend, *pairs = label.split(":")
     if not pairs:
         return backend, None

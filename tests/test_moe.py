@@ -287,7 +287,7 @@ def check_dp_ep_step_and_state_dict(rank, world, alone, ep=2, expert_tp=1):
     assert len(ignored) == 4 and all(".mlp.experts." in n for n in ignored)
     enable_distributed_aux_loss(model, group=None)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    local = shard_batch({"input_ids": ids[rank : rank + 1]},
+    local = shard_batch({"input_ids": ids[rank : rank + 1], "position_ids": torch.arange(seq)[None]},
                         shard_plan(PackedBatch.from_doc_lens([seq]), 1, default_strategy("zigzag")), 0, alone)
     local["num_items_in_batch"] = torch.tensor(world * (seq - 1))  # Trainer's count: every rank's targets
     out = ddp(**local)

@@ -249,6 +249,8 @@ def install_input_hook(model, group: dist.ProcessGroup | None, kernel: str = "au
     ``backend_options``: an options object, or a mapping parsed here) go to every attention call, checked here
     against the backend the model was loaded with."""
     positions = check_model(model)
+    if isinstance(options, BackendOptions) and not options.given():
+        options = None  # nothing was asked for (the settings' defaults may belong to another backend than the model's)
     if isinstance(options, BackendOptions) or options:
         impl = model.config._attn_implementation
         options = checked_backend_options(backend_of(impl), options, f"the model runs attn_implementation={impl!r}")
