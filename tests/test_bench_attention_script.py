@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "bench_attention.py"
 
 
-def _run(*args: str, cache: Path, backends: str = "ring,cad-profiled") -> str:
+def _run(*args: str, cache: Path, backends: str = "ring,cad:eps=0.01") -> str:
     env = {**os.environ, "HF_LONGCTX_CACHE": str(cache), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, str(SCRIPT), "--quick", "--seqs", "", "--kv-heads", "2", "--backends", backends,
@@ -43,7 +43,7 @@ def _rows(text: str, columns: int) -> dict[tuple[str, str], list[str]]:
 def test_the_real_and_the_emulated_run_report_every_ranks_kernel_balance(tmp_path):
     emulated = _rows(_run("--emulate", "2", cache=tmp_path), 10)
     real_text = _run("--gpus", "2", "--kernel-times", "--trace", str(tmp_path / "trace"), cache=tmp_path,
-                     backends="ring,cad-profiled,cad:eps=0.05:pingpong=false")
+                     backends="ring,cad:eps=0.01,cad:eps=0.05:pingpong=false")
     real = _rows(real_text, 14)
     assert float(real["sft mix", "cad:eps=0.05:pingpong=false"][13]) > 0  # options given after the backend's name
     # --trace: every rank's host ms per phase, and an op profile per rank and backend
@@ -51,7 +51,7 @@ def test_the_real_and_the_emulated_run_report_every_ranks_kernel_balance(tmp_pat
     assert len(hosts) == 3 and all(len(line.split("per rank: ")[1].split("; ")) == 2 for line in hosts), hosts
     profile = (tmp_path / "trace" / "sft_mix_0K_kv2_cad_eps=0.05_pingpong=false_rank1.txt").read_text()
     assert "# ops by host time (self)" in profile and "aten::" in profile
-    for backend in ("ring", "cad-profiled"):
+    for backend in ("ring", "cad:eps=0.01"):
         assert float(emulated["sft mix", backend][4]) >= 1.0  # max/mean kernel (emulated)
         assert float(real["sft mix", backend][12]) >= 1.0 and float(real["sft mix", backend][13]) > 0  # (real), max ms
     checks = [line for line in real_text.splitlines() if "relative error vs 1 GPU" in line]
