@@ -39,21 +39,11 @@ from hf_longctx.layout import PackedBatch
 from hf_longctx.moe import enable_distributed_aux_loss
 
 from distributed import run_distributed
-from trainer_runs import flattening_run, tiny_llama
+from trainer_runs import flattening_run, summed_loss_and_grads, tiny_llama
 
 
 def _world_group(world: int):
     return dist.group.WORLD if world > 1 else None
-
-
-def _summed(loss: torch.Tensor, model, world: int):
-    total = loss.detach().clone()
-    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
-    if world > 1:
-        dist.all_reduce(total)
-        for g in grads.values():
-            dist.all_reduce(g)
-    return total.item(), grads
 
 
 # ----------------------------------------------------------------------------- 1 and 2
@@ -89,7 +79,7 @@ def check_dropping_layers_on_every_path(rank, world):
             finally:
                 handle.remove()
             what = f"{name} through shard_batch, checkpointing={checkpointing}, over {world}"
-            assert_same(*_summed(loss, model, world), *ref, what)
+            assert_same(*summed_loss_and_grads(loss, model, world), *ref, what)
             assert len(seen) == 1
             torch.testing.assert_close(seen[0], alone, rtol=1e-12, atol=1e-12, msg=f"teacher inside {what}")
         got = sharded_loss_and_grads(model, "longctx_zigzag", rank, world, split_documents(ids, pos, LENS, world))

@@ -48,22 +48,11 @@ from hf_longctx.hf import LongContextConfig, apply_model_parallelism, implementa
 from hf_longctx.moe import enable_distributed_aux_loss, installed_aux_loss
 
 from distributed import run_distributed
+from trainer_runs import causal_lm_loss_fp64
 
 VOCAB, COEF, EXPERTS, TOP_K = 61, 0.5, 4, 2
 KINDS = ("qwen3_moe", "mixtral", "olmoe")
 TOL = 1e-9
-
-
-def causal_lm_loss_fp64(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
-                        **kwargs):
-    """transformers' causal-LM loss without its cast to float32."""
-    if shift_labels is None:
-        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    targets = shift_labels.reshape(-1).to(logits.device)
-    total = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab_size), targets, ignore_index=ignore_index,
-                                              reduction="sum")
-    count = num_items_in_batch if num_items_in_batch is not None else (shift_labels != ignore_index).sum()
-    return total / count
 
 
 def tiny_moe(kind: str, impl: str):

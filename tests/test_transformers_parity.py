@@ -39,23 +39,11 @@ import hf_longctx  # noqa: F401 - registers the longctx_* implementations
 from hf_longctx.hf.inputs import install_input_hook
 
 from distributed import run_distributed
-from trainer_runs import PaddingCollator, flattening_run, shifted_sum_loss
+from trainer_runs import PaddingCollator, causal_lm_loss_fp64, flattening_run, shifted_sum_loss, summed_loss_and_grads
 
 VOCAB = 61
 SHAPE = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
              num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-
-
-def causal_lm_loss_fp64(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
-                        **kwargs):
-    """transformers' causal-LM loss without its cast to float32, so float64 runs compare at 1e-9."""
-    if shift_labels is None:
-        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    targets = shift_labels.reshape(-1).to(logits.device)
-    total = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab_size), targets, ignore_index=ignore_index,
-                                              reduction="sum")
-    count = num_items_in_batch if num_items_in_batch is not None else (shift_labels != ignore_index).sum()
-    return total / count
 
 
 def build(name: str, seed: int = 0):
@@ -108,13 +96,7 @@ def sharded_loss_and_grads(model, impl: str, rank: int, world: int, rows: dict):
         loss.backward()
     finally:
         hook.remove()
-    total = loss.detach().clone()
-    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
-    if world > 1:
-        dist.all_reduce(total)
-        for g in grads.values():
-            dist.all_reduce(g)
-    return total.item(), grads
+    return summed_loss_and_grads(loss, model, world)
 
 
 def assert_same(loss, grads, ref_loss, ref_grads, what, tol=1e-9):

@@ -151,3 +151,26 @@ def trl_run(output_dir: str, rows_per_step: int = 2, steps: int = 3, bf16: bool 
                          callbacks=[hf_longctx.LongContextCallback()] if impl.startswith("longctx_") else [])
     trainer.train()
     return _history(trainer)
+
+
+def causal_lm_loss_fp64(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+                        **kwargs):
+    """transformers' causal-LM loss without its cast to float32, so float64 runs compare at 1e-9."""
+    if shift_labels is None:
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    targets = shift_labels.reshape(-1).to(logits.device)
+    total = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab_size), targets, ignore_index=ignore_index,
+                                              reduction="sum")
+    count = num_items_in_batch if num_items_in_batch is not None else (shift_labels != ignore_index).sum()
+    return total / count
+
+
+def summed_loss_and_grads(loss: torch.Tensor, model, world: int) -> tuple[float, dict]:
+    """This rank's loss and parameter gradients, summed over the world (the shares of one sharded batch)."""
+    total = loss.detach().clone()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
+    if world > 1:
+        dist.all_reduce(total)
+        for g in grads.values():
+            dist.all_reduce(g)
+    return total.item(), grads
