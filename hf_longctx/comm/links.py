@@ -10,13 +10,15 @@ numbers measured here": 4x H200, all pairs NV18, NCCL, torch 2.11 cu130; :data:`
 
 Between the measured sizes the bandwidth is interpolated linearly in log(message size); outside them
 it is held at the nearest figure (smaller messages are slower still: this model is optimistic there).
-They hold within one NVLink/NVSwitch node; beyond 8 GPUs a real group crosses the inter-node network.
+They hold within one NVLink/NVSwitch node. Past one node, :class:`LinkTiers` prices the bytes that cross the
+network apart from those that stay inside a node.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 MB = 1 << 20
@@ -56,3 +58,54 @@ def transfer_seconds(calls: list[tuple[str, int]] | tuple[tuple[str, int], ...])
     """Seconds a rank's transfers take back to back: each ``(kind, bytes)`` call at its kind's bandwidth
     for that message size."""
     return sum(LINKS[kind].seconds(nbytes) for kind, nbytes in calls)
+
+
+# A rank's transfer in one call: its kind and the bytes it sends to each peer (group ranks of the world the tiers
+# number; the rank itself never appears).
+Transfer = tuple[str, Mapping[int, int]]
+
+INTER_NODE_BYTES_PER_S = 50e9  # per GPU between nodes: one 400 Gb/s NIC per GPU, as on H100/H200 clusters
+
+
+@dataclass(frozen=True)
+class LinkTiers:
+    """Two link tiers: ranks ``r // node_size`` share a node (NVLink: the measured :data:`LINKS` curves), and
+    bytes to another node cross the network at ``inter_node_bytes_per_s`` per GPU.
+
+    Why a formula: a group beyond one node cannot be measured on one node, yet which backend is fastest there
+    turns on what crosses the network (Ulysses' all_to_all spans its whole group; a ring across nodes sends one
+    neighbour's block). A rank's call sends its intra-node and inter-node bytes at the same time over different
+    links, so the call lasts the longer of the two. One node (``node_size`` at least the group) is the model of
+    :func:`transfer_seconds` exactly.
+    """
+
+    node_size: int = 8
+    inter_node_bytes_per_s: float = INTER_NODE_BYTES_PER_S
+
+    def __post_init__(self) -> None:
+        if self.node_size < 1:
+            raise ValueError(f"node_size must be >= 1 (GPUs per node), got {self.node_size}")
+        if not self.inter_node_bytes_per_s > 0:
+            raise ValueError(f"inter_node_bytes_per_s must be > 0, got {self.inter_node_bytes_per_s}")
+
+    def same_node(self, a: int, b: int) -> bool:
+        return a // self.node_size == b // self.node_size
+
+    def split(self, rank: int, bytes_to: Mapping[int, int]) -> tuple[int, int]:
+        """(bytes ``rank`` sends inside its node, bytes it sends to other nodes)."""
+        intra = sum(b for peer, b in bytes_to.items() if peer != rank and self.same_node(rank, peer))
+        inter = sum(b for peer, b in bytes_to.items() if peer != rank and not self.same_node(rank, peer))
+        return intra, inter
+
+    def call_seconds(self, kind: str, rank: int, bytes_to: Mapping[int, int]) -> float:
+        """Seconds one call of ``kind`` takes for ``rank`` sending ``bytes_to`` (peer -> bytes)."""
+        intra, inter = self.split(rank, bytes_to)
+        return max(LINKS[kind].seconds(intra), inter / self.inter_node_bytes_per_s)
+
+    def seconds(self, rank: int, calls: Sequence[Transfer]) -> float:
+        """Seconds ``rank``'s calls take back to back."""
+        return sum(self.call_seconds(kind, rank, bytes_to) for kind, bytes_to in calls)
+
+    def describe(self) -> str:
+        return (f"nodes of {self.node_size} GPUs (NVLink curves inside), "
+                f"{self.inter_node_bytes_per_s / 1e9:.0f} GB/s per GPU between nodes")
