@@ -631,7 +631,7 @@ def test_cad_scheduled_on_a_launch_model_stays_exact(world):
 def test_the_runtime_prices_a_server_as_the_sum_of_its_calls():
     """A server's predicted time under the launch model is the model's call cost of every call the runtime plans
     for it (segments in launch order, cut by the call terms)."""
-    from hf_longctx.backends.cad.runtime import _segment_shape
+    from hf_longctx.backends.cad.tasks import segment_shape
     from hf_longctx.layout import PackedBatch
 
     batch = PackedBatch.from_doc_lens([9000, 300, 2500, 700, 128, 4100, 1500, 64, 3000])
@@ -640,7 +640,7 @@ def test_the_runtime_prices_a_server_as_the_sum_of_its_calls():
     tasks = prepare(plan, options).tasks
     predicted = server_costs(plan, options)
     for s in range(3):
-        seg = [_segment_shape(plan, t) for t in tasks if t.server == s and t.q_end > t.q_start]
+        seg = [segment_shape(plan, t) for t in tasks if t.server == s and t.q_end > t.q_start]
         seg = [seg[i] for i in call_order([q for q, _ in seg], [k for _, k in seg])]
         q, k = [a for a, _ in seg], [b for _, b in seg]
         calls = plan_calls(q, k, H200.call_terms)

@@ -138,22 +138,25 @@ def test_link_model_uses_the_measured_figures_and_interpolates_between_them():
 
 
 def test_auto_decides_from_emulated_steps_and_says_why():
-    from hf_longctx.backends.auto import AUTO, _decision_key, auto_decisions, reset_auto_decisions
+    """On one device, auto's choice for W ranks: the product's prices and shortlist, the shortlist emulated; the
+    choice becomes the verdict a real group's first call takes without timing anything."""
+    from hf_longctx.backends.auto import AutoOptions, auto_decisions, reset_auto_decisions
+    from hf_longctx.backends.prediction import fixed_rates
     from hf_longctx.lab.emulation.choose import decide_auto
 
     world = 3
     batch, q, k, v, dout = make_problem(9, world, torch.float64)
-    plan = shard_plan(batch, world, "zigzag")
-    idx = plan.local_indices(0)
     reset_auto_decisions()
     try:
-        choice = decide_auto(batch, world, (q, k, v, dout), strategy="zigzag", kernel="reference", q_local=q[idx],
-                             k_local=k[idx])
-        assert choice.backend in ("zigzag", "tasp") and set(choice.predicted_s) == {"zigzag", "tasp"}
-        assert "predicted" in choice.reason and "ms/step" in choice.reason
+        choice = decide_auto(batch, world, (q, k, v, dout), kernel="reference", rates=fixed_rates(1.0),
+                             options=AutoOptions(shortlist=100.0), q_local=q[:1], k_local=k[:1])
+        timed = {c.backend for c in choice.timed}
+        assert choice.backend in timed and {c.strategy for c in choice.timed} == {choice.placement}
+        assert timed == {c.backend for c in choice.predictions if c.strategy == choice.placement}
+        assert "placement priced best" in choice.reason and " ms" in choice.reason
         (row,) = auto_decisions()
         assert row["backend"] == choice.backend and row["reason"].startswith("emulated on one device")
-        assert AUTO.verdicts.get(_decision_key(q[idx], k[idx], plan, None)) == choice.backend
+        assert set(row["seconds"]) == {c.label for c in choice.timed}
     finally:
         reset_auto_decisions()
 

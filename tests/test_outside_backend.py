@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 import hf_longctx
 from hf_longctx.backends import Backend, get_backend, register_backend, registered_backends
-from hf_longctx.backends.auto import candidates_for
+from hf_longctx.backends.auto import AutoOptions, candidates
+from hf_longctx.backends.prediction import AttentionShape
 from hf_longctx.hf import backend_of, implementation_name
 from hf_longctx.kernels import accumulation_dtype, attention_backward, attention_forward
 from hf_longctx.layout import PackedBatch, ShardPlan, shard_plan
@@ -116,7 +117,7 @@ def test_registration_gives_an_attention_name_and_a_place_in_the_matrix():
     assert backend_of("longctx_allgather") == "allgather"
     assert "allgather" in matrix_backends()
     # it did not ask to be an auto candidate, so auto's choices stay those of the package
-    assert "allgather" not in candidates_for(shard_plan(PackedBatch.from_doc_lens([9, 7]), 2, "zigzag"))
+    assert "allgather" not in {c.backend for c in candidates(2, AttentionShape(4, 2, 16), AutoOptions())}
 
 
 def test_a_name_is_registered_once_and_an_object_is_required():

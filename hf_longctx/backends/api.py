@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ..comm.collectives import all_gather, is_distributed
 from ..comm.groups import DTYPE_CODES, group_rank_and_size
 from ..layout import ShardPlan
+from .contract import Candidate
 from .engine import RunContext
 from .op import run_core_attention
 from .options import BackendOptions, NoOptions, parse_options
@@ -153,13 +154,17 @@ def check_options(backend: str, options: BackendOptions | dict | None) -> Backen
     return parse_options(backend, get_backend(backend).options_type, options)
 
 
-def make_run_context(call: RankCall, backend: str) -> RunContext:
-    """The run of ``backend`` (a name) for this rank: its schedule, prepared state, forward and backward.
+def make_run_context(call: RankCall, backend: str | Candidate) -> RunContext:
+    """The run of ``backend`` for this rank: its schedule, prepared state, forward and backward.
 
-    ``call.options`` are ``call.backend``'s; a backend that another chose (``auto``'s candidates) runs with its
-    own defaults."""
-    spec = get_backend(backend)
-    options = call.options if backend == call.backend else spec.options_type()
+    A name runs with ``call.options`` when it is ``call.backend``, else with its own defaults; a
+    :class:`~.contract.Candidate` (what :meth:`~.contract.Backend.resolve` names, e.g. ``auto``'s choice) runs with
+    the candidate's options."""
+    if isinstance(backend, Candidate):
+        name, options = backend.backend, backend.options
+    else:
+        name, options = backend, call.options if backend == call.backend else get_backend(backend).options_type()
+    spec = get_backend(name)
     return spec.run_context(call.plan, call.group, call.rank, call.world, call.scale, call.kernel, options,
                             call.causal)
 
@@ -216,11 +221,11 @@ def sequence_parallel_attention(
     return run_core_attention(q_local, k_local, v_local, run)
 
 
-def resolve_backend(call: RankCall) -> str:
-    """The name of the backend that runs: ``call.backend`` itself, or the one it chooses (``auto``: the
-    candidate measured fastest on these inputs, cached)."""
+def resolve_backend(call: RankCall) -> Candidate:
+    """The backend that runs, with its options: ``call.backend`` itself, or the one it chooses (``auto``: priced,
+    then the candidates that could win timed on these inputs, cached)."""
 
-    def probe(name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return make_run_context(call, name).forward(call.q, call.k, call.v)
+    def probe(candidate: Candidate) -> tuple[torch.Tensor, torch.Tensor]:
+        return make_run_context(call, candidate).forward(call.q, call.k, call.v)
 
-    return get_backend(call.backend).resolve(call.q, call.k, call.v, call.plan, call.group, probe)
+    return get_backend(call.backend).resolve(call.q, call.k, call.v, call.plan, call.group, probe, call.options)

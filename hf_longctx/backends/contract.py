@@ -7,14 +7,16 @@ same way when it is read), then asks it, in order:
 
 1. :meth:`Backend.validate`: problems with this rank's inputs that only this backend has (checked on
    every rank before the first collective, so a bad input stops the whole group with one error);
-2. :meth:`Backend.resolve`: which backend actually runs (itself; ``auto`` measures and names another);
+2. :meth:`Backend.resolve`: which backend actually runs, with which options (itself; ``auto`` prices and times
+   its candidates and names one);
 3. :meth:`Backend.prepare`: per-plan state of the run, kept in the run's ``state`` (CAD: its scheduled tasks
    and the eps it used), never in the options, which serve every call unchanged;
 4. :meth:`Backend.forward` and :meth:`Backend.backward`: this rank's (out, lse), then (dq, dk, dv),
    run inside the one ``hf_longctx::core_attention`` op;
 
 and the training logs ask it for :meth:`Backend.attention_load`, the (query, key) pairs each rank
-computes under a plan.
+computes under a plan; ``auto`` asks :meth:`Backend.auto_candidate_options` whether it may run the backend on a
+group, and :meth:`Backend.rank_work` what a run would cost (:mod:`.prediction`).
 
 Two kinds implement it. A :class:`ScheduleBackend` is data: a function from the number of ranks to a
 :class:`~hf_longctx.backends.schedule.Schedule`, which the one engine (:mod:`.engine`) runs forward and
@@ -26,16 +28,36 @@ backward (local, ring, zigzag, distfa). A runner backend brings its own ``forwar
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from ..layout import ShardPlan, exchange_plan
-from .engine import RunContext, run_backward, run_forward
+from ..comm.groups import group_rank_and_size
+from ..layout import PackedBatch, ShardPlan, exchange_plan, shard_plan
+from .engine import RunContext, run_backward, run_forward, schedule_rank_work
 from .options import BackendOptions, NoOptions
+from .prediction import AttentionShape, RankWork
 from .schedule import Schedule
 
-ForwardProbe = Callable[[str], object]  # runs one forward of the named backend on the problem being resolved
+
+@dataclass(frozen=True)
+class Candidate:
+    """A backend as it would run: its name, the placement of the tokens it runs on (a shard-plan strategy) and its
+    options. What :meth:`Backend.resolve` names, and what ``auto`` prices and times."""
+
+    backend: str
+    strategy: str
+    options: BackendOptions = field(default_factory=NoOptions)
+
+    @property
+    def label(self) -> str:
+        """The backend's name, with the options that differ from its defaults (how logs and tables show it)."""
+        given = self.options.given()
+        return self.backend + (f"({', '.join(f'{k}={v}' for k, v in given.items())})" if given else "")
+
+
+ForwardProbe = Callable[[Candidate], object]  # runs one forward of a candidate on the problem being resolved
 
 
 def own_query_load(plan: ShardPlan) -> list[int]:
@@ -68,6 +90,7 @@ class Backend:
     auto_candidate_for: tuple[str, ...] = ()
     sequence_parallel: bool = True
     chooses_backend: bool = False
+    makes_groups: bool = False  # makes process groups at its first call, with every rank of the world taking part
     bidirectional: bool = False
     options_type: type[BackendOptions] = NoOptions
 
@@ -84,10 +107,17 @@ class Backend:
         """
         return None
 
+    def plan_batch(self, batch: PackedBatch, group: dist.ProcessGroup | None, shape: AttentionShape,
+                   dtype: torch.dtype, device: torch.device, kernel: str, options: BackendOptions) -> ShardPlan:
+        """Where the tokens of ``batch`` go over the ranks of ``group``, decided before the batch is sharded: the
+        :attr:`default_strategy` (``auto`` prices its candidates here). Every rank of the group calls it together
+        with the same arguments and gets the same plan."""
+        return shard_plan(batch, group_rank_and_size(group)[1], self.default_strategy)
+
     def resolve(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ShardPlan,
-                group: dist.ProcessGroup | None, probe: ForwardProbe) -> str:
-        """The name of the backend that runs this problem: this one, unless it chooses among others."""
-        return self.name
+                group: dist.ProcessGroup | None, probe: ForwardProbe, options: BackendOptions) -> Candidate:
+        """The backend that runs this problem, with its options: this one, unless it chooses among others."""
+        return Candidate(self.name, plan.strategy, options)
 
     def schedule(self, world: int) -> Schedule:
         """The steps the engine walks; a runner backend walks none."""
@@ -111,6 +141,17 @@ class Backend:
     def attention_load(self, plan: ShardPlan) -> list[int]:
         """Visible (query, key) pairs each rank computes under ``plan`` (from the plan alone, no collective)."""
         return own_query_load(plan)
+
+    def auto_candidate_options(self, world: int, shape: AttentionShape, node_size: int) -> BackendOptions | None:
+        """The options ``auto`` runs this backend with on a group of ``world`` ranks in nodes of ``node_size``, for
+        this attention shape; None when it is no candidate there (not in :attr:`auto_candidate_for`, or unable to
+        run this shape). A backend with required options says here what ``auto`` should give it."""
+        return self.options_type() if self.auto_candidate_for else None
+
+    def rank_work(self, plan: ShardPlan, shape: AttentionShape, options: BackendOptions) -> list[RankWork] | None:
+        """Each rank's kernel segments, kernel calls and sends of one forward+backward under ``plan`` (see
+        :mod:`.prediction`), or None for a backend that cannot say (it is then no ``auto`` candidate)."""
+        return None
 
     def run_context(self, plan: ShardPlan, group: dist.ProcessGroup | None, rank: int, world: int, scale: float,
                     kernel: str, options: BackendOptions | None = None, causal: bool = True) -> RunContext:
@@ -144,6 +185,9 @@ class ScheduleBackend(Backend):
     def backward(self, run: RunContext, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor):
         return run_backward(run, dout, q, k, v, out, lse)
+
+    def rank_work(self, plan: ShardPlan, shape: AttentionShape, options: BackendOptions) -> list[RankWork]:
+        return schedule_rank_work(plan, self.schedule(plan.world_size), shape)
 
     def attention_load(self, plan: ShardPlan) -> list[int]:
         """Pairs of every task of the schedule, charged to the rank that computes it."""

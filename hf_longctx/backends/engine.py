@@ -25,6 +25,7 @@ from ..comm.p2p import PendingExchange, post_exchange
 from ..kernels import PartialAccumulator, accumulation_dtype, kernel_backward, kernel_call, kernel_forward
 from ..layout import Exchange, Pair, ShardPlan, exchange_plan
 from .options import BackendOptions, NoOptions
+from .prediction import AttentionShape, RankWork, pair_segments
 from .schedule import BlockTask, Schedule
 
 # Message kinds, part of the tag so gloo matches messages exactly.
@@ -356,3 +357,49 @@ def run_backward(ctx: RunContext, dout: torch.Tensor, q: torch.Tensor, k: torch.
         _apply_grads(ctx, previous, dq, dk, dv)
     _apply_grads(ctx, pending_grads, dq, dk, dv)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ----------------------------------------------------------------------------- what a run costs
+
+
+def schedule_rank_work(plan: ShardPlan, schedule: Schedule, shape: AttentionShape) -> list[RankWork]:
+    """Every rank's kernel segments, kernel calls and sends of one forward+backward of ``schedule`` (see
+    :mod:`.prediction`), counted as :func:`run_forward` and :func:`run_backward` send them: per step one
+    batch of fetches (keys and values to the query rank, or query-side rows to a helping key owner) and one of
+    returns (partial results forward; dk/dv or dq in the accumulation dtype backward)."""
+    world = plan.world_size
+    work = [RankWork(heads=shape.heads) for _ in range(world)]
+    kv, q_side_fwd = 2 * shape.kv_row, shape.q_row
+    q_side_bwd = 3 * shape.q_row + shape.lse_row  # q, out, dout and lse go to a helping key owner
+    result = shape.q_row + shape.lse_row
+    for step in schedule:
+        fetch: list[dict[int, int]] = [{} for _ in range(world)]
+        fetch_bwd: list[dict[int, int]] = [{} for _ in range(world)]
+        back: list[dict[int, int]] = [{} for _ in range(world)]
+        back_bwd: list[dict[int, int]] = [{} for _ in range(world)]
+        for task in step:
+            ex = exchange_plan(plan, task.q_rank, task.kv_rank, task.part, task.parts)
+            if not ex.pairs:
+                continue
+            runner = work[task.computed_by()]
+            runner.segments += [s for p in ex.pairs for s in pair_segments(p)]
+            runner.calls += 2 * len(ex.pairs)
+            if task.q_rank == task.kv_rank:
+                continue
+            if task.at_kv_owner:
+                q, k = task.q_rank, task.kv_rank
+                fetch[q][k] = fetch[q].get(k, 0) + ex.num_q_rows * q_side_fwd
+                fetch_bwd[q][k] = fetch_bwd[q].get(k, 0) + ex.num_q_rows * q_side_bwd
+                back[k][q] = back[k].get(q, 0) + ex.num_q_rows * result
+                back_bwd[k][q] = back_bwd[k].get(q, 0) + ex.num_q_rows * shape.q_grad_row
+            else:
+                q, k = task.q_rank, task.kv_rank
+                for phase in (fetch, fetch_bwd):
+                    phase[k][q] = phase[k].get(q, 0) + ex.num_kv_rows * kv
+                back_bwd[q][k] = back_bwd[q].get(k, 0) + ex.num_kv_rows * 2 * shape.kv_grad_row
+        for r in range(world):
+            work[r].sent("p2p", fetch[r])
+            work[r].sent("p2p", back[r])
+            work[r].sent("p2p", fetch_bwd[r])
+            work[r].sent("p2p", back_bwd[r])
+    return work

@@ -30,6 +30,8 @@ from ..kernels import PartialAccumulator, accumulation_dtype, attention_backward
 from ..layout import Pair, ShardPlan, clip_pair, exchange_plan, pairs_between_slots
 from .contract import Backend
 from .engine import RunContext, gather_rows, scatter_add_rows, zero_grads
+from .options import BackendOptions
+from .prediction import AttentionShape, RankWork, pair_segments
 from .tasp_topology import hamiltonian_decomposition, idle_arcs
 
 log = logging.getLogger(__name__)
@@ -347,6 +349,41 @@ class TaspBackend(Backend):
     default_strategy = "zigzag"
     auto_candidate_for = ("contiguous", "zigzag", "doc_zigzag")
 
+    def rank_work(self, plan: ShardPlan, shape: AttentionShape, options: BackendOptions) -> list[RankWork] | None:
+        return rank_work(plan, shape)
+
     # the runner's module functions are the contract's methods
     forward = staticmethod(run_forward)
     backward = staticmethod(run_backward)
+
+
+def rank_work(plan: ShardPlan, shape: AttentionShape) -> list[RankWork]:
+    """Each rank's own block, then the sub-blocks visiting it hop by hop; per hop one all_to_all of keys and
+    values (forward, and again backward) and, backward, one of the visitors' dK/dV going home in the
+    accumulation dtype (see :func:`run_forward`, :func:`run_backward`)."""
+    world = plan.world_size
+    work = [RankWork(heads=shape.heads) for _ in range(world)]
+    for r in range(world):
+        pairs = exchange_plan(plan, r, r).pairs
+        work[r].segments += [s for p in pairs for s in pair_segments(p)]
+        work[r].calls += 2 * len(pairs)
+    rts = routes(plan)
+    for hop in range(1, max_hops(plan) + 1):
+        kv: list[dict[int, int]] = [{} for _ in range(world)]
+        grads: list[dict[int, int]] = [{} for _ in range(world)]
+        for r in rts:
+            if hop > r.hops:
+                continue
+            holder = r.block.owner if hop == 1 else r.visits[hop - 2]
+            dst = r.visits[hop - 1]
+            kv[holder][dst] = kv[holder].get(dst, 0) + 2 * r.rows(hop) * shape.kv_row
+            if r.pairs[hop - 1]:
+                work[dst].segments += [s for p in r.pairs[hop - 1] for s in pair_segments(p)]
+                work[dst].calls += 2 * len(r.pairs[hop - 1])
+                owner = r.block.owner
+                grads[dst][owner] = grads[dst].get(owner, 0) + 2 * r.rows(hop) * shape.kv_grad_row
+        for rank in range(world):
+            work[rank].sent("a2a", kv[rank])
+            work[rank].sent("a2a", kv[rank])
+            work[rank].sent("a2a", grads[rank])
+    return work

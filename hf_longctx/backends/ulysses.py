@@ -17,11 +17,14 @@ from math import gcd
 import torch
 
 from ..comm.collectives import all_to_all_single
+from ..comm.links import Transfer
 from ..comm.p2p import count_all_to_all
 from ..kernels import attention_backward, attention_forward
 from ..layout import ShardPlan
 from .contract import Backend
 from .engine import RunContext
+from .options import BackendOptions
+from .prediction import AttentionShape, RankWork
 
 
 def attention_load(plan: ShardPlan) -> list[int]:
@@ -143,7 +146,56 @@ class UlyssesBackend(Backend):
             return str(exc)
         return None
 
+    auto_candidate_for = ("contiguous", "zigzag")  # any placement: every rank gets whole documents for its heads
+
+    def auto_candidate_options(self, world: int, shape: AttentionShape, node_size: int) -> BackendOptions | None:
+        try:
+            kv_repeat(shape.heads, shape.kv_heads, world)
+        except ValueError:
+            return None
+        return super().auto_candidate_options(world, shape, node_size)
+
+    def rank_work(self, plan: ShardPlan, shape: AttentionShape, options: BackendOptions) -> list[RankWork] | None:
+        return rank_work(plan, shape)
+
     # the runner's module functions are the contract's methods
     forward = staticmethod(run_forward)
     backward = staticmethod(run_backward)
     attention_load = staticmethod(attention_load)
+
+
+def exchange_transfers(counts: list[int], rank: int, shape: AttentionShape, members: list[int] | None = None
+                       ) -> list[Transfer]:
+    """The all_to_alls ``rank`` makes in one forward+backward to trade ``counts`` token shards (a group of
+    ``len(counts)`` ranks) for head shards and back, as :func:`run_forward`/:func:`run_backward` make them:
+    q, k, v (KV heads repeated to split) and back out and lse; in backward q, k, v, out, dout and lse, and back
+    dq, dk, dv. ``members`` numbers the group's ranks in the world the transfers are priced in (default: as
+    they are)."""
+    world = len(counts)
+    if world == 1:
+        return []
+    members = members if members is not None else list(range(world))
+    split = shape.split_heads(world, kv_repeat(shape.heads, shape.kv_heads, world))
+    mine = counts[rank]
+    q, kv, lse = split.q_row, split.kv_row, split.lse_row
+
+    def to_heads(row: int) -> Transfer:
+        return "a2a", {members[d]: mine * row for d in range(world) if d != rank}
+
+    def to_tokens(row: int) -> Transfer:
+        return "a2a", {members[s]: counts[s] * row for s in range(world) if s != rank}
+
+    forward = [to_heads(q), to_heads(kv), to_heads(kv), to_tokens(q), to_tokens(lse)]
+    backward = [to_heads(q), to_heads(kv), to_heads(kv), to_heads(q), to_heads(q), to_heads(lse),
+                to_tokens(q), to_tokens(kv), to_tokens(kv)]
+    return [t for t in forward + backward if any(t[1].values())]
+
+
+def rank_work(plan: ShardPlan, shape: AttentionShape) -> list[RankWork]:
+    """Every rank runs every document whole for its share of the heads (one forward and one backward call)
+    and trades its tokens for heads and back (:func:`exchange_transfers`)."""
+    world = plan.world_size
+    heads = shape.heads // world
+    docs = [(n, n, True, plan.window) for n in plan.batch.doc_lens]
+    counts = plan.token_counts
+    return [RankWork(list(docs), 2, exchange_transfers(counts, r, shape), heads) for r in range(world)]

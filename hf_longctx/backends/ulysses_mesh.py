@@ -36,8 +36,9 @@ from ..layout.plan import Piece, Slot
 from .contract import Backend
 from .engine import RunContext
 from .options import BackendOptions, parse_options
+from .prediction import AttentionShape, RankWork
 from .registry import get_backend
-from .ulysses import heads_to_tokens, kv_repeat, tokens_to_heads
+from .ulysses import exchange_transfers, heads_to_tokens, kv_repeat, tokens_to_heads
 
 OPTION = "ulysses_size"
 OUTER_BACKENDS = ("zigzag", "distfa", "tasp", "ring", "cad")
@@ -227,6 +228,8 @@ class UlyssesMeshBackend(Backend):
         self.default_strategy = spec.default_strategy
         self.strategies = spec.strategies
         self.bidirectional = spec.bidirectional
+        self.auto_candidate_for = spec.auto_candidate_for
+        self.makes_groups = True  # the inner and outer groups, made at the first call (mesh_groups)
         self.options_type = mesh_options_type(outer)
 
     @property
@@ -280,6 +283,41 @@ class UlyssesMeshBackend(Backend):
     def attention_load(self, plan: ShardPlan) -> list[int]:
         """Without the run's ``ulysses_size`` the split is unknown: the pairs of each rank's own queries."""
         return super().attention_load(plan)
+
+    def auto_candidate_options(self, world: int, shape: AttentionShape, node_size: int) -> BackendOptions | None:
+        """A candidate past one node only (inside one, Ulysses alone or the outer backend alone serve): Ulysses over
+        each node's ``node_size`` ranks, when they split the query heads, and the outer backend across nodes."""
+        if not self.auto_candidate_for or world <= node_size or \
+                mesh_problem(node_size, world, shape.heads, shape.kv_heads) is not None:
+            return None
+        rep = kv_repeat(shape.heads, shape.kv_heads, node_size)
+        if self._outer_spec.auto_candidate_options(world // node_size, shape.split_heads(node_size, rep), node_size) \
+                is None:
+            return None
+        return parse_options(self.name, self.options_type, {OPTION: node_size})
+
+    def rank_work(self, plan: ShardPlan, shape: AttentionShape, options: BackendOptions) -> list[RankWork] | None:
+        """The outer backend's work on the outer plan with a U-th of the heads, on every inner index's outer
+        group, plus each rank's Ulysses exchanges inside its inner group (:func:`~.ulysses.exchange_transfers`)."""
+        options = parse_options(self.name, self.options_type, options)
+        world = plan.world_size
+        inner, _ = mesh_sizes(world, options.ulysses_size)
+        try:
+            rep = kv_repeat(shape.heads, shape.kv_heads, inner)
+        except ValueError:
+            return None
+        outer_work = self._outer_spec.rank_work(outer_plan(plan, inner), shape.split_heads(inner, rep),
+                                                options.outer_options())
+        if outer_work is None:
+            return None
+        work = []
+        for g in range(world):
+            o, i = divmod(g, inner)
+            members = [o * inner + j for j in range(inner)]
+            transfers = exchange_transfers([plan.num_local_tokens(m) for m in members], i, shape, members)
+            transfers += [(kind, {p * inner + i: n for p, n in sent.items()}) for kind, sent in outer_work[o].transfers]
+            work.append(RankWork(list(outer_work[o].segments), outer_work[o].calls, transfers, outer_work[o].heads))
+        return work
 
 
 def _inner_counts(run: RunContext) -> list[int]:

@@ -382,6 +382,27 @@ class GatherPlan:
         merge_rows_(out, lse, self.send_rows_merged, self.send_inverse, received[0], received[1])
 
 
+def unique_rows_between(runs_by_rank: Sequence[Sequence[Run]]) -> dict[tuple[int, int], int]:
+    """(holder, reader) -> the unique rows a :class:`GatherPlan` of these runs moves from holder to reader (its
+    ``send_counts`` seen from every rank at once), from the runs alone: what a cost model counts without building
+    every rank's plan."""
+    moved: dict[tuple[int, int], int] = {}
+    for reader, runs in enumerate(runs_by_rank):
+        by_holder: dict[int, list[tuple[int, int]]] = {}
+        for h, a, b in runs:
+            if h != reader and b > a:
+                by_holder.setdefault(h, []).append((a, b))
+        for h, spans in by_holder.items():
+            spans.sort()
+            total, end = 0, -1
+            for a, b in spans:
+                if b > end:
+                    total += b - max(a, end)
+                    end = b
+            moved[(h, reader)] = total
+    return moved
+
+
 def _mask(runs: Sequence[Run], holder: int, rows: int) -> np.ndarray:
     """Rows of ``holder`` that ``runs`` read (a boolean mask of its ``rows`` local rows)."""
     mask = np.zeros(rows, dtype=bool)

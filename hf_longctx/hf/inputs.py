@@ -125,7 +125,8 @@ class SequenceParallelInputs:
         for key in _UNSHARDED_ONLY:
             kwargs.pop(key, None)
         group_batch = gather_group_batch(flat, self.group, problem)
-        plan = plan_for(group_batch.packed, backend, self.group)
+        plan = plan_for(group_batch.packed, backend, self.group, model=module, device=group_batch.input_ids.device,
+                        kernel=self.kernel, options=self.options)
         local = group_batch.shard(plan, rank, self.group, self.kernel, self.options)
         group_count = local.pop("num_items_in_batch", None)  # the targets of this call's group batch
         caller_count = kwargs.get("num_items_in_batch")

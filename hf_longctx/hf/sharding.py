@@ -15,8 +15,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..backends import default_strategy
+from ..backends import default_strategy, get_backend
+from ..backends.api import check_options
 from ..backends.options import BackendOptions
+from ..backends.prediction import AttentionShape
 from ..comm.groups import group_rank_and_size
 from ..layout import PackedBatch, ShardPlan, shard_plan
 from .context import SequenceParallelContext
@@ -137,9 +139,28 @@ def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
-def plan_for(packed: PackedBatch, backend: str, group: dist.ProcessGroup | None) -> ShardPlan:
+def attention_shape(config, dtype: torch.dtype) -> AttentionShape:
+    """The attention shape of a model's config (its text config): query and key/value heads, head dim, dtype."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    return AttentionShape.of_dtype(heads, getattr(text, "num_key_value_heads", None) or heads,
+                                   getattr(text, "head_dim", None) or text.hidden_size // heads, dtype)
+
+
+def plan_for(packed: PackedBatch, backend: str, group: dist.ProcessGroup | None, *,
+             model: torch.nn.Module | None = None, device: torch.device | None = None, kernel: str = "auto",
+             options: BackendOptions | Mapping | None = None) -> ShardPlan:
+    """Where the tokens of ``packed`` go over ``group`` for ``backend``: its default placement, or, for a backend that
+    decides it per batch (``auto``, which prices its candidates on the batch), what the backend decides for
+    ``model``'s attention shape and dtype on ``device``. Every rank of the group calls it together."""
     _, world = group_rank_and_size(group)
-    return shard_plan(packed, world, default_strategy(backend))
+    spec = get_backend(backend)
+    if model is None or world == 1:
+        return shard_plan(packed, world, default_strategy(backend))
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    device = device if device is not None else next((p.device for p in model.parameters()), torch.device("cpu"))
+    options = check_options(backend, options)
+    return spec.plan_batch(packed, group, attention_shape(model.config, dtype), dtype, device, kernel, options)
 
 
 def gather_group_batch(flat: FlatBatch | None, group: dist.ProcessGroup | None,

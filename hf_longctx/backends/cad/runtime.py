@@ -68,11 +68,14 @@ from .tasks import (
     check_key_range,
     doc_holders,
     docs_per_rank,
+    has_key_cuts,
     rows_cost,
+    segment_shape,
     task_cost,
     task_key,
-    task_keys,
+    task_runs,
 )
+from .work import rank_work
 
 
 @dataclass
@@ -90,23 +93,12 @@ class NanoBatch:
     key_split: KeySplit | None = None  # forward calls of few long blocks run as chunks of their keys
 
 
-def _segment_shape(plan: ShardPlan, t: CadTask) -> tuple[int, int]:
-    """(query rows, keys) of task ``t``'s kernel segment: its rows and the keys they read."""
-    first, last = task_keys(plan, t)
-    return t.q_end - t.q_start, last - first
-
-
 def _segment_order(plan: ShardPlan, t: CadTask) -> tuple:
     """Where task ``t``'s segment goes in its server's batch: by server, causal segments before rectangles
     (each kind its own calls), then longest keys first, then longest queries
     (:func:`~hf_longctx.kernels.calls.call_order`: runs of similar segments become kernel calls)."""
-    rows, keys = _segment_shape(plan, t)
+    rows, keys = segment_shape(plan, t)
     return t.server, t.is_rect, -keys, -rows, *task_key(plan, t)
-
-
-def has_key_cuts(tasks: Sequence[CadTask]) -> bool:
-    """Whether any task reads only part of its rows' keys (their results must be merged, see :mod:`.tasks`)."""
-    return any(t.is_rect or t.key_lo for t in tasks)
 
 
 def _check_key_cuts(plan: ShardPlan, tasks: Sequence[CadTask]) -> None:
@@ -144,20 +136,10 @@ def build_nano_batch(plan: ShardPlan, tasks: Sequence[CadTask], rank: int, terms
     if partial:
         _check_key_cuts(plan, work)
     for t in sorted(work, key=lambda t: _segment_order(plan, t)):
-        piece, local = pieces[t.owner][t.piece]
-        q_runs[t.server].append((t.owner, local + t.q_start, local + t.q_end))
-        # keys: the document up to the last query row, from where the window of the first one starts (or the
-        # task's own key range)
-        first, last = task_keys(plan, t)
-        n_k = 0
-        for h, hp, hoff in holders[piece.doc]:
-            if hp.start >= last:
-                break
-            lo, hi = max(hp.start, first), min(hp.end, last)
-            if lo >= hi:
-                continue
-            kv_runs[t.server].append((h, hoff + lo - hp.start, hoff + hi - hp.start))
-            n_k += hi - lo
+        q_run, key_runs = task_runs(plan, t, pieces, holders)
+        q_runs[t.server].append(q_run)
+        kv_runs[t.server] += key_runs
+        n_k = sum(b - a for _, a, b in key_runs)
         if t.server == rank:
             n_q = t.q_end - t.q_start
             mine.append(t)
@@ -377,7 +359,7 @@ def _server_batches(plan: ShardPlan, tasks: Sequence[CadTask], options: CadOptio
     groups = pingpong_split(plan, tasks) if split and options.pingpong else [list(tasks)]
     for group in groups:
         for causal in (True, False):  # rectangles (key cuts) run in calls of their own
-            seg = [(*_segment_shape(plan, t), rows_cost(plan, t, t.q_start, t.q_end, model))
+            seg = [(*segment_shape(plan, t), rows_cost(plan, t, t.q_start, t.q_end, model))
                    for t in group if t.q_end > t.q_start and t.is_rect != causal]
             if seg:
                 yield causal, [seg[i] for i in call_order([q for q, _, _ in seg], [k for _, k, _ in seg])]
@@ -649,6 +631,12 @@ class CadBackend(Backend):
             and not in_one_process(group) else None
         return RunContext(plan, self.schedule(world), group, rank, scale, kernel, self.forward, self.backward,
                           options=options, state=prepare(plan, options, share), causal=causal)
+
+    auto_candidate_for = ("contiguous",)  # its own placement keeps documents whole as contiguous cuts do
+
+    def rank_work(self, plan, shape, options):
+        options = cad_options(options)
+        return rank_work(plan, shape, prepare(plan, options).tasks, options.pingpong)
 
     # the runner's module functions are the contract's methods
     prepare = staticmethod(prepare)

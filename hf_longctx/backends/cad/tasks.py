@@ -20,8 +20,10 @@ the shard plan (cached on it) and the task, identical on every rank.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ...comm.gather import Run
 from ...layout import Piece, ShardPlan
 from .cost_model import PAIRS, CostModel, WindowedCostModel, check_query_rows, query_rows_cost
 
@@ -159,3 +161,32 @@ def server_holds_keys(plan: ShardPlan, task: CadTask) -> bool:
         if hp.end > first and h != task.server:
             return False
     return True
+
+
+def segment_shape(plan: ShardPlan, t: CadTask) -> tuple[int, int]:
+    """(query rows, keys) of task ``t``'s kernel segment: its rows and the keys they read."""
+    first, last = task_keys(plan, t)
+    return t.q_end - t.q_start, last - first
+
+
+def has_key_cuts(tasks: Sequence[CadTask]) -> bool:
+    """Whether any task reads only part of its rows' keys (their results must be merged, see :mod:`.tasks`)."""
+    return any(t.is_rect or t.key_lo for t in tasks)
+
+
+def task_runs(plan: ShardPlan, t: CadTask, pieces: list | None = None, holders: dict | None = None
+              ) -> tuple[Run, list[Run]]:
+    """Where task ``t``'s rows live: its query rows (one run at the owner) and its keys, the document up to the last
+    query row from where the window of the first one starts (or the task's own key range), one run per holder."""
+    pieces = all_pieces(plan) if pieces is None else pieces
+    holders = doc_holders(plan) if holders is None else holders
+    piece, local = pieces[t.owner][t.piece]
+    first, last = task_keys(plan, t)
+    key_runs = []
+    for h, hp, hoff in holders[piece.doc]:
+        if hp.start >= last:
+            break
+        lo, hi = max(hp.start, first), min(hp.end, last)
+        if lo < hi:
+            key_runs.append((h, hoff + lo - hp.start, hoff + hi - hp.start))
+    return (t.owner, local + t.q_start, local + t.q_end), key_runs

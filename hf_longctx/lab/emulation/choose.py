@@ -1,67 +1,94 @@
-"""Choosing a backend from emulated steps: the one predicted fastest on a real group, and why.
+"""``auto``'s choice for a W-rank group, made on one device: priced as the product prices it, the shortlist timed by
+emulation instead of on the group.
 
-Why: ``auto`` (:mod:`hf_longctx.backends.auto`) times one forward of every candidate on the real group
-at the first call. Where no such group exists yet (planning a W-GPU run on one GPU), the emulation's
-per-rank kernel times and bytes predict the step time of each candidate instead, from the same
-backend code; :func:`choose_from_steps` applies the same rule (the first candidate, the plain ring,
-is kept unless another is faster by ``margin``) and states its reason.
+Why: ``auto`` (:mod:`hf_longctx.backends.auto`) prices every candidate on the batch, shards it for the placement of
+the best, and times one forward of each candidate that could win on the real group. Where no such group exists yet
+(planning a W-GPU run on one GPU), the same prices, placement and shortlist come from the product's own functions,
+and each shortlisted candidate's emulated step (per-rank kernel time measured, transfers priced by link tier) stands
+in for the timing; :func:`~hf_longctx.backends.auto.pick` keeps the predicted best unless another is faster by more
+than the margin, as the product does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
-from hf_longctx.backends.auto import candidates_for, record_verdict
+from hf_longctx.backends.auto import (
+    PLACEMENTS,
+    AutoOptions,
+    best_candidate,
+    pick,
+    price,
+    record_verdict,
+    shortlist,
+)
+from hf_longctx.backends.contract import Candidate
+from hf_longctx.backends.prediction import AttentionShape, KernelRates, StepPrediction, measure_kernel_rates
 from hf_longctx.lab.emulation.runner import EmulatedStep, emulate_step
 from hf_longctx.layout import PackedBatch, shard_plan
+
+Emulate = Callable[[Candidate], EmulatedStep]
 
 
 @dataclass(frozen=True)
 class Choice:
-    backend: str
+    """``auto``'s choice: the candidate, the placement it chose, every candidate's predicted step and the emulated
+    steps of those it timed, and why."""
+
+    candidate: Candidate
+    placement: str
+    predictions: dict[Candidate, StepPrediction]
+    timed: dict[Candidate, EmulatedStep]
     reason: str
-    predicted_s: dict[str, float]
+
+    @property
+    def backend(self) -> str:
+        return self.candidate.backend
 
 
-def choose_from_steps(steps: Mapping[str, EmulatedStep], margin: float = 0.03) -> Choice:
-    """The label of ``steps`` (insertion order: the first is the default) with the smallest predicted step
-    time (slowest rank's kernels + slowest rank's transfers), unless it beats the first by less than
-    ``margin``."""
-    if not steps:
-        raise ValueError("no emulated step to choose from")
-    names = list(steps)
-    seconds = {n: steps[n].predicted_step_s for n in names}
-    best = min(names, key=lambda n: (seconds[n], names.index(n)))
-    first = names[0]
-    if best != first and seconds[best] >= (1.0 - margin) * seconds[first]:
-        best = first
-    s = steps[best]
-    runner_up = min((n for n in names if n != best), key=lambda n: seconds[n], default=None)
-    reason = (f"{best}: predicted {seconds[best] * 1e3:.1f} ms/step (slowest rank kernels "
-              f"{max(s.kernel_s) * 1e3:.1f} ms, max/mean {s.imbalance:.3f}, transfers "
-              f"{max(r.transfer_s for r in s.ranks) * 1e3:.1f} ms)")
-    if runner_up is not None:
-        reason += f"; next {runner_up} {seconds[runner_up] * 1e3:.1f} ms"
-    return Choice(best, reason, seconds)
+def choose(batch: PackedBatch, world: int, shape: AttentionShape, rates: KernelRates, options: AutoOptions,
+           emulate: Emulate, measured: Mapping[Candidate, EmulatedStep] | None = None) -> Choice:
+    """``auto``'s choice for ``batch`` on ``world`` ranks: the placement of the best-priced candidate, then the
+    shortlisted candidates on it emulated (``emulate(candidate)``; a step already in ``measured`` is reused) and
+    :func:`~hf_longctx.backends.auto.pick` over their predicted step seconds."""
+    plans = {s: shard_plan(batch, world, s) for s in PLACEMENTS}
+    predictions = price(plans, shape, rates, options)
+    placement = best_candidate(predictions).strategy
+    timed = {}
+    for candidate in shortlist(predictions, placement, options.shortlist):
+        step = (measured or {}).get(candidate)
+        timed[candidate] = step if step is not None else emulate(candidate)
+    order = list(timed)
+    chosen = order[pick([timed[c].predicted_step_s for c in order], options.margin)]
+    reason = (f"{placement} placement priced best; emulated " + ", ".join(
+        f"{c.label}={timed[c].predicted_step_s * 1e3:.1f} ms" for c in order))
+    return Choice(chosen, placement, predictions, timed, reason)
 
 
-def decide_auto(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ...], *, strategy: str = "zigzag",
-                kernel: str = "auto", q_local: torch.Tensor | None = None, k_local: torch.Tensor | None = None,
-                group=None, margin: float = 0.03) -> Choice:
-    """Emulate ``auto``'s candidates for ``strategy`` (W ranks on one device) and choose by predicted step time.
+def decide_auto(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ...], *, kernel: str = "auto",
+                options: AutoOptions | None = None, rates: KernelRates | None = None, reps: int = 1, warmup: int = 0,
+                q_local: torch.Tensor | None = None, k_local: torch.Tensor | None = None, group=None) -> Choice:
+    """:func:`choose` on the global ``(q, k, v, dout)`` of ``batch``, its shortlist emulated on their device with the
+    link tiers of ``options``. With ``q_local``/``k_local`` (a rank's local q/k) and the rank's ``group``, the choice
+    is also recorded as ``auto``'s verdict for that problem, so a real run takes it without timing anything."""
+    options = options or AutoOptions()
+    q, k = tensors[0], tensors[1]
+    shape = AttentionShape.of(q, k)
+    rates = rates or measure_kernel_rates(kernel, q.device, shape, q.dtype)
+    tiers = options.tiers(world)
 
-    With ``q_local``/``k_local`` (a rank's local q/k: shapes, dtype and device decide the verdict's key) and
-    the rank's ``group``, the choice is also recorded as ``auto``'s verdict for that problem
-    (:func:`~hf_longctx.backends.auto.record_verdict`), so a real run takes it without timing the candidates.
-    """
-    plan = shard_plan(batch, world, strategy)
-    steps = {name: emulate_step(batch, world, tensors, name, strategy=strategy, kernel=kernel)
-             for name in candidates_for(plan)}
-    choice = choose_from_steps(steps, margin)
+    def emulate(candidate: Candidate) -> EmulatedStep:
+        return emulate_step(batch, world, tensors, candidate.backend, strategy=candidate.strategy,
+                            options=candidate.options, kernel=kernel, reps=reps, warmup=warmup, tiers=tiers)
+
+    choice = choose(batch, world, shape, rates, options, emulate)
     if q_local is not None and k_local is not None:
-        record_verdict(q_local, k_local, plan, group, choice.backend, choice.predicted_s,
+        plan = shard_plan(batch, world, choice.placement)
+        record_verdict(q_local, k_local, plan, group, choice.candidate,
+                       {c.label: p.step_s for c, p in choice.predictions.items() if c.strategy == choice.placement},
+                       {c.label: s.predicted_step_s for c, s in choice.timed.items()},
                        f"emulated on one device: {choice.reason}")
     return choice
