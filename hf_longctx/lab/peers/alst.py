@@ -156,6 +156,10 @@ class AlstRun:
         from accelerate.parallelism_config import ParallelismConfig
         from accelerate.utils import DeepSpeedPlugin, DeepSpeedSequenceParallelConfig
         cuda = device.type == "cuda"
+        if not cuda:  # DeepSpeed compiles a shared-memory collective for CPU runs on first use; one process has no
+            import deepspeed.ops  # use for it, and the smoke runs need no compiler
+
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         attention, masked = choose_attention(work.sdpa_mask)
         self.liger = liger_available(device)
         if self.liger:  # ArcticTraining's liger model type: class-level patches before the model exists
