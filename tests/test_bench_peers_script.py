@@ -69,14 +69,6 @@ def test_every_system_trains_the_same_row_and_reports_one_json_line(tmp_path):
     assert [row.split("|")[1].strip() for row in rows[1:]] == [*SYSTEMS, "hf_longctx / best peer"]
 
 
-def test_sdpa_peers_without_the_document_mask_say_so_and_train_another_problem(tmp_path):
-    done = bench("--tiny", "--seq", "256", "--steps", "1", "--warmup", "0", "--systems", "hf_longctx,transformers")
-    ours, plain = json_lines(done.stdout)
-    assert ours["settings"]["document_masking"] is True and plain["settings"]["document_masking"] is False
-    assert plain["settings"]["attention"] == "sdpa"
-    assert plain["losses"][0] != pytest.approx(ours["losses"][0], rel=1e-6)  # documents see each other
-
-
 def test_a_failing_system_is_reported_with_its_error_not_dropped():
     bad = run_system("hf_longctx", Workload(seq=128, layers=1, tiny=True, mix="no such mix"), timeout_s=120)
     assert bad["error"]["type"] == "ValueError" and "no such mix" in bad["error"]["message"]
@@ -129,14 +121,21 @@ def test_the_search_doubles_then_bisects_to_the_granularity():
         search_longest("x", attempt(10), start=32, limit=1024, granularity=64)
 
 
-def test_search_on_the_tiny_model_reports_the_longest_context_it_tried(tmp_path):
-    done = bench("--tiny", "--seq", "128", "--steps", "1", "--warmup", "0", "--systems", "hf_longctx", "--search",
-                 "--search-start", "128", "--search-max", "256", "--granularity", "128")
-    result, search = json_lines(done.stdout)
-    assert result["error"] is None
-    assert search == {"search": "hf_longctx", "longest": 256, "failed_at": None,
-                      "attempts": [{"seq": 128, "ok": True, "error": None}, {"seq": 256, "ok": True, "error": None}]}
-    assert "| hf_longctx | 128 |" in done.stdout and "| 256 |" in done.stdout
+def test_search_and_sdpa_peers_without_the_document_mask(tmp_path):
+    """``--search`` at tiny bounds reports each system's longest context in its JSON line and the table; a peer on
+    SDPA without transformers' document mask says so, and trains another problem (documents see each other)."""
+    done = bench("--tiny", "--seq", "128", "--steps", "1", "--warmup", "0", "--systems", "hf_longctx,transformers",
+                 "--search", "--search-start", "128", "--search-max", "128", "--granularity", "64")
+    ours, plain, *searches = json_lines(done.stdout)
+    assert ours["settings"]["document_masking"] is True and plain["settings"]["document_masking"] is False
+    assert plain["settings"]["attention"] == "sdpa"
+    assert plain["losses"][0] != pytest.approx(ours["losses"][0], rel=1e-6)
+    assert searches == [{"search": s, "longest": 128, "failed_at": None, "attempts": [{"seq": 128, "ok": True,
+                                                                                        "error": None}]}
+                        for s in ("hf_longctx", "transformers")]
+    rows = [line for line in done.stdout.splitlines() if line.startswith(("| hf_longctx |", "| transformers |"))]
+    assert len(rows) == 2 and all(row.endswith("| 128 |") for row in rows)
+    assert done.stdout.splitlines()[-1].endswith("| 1.00x |")  # the ratio row: longest context, ours over the peer's
 
 
 def test_one_flops_formula_with_and_without_recomputation():

@@ -150,6 +150,7 @@ def tiled_logits_loss(model, hidden: torch.Tensor, targets: torch.Tensor) -> tor
 
 class AlstRun:
     name = "alst"
+    process_group = True  # as scripts/bench_train.py, accelerate launch: a one-rank group
 
     def __init__(self, work: Workload, device: torch.device) -> None:
         from accelerate import Accelerator

@@ -18,6 +18,7 @@ class LongCtxRun:
     """One process training the workload with hf_longctx's ``local`` backend and ``memory: auto``."""
 
     name = "hf_longctx"
+    process_group = True  # as scripts/bench_train.py, accelerate launch: a one-rank group
 
     def __init__(self, work: Workload, device: torch.device) -> None:
         from hf_longctx.hf import LongContextConfig, implementation_name, plan_for, shard_batch

@@ -4,7 +4,8 @@ As transformers' documentation sets them (``TrainingArguments``, transformers 5.
 ``flash_attention_2`` where installed, else ``sdpa`` (:func:`~.common.choose_attention`);
 ``gradient_checkpointing=True`` (every decoder layer); ``use_liger_kernel=True`` on a GPU with Liger-Kernel (its
 RMSNorm, RoPE, SwiGLU and fused linear cross-entropy); ``bf16=True``; the default optimizer (``adamw_torch_fused``
-on a GPU). The model is built in bf16 on the device, as every system's.
+on a GPU). The model is built in bf16 on the device, as every system's, and the process runs as ``python train.py``
+would: no process group, so the Trainer wraps nothing in DDP.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .workload import Workload, build_model, packed_batch
 
 class PlainTrainerRun:
     name = "transformers"
+    process_group = False  # as `python train.py`: no group, no DDP
 
     def __init__(self, work: Workload, device: torch.device) -> None:
         from transformers import Trainer, TrainingArguments

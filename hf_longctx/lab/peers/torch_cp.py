@@ -33,6 +33,7 @@ CP_SIZE = 1  # one GPU
 
 class TrlContextParallelRun:
     name = "trl_cp"
+    process_group = True  # as scripts/bench_train.py, accelerate launch: a one-rank group
 
     def __init__(self, work: Workload, device: torch.device) -> None:
         from accelerate.parallelism_config import ParallelismConfig

@@ -7,8 +7,10 @@ system's settings and the versions of what it ran. A failure writes the same obj
 message and last traceback lines) and exits 1; a process killed outright (the host's out-of-memory killer) writes
 nothing, and the parent reports that.
 
-The process is a one-rank group (``RANK=0``, ``WORLD_SIZE=1``; the parent gives ``MASTER_PORT``): DeepSpeed,
-FSDP2 and accelerate's parallelism config need one even on one GPU.
+The process is a one-rank group (``RANK=0``, ``WORLD_SIZE=1``; the parent gives ``MASTER_PORT``) where the
+system's class asks for one (``process_group``): DeepSpeed, FSDP2 and accelerate's parallelism config need one
+even on one GPU, as ``accelerate launch`` would make; plain transformers runs as ``python train.py`` does, without
+one (its Trainer would otherwise wrap the model in DDP, whose gradient buckets cost memory one GPU has no use for).
 """
 
 from __future__ import annotations
@@ -79,9 +81,11 @@ def measure(system: str, work: Workload, result: dict) -> None:
     before it: the device, the versions, the settings); raises what the system raises."""
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     result.update(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", versions=versions())
-    one_rank_group(device)
+    cls = system_class(system)
+    if cls.process_group:
+        one_rank_group(device)
     clock = StepClock(device, work.warmup)
-    run = system_class(system)(work, device)
+    run = cls(work, device)
     result["settings"] = run.settings
     gc.collect()  # what building left behind (a float32 copy of the weights) is not the steps' to hold
     if device.type == "cuda":
