@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_longctx.lab.peers.runner import markdown_table, run_system, search_longest
+from hf_longctx.lab.peers.runner import exit_error, markdown_table, run_system, search_longest
 from hf_longctx.lab.peers.workload import LLAMA3_8B, StepFlops, Workload, mfu
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,6 +75,9 @@ def test_a_failing_system_is_reported_with_its_error_not_dropped():
     assert bad["system"] == "hf_longctx" and bad["error"]["last_lines"]
     slow = run_system("transformers", Workload(seq=128, layers=1, tiny=True), timeout_s=0.5)
     assert slow["error"]["type"] == "Timeout" and slow["wall_s"] < 30
+    killed = exit_error(-9, False, 60.0, "loading\nstep 0")  # what the host's out-of-memory killer leaves
+    assert killed["type"] == "Killed" and killed["out_of_memory"] and killed["last_lines"] == ["loading", "step 0"]
+    assert not exit_error(-15, False, 60.0, "")["out_of_memory"]
     good = {"system": "alst", "tokens_per_step": 128, "step_s": 2.0, "tokens_per_s": 64.0, "mfu": 0.2,
             "mfu_with_recompute": 0.3, "gpu_peak_allocated_gib": 10.0, "gpu_peak_reserved_gib": 12.0,
             "host_peak_gib": 50.0, "error": None}

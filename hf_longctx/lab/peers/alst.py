@@ -156,6 +156,7 @@ class AlstRun:
         from accelerate import Accelerator
         from accelerate.parallelism_config import ParallelismConfig
         from accelerate.utils import DeepSpeedPlugin, DeepSpeedSequenceParallelConfig
+
         cuda = device.type == "cuda"
         if not cuda:  # DeepSpeed compiles a shared-memory collective for CPU runs on first use; one process has no
             import deepspeed.ops  # use for it, and the smoke runs need no compiler

@@ -2,8 +2,8 @@
 
 Attention: ``flash_attention_2`` where the ``flash_attn`` package imports (it masks packed documents from
 ``position_ids``, as varlen calls), else ``sdpa``. transformers gives SDPA a packed row's document mask as a dense
-``(seq, seq)`` tensor (16 GiB at 128K tokens), which no long context survives; ArcticTraining removes that mask for
-SDPA (``ALL_MASK_ATTENTION_FUNCTIONS.register("sdpa", lambda *a, **k: None)`` in its trainer) so that SDPA runs
+``(seq, seq)`` tensor (16 GiB at 128K tokens), which no long context survives; ArcticTraining's trainer removes
+that mask for SDPA under sequence parallelism (it registers a mask function that returns None) so that SDPA runs
 one causal row. :func:`choose_attention` does the same unless ``sdpa_mask="packed"`` asks for transformers' own
 mask; the row's positions still restart at every document (RoPE as the others), but documents see each other.
 

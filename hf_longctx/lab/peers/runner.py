@@ -125,13 +125,16 @@ def exit_error(code: int, timed_out: bool, timeout_s: float, output: str) -> dic
     if timed_out:
         kind, message = "Timeout", f"no result within {timeout_s:.0f} s"
     elif code < 0:
-        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
         kind, message = "Killed", f"killed by {name}" + (" (the host's out-of-memory killer sends SIGKILL)"
                                                           if name == "SIGKILL" else "")
     else:
         kind, message = "ExitStatus", f"exit status {code} without a result"
     return {"type": kind, "message": message, "last_lines": tail(output),
-            "out_of_memory": is_out_of_memory(output) or kind == "Killed"}
+            "out_of_memory": is_out_of_memory(output) or message.startswith("killed by SIGKILL")}
 
 
 # ---------------------------------------------------------------------------------------------------------- search
