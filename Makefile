@@ -6,7 +6,7 @@ DEEPSPEED ?= deepspeed==0.19.8
 PIP = $(PYTHON) -m pip install --disable-pip-version-check --progress-bar on
 HAVE_TORCH = $(shell $(PYTHON) -c "import torch" 2>/dev/null && echo y)
 
-.PHONY: install install-demo demo test lint
+.PHONY: install install-demo demo test lint wheels-peers
 
 # What the demo needs and nothing else (no DeepSpeed, no test tools), with pip's progress shown.
 install-demo:
@@ -28,3 +28,23 @@ test: install
 
 lint:
 	$(PYTHON) -m ruff check hf_longctx tests scripts examples
+
+# The peers of scripts/bench_peers.py as wheels for the GPU machine (Python 3.12, x86-64, no network), in .whl/peers/:
+# DeepSpeed built here as a pure-Python wheel (no CUDA ops; its CPU Adam compiles there on first use), the pinned
+# peers (the "peers" extra), and what that machine's image lacks for them. Install there with
+#   python3 -m pip install --no-index --no-deps --target /tmp/site .whl/peers/*.whl && export PYTHONPATH=/tmp/site:$$PWD
+PEERS_WHEELS ?= .whl/peers
+PEERS_PINS = liger-kernel==0.8.5 torchao==0.17.0 trl==1.16.0
+PEERS_MISSING = datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19 hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 \
+	annotated-types==0.8.0 typing-inspection==0.4.5
+PY312_X86 = --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+	--platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+
+wheels-peers:
+	mkdir -p $(PEERS_WHEELS)
+	DS_BUILD_OPS=0 $(PYTHON) -m pip wheel --disable-pip-version-check -q --no-deps --no-build-isolation \
+		-w $(PEERS_WHEELS) "$(DEEPSPEED)"
+	$(PYTHON) -m pip download --disable-pip-version-check -q --no-deps $(PY312_X86) -d $(PEERS_WHEELS) \
+		$(PEERS_PINS) $(PEERS_MISSING)
+	@ls -1 $(PEERS_WHEELS)
+	@du -ch $(PEERS_WHEELS)/*.whl | tail -1
