@@ -270,7 +270,8 @@ def cad_schedule(plan: ShardPlan, options: CadOptions | dict, share: PricingShar
 
     ``share``: this rank's part when every rank of a group makes this schedule (the backend's run does): the
     refinement's pricing is then split over the group (:mod:`.shared_pricing`), the schedule the same, and the
-    ranks check that it is (:func:`check_same_schedule`).
+    ranks check that it is (:func:`check_same_schedule`). A schedule made without ``share`` (``auto`` pricing CAD on
+    the plan) is cached apart from the run's: the run still makes its own, checked.
     """
     options = cad_options(options)  # a mapping from a direct caller gets the check a recipe's options get
     eps = options.eps
@@ -318,8 +319,8 @@ def cad_schedule(plan: ShardPlan, options: CadOptions | dict, share: PricingShar
             check_same_schedule(sched.tasks, share.group)
         return sched
 
-    return plan.cached(("cad_schedule", eps, model, tuple(sorted(knobs.items())), tuple(sorted(refinement.items()))),
-                       timed_build)
+    return plan.cached(("cad_schedule", eps, model, tuple(sorted(knobs.items())), tuple(sorted(refinement.items())),
+                        share is not None), timed_build)
 
 
 log = logging.getLogger(__name__)
