@@ -13,20 +13,15 @@ another's on the device stream (events around a kernel call time exactly that ca
 needs no locks, and a run is deterministic. The hub counts what each rank sends to other ranks, by
 collective kind, for a communication model (:mod:`hf_longctx.lab.emulation.comm_model`).
 
-Rank threads are kept and reused: rank ``r`` of every hub runs on the same long-lived thread (a new
-one only where that thread is busy, e.g. a hub run from inside another). Libraries keep per-thread
-state that a new thread builds again and an ended thread may never give back: torch's cuDNN
-attention keeps its execution graphs in per-thread caches that it leaks at thread exit on purpose
-(to avoid teardown races), so a thread per rank and step would build every graph again each step and
-keep all of them. Reused threads build a graph once per rank and shape. Nothing of a run stays
-referenced once it returns (or raises): no reference cycle runs through the hub, so a run's tensors
-are freed as soon as the caller drops them, without waiting for the garbage collector.
+Rank threads are kept and reused (:mod:`.threads`: rank ``r`` of every hub runs on the same long-lived
+thread). Nothing of a run stays referenced once it returns (or raises): no reference cycle runs through
+the hub, so a run's tensors are freed as soon as the caller drops them, without waiting for the garbage
+collector.
 """
 
 from __future__ import annotations
 
 import math
-import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -34,6 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from hf_longctx.lab.emulation.threads import acquire_workers, rank_threads, release_workers
+
+__all__ = ["EmulatedGroup", "EmulationError", "EmulationHub", "Traffic", "rank_threads"]
 
 
 class EmulationError(RuntimeError):
@@ -83,63 +82,6 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     if dst.numel() != src.numel():
         raise EmulationError(f"{what}: {src.numel()} elements sent into a buffer of {dst.numel()}")
     dst.view(-1).copy_(src.reshape(-1))
-
-
-class _Worker:
-    """A daemon thread that runs the jobs handed to it one after another (``once``: a single job, then it ends)."""
-
-    def __init__(self, name: str, once: bool = False) -> None:
-        self.busy = False
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._once = once
-        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            job, done = self._jobs.get()
-            try:
-                job()
-            finally:
-                del job  # hold nothing of a finished run while waiting for the next
-                done.set()
-            if self._once:
-                return
-
-    def submit(self, job: Callable[[], None]) -> threading.Event:
-        done = threading.Event()
-        self._jobs.put((job, done))
-        return done
-
-
-_POOL: list[_Worker] = []  # _POOL[r] runs rank r of every hub, unless busy
-_POOL_LOCK = threading.Lock()
-
-
-def _acquire_workers(world: int) -> list[_Worker]:
-    with _POOL_LOCK:
-        while len(_POOL) < world:
-            _POOL.append(_Worker(f"emulated-rank-{len(_POOL)}"))
-        workers = []
-        for r in range(world):
-            w = _POOL[r]
-            if w.busy:  # a hub running inside another (or beside it, from another thread): a thread of its own
-                w = _Worker(f"emulated-rank-{r}-extra", once=True)
-            w.busy = True
-            workers.append(w)
-        return workers
-
-
-def _release_workers(workers: list[_Worker]) -> None:
-    with _POOL_LOCK:
-        for w in workers:
-            w.busy = False
-
-
-def rank_threads() -> list[threading.Thread]:
-    """The long-lived threads that run emulated ranks (rank r on the r-th), for checks and diagnostics."""
-    with _POOL_LOCK:
-        return [w.thread for w in _POOL]
 
 
 class EmulationHub:
@@ -204,13 +146,13 @@ class EmulationHub:
                 finally:
                     self.local.rank = None
 
-        workers = _acquire_workers(self.world)
+        workers = acquire_workers(self.world)
         try:
             done = [w.submit(lambda r=r: body(r)) for r, w in enumerate(workers)]
             for d in done:
                 d.wait()
         finally:
-            _release_workers(workers)
+            release_workers(workers)
         first = next((e for e in errors if e is not None and not isinstance(e, EmulationError)), None)
         first = first or next((e for e in errors if e is not None), None)
         # an exception's traceback holds the ranks' frames (their tensors): nothing here may point back at it,
