@@ -10,8 +10,9 @@ batches, ``all_to_all_single``, ``all_gather``, ``all_reduce`` and ``barrier`` b
 Threads run one at a time (cooperative scheduling): a thread holds the hub's lock whenever it runs
 and gives it up only while it waits for a peer. So one rank's device work is never interleaved with
 another's on the device stream (events around a kernel call time exactly that call), package state
-needs no locks, and a run is deterministic. The hub counts what each rank sends to other ranks, by
-collective kind, for a communication model (:mod:`hf_longctx.lab.emulation.comm_model`).
+needs no locks, and a run is deterministic. The hub records what each rank sends in each call, by
+collective kind and peer (:class:`Traffic`), for a communication model (:mod:`hf_longctx.comm.links`: which
+bytes stay inside a node and which cross the network depends on the peer).
 
 Rank threads are kept and reused (:mod:`.threads`: rank ``r`` of every hub runs on the same long-lived
 thread). Nothing of a run stays referenced once it returns (or raises): no reference cycle runs through
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 
+from hf_longctx.comm.links import Transfer
 from hf_longctx.lab.emulation.threads import acquire_workers, rank_threads, release_workers
 
 __all__ = ["EmulatedGroup", "EmulationError", "EmulationHub", "Traffic", "rank_threads"]
@@ -41,13 +43,21 @@ class EmulationError(RuntimeError):
 
 @dataclass
 class Traffic:
-    """Bytes one rank sent to other ranks: one entry per call, ``(kind, bytes)``; kind ``p2p`` or ``a2a``."""
+    """Bytes one rank sent to other ranks: one :data:`~hf_longctx.comm.links.Transfer` per call that sent any,
+    ``(kind, {peer: bytes})``, kind ``p2p`` (a batch of point-to-point sends) or ``a2a`` (an all_to_all); peers
+    are ranks of the hub's world, whatever group the call was made on, and never the rank itself."""
 
-    calls: list[tuple[str, int]] = field(default_factory=list)
+    calls: list[Transfer] = field(default_factory=list)
 
     @property
     def sent_bytes(self) -> int:
-        return sum(b for _, b in self.calls)
+        return sum(sum(bytes_to.values()) for _, bytes_to in self.calls)
+
+    def record(self, kind: str, bytes_to: dict[int, int]) -> None:
+        """One call's bytes per peer; nothing for a call that sent nothing to another rank."""
+        sent = {peer: b for peer, b in bytes_to.items() if b}
+        if sent:
+            self.calls.append((kind, sent))
 
 
 class _Work:
@@ -204,7 +214,7 @@ class EmulationHub:
         per (source, destination, tag), as gloo matches them. Sends are copied when their receive is
         posted, so a sender must not change a tensor before its work completes (as with NCCL)."""
         mine: list[_Message] = []
-        sent = 0
+        sent: dict[int, int] = {}
         for dst, t, tag in sends:
             q = self._p2p.setdefault((rank, dst, tag), deque())
             if q and q[0].buffer is not None:
@@ -216,7 +226,7 @@ class EmulationHub:
                 q.append(m)
             mine.append(m)
             if dst != rank:
-                sent += t.numel() * t.element_size()
+                sent[dst] = sent.get(dst, 0) + t.numel() * t.element_size()
         for src, buf, tag in recvs:
             q = self._p2p.setdefault((src, rank, tag), deque())
             if q and q[0].tensor is not None:
@@ -227,8 +237,7 @@ class EmulationHub:
                 m = _Message(buffer=buf)
                 q.append(m)
             mine.append(m)
-        if sent:
-            self.traffic[rank].calls.append(("p2p", sent))
+        self.traffic[rank].record("p2p", sent)
         self._changed()
         return [_Work(self, lambda m=m: m.done, what) for m in mine]
 
@@ -260,10 +269,9 @@ class EmulationHub:
         out_split = list(out_split) if out_split is not None else [send.shape[0] // world] * world
         in_split = list(in_split) if in_split is not None else [recv.shape[0] // world] * world
         row = send.element_size() * math.prod(send.shape[1:])
-        sent = row * sum(c for d, c in enumerate(out_split) if d != rank)
-        if sent:
-            self.traffic[rank].calls.append(("a2a", sent))
-        if self.stage_on_host and send.device.type != "cpu" and sent:
+        sent = {d: row * c for d, c in enumerate(out_split) if d != rank}
+        self.traffic[rank].record("a2a", sent)
+        if self.stage_on_host and send.device.type != "cpu" and any(sent.values()):
             send = send.to("cpu")  # the caller's device buffer is freed once it lets go of it
 
         def complete(parts: dict[int, tuple]) -> None:
