@@ -163,6 +163,21 @@ def test_every_ulysses_mesh_backend_emulated_matches_one_device(world, inner, hk
         assert sum(step.intra_node_bytes) > 0
 
 
+@pytest.mark.parametrize("world,inner", [(4, 1), (3, 3)])
+def test_meshes_with_groups_of_one_rank_match_one_device(world, inner):
+    """Inner groups of one rank (4 x 1), or outer groups of one rank (3 x 3: one inner group): still one device's
+    rows (sub-groups of one rank are handles of their own, see the sub-group tests above)."""
+    batch, q, k, v, dout = mesh_problem(2000 + 10 * world + inner, world, 1)
+    want = reference(batch, q, k, v, dout)
+    for outer in OUTER_BACKENDS:
+        step = emulate_step(batch, world, (q, k, v, dout), composed_name(outer), options={"ulysses_size": inner},
+                            kernel="reference", keep_results=True)
+        plan = shard_plan(batch, world, step.strategy)
+        for r in step.ranks:
+            for got, ref in zip(r.results, want):
+                torch.testing.assert_close(got, ref[plan.local_indices(r.rank)], **TOL)
+
+
 def test_ulysses_over_the_ring_sends_what_a_count_by_hand_says():
     """One document of 4 x 6 tokens on a 2 x 2 mesh, contiguous: each all_to_all sends half of a rank's heads of
     its 6 tokens to its inner partner; the outer ring sends an outer shard's keys and values (12 tokens) whole to
