@@ -137,7 +137,7 @@ def mesh_members(world: int, inner: int) -> list[tuple[int, ...]]:
         [tuple(range(i, world, inner)) for i in range(inner)]
 
 
-def mesh_groups(group, rank: int, world: int, inner: int):
+def mesh_groups(group: dist.ProcessGroup | None, rank: int, world: int, inner: int) -> tuple:
     """(inner group, outer group) of this rank in the U x R mesh of ``group``, made once per group and size.
 
     The group's comm mode makes them (:meth:`~hf_longctx.comm.mode.CommOps.sub_groups`), as groups of its own mode:

@@ -80,8 +80,8 @@ class CommOps(Protocol):
         a list of one rank: that rank alone); the other entries are of no use to this rank. A collective: every
         rank of the group asks at the same point, with the same lists, made from the same ``setting`` (orderable,
         e.g. a mesh's inner size); ranks that give different settings all raise :class:`SubGroupMismatch`, none
-        waits. Made once per group object, setting and lists: a later ask returns the same groups and makes no
-        collective."""
+        waits. Made once per group object, setting and lists: a later ask returns the same groups (handles on them)
+        and makes no collective."""
 
 
 _STATE_BY_GROUP: dict[Any, dict[Any, Any]] = {}  # torch.distributed group (None: the default one) -> its state
