@@ -132,3 +132,46 @@ def test_each_mix_shares_the_budget_the_set_up_left_and_none_starts_past_the_bud
     text = out.read_text()
     assert "| prolong |" not in text and "| sft |" not in text
     assert "Not run" in text and "prolong W=2 ring" in text and "sft W=2 ring" in text
+
+
+def test_bench_emulated_prices_nodes_and_runs_two_dimensional_backends(tmp_path, monkeypatch, capsys):
+    """--node-size / --inter-node-gbps price every step on two link tiers, and the rows give the bytes inside a node
+    and between nodes; --backends takes ulysses_<outer> with --ulysses-size, and refuses it without."""
+    monkeypatch.setenv("HF_LONGCTX_CACHE", str(tmp_path / "cache"))
+    spec = importlib.util.spec_from_file_location("bench_emulated", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    from hf_longctx.comm.links import LinkTiers
+    from hf_longctx.lab.emulation import runner
+
+    real = runner.emulate_step
+    asked = []
+
+    def spy(*args, tiers=None, **kwargs):
+        asked.append((args[3], kwargs.get("options"), tiers))
+        return real(*args, tiers=tiers, **kwargs)
+
+    monkeypatch.setattr(runner, "emulate_step", spy)
+    out = tmp_path / "emulated.md"
+    common = ["--quick", "--out", str(out), "--worlds", "4", "--mixes", "sft", "--eps-sweep", "none:0"]
+    assert module.main(common + ["--backends", "ulysses_ring"]) == 2
+    assert "give its --ulysses-size" in capsys.readouterr().err and not asked
+    assert module.main(common + ["--backends", "ring,ulysses_ring,ulysses_cad", "--ulysses-size", "2",
+                                 "--node-size", "2", "--inter-node-gbps", "25"]) == 0
+    tiers = LinkTiers(node_size=2, inter_node_bytes_per_s=25e9)
+    assert {b for b, _, _ in asked} == {"ring", "ulysses_ring", "ulysses_cad"}
+    assert all(t == tiers for _, _, t in asked)
+    assert all(o == {"ulysses_size": 2} for b, o, _ in asked if b.startswith("ulysses_"))
+    text = out.read_text()
+    assert "nodes of 2 GPUs" in text and "25 GB/s per GPU between nodes" in text and "Error" not in text
+    header = next(line for line in text.splitlines() if line.startswith("| mix |")).split(" | ")
+    intra, inter = header.index("max MiB intra-node/rank"), header.index("max MiB inter-node/rank")
+    rows = {line.split(" | ")[4]: line.split(" | ") for line in text.splitlines() if line.startswith("| sft |")}
+    assert set(rows) == {"ring", "ulysses_ring U=2", "ulysses_cad U=2"}
+    for label, cells in rows.items():
+        assert len(cells) == len(header), label
+        assert float(cells[intra]) > 0 and float(cells[inter]) > 0, label  # W = 4 in nodes of 2: both tiers
+
+    asked.clear()
+    assert module.main(common + ["--backends", "ring"]) == 0  # no tiers asked: one node, no node columns
+    assert [t for _, _, t in asked] == [None, None] and "intra-node" not in out.read_text()

@@ -16,7 +16,7 @@ from hf_longctx.comm.collectives import (
     is_distributed,
 )
 from hf_longctx.comm.groups import global_rank, group_rank_and_size
-from hf_longctx.comm.mode import CommOps, TorchDistributedOps, ops_for
+from hf_longctx.comm.mode import CommOps, SubGroupMismatch, TorchDistributedOps, ops_for
 
 
 class _Done:
@@ -32,6 +32,7 @@ class StubOps:
         self.calls: list[tuple] = []
         self.peer_rows = peer_rows
         self.kept: dict = {}
+        self.refused: dict = {}
 
     def is_distributed(self) -> bool:
         return True
@@ -74,6 +75,13 @@ class StubOps:
 
     def state(self) -> dict:
         return self.kept
+
+    def sub_groups(self, members, setting) -> list:
+        """A name per member list (``refused``: the settings the peers disagree on, raised as they would be)."""
+        self.calls.append(("sub_groups", [tuple(m) for m in members], setting))
+        if self.refused:
+            raise SubGroupMismatch(self.refused)
+        return [f"group {tuple(m)}" for m in members]
 
 
 class StubGroup:

@@ -90,7 +90,8 @@ def test_point_to_point_matches_by_tag_and_counts_bytes():
     got = hub.run(rank_fn)
     assert got[0] == [[11.0, 11.0], [1.0, 1.0, 1.0]]
     assert got[1] == [[10.0, 10.0], [0.0, 0.0, 0.0]]
-    assert hub.traffic[0].calls == [("p2p", 20)]
+    assert hub.traffic[0].calls == [("p2p", {1: 20})]  # 12 + 8 bytes, both to rank 1
+    assert hub.traffic[0].sent_bytes == 20
 
 
 def test_all_to_all_moves_rows_and_counts_only_remote_bytes():
@@ -107,7 +108,8 @@ def test_all_to_all_moves_rows_and_counts_only_remote_bytes():
     got = hub.run(rank_fn)
     assert got[1] == [2.0, 3.0, 102.0, 103.0, 203.0, 204.0, 205.0]
     assert got[2] == [4.0, 5.0, 6.0, 104.0, 105.0, 106.0, 206.0]
-    assert [t.calls for t in hub.traffic] == [[("a2a", 20)], [("a2a", 20)], [("a2a", 24)]]
+    assert [t.calls for t in hub.traffic] == [[("a2a", {1: 8, 2: 12})], [("a2a", {0: 8, 2: 12})],
+                                              [("a2a", {0: 12, 1: 12})]]  # per destination, none to itself
     assert hub.largest_all_to_all == 64  # what staging holds on the host at once: every sender's remote rows
     assert hub.largest_all_to_all_on_device == 0  # on the CPU nothing is on a device
 

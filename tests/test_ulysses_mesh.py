@@ -104,6 +104,27 @@ def test_inner_groups_together_hold_the_outer_placement(strategy, world, inner):
             assert len({p.doc for p in slot.pieces}) == len(slot.pieces)  # one piece per document
 
 
+def test_a_mesh_asks_its_groups_comm_mode_for_its_groups_and_takes_its_own():
+    """The inner and outer groups come from the group's own comm ops (never from a test of its type), all of the
+    mesh's member lists in one order, every rank the same; a disagreement the ops report is the ulysses_size
+    refusal."""
+    from test_comm_mode import StubGroup, StubOps
+
+    from hf_longctx.backends.ulysses_mesh import mesh_groups
+
+    ops = StubOps()
+    # rank 5 of 6 in a 2 x 3 mesh: inner group {4, 5} (outer shard 2), outer group {1, 3, 5} (inner index 1)
+    assert mesh_groups(StubGroup(ops), 5, 6, 2) == ("group (4, 5)", "group (1, 3, 5)")
+    assert ops.calls == [("sub_groups", [(0, 1), (2, 3), (4, 5), (0, 2, 4), (1, 3, 5)], 2)]
+    assert mesh_groups(StubGroup(ops), 2, 6, 3) == ("group (0, 1, 2)", "group (2, 5)")  # 3 x 2: inner index 2
+    assert ops.calls[-1] == ("sub_groups", [(0, 1, 2), (3, 4, 5), (0, 3), (1, 4), (2, 5)], 3)
+    ops.calls.clear()
+    assert mesh_groups(StubGroup(ops), 0, 1, 1) == (None, None) and not ops.calls  # one rank: nothing to make
+    ops.refused = {(10, 11, 12, 13): [2, 4]}
+    with pytest.raises(ValueError, match=r"run different ulysses_sizes \(\{\(10, 11, 12, 13\): \[2, 4\]\}"):
+        mesh_groups(StubGroup(ops), 0, 4, 2)
+
+
 def test_ulysses_size_must_be_given_and_divide_the_group():
     from hf_longctx.backends.api import check_options
 

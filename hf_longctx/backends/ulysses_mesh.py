@@ -24,13 +24,13 @@ backend sees an ordinary R-rank problem, and the inner exchange only moves rows 
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from dataclasses import MISSING, field, fields, make_dataclass
 
 import torch
 import torch.distributed as dist
 
-from ..comm.groups import clear_with_groups, global_rank
+from ..comm.mode import ops_for
+from ..comm.subgroups import SubGroupMismatch
 from ..layout import ShardPlan
 from ..layout.plan import Piece, Slot
 from .contract import Backend
@@ -130,42 +130,30 @@ def _outer_order(plan: ShardPlan, outer: ShardPlan, inner: int, o: int, device: 
     return None if order is None else order.to(device)
 
 
-_MESH_GROUPS: dict[Hashable, tuple] = {}
-clear_with_groups(_MESH_GROUPS.clear)
+def mesh_members(world: int, inner: int) -> list[tuple[int, ...]]:
+    """Group ranks of every group of the ``inner`` x ``world / inner`` mesh, in one order: the inner groups (outer
+    shard by outer shard), then the outer groups (inner index by inner index)."""
+    outer = world // inner
+    return [tuple(range(o * inner, (o + 1) * inner)) for o in range(outer)] + \
+        [tuple(range(i, world, inner)) for i in range(inner)]
 
 
-def mesh_groups(group: dist.ProcessGroup | None, rank: int, world: int, inner: int):
+def mesh_groups(group: dist.ProcessGroup | None, rank: int, world: int, inner: int) -> tuple:
     """(inner group, outer group) of this rank in the U x R mesh of ``group``, made once per group and size.
 
-    torch makes a process group with every rank of the world taking part (gloo cannot split a group, and groups
-    made by their members alone do not connect on it), so every rank of the world calls this at the same
-    attention call, as it does in training, where every data-parallel replica runs the same layers: one
-    all_gather over the world tells each rank every replica's groups, and all ranks make all of them in one
-    order. A group of one rank is None."""
+    The group's comm mode makes them (:meth:`~hf_longctx.comm.mode.CommOps.sub_groups`), as groups of its own mode:
+    under torch.distributed every rank of the world takes part, so every rank of the world calls this at the same
+    attention call, as it does in training, where every data-parallel replica runs the same layers. Ranks of one
+    group given different sizes all raise here, none waits. A group of one rank may be None."""
     if world == 1:
         return None, None
-    key = (group, inner, rank)
-    if key not in _MESH_GROUPS:
-        members = [global_rank(group, r) for r in range(world)]
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (members, inner))
-        sizes: dict[tuple, set] = {}
-        for ranks, size in everyone:
-            sizes.setdefault(tuple(ranks), set()).add(size)
-        mixed = {ranks: sorted(s) for ranks, s in sizes.items() if len(s) > 1}
-        if mixed:  # every rank saw the same list: the whole world raises together, nobody waits in new_group
-            raise ValueError(f"the ranks of a sequence-parallel group run different {OPTION}s ({mixed}: group ranks "
-                             f"-> sizes); give every rank the same backend options")
-        wanted = set()
-        for ranks, size in everyone:
-            for o in range(len(ranks) // size):
-                wanted.add(tuple(ranks[o * size:(o + 1) * size]))
-            for i in range(size):
-                wanted.add(tuple(ranks[i::size]))
-        made = {ranks: dist.new_group(list(ranks)) if len(ranks) > 1 else None for ranks in sorted(wanted)}
-        o, i = divmod(rank, inner)
-        _MESH_GROUPS[key] = (made[tuple(members[o * inner:(o + 1) * inner])], made[tuple(members[i::inner])])
-    return _MESH_GROUPS[key]
+    try:
+        made = ops_for(group).sub_groups(mesh_members(world, inner), inner)
+    except SubGroupMismatch as err:
+        raise ValueError(f"the ranks of a sequence-parallel group run different {OPTION}s ({err.settings}: group "
+                         f"ranks -> sizes); give every rank the same backend options") from None
+    o, i = divmod(rank, inner)
+    return made[o], made[world // inner + i]
 
 
 def _size_problem(size: object) -> str | None:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .mode import current_device, ops_for  # noqa: F401 - current_device: importable here as before
+from .subgroups import forget_sub_groups
 
 # Float dtypes as small integers, for the signatures ranks exchange before a collective (0: none of them).
 DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
@@ -84,6 +85,9 @@ def clear_with_groups(cache_clear) -> None:
     """Have :func:`release_groups` call ``cache_clear`` too: a module above this one (:mod:`.mesh`) that caches
     groups of the meshes this package built registers its cache here, so that this module need not import it."""
     _cached_with_groups.append(cache_clear)
+
+
+clear_with_groups(forget_sub_groups)  # the sub-groups made of groups (e.g. a two-dimensional mesh's)
 
 
 def release_groups() -> None:

@@ -54,10 +54,16 @@ LINKS: dict[str, LinkCurve] = {
 }
 
 
-def transfer_seconds(calls: list[tuple[str, int]] | tuple[tuple[str, int], ...]) -> float:
-    """Seconds a rank's transfers take back to back: each ``(kind, bytes)`` call at its kind's bandwidth
-    for that message size."""
-    return sum(LINKS[kind].seconds(nbytes) for kind, nbytes in calls)
+def transfer_seconds(calls: Sequence[tuple[str, int | Mapping[int, int]]]) -> float:
+    """Seconds a rank's transfers take back to back inside one node: each ``(kind, bytes)`` call at its kind's
+    bandwidth for that message size. A call may give its bytes per peer (a :data:`Transfer`); inside one node
+    they count together, as the call's message size."""
+    return sum(LINKS[kind].seconds(total_bytes(nbytes)) for kind, nbytes in calls)
+
+
+def total_bytes(nbytes: int | Mapping[int, int]) -> int:
+    """The bytes of one call: ``nbytes`` itself, or the sum over its peers where given per peer."""
+    return sum(nbytes.values()) if isinstance(nbytes, Mapping) else nbytes
 
 
 # A rank's transfer in one call: its kind and the bytes it sends to each peer (group ranks of the world the tiers

@@ -8,17 +8,22 @@ run as threads of one process, whose transfers are local copies, satisfy the sam
 them unchanged.
 
 Ranks are group ranks throughout; point-to-point messages are ``(peer, tensor, tag)``, matched FIFO per (source,
-destination, tag).
+destination, tag). A group's sub-groups (e.g. the inner and outer groups of a two-dimensional mesh) are made through
+its ops too (:meth:`CommOps.sub_groups`), so they are groups of the same mode.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
+
+from .subgroups import SubGroupMismatch, make_sub_groups
+
+__all__ = ["CommOps", "CommunicationError", "SubGroupMismatch", "TorchDistributedOps", "current_device", "ops_for"]
 
 
 class CommunicationError(RuntimeError):
@@ -68,6 +73,15 @@ class CommOps(Protocol):
         """State the package keeps for this rank of this group as long as the group lives: per group object,
         never per ``id`` (a later group may reuse an ``id``, and a rank that took the old group's state for its own
         would skip a collective its peers make)."""
+
+    def sub_groups(self, members: Sequence[Sequence[int]], setting: Hashable) -> list[Any]:
+        """Groups of the same mode over the ranks of ``members`` (lists of ranks of this group), in the order of
+        ``members``: the entry of a list this rank is in is its group to pass to the comm layer (it may be None for
+        a list of one rank: that rank alone); the other entries are of no use to this rank. A collective: every
+        rank of the group asks at the same point, with the same lists, made from the same ``setting`` (orderable,
+        e.g. a mesh's inner size); ranks that give different settings all raise :class:`SubGroupMismatch`, none
+        waits. Made once per group object, setting and lists: a later ask returns the same groups (handles on them)
+        and makes no collective."""
 
 
 _STATE_BY_GROUP: dict[Any, dict[Any, Any]] = {}  # torch.distributed group (None: the default one) -> its state
@@ -122,6 +136,12 @@ class TorchDistributedOps:
 
     def state(self) -> dict[Any, Any]:
         return _STATE_BY_GROUP.setdefault(self.group, {})
+
+    def sub_groups(self, members: Sequence[Sequence[int]], setting: Hashable) -> list[Any]:
+        """Made by every rank of the world, in one order (:mod:`.subgroups`: torch needs them all at every group it
+        makes), and kept until :func:`~.groups.release_groups`."""
+        ranks = [self.global_rank(r) for r in range(self.rank_and_size()[1])]
+        return make_sub_groups(self.group, ranks, members, setting)
 
 
 def ops_for(group) -> CommOps:

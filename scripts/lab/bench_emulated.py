@@ -40,6 +40,15 @@ configuration runs again with its all_to_all buffers on the host (as ``--stage-o
 one; its kernels are timed as before). Each such row gives the largest all_to_all's bytes (about what the host
 holds at once), and the memory lines the process's peak resident host memory.
 
+Nodes: by default every transfer is priced on the NVLink curves of one node, whatever W. ``--node-size N`` (and
+``--inter-node-gbps X``, GB/s per GPU between nodes) prices them on two tiers
+(:class:`~hf_longctx.comm.links.LinkTiers`): ranks ``r // N`` share a node, the bytes a rank sends to another node
+cross the network, and each row gives the most a rank sent inside its node and to other nodes.
+
+Two-dimensional backends: ``--backends`` takes ``ulysses_<outer>`` names (Ulysses inside groups of
+``--ulysses-size`` consecutive ranks, ``<outer>`` across them; a comma-separated list of sizes runs each), e.g.
+``--backends ring,ulysses_ring --ulysses-size 8 --node-size 8``.
+
 ``--calibrate N``: after each CAD run on a measured model, N rounds of the schedule made again with every task priced
 at its server's measured over predicted kernel time (:mod:`hf_longctx.lab.cad.calibrate`) and emulated again;
 each round's row gives the scales, its calibrated prediction and how many servers' tasks changed.
@@ -66,7 +75,9 @@ from hf_longctx.backends.cad.cost_model import ProfiledCostModel
 from hf_longctx.backends.cad.eps import EPS_CANDIDATES, a2a_bandwidth, candidate, choose_eps
 from hf_longctx.backends.cad.launch_cost import TERM_NAMES, LaunchCostModel
 from hf_longctx.backends.cad.runtime import cad_schedule, prepare, server_costs
+from hf_longctx.backends.ulysses_mesh import OPTION as ULYSSES_SIZE
 from hf_longctx.benchmarking import HOST_AHEAD, table_header, table_row, token_counts
+from hf_longctx.comm.links import INTER_NODE_BYTES_PER_S, LinkTiers
 from hf_longctx.lab.cad.calibrate import recalibrate
 from hf_longctx.lab.cad.profiled import ProfileBudget, SegmentShape, profiled_cost_model
 from hf_longctx.lab.emulation import (
@@ -88,11 +99,22 @@ MiB = float(1 << 20)
 MEASURED_MODELS = (ProfiledCostModel, LaunchCostModel)
 
 
-def variants(backends: list[str], profiled, grid=None) -> list[tuple[str, str, dict | None]]:
+def is_mesh(backend: str) -> bool:
+    """Whether ``backend`` is a two-dimensional ``ulysses_<outer>`` (it needs ``--ulysses-size``)."""
+    return backend.startswith("ulysses_")
+
+
+def variants(backends: list[str], profiled, grid=None, ulysses_sizes: list[int] = ()
+             ) -> list[tuple[str, str, dict | None]]:
     """(label, backend, options) of every run of one configuration; the first is ``auto``'s default. ``grid``: a
-    second measured model (the interpolated grid beside the launch model) run at eps 0.01 too."""
+    second measured model (the interpolated grid beside the launch model) run at eps 0.01 too. A two-dimensional
+    backend runs once per size of ``ulysses_sizes`` (labelled ``<name> U=<size>``), with its outer backend's default
+    options."""
     out = []
     for b in backends:
+        if is_mesh(b):
+            out += [(f"{b} U={u}", b, {ULYSSES_SIZE: u}) for u in ulysses_sizes]
+            continue
         if b == "cad":
             out.append(("cad flops eps0.1", "cad", {"cost_model": "flops", "eps": 0.1}))
             out.append(("cad profiled eps0.1", "cad", {"cost_model": profiled, "eps": 0.1}))
@@ -161,10 +183,13 @@ def tokens_label(total: int) -> str:
 
 
 def row(mix, total, batch, world, label, step: EmulatedStep, extra: str) -> str:
+    """One table row (:func:`columns`): with tiers, the most one rank sent inside its node and to other nodes."""
     sent = step.sent_bytes
+    nodes = [f"{max(step.intra_node_bytes) / MiB:.1f}", f"{max(step.inter_node_bytes) / MiB:.1f}"] \
+        if step.tiers is not None else []
     return table_row([mix, tokens_label(total), batch.num_docs, world, label, f"{step.imbalance:.3f}",
                       f"{max(step.kernel_s) * 1e3:.2f}", f"{statistics.fmean(step.kernel_s) * 1e3:.2f}",
-                      f"{max(sent) / MiB:.1f}", f"{statistics.fmean(sent) / MiB:.1f}",
+                      f"{max(sent) / MiB:.1f}", f"{statistics.fmean(sent) / MiB:.1f}", *nodes,
                       f"{step.predicted_step_s * 1e3:.2f}", f"{step.predicted_overlapped_s * 1e3:.2f}",
                       f"{step.tflops_per_device:.0f}", extra])
 
@@ -172,6 +197,25 @@ def row(mix, total, batch, world, label, step: EmulatedStep, extra: str) -> str:
 COLUMNS = ["mix", "tokens", "docs", "W", "backend", "max/mean kernel", "max kernel ms", "mean kernel ms",
            "max MiB sent/rank", "mean MiB sent/rank", "pred. step ms (no overlap)", "pred. step ms (overlap)",
            "pred. TFLOP/s/GPU", "notes"]
+NODE_COLUMNS = ["max MiB intra-node/rank", "max MiB inter-node/rank"]
+
+
+def columns(tiers: LinkTiers | None) -> list[str]:
+    """The table's columns: with tiers, the bytes inside a node and between nodes after the bytes sent."""
+    if tiers is None:
+        return COLUMNS
+    at = COLUMNS.index("pred. step ms (no overlap)")
+    return COLUMNS[:at] + NODE_COLUMNS + COLUMNS[at:]
+
+
+def link_tiers(node_size: int | None, inter_node_gbps: float | None) -> LinkTiers | None:
+    """The tiers ``--node-size`` and ``--inter-node-gbps`` ask for (either alone: the other's default); None for
+    neither (one NVLink node)."""
+    if node_size is None and inter_node_gbps is None:
+        return None
+    return LinkTiers(node_size=node_size or LinkTiers.node_size,
+                     inter_node_bytes_per_s=INTER_NODE_BYTES_PER_S if inter_node_gbps is None
+                     else inter_node_gbps * 1e9)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,6 +251,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="after each CAD run on a measured model, N rounds of: the schedule made again with every "
                         "task priced at its server's measured over predicted kernel time (hf_longctx.backends.cad."
                         "calibrate), and emulated again (rows labelled 'calibrated K')")
+    p.add_argument("--node-size", type=int, default=None, metavar="N",
+                   help="price transfers on two link tiers: N GPUs per node share NVLink (the measured curves), bytes "
+                        "to other nodes cross the network (default: every rank in one node)")
+    p.add_argument("--inter-node-gbps", type=float, default=None, metavar="X",
+                   help=f"GB/s (1e9 bytes/s) per GPU between nodes, with --node-size (default "
+                        f"{INTER_NODE_BYTES_PER_S / 1e9:.0f}: one 400 Gb/s NIC per GPU); alone, nodes of "
+                        f"{LinkTiers.node_size}")
+    p.add_argument("--ulysses-size", default="", metavar="U[,U...]",
+                   help="ranks per Ulysses group of the ulysses_<outer> backends in --backends (each size a run)")
     p.add_argument("--dump-calls", default=None, metavar="DIR",
                    help="write every kernel call (segment lengths, seconds) of the profiled CAD runs and the profile "
                         "they were scheduled on as JSON into DIR, to check the cost model call by call")
@@ -218,6 +271,16 @@ def main(argv: list[str] | None = None) -> int:
     if set(wanted_cad) - set(labels):  # a misspelt label is caught before anything is profiled
         print(f"--cad-runs: unknown run(s) {sorted(set(wanted_cad) - set(labels))}; the CAD runs are {labels}",
               file=sys.stderr)
+        return 2
+    ulysses_sizes = token_counts(args.ulysses_size) if args.ulysses_size else []
+    if any(is_mesh(b) for b in args.backends.split(",")) and not ulysses_sizes:
+        print("--backends names a two-dimensional ulysses_<outer> backend: give its --ulysses-size (ranks per "
+              "Ulysses group, e.g. the GPUs of one node)", file=sys.stderr)
+        return 2
+    try:
+        tiers = link_tiers(args.node_size, args.inter_node_gbps)
+    except ValueError as err:
+        print(f"--node-size / --inter-node-gbps: {err}", file=sys.stderr)
         return 2
     if args.quick:
         device = torch.device("cpu")
@@ -248,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     mixes = args.mixes.split(",")
     tokens = {m: token_counts(t)[0] for m, t in (x.split(":") for x in args.tokens.split(","))}
     backends = args.backends.split(",")
-    runs = variants(backends, profiled, grid_model)
+    runs = variants(backends, profiled, grid_model, ulysses_sizes)
     if wanted_cad:
         runs = [r for r in runs if r[1] != "cad" or r[0] in wanted_cad]
     skip = set(filter(None, args.skip.split(",")))
@@ -268,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             and isinstance(profiled, MEASURED_MODELS)
         return emulate_step_or_stage(batch, w, tensors, backend, options=options, kernel=args.kernel,
                                      warmup=args.warmup, reps=args.reps, stage_on_host=args.stage_on_host,
-                                     make_timer=keep_calls if dump else KernelTimer)
+                                     make_timer=keep_calls if dump else KernelTimer, tiers=tiers)
 
     if args.dump_calls and isinstance(profiled, MEASURED_MODELS):
         Path(args.dump_calls).mkdir(parents=True, exist_ok=True)
@@ -310,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     step, staged = emulate(batch, w, tensors, backend, options)
                 except Exception as exc:  # noqa: BLE001 - one call measures everything; report and go on
-                    rows.append(table_row([mix, tokens_label(total), batch.num_docs, w, label] + ["-"] * 8
+                    rows.append(table_row([mix, tokens_label(total), batch.num_docs, w, label]
+                                          + ["-"] * (len(columns(tiers)) - 6)
                                           + [f"{type(exc).__name__}: {str(exc)[:120]}"]))
                     print(rows[-1], flush=True)
                     continue
@@ -372,10 +436,9 @@ def main(argv: list[str] | None = None) -> int:
              f"attention FLOPs (fwd+bwd, x3.5) / W / predicted step. Heads {shape.heads}, KV heads "
              f"{shape.kv_heads}, head dim {shape.head_dim}, {str(shape.dtype).removeprefix('torch.')}.", "",
              f"CAD cost model: {source}{segment_terms(profiled)}.", "",
-             "Link bandwidths of the communication model (within one NVLink node; W > 8 assumes the same "
-             "per-rank bandwidth, which a multi-node group does not have):", ""]
-    lines += [f"- {s}" for s in link_sources()]
-    lines += ["", table_header(COLUMNS), *rows, "", "## auto on emulated times", "", *choices]
+             *link_intro(tiers), ""]
+    lines += [f"- {s}" for s in link_sources(tiers)]
+    lines += ["", table_header(columns(tiers)), *rows, "", "## auto on emulated times", "", *choices]
     if sweep_rows:
         lines += ["", f"## CAD eps sweep ({sweep_mix}, W={sweep_w}, profiled cost), emulated on one GPU", "",
                   table_header(["eps", "max/mean kernel", "max kernel ms", "max MiB sent/rank", "pred. step ms",
@@ -393,6 +456,16 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def link_intro(tiers: LinkTiers | None) -> list[str]:
+    """The sentence before the link sources: one node, or the tiers the transfers are priced on."""
+    if tiers is None:
+        return ["Link bandwidths of the communication model (within one NVLink node; W > 8 assumes the same "
+                "per-rank bandwidth, which a multi-node group does not have):"]
+    return [f"Link bandwidths of the communication model, over nodes of {tiers.node_size} GPUs (ranks r // "
+            f"{tiers.node_size} share one); a call lasts as long as the slower of its bytes inside its node and its "
+            "bytes to other nodes ('intra-node' and 'inter-node' columns: the most one rank sent each way):"]
 
 
 def noise_note(step: EmulatedStep) -> str:

@@ -4,8 +4,10 @@ Why: whether the work of W ranks is balanced in kernel time (and what a schedule
 the W ranks' kernel calls, not W devices. :func:`emulate_step` runs every rank's share of one
 forward+backward, as one thread per rank over an :class:`~hf_longctx.lab.emulation.group.EmulatedGroup`:
 the same plan, checks, schedule, kernels and merges as a real run, with transfers replaced by local
-copies. Each rank's kernel calls are timed (:class:`~.timing.KernelTimer`) and its bytes counted, and
-a communication model (:mod:`hf_longctx.comm.links`) predicts the step time of a real group.
+copies. Each rank's kernel calls are timed (:class:`~.timing.KernelTimer`) and its bytes counted per call and
+peer, and a communication model (:mod:`hf_longctx.comm.links`) predicts the step time of a real group: inside one
+NVLink node by default, or over nodes (:class:`~hf_longctx.comm.links.LinkTiers`), where the bytes a rank sends
+to another node cross the network.
 
 A rank's forward and backward are the backend's ``forward``/``backward`` called as the core-attention
 op calls them (not through autograd: on a GPU, autograd runs every rank's backward on one device
@@ -45,7 +47,7 @@ from hf_longctx.backends import default_strategy
 from hf_longctx.backends.api import RankCall, check_group_agrees, check_options, make_run_context, resolve_backend
 from hf_longctx.backends.options import BackendOptions
 from hf_longctx.benchmarking import FORWARD_BACKWARD_FACTOR
-from hf_longctx.comm.links import LINKS, transfer_seconds
+from hf_longctx.comm.links import LINKS, LinkTiers, Transfer, transfer_seconds
 from hf_longctx.kernels import observe_kernels
 from hf_longctx.lab.emulation.group import EmulatedGroup, EmulationHub
 from hf_longctx.lab.emulation.timing import KernelTimer, ThisProcess
@@ -57,15 +59,17 @@ HALF_NORMAL_MEDIAN = 0.6744897501960817  # median of |x| for x standard normal (
 @dataclass
 class RankStep:
     """One emulated rank: kernel seconds (the lower median over the timed repetitions, see the module
-    docstring), calls, bytes sent."""
+    docstring), calls, bytes sent per call and peer (``traffic``: ranks of the emulated world), and the links
+    they are priced on (``tiers``; None: one NVLink node)."""
 
     rank: int
     forward_s: float
     backward_s: float
     kernel_calls: int
-    traffic: list[tuple[str, int]]
+    traffic: list[Transfer]
     results: tuple[torch.Tensor, ...] | None = None  # (out, dq, dk, dv) of the local rows, when kept
     repetitions: tuple[float, ...] = ()  # forward+backward seconds of every timed repetition, in order
+    tiers: LinkTiers | None = None
 
     @property
     def kernel_s(self) -> float:
@@ -73,12 +77,24 @@ class RankStep:
 
     @property
     def sent_bytes(self) -> int:
-        return sum(b for _, b in self.traffic)
+        return sum(sum(bytes_to.values()) for _, bytes_to in self.traffic)
+
+    @property
+    def node_bytes(self) -> tuple[int, int]:
+        """(bytes sent to ranks of this rank's node, bytes sent to other nodes); all in one node without tiers."""
+        if self.tiers is None:
+            return self.sent_bytes, 0
+        splits = [self.tiers.split(self.rank, bytes_to) for _, bytes_to in self.traffic]
+        return sum(a for a, _ in splits), sum(b for _, b in splits)
 
     @property
     def transfer_s(self) -> float:
-        """Seconds this rank's sends take on the measured links (:data:`~hf_longctx.comm.links.LINKS`)."""
-        return transfer_seconds(self.traffic)
+        """Seconds this rank's sends take back to back: on the measured NVLink curves
+        (:data:`~hf_longctx.comm.links.LINKS`, every peer in one node) without tiers, else on the tiers (each call
+        as long as the slower of its intra-node and inter-node bytes)."""
+        if self.tiers is None:
+            return transfer_seconds(self.traffic)
+        return self.tiers.seconds(self.rank, self.traffic)
 
 
 @dataclass
@@ -95,6 +111,7 @@ class EmulatedStep:
     largest_all_to_all_on_device: int = 0  # bytes one all_to_all's buffers held on the device, at most (0: staged)
     host_overruns: int = 0  # timed kernel calls whose host dispatch outran the device's spin (their time holds some)
     timed_calls: int = 0  # kernel calls timed over every timed repetition
+    tiers: LinkTiers | None = None  # the links the transfers are priced on (None: one NVLink node)
 
     @property
     def kernel_s(self) -> list[float]:
@@ -109,6 +126,16 @@ class EmulatedStep:
     @property
     def sent_bytes(self) -> list[int]:
         return [r.sent_bytes for r in self.ranks]
+
+    @property
+    def intra_node_bytes(self) -> list[int]:
+        """Per rank, the bytes it sent to ranks of its own node (all it sent, without tiers)."""
+        return [r.node_bytes[0] for r in self.ranks]
+
+    @property
+    def inter_node_bytes(self) -> list[int]:
+        """Per rank, the bytes it sent to ranks of other nodes (none without tiers)."""
+        return [r.node_bytes[1] for r in self.ranks]
 
     @property
     def timing_noise(self) -> float | None:
@@ -140,7 +167,8 @@ class EmulatedStep:
 
     @property
     def predicted_step_s(self) -> float:
-        """Slowest rank's kernels plus the slowest rank's transfers (no overlap: an upper bound)."""
+        """Slowest rank's kernels plus the slowest rank's transfers (no overlap: an upper bound), the transfers
+        priced on :attr:`tiers` (:attr:`RankStep.transfer_s`)."""
         return max(self.kernel_s) + max(r.transfer_s for r in self.ranks)
 
     @property
@@ -202,7 +230,8 @@ def emulate_step(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ..
                  strategy: str | None = None, options: BackendOptions | dict | None = None, kernel: str = "auto",
                  warmup: int = 0, reps: int = 1, keep_results: bool = False, timeout_s: float = 600.0,
                  stage_on_host: bool = False,
-                 make_timer: Callable[[EmulationHub, torch.device], KernelTimer] = KernelTimer) -> EmulatedStep:
+                 make_timer: Callable[[EmulationHub, torch.device], KernelTimer] = KernelTimer,
+                 tiers: LinkTiers | None = None) -> EmulatedStep:
     """Run ``world`` ranks of ``backend`` on ``batch`` (forward + backward) on the device of ``tensors``.
 
     ``tensors`` are the GLOBAL packed ``(q, k, v, dout)``; every rank takes its rows from them as a real
@@ -212,7 +241,9 @@ def emulate_step(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ..
     of the last step (in ``RankStep.results``, local row order). Traffic and kernel calls are those of the
     last step. ``make_timer(hub, device)`` builds each step's kernel timer (:class:`~.timing.KernelTimer`).
     ``stage_on_host``: all_to_all buffers live on the host (see :class:`~hf_longctx.lab.emulation.group.EmulationHub`),
-    for steps whose W ranks' buffers do not fit on the one device together.
+    for steps whose W ranks' buffers do not fit on the one device together. ``tiers``: the links the ranks'
+    transfers are priced on (:attr:`EmulatedStep.predicted_step_s`): ranks ``r // tiers.node_size`` share a node;
+    None prices them as one NVLink node, whatever ``world``.
     """
     if reps < 1 or warmup < 0:
         raise ValueError(f"need reps >= 1 and warmup >= 0, got reps={reps}, warmup={warmup}")
@@ -223,7 +254,7 @@ def emulate_step(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ..
     per_rank: list[list[tuple[float, float]]] = [[] for _ in range(world)]
     calls = [0] * world
     results: list = [None] * world
-    traffic: list[list[tuple[str, int]]] = [[] for _ in range(world)]
+    traffic: list[list[Transfer]] = [[] for _ in range(world)]
     largest, on_device, overruns, timed_calls = 0, 0, 0, 0
     for i in range(warmup + reps):
         hub = EmulationHub(world, timeout_s, stage_on_host)
@@ -244,11 +275,11 @@ def emulate_step(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ..
             traffic[r] = list(hub.traffic[r].calls)
     step = EmulatedStep(backend, world, strategy, step_flops(batch, q.shape[1], q.shape[2]), str(q.device),
                         largest_all_to_all=largest, largest_all_to_all_on_device=on_device,
-                        host_overruns=overruns, timed_calls=timed_calls)
+                        host_overruns=overruns, timed_calls=timed_calls, tiers=tiers)
     for r in range(world):
         forward_s, backward_s = median_rep(per_rank[r])
         step.ranks.append(RankStep(r, forward_s, backward_s, calls[r], traffic[r], results[r],
-                                   tuple(f + b for f, b in per_rank[r])))
+                                   tuple(f + b for f, b in per_rank[r]), tiers))
     return step
 
 
@@ -318,6 +349,8 @@ def device_memory(device: torch.device) -> str:
             f"{torch.cuda.memory_reserved(device) / gib:.2f} GiB, free {free / gib:.2f} of {total / gib:.2f} GiB")
 
 
-def link_sources() -> list[str]:
-    """Where the bandwidths of the communication model come from, one line per collective kind."""
-    return [f"{kind}: {curve.source}" for kind, curve in LINKS.items()]
+def link_sources(tiers: LinkTiers | None = None) -> list[str]:
+    """Where the bandwidths of the communication model come from, one line per collective kind, and with
+    ``tiers`` a line on the nodes and the network between them."""
+    lines = [f"{kind}: {curve.source}" for kind, curve in LINKS.items()]
+    return lines + ([f"between nodes: {tiers.describe()} (a formula, not measured here)"] if tiers else [])
