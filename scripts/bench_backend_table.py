@@ -9,6 +9,10 @@ GPU is timed for real beside it (see :mod:`hf_longctx.lab.backend_table`). Rows 
     python scripts/bench_backend_table.py --out-md bench/results/DATE_backend-table.md --out-json T.jsonl  # GPU
     python scripts/bench_backend_table.py --quick                     # CPU smoke run: tiny sizes, reference kernel
     python scripts/bench_backend_table.py ... --readme README.md      # also replace the README's table
+    python scripts/bench_backend_table.py --from-json A.jsonl B.jsonl --readme README.md  # the table of earlier runs
+
+Cells run in order (mix, then W); none starts after ``--budget-s`` seconds, and those left out are named, so one
+table can be measured in parts (``--mixes``, ``--worlds``) and put together with ``--from-json``.
 
 Exit status: 0 when ``auto``'s choice is within ``--within`` of the best backend in every cell, 1 otherwise.
 """
@@ -27,7 +31,7 @@ import torch
 from hf_longctx.backends.auto import AutoOptions
 from hf_longctx.backends.prediction import AttentionShape, measure_kernel_rates
 from hf_longctx.benchmarking import portable_command, token_counts
-from hf_longctx.lab.backend_table import MAX_CALLS, markdown, run_cell, write_json
+from hf_longctx.lab.backend_table import MAX_CALLS, markdown, read_json, run_cell, write_json
 from hf_longctx.lab.emulation import device_memory
 
 README_START, README_END = "<!-- backend-table:start -->", "<!-- backend-table:end -->"
@@ -48,10 +52,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="kernel calls per rank above which a backend auto does not shortlist is priced, not emulated")
     p.add_argument("--within", type=float, default=0.03, help="the exit status checks auto / best <= 1 + this")
     p.add_argument("--out-md", default=None, help="markdown file of the table")
-    p.add_argument("--out-json", default=None, help="JSON lines: every cell with every backend's numbers")
+    p.add_argument("--out-json", default=None, help="JSON lines: every cell with every backend's numbers (and the "
+                   "run's meta line)")
     p.add_argument("--readme", default=None, help="replace the table between the README's backend-table markers")
+    p.add_argument("--budget-s", type=float, default=float("inf"), help="start no cell after this many seconds")
+    p.add_argument("--from-json", nargs="+", default=None, metavar="FILE",
+                   help="no run: the table of cells earlier runs wrote with --out-json")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes, reference kernel")
     args = p.parse_args(argv)
+    if args.from_json:
+        cells, metas = read_json(args.from_json)
+        marks = metas[0]["marks"] + "".join(f" Also: `{m['command']}`." for m in metas[1:])
+        return finish(args, cells, marks)
 
     if args.quick:
         device, dtype, shape = torch.device("cpu"), torch.float32, AttentionShape.of_dtype(4, 2, 16, torch.float32)
@@ -73,42 +85,53 @@ def main(argv: list[str] | None = None) -> int:
     rates = measure_kernel_rates(args.kernel, device, shape, dtype)
     print(f"kernel rates ({args.kernel}, {gpu}): {rates.tile_head_s * 1e6:.3f} us per 128x128 tile and head, "
           f"{rates.call_s * 1e6:.1f} us per call", flush=True)
-    cells = []
+    cells, left_out = [], []
     for mix in args.mixes.split(","):
         for world in token_counts(args.worlds):
-            cells.append(run_cell(mix, world, per_gpu * world, shape, dtype, device, rates, options,
-                                  kernel=args.kernel, reps=args.reps, warmup=args.warmup, seed=args.seed,
-                                  max_calls=args.max_calls, log=lambda line: print(line, flush=True)))
-            cell = cells[-1]
+            if time.perf_counter() - start > args.budget_s:
+                left_out.append(f"{mix} W={world}")
+                continue
+            cell = run_cell(mix, world, per_gpu * world, shape, dtype, device, rates, options, kernel=args.kernel,
+                            reps=args.reps, warmup=args.warmup, seed=args.seed, max_calls=args.max_calls,
+                            log=lambda line: print(line, flush=True))
+            cells.append(cell.as_json())
             print(f"{mix} W={world}: auto -> {cell.auto.label} ({cell.auto_placement}), {cell.auto_ratio:.3f} of the "
                   f"best ({cell.best.candidate.label}); {device_memory(device)}", flush=True)
+    if left_out:
+        print(f"left out (budget): {', '.join(left_out)}", flush=True)
     date = datetime.date.today().isoformat()
     command = portable_command("scripts/bench_backend_table.py", sys.argv[1:] if argv is None else argv)
     marks = (f"Emulated on one {gpu} ({date}, kernel {args.kernel}, {per_gpu} tokens per GPU, two link tiers: "
              f"{options.tiers(64).describe()}); one GPU: the whole batch on that GPU, real. Forward+backward ms of "
              f"the step (slowest rank's kernels + slowest rank's transfers); bold: the best; `(p)`: priced, not "
-             f"emulated. Command: `{command}`")
-    table = markdown(cells, marks)
-    print("\n" + table)
+             f"emulated. Command: `{command}`.")
     meta = {"date": date, "gpu": gpu, "kernel": args.kernel, "command": command, "tokens_per_gpu": per_gpu,
             "node_size": args.node_size, "inter_node_gbps": args.inter_node_gbps, "rates": vars(rates),
-            "seconds": time.perf_counter() - start}
+            "seconds": time.perf_counter() - start, "left_out": left_out, "marks": marks}
     if args.out_json:
         write_json(args.out_json, cells, meta)
+    return finish(args, cells, marks)
+
+
+def finish(args: argparse.Namespace, cells: list[dict], marks: str) -> int:
+    """Print and write the table of ``cells``; the exit status says whether auto met ``--within`` everywhere."""
+    table = markdown(cells, marks)
+    print("\n" + table)
     if args.out_md:
         Path(args.out_md).write_text(table + "\n")
     if args.readme:
         readme = Path(args.readme)
         text = readme.read_text()
-        block = f"{README_START}\n{table}\n{README_END}"
         if README_START not in text:
             print(f"{args.readme} has no {README_START} ... {README_END} block to replace", file=sys.stderr)
             return 2
+        block = f"{README_START}\n{table}\n{README_END}"
         readme.write_text(re.sub(re.escape(README_START) + ".*?" + re.escape(README_END), lambda _: block, text,
                                  flags=re.S))
-    worst = max(c.auto_ratio for c in cells)
-    print(f"auto within {worst - 1:.1%} of the best in every cell ({len(cells)} cells, "
-          f"{time.perf_counter() - start:.0f} s)")
+    if not cells:
+        return 1
+    worst = max(c["auto_ratio"] for c in cells)
+    print(f"auto within {worst - 1:.1%} of the best in every cell ({len(cells)} cells)")
     return 0 if worst <= 1 + args.within else 1
 
 

@@ -127,10 +127,10 @@ def test_bad_options_are_refused_with_the_fix():
         auto.AutoOptions(shortlist=0.5)
 
 
-def _placed(doc_lens, world, options=auto.AutoOptions(node_size=8)):
+def _placed(doc_lens, world):
     batch = PackedBatch.from_doc_lens(doc_lens)
     plans = {s: shard_plan(batch, world, s) for s in auto.PLACEMENTS}
-    predictions = auto.price(plans, SHAPE, RATES, options)
+    predictions = auto.price(plans, SHAPE, RATES, auto.AutoOptions(node_size=8))
     return auto.best_candidate(predictions), predictions
 
 

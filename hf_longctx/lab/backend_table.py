@@ -156,42 +156,56 @@ def one_device_seconds(batch: PackedBatch, tensors: tuple[torch.Tensor, ...], ke
         return timed(step, reps=reps, warmup=1) / 1e3
 
 
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None or not math.isfinite(seconds) else f"{seconds * 1e3:.1f}"
+def _ms_text(ms: float | None) -> str:
+    return "-" if ms is None or not math.isfinite(ms) else f"{ms:.1f}"
 
 
-def markdown(cells: Sequence[Cell], marks: str) -> str:
-    """The table of ``cells``: one row per mix and W, one column per backend (emulated ms, ``(p)`` where priced
-    only), then auto's choice and its step over the best's. ``marks`` is the line that says where and how it ran."""
+def markdown(cells: Sequence[dict], marks: str) -> str:
+    """The table of ``cells`` (:meth:`Cell.as_json` rows): one row per mix and W, the whole batch on one GPU (real),
+    one column per backend (emulated ms, ``(.. p)`` where priced only), then auto's choice and its step over the
+    best's. ``marks`` is the line that says where and how it ran."""
     names: list[str] = []
     for cell in cells:
-        for e in cell.entries:
-            if e.candidate.backend not in names:
-                names.append(e.candidate.backend)
+        for b in cell["backends"]:
+            name = b["label"].split("(")[0]
+            if name not in names:
+                names.append(name)
     head = ["mix", "W", "tokens", "one GPU (real)"] + names + ["auto's choice", "auto / best"]
     lines = [marks, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for cell in cells:
-        by: dict[str, Entry] = {}
-        for e in cell.entries:  # the backend at its own placement (entered first), not auto's other placements
-            by.setdefault(e.candidate.backend, e)
-        best = cell.best.candidate.backend
-        row = [cell.mix, str(cell.world), f"{cell.tokens // 1024}K", _ms(cell.one_gpu_s)]
+        by: dict[str, dict] = {}
+        for b in cell["backends"]:  # the backend at its own placement (entered first), not auto's other placements
+            by.setdefault(b["label"].split("(")[0], b)
+        best = cell["best"].split("(")[0]
+        row = [cell["mix"], str(cell["world"]), f"{cell['tokens'] // 1024}K", _ms_text(cell.get("one_gpu_ms"))]
         for name in names:
-            e = by.get(name)
-            if e is None:
+            b = by.get(name)
+            if b is None:
                 row.append("")
-            elif e.step is None:
-                row.append(f"({_ms(e.prediction.step_s)} p)")
+            elif b["emulated_ms"] is None:
+                row.append(f"({_ms_text(b['predicted_ms'])} p)")
             else:
-                text = _ms(e.emulated_s)
+                text = _ms_text(b["emulated_ms"])
                 row.append(f"**{text}**" if name == best else text)
-        row += [f"{cell.auto.label} ({cell.auto_placement})", f"{cell.auto_ratio:.3f}"]
+        row += [f"{cell['auto']} ({cell['auto_placement']})", f"{cell['auto_ratio']:.3f}"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
-def write_json(path, cells: Sequence[Cell], meta: dict) -> None:
+def read_json(paths: Sequence[str]) -> tuple[list[dict], list[dict]]:
+    """(cells, metas) of JSON-lines files :func:`write_json` wrote, in file order."""
+    cells, metas = [], []
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                row = json.loads(line)
+                (metas if "meta" in row else cells).append(row.get("meta", row))
+    return cells, metas
+
+
+def write_json(path, cells: Sequence[dict], meta: dict) -> None:
+    """``cells`` (:meth:`Cell.as_json` rows) as JSON lines after one line of the run's ``meta``."""
     with open(path, "w") as f:
         f.write(json.dumps({"meta": meta}) + "\n")
         for cell in cells:
-            f.write(json.dumps(cell.as_json()) + "\n")
+            f.write(json.dumps(cell) + "\n")

@@ -1,0 +1,51 @@
+"""``scripts/bench_backend_table.py``: one command gives every backend's emulated step and auto's choice per mix and
+group size, as JSON and as the README's table (a CPU smoke run; the figures come from a GPU)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "bench_backend_table.py"
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, timeout=600)
+
+
+def test_a_quick_run_writes_every_backend_and_autos_choice(tmp_path):
+    out = tmp_path / "table.jsonl"
+    readme = tmp_path / "README.md"
+    readme.write_text("before\n<!-- backend-table:start -->\nold\n<!-- backend-table:end -->\nafter\n")
+    done = run("--quick", "--mixes", "prolong,sft", "--worlds", "4", "--within", "100", "--out-json", str(out),
+               "--readme", str(readme))
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    meta, cells = rows[0]["meta"], rows[1:]
+    assert [c["mix"] for c in cells] == ["prolong", "sft"] and meta["kernel"] == "reference"
+    for cell in cells:
+        labels = {b["label"] for b in cell["backends"]}
+        assert {"ring", "zigzag", "distfa", "tasp", "ulysses", "cad"} <= labels
+        assert cell["auto"] in labels and cell["auto_ratio"] >= 1.0 and cell["one_gpu_ms"] > 0
+        emulated = [b["emulated_ms"] for b in cell["backends"] if b["emulated_ms"] is not None]
+        assert min(emulated) * cell["auto_ratio"] in [e for e in emulated] or cell["auto_ratio"] == 1.0
+    text = readme.read_text()
+    assert text.startswith("before\n<!-- backend-table:start -->\nEmulated on one CPU") and text.endswith(
+        "<!-- backend-table:end -->\nafter\n") and "| prolong | 4 |" in text and "\nold\n" not in text
+    # the same table again from the JSON alone, no run
+    again = run("--from-json", str(out), "--within", "100")
+    assert again.returncode == 0 and "| sft | 4 |" in again.stdout
+
+
+def test_auto_far_from_the_best_fails_the_run(tmp_path):
+    out = tmp_path / "table.jsonl"
+    cell = {"mix": "sft", "world": 8, "tokens": 8192, "docs": 3, "one_gpu_ms": 1.0, "auto": "ring",
+            "auto_placement": "contiguous", "auto_ratio": 1.2, "auto_reason": "", "best": "zigzag",
+            "backends": [{"label": "ring", "placement": "contiguous", "predicted_ms": 1.0, "emulated_ms": 1.2},
+                         {"label": "zigzag", "placement": "zigzag", "predicted_ms": 1.1, "emulated_ms": 1.0}]}
+    out.write_text(json.dumps({"meta": {"marks": "m", "command": "c"}}) + "\n" + json.dumps(cell) + "\n")
+    done = run("--from-json", str(out))
+    assert done.returncode == 1 and "| sft | 8 | 8K | 1.0 | 1.2 | **1.0** | ring (contiguous) | 1.200 |" in done.stdout
