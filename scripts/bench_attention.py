@@ -41,7 +41,7 @@ from hf_longctx.benchmarking import (
 )
 from hf_longctx.comm import comm_stats, reset_comm_stats
 from hf_longctx.comm.groups import high_priority_options
-from hf_longctx.hf.config import parse_backend_options
+from hf_longctx.hf.settings.sources import parse_backend_options
 from hf_longctx.kernels import SKIP_KERNEL, attention_backward, attention_forward
 from hf_longctx.lab.emulation import real_rank_kernel_times
 from hf_longctx.lab.emulation.workloads import WORKLOAD_MIXES, doc_lengths, global_tensors

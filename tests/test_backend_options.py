@@ -101,7 +101,7 @@ def test_a_model_file_made_ahead_prices_the_schedule(tmp_path):
 ], ids=["device", "kernel", "not-json", "not-a-model"])
 def test_a_mismatched_model_file_is_refused_when_the_settings_are_checked(tmp_path, meta, text, problem):
     """Checked with the settings (before a model is built), never a fall back to FLOPs."""
-    from hf_longctx.hf.settings import LongContextConfig
+    from hf_longctx.hf.settings.schema import LongContextConfig
 
     path = tmp_path / "model.json"
     if text is None:

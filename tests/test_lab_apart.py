@@ -166,7 +166,7 @@ def _train_cad_step(rank, world, options):
 
     import hf_longctx  # noqa: F401 - registers the attention implementations
     from hf_longctx.hf import LongContextConfig, implementation_name
-    from hf_longctx.hf.inputs import install_input_hook
+    from hf_longctx.hf.integration.inputs import install_input_hook
     from hf_longctx.layout import PackedBatch
 
     settings = LongContextConfig(backend="cad", backend_options=options)

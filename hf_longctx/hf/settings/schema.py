@@ -8,11 +8,18 @@ key fails with the closest known name.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
-from ..backends.options import BackendOptions
+from ...backends.options import BackendOptions
 from .backend_names import backend_from_name
+
+
+def liger_installed() -> bool:
+    """Whether Liger-Kernel can be imported (``pip install hf_longctx[liger]``): the ``fused_ops: liger`` setting is
+    refused without it, where it is read."""
+    return importlib.util.find_spec("liger_kernel") is not None
 
 
 class ConfigError(ValueError):
@@ -93,8 +100,6 @@ class LongContextConfig:
             raise ValueError(f"unknown fused_ops {self.fused_ops!r}" + (f"; did you mean {hint[0]!r}?" if hint else "")
                              + f" (choose one of {', '.join(FUSED_OPS_MODES)})")
         if self.fused_ops == "liger":
-            from .fused_ops import liger_installed
-
             if not liger_installed():
                 raise ValueError("fused_ops: liger needs Liger-Kernel: pip install 'hf_longctx[liger]' (GPU only), "
                                  "or set fused_ops: auto or off")
@@ -107,7 +112,7 @@ class LongContextConfig:
 
     @property
     def attn_implementation(self) -> str:
-        from .attention import implementation_name
+        from .backend_names import implementation_name
 
         return implementation_name(self.backend)
 
@@ -129,7 +134,7 @@ class LongContextConfig:
 
     def resolved_sizes(self, world_size: int, model_config=None) -> tuple[int, int, int, int]:
         """(dp, sp, tp, ep) on ``world_size`` processes; errors name the fix (checked against the model if given)."""
-        from ..comm.mesh import check_parallel_sizes
+        from ...comm.mesh import check_parallel_sizes
 
         sp = self.sp_size or max(1, world_size // self.tp_size)
         text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
@@ -183,7 +188,7 @@ def checked_backend_options(backend: str, options, hint: str = "options belong t
     the backend reads and every value one it can run (see :func:`hf_longctx.backends.api.check_options`): a misspelt
     option would otherwise be ignored, and the run would silently be another one than the recipe asked for. The one
     place the settings' options are parsed; ``hint`` ends the error."""
-    from ..backends.api import check_options
+    from ...backends.api import check_options
 
     if options is not None and not isinstance(options, (Mapping, BackendOptions)):
         raise ValueError(f"backend_options must be a mapping of option names to values (in a sidecar `backend_options: "
@@ -196,7 +201,7 @@ def checked_backend_options(backend: str, options, hint: str = "options belong t
 
 def _check_kernel(kernel: str) -> None:
     """Kernel names are checked when the recipe is read, not at the first forward."""
-    from ..kernels import kernel_names
+    from ...kernels import kernel_names
 
     valid = ("auto", *kernel_names())
     if kernel not in valid:

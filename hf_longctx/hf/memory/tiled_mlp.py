@@ -43,7 +43,7 @@ import math
 import torch
 from torch import nn
 
-from ..wrapping import InPlaceWrapper
+from ...wrapping import InPlaceWrapper
 
 DEFAULT_CHUNK_TOKENS = 16384
 """Tokens per chunk. Llama-3-8B: 16384 x 14336 x 2 bytes = 448 MiB per intermediate (bf16), and the

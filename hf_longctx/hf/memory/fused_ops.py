@@ -5,9 +5,9 @@ transformers' ``LlamaRMSNorm`` upcasts its input to float32 and autograd keeps t
 normalized input cast back and the output: ``(4 + 2 a) h`` bytes per token per norm, two norms per
 layer, plus float32 temporaries in its backward. Liger's RMSNorm keeps its input and a float32 rsqrt
 per token; its RoPE keeps only cos and sin; its SwiGLU keeps gate and up, recomputes the activation and
-writes d(gate) and d(up) over them. Measured layer by layer for the Llama-3-8B shape: a layer's backward
-needs ~35 KiB per token less with the fused norm, and Liger's SwiGLU ~56 KiB less than an un-fused MLP's
-gradients (:mod:`~hf_longctx.hf.memory_plan` models both; the forward's peak is the same either way).
+writes d(gate) and d(up) over them. A layer's backward so needs less with the fused norm and less again with
+Liger's SwiGLU than with an un-fused MLP's gradients, and the forward's peak is the same either way (measured layer
+by layer: bench/results/2026-12-04_from-modules.md); the memory model (:mod:`.model`) counts both.
 
 Liger's kernels are Triton: they need a GPU. ``fused_ops_available`` says whether they can run here;
 :func:`enable_fused_ops` patches a model instance (Liger's own ``_apply_liger_kernel_to_instance``)
@@ -19,16 +19,10 @@ already patched (``TrainingArguments(use_liger_kernel=True)``, also TRL's flag) 
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
-from .model_layers import checkpointed_layers as _decoder_layers
-
-
-def liger_installed() -> bool:
-    """Whether Liger-Kernel can be imported (``pip install hf_longctx[liger]``)."""
-    return importlib.util.find_spec("liger_kernel") is not None
+from ..settings.schema import liger_installed
+from .decoder_layers import checkpointed_layers as _decoder_layers
 
 
 def fused_ops_reason(device: torch.device | str | None = None) -> str | None:

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..settings.schema import CHECKPOINTING_MODES, GROUP_MODE
 from .checkpointing import (
     enable_layer_checkpointing,
     enable_per_layer_checkpointing,
     enable_recompute_aware_checkpointing,
 )
-from .settings import CHECKPOINTING_MODES, GROUP_MODE
 from .tiled_loss import TiledLoss, enable_tiled_loss
 
 
@@ -50,8 +50,8 @@ def enable_memory_options(model: torch.nn.Module, checkpointing: str = "none", o
     ``recompute_aware`` (the same, keeping each core-attention output); ``offload`` keeps the
     checkpoints in pinned host memory. ``tiled_loss`` / ``tiled_mlp``: tokens per chunk of the
     vocabulary loss / of every MLP (0: off). ``layers``: one ``(mode, offload)`` per decoder layer
-    (as :class:`~hf_longctx.hf.memory_plan.MemoryPlan` chooses them; mode ``group`` joins the checkpoint of the
-    ``layer`` layer below, see :func:`~hf_longctx.hf.checkpointing.enable_per_layer_checkpointing`), which then replaces
+    (as :class:`~hf_longctx.hf.memory.model.MemoryPlan` chooses them; mode ``group`` joins the checkpoint of the
+    ``layer`` layer below, see :func:`~.checkpointing.enable_per_layer_checkpointing`), which then replaces
     ``checkpointing`` and ``offload``: some layers not checkpointed, exactly the chosen layers'
     checkpoints on the host. Install the sequence-parallel input hook AFTER this call: its output hook
     must run after the tiled loss's.

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import one_process_attention
-from ..layout import document_starts
+from ...backends import one_process_attention
+from ...layout import document_starts
 from .model_support import reads_dense_mask
 
 _CASTABLE = (torch.float32, torch.float16, torch.bfloat16)

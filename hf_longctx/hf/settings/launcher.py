@@ -1,9 +1,11 @@
-"""What the ``accelerate launch`` that started this process was asked for: its recipe and process count.
+"""What the ``accelerate launch`` that started this process was asked for: its recipe, process count and FSDP version.
 
-Used for two checks that would otherwise fail late or silently: finding the recipe's sidecar from the
+Used for checks that would otherwise fail late or silently: finding the recipe's sidecar from the
 launcher's ``--config_file``, and catching "the launcher asked for several processes but started one"
 (on CPU, ``--num_processes N`` without ``--multi_gpu`` does that). Neither accelerate nor torch passes
-the launcher's command line to its children, so the only source is the process table.
+the launcher's command line to its children, so the only source is the process table. The FSDP version is
+in the environment accelerate hands its processes (:func:`launcher_fsdp_version`): the FSDP checks and the memory
+plan read it here.
 """
 
 from __future__ import annotations
@@ -60,3 +62,23 @@ def launcher_num_processes() -> int | None:
         return int(value) if value is not None else None
     except ValueError:
         return None
+
+
+TRUE_TEXTS = ("1", "true", "yes")
+"""How accelerate writes a switch that is on in the environment it hands its processes."""
+
+
+def launcher_fsdp_version(environ=None) -> int | None:
+    """The FSDP version ``accelerate launch`` asked for (its ``ACCELERATE_USE_FSDP`` / ``FSDP_VERSION``), or None."""
+    env = os.environ if environ is None else environ
+    if env.get("ACCELERATE_USE_FSDP", "false").strip().lower() not in TRUE_TEXTS:
+        return None
+    return int(env.get("FSDP_VERSION", "1") or 1)
+
+
+def requested_fsdp_version(args=None) -> int | None:
+    """FSDP version asked for by the launcher or by ``TrainingArguments(fsdp=..., fsdp_config=...)``, or None."""
+    version = launcher_fsdp_version()
+    if version is None and args is not None and getattr(args, "fsdp", None):
+        version = int((getattr(args, "fsdp_config", None) or {}).get("version", 1))
+    return version

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from .backend_names import backend_from_name
 from .launcher import launcher_config_file, launcher_num_processes
-from .settings import (
+from .schema import (
     CHECKPOINTING_MODES,
     FUSED_OPS_MODES,
     MEMORY_MODES,

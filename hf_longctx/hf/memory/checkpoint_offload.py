@@ -26,7 +26,7 @@ import weakref
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..backends.op import ATTENTION_OUTPUTS
+from ...backends.op import ATTENTION_OUTPUTS
 
 MIN_OFFLOAD_BYTES = 1 << 20  # small tensors (masks, scalars) are not worth a transfer
 
@@ -174,7 +174,7 @@ class CheckpointOffloader:
     """A ``torch.utils.checkpoint`` drop-in that keeps each layer's checkpoint in pinned host memory.
 
     Use it as transformers' per-layer checkpoint function (see
-    :func:`~hf_longctx.hf.checkpointing.enable_layer_checkpointing` with ``offload=True``). The
+    :func:`~hf_longctx.hf.memory.checkpointing.enable_layer_checkpointing` with ``offload=True``). The
     checkpoint keyword arguments (``use_reentrant=False``, a selective ``context_fn``) pass through.
     """
 

@@ -38,7 +38,7 @@ def refuse_local_router_aux_loss(models: Sequence[nn.Module], keywords: Sequence
     """
     if (world <= 1 and not padded) or not router_aux_loss_requested(config, keywords):
         return
-    from ..moe.aux_loss import installed_aux_loss
+    from ...moe.aux_loss import installed_aux_loss
 
     if any(installed_aux_loss(model) is not None for model in models):
         return

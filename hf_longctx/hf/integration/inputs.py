@@ -3,7 +3,7 @@
 Installed on the model (``register_forward_pre_hook``, no patching of transformers classes), it
 concatenates the batches of the sequence-parallel group, builds the shard plan of the backend the
 model was loaded with, and replaces the model's keyword inputs by this rank's shard
-(:func:`~hf_longctx.hf.sharding.shard_batch`). ``num_items_in_batch`` from Trainer (the targets of the
+(:func:`~hf_longctx.hf.integration.sharding.shard_batch`). ``num_items_in_batch`` from Trainer (the targets of the
 whole world) is kept, so the loss scaling Trainer applies stays right.
 
 Any batch a collator makes works (:mod:`.rows`): packed rows, several unpacked rows, padded rows
@@ -30,15 +30,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..backends.load import attention_load
-from ..backends.options import BackendOptions
-from ..comm.groups import group_rank_and_size
-from .attention import backend_of
+from ...backends.load import attention_load
+from ...backends.options import BackendOptions
+from ...comm.groups import group_rank_and_size
+from ..settings.backend_names import backend_of
+from ..settings.schema import checked_backend_options
 from .context import attention_calls
 from .positions import PositionRule
 from .router_aux import refuse_local_router_aux_loss
 from .rows import flatten_batch, unflatten_rows
-from .settings import checked_backend_options
 from .sharded_model import check_model
 from .sharding import gather_group_batch, plan_for
 

@@ -31,22 +31,22 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from ..benchmarking import model_flops_per_token, peak_flops, training_mfu
-from ..comm.groups import sequence_parallel_group
-from ..kernels import available_kernels
-from .attention import PREFIX
-from .checkpointing import checkpointing_argument
-from .config import load_config
-from .fsdp import check_fsdp_model
+from ...benchmarking import model_flops_per_token, peak_flops, training_mfu
+from ...comm.groups import sequence_parallel_group
+from ...kernels import available_kernels
+from ..memory.checkpointing import checkpointing_argument
+from ..memory.enable import enable_memory_options
+from ..memory.optimizer_offload import host_optimizer_of
+from ..parallel.fsdp import check_fsdp_model
+from ..parallel.model_parallelism import model_parallelism
+from ..settings.backend_names import PREFIX
+from ..settings.schema import LongContextConfig
+from ..settings.sources import load_config
 from .inputs import install_input_hook
-from .memory import enable_memory_options
-from .optimizer_offload import host_optimizer_of
-from .parallelism import model_parallelism
 from .preflight import check_process_count
-from .settings import LongContextConfig
 
 if TYPE_CHECKING:
-    from ..moe import DistributedAuxLoss
+    from ...moe import DistributedAuxLoss
 
 logger = logging.getLogger("hf_longctx")
 
@@ -56,12 +56,12 @@ def check_moe_layout(model, cfg: LongContextConfig, world: int) -> None:
 
     Expert slices have to exist before DDP is built (it would copy rank 0's experts everywhere), so
     the training script shards the model before creating the Trainer
-    (:func:`~hf_longctx.hf.parallelism.apply_model_parallelism`); this check turns a recipe whose
+    (:func:`~hf_longctx.hf.parallel.model_parallelism.apply_model_parallelism`); this check turns a recipe whose
     sizes were never applied into an error instead of a silently unsharded run. Head-parallel
     attention needs the ranks of a tensor-parallel group to train on the same batch, while the
     Trainer's sampler gives every process its own: that layout runs in a custom loop, not here.
     """
-    from ..moe import ExpertParallelExperts
+    from ...moe import ExpertParallelExperts
 
     cfg.resolved_sizes(world, model.config)
     if cfg.tp_size > 1:
@@ -87,7 +87,7 @@ def install_aux_loss(model: torch.nn.Module) -> DistributedAuxLoss | None:
     is what one device of plain data parallelism computes; apply_model_parallelism's whole-world
     group, when installed before, is kept.
     """
-    from ..moe import enable_distributed_aux_loss, find_experts_modules, installed_aux_loss
+    from ...moe import enable_distributed_aux_loss, find_experts_modules, installed_aux_loss
 
     if getattr(model.config, "router_aux_loss_coef", None) is None or installed_aux_loss(model) is not None:
         return None
@@ -132,9 +132,9 @@ def follow_loss_averaging(model: torch.nn.Module, args) -> tuple[DistributedAuxL
     multiplied by its group's size (:attr:`~hf_longctx.moe.DistributedAuxLoss.averaged_over_processes`,
     the arithmetic is in :mod:`hf_longctx.moe.aux_loss`), as the input hook divides each shard's loss by
     its group's target count over the group size
-    (:attr:`~hf_longctx.hf.inputs.SequenceParallelInputs.average_in_group`).
+    (:attr:`~hf_longctx.hf.integration.inputs.SequenceParallelInputs.average_in_group`).
     """
-    from ..moe import installed_aux_loss
+    from ...moe import installed_aux_loss
 
     aux = installed_aux_loss(model)
     if aux is None:
@@ -185,7 +185,7 @@ class LongContextCallback(TrainerCallback):
             checkpointing = "layer" if cfg.checkpointing == "layer" else "recompute_aware"
         plan = None
         if cfg.memory == "auto":  # the plan picks per-layer checkpointing, offload and tiling (hf.memory_plan)
-            from .memory_plan import plan_for_training
+            from ..memory.model import plan_for_training
 
             plan = plan_for_training(model, cfg, args, world=world, sp_size=sp,
                                      train_dataloader=kwargs.get("train_dataloader"), optimizer=kwargs.get("optimizer"))
@@ -193,7 +193,7 @@ class LongContextCallback(TrainerCallback):
             checkpointing = self._memory.checkpointing
         else:
             if cfg.fused_ops == "liger":  # under memory: auto the plan switches them on
-                from .fused_ops import enable_fused_ops, uses_fused_norms
+                from ..memory.fused_ops import enable_fused_ops, uses_fused_norms
 
                 if not uses_fused_norms(model):
                     enable_fused_ops(model, swiglu=not cfg.tiled_mlp)

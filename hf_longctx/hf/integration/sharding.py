@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..backends import default_strategy
-from ..backends.options import BackendOptions
-from ..comm.groups import group_rank_and_size
-from ..layout import PackedBatch, ShardPlan, shard_plan
+from ...backends import default_strategy
+from ...backends.options import BackendOptions
+from ...comm.groups import group_rank_and_size
+from ...layout import PackedBatch, ShardPlan, shard_plan
 from .context import SequenceParallelContext
 from .rows import IGNORE_INDEX, FlatBatch, shift_labels_per_document
 from .sharded_model import checked_model
@@ -42,7 +42,7 @@ def shard_batch(
     ``batch`` holds one packed sequence: ``input_ids`` (1, T), ``position_ids`` (1, T), optional
     ``labels`` (1, T; default input_ids). Given positions travel with the tokens unchanged. Without
     them, pass ``model=``: each document of the plan is then numbered as the model numbers a row of its
-    own (:func:`~hf_longctx.hf.positions.position_rule`: 0, 1, 2, ... for most models, from
+    own (:func:`~hf_longctx.hf.integration.positions.position_rule`: 0, 1, 2, ... for most models, from
     ``padding_idx + 1`` for RoBERTa and its kin), computed before sharding; without positions and
     without the model this raises, since 0-based positions would be wrong for a model with a rule of
     its own.
@@ -55,7 +55,7 @@ def shard_batch(
     with ``sdpa``, or attention modules that bypass transformers' AttentionInterface): it would attend
     inside each shard only, and only ``model=`` refuses the first case; the input hook refuses both
     after the forward. A caller without the hook can ask the same after ``model(**local)``:
-    ``hf_longctx.hf.context.attention_calls(local["longctx"])`` is 0 for such a model.
+    ``hf_longctx.hf.integration.context.attention_calls(local["longctx"])`` is 0 for such a model.
     """
     packed = plan.batch
     input_ids = batch["input_ids"].reshape(-1)
@@ -79,8 +79,8 @@ def shard_batch(
 
 def _model_options(model: torch.nn.Module, options: Mapping) -> BackendOptions | Mapping:
     """``options`` parsed for the backend ``model`` runs (a mapping as it is for a model without one)."""
-    from .attention import PREFIX, backend_of
-    from .settings import checked_backend_options
+    from ..settings.backend_names import PREFIX, backend_of
+    from ..settings.schema import checked_backend_options
 
     impl = str(getattr(getattr(model, "config", None), "_attn_implementation", None))
     if not impl.startswith(PREFIX):

@@ -18,8 +18,8 @@ from functools import partial
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from ..backends.op import core_attention  # noqa: F401 - registers torch.ops.hf_longctx.core_attention
-from .model_layers import checkpointed_layers as _decoder_layers
+from ...backends.op import core_attention  # noqa: F401 - registers torch.ops.hf_longctx.core_attention
+from .decoder_layers import checkpointed_layers as _decoder_layers
 
 
 def recompute_aware_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -46,7 +46,7 @@ def enable_recompute_aware_checkpointing(model, offload: bool = False) -> None:
 def enable_layer_checkpointing(model, kwargs: dict | None = None, offload: bool = False) -> None:
     """Checkpoint every decoder layer through whichever entry point this transformers version has.
 
-    ``offload=True`` swaps in :class:`~hf_longctx.hf.offload.CheckpointOffloader` as each layer's
+    ``offload=True`` swaps in :class:`~hf_longctx.hf.memory.checkpoint_offload.CheckpointOffloader` as each layer's
     checkpoint function (transformers' own ``offload`` flag copies synchronously on the compute
     stream and cannot reach the selective-checkpoint cache).
     """
@@ -60,7 +60,7 @@ def enable_layer_checkpointing(model, kwargs: dict | None = None, offload: bool 
     if not offload:
         model.__dict__.pop("_hf_longctx_offloader", None)
         return
-    from .offload import CheckpointOffloader
+    from .checkpoint_offload import CheckpointOffloader
 
     offloader = CheckpointOffloader(keep_attention_outputs=kwargs.get("context_fn") is not None)
     function = partial(offloader, **kwargs)
@@ -141,7 +141,7 @@ class _GroupMember:
 
 def _parse_choices(layers) -> list[tuple[str, bool]]:
     """``(mode, offload)`` per layer from strings or pairs, checked (groups: :func:`.settings.group_heads`)."""
-    from .settings import GROUP_MODE, PER_LAYER_MODES, group_heads
+    from ..settings.schema import GROUP_MODE, PER_LAYER_MODES, group_heads
 
     choices = [(c, False) if isinstance(c, str) else (c[0], bool(c[1])) for c in layers]
     for mode, offload in choices:
@@ -162,14 +162,14 @@ def enable_per_layer_checkpointing(model, layers) -> None:
     layer joins the checkpoint of the ``layer`` layer below it (``layer``, ``group``, ``group``: one checkpoint
     for three layers, k times fewer checkpoints for a larger backward working set);
     ``offload``: that layer's checkpoint waits in pinned host memory (one
-    :class:`~hf_longctx.hf.offload.CheckpointOffloader` serves every offloaded layer, so the copies
+    :class:`~hf_longctx.hf.memory.checkpoint_offload.CheckpointOffloader` serves every offloaded layer, so the copies
     of those layers keep their side streams and the next offloaded layer is prefetched in backward).
     The layers that stay on the device use ``torch.utils.checkpoint`` as usual. Gradients are those
     of any other choice (the same operations run; only where tensors wait differs).
     """
     from torch.utils.checkpoint import checkpoint
 
-    from .settings import GROUP_MODE, group_heads
+    from ..settings.schema import GROUP_MODE, group_heads
 
     choices = _parse_choices(layers)
     if not getattr(model, "supports_gradient_checkpointing", False):
@@ -183,7 +183,7 @@ def enable_per_layer_checkpointing(model, layers) -> None:
     model.__dict__.pop("_hf_longctx_offloader", None)
     offloader = None
     if any(offload for _, offload in choices):
-        from .offload import CheckpointOffloader
+        from .checkpoint_offload import CheckpointOffloader
 
         offloader = model._hf_longctx_offloader = CheckpointOffloader(keep_attention_outputs=None)
     heads = group_heads([mode for mode, _ in choices])
@@ -215,6 +215,6 @@ def checkpointing_argument() -> str:
 
 def checkpointing_training_args(enabled: bool) -> dict:
     """``TrainingArguments`` keyword that turns activation checkpointing on or off, by its current name
-    (:func:`checkpointing_argument`); :class:`~hf_longctx.hf.callback.LongContextCallback` makes it
+    (:func:`checkpointing_argument`); :class:`~hf_longctx.hf.integration.callback.LongContextCallback` makes it
     recompute-aware."""
     return {checkpointing_argument(): enabled}

@@ -21,11 +21,11 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from .config import _recipe_and_origin, load_config, recipe_source
-from .fsdp import check_fsdp_launch
-from .launcher import launcher_num_processes
+from ..parallel.fsdp import check_fsdp_launch
+from ..settings.launcher import launcher_num_processes
+from ..settings.schema import ConfigError, LongContextConfig
+from ..settings.sources import _recipe_and_origin, load_config, recipe_source
 from .model_support import packed_sequence_refusal, unsupported_layers
-from .settings import ConfigError, LongContextConfig
 
 _DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow", ".csv", ".txt")
 
@@ -86,7 +86,7 @@ def check_attn_implementation(name: str | None) -> str | None:
         return name
     from transformers import AttentionInterface
 
-    from .attention import PREFIX
+    from ..settings.backend_names import PREFIX
 
     known = ["eager", *AttentionInterface().valid_keys()]
     if name in known or name.removeprefix("paged|") in known:
@@ -194,7 +194,7 @@ def check_model_config(cfg: LongContextConfig, model_config, world_size: int | N
                           "runs (sp_size and ep_size work), or train in a loop of your own")
     heads = getattr(text, "num_attention_heads", None)
     if cfg.backend == "ulysses" and heads:
-        from ..backends.ulysses import kv_repeat
+        from ...backends.ulysses import kv_repeat
 
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
 
@@ -210,8 +210,8 @@ def check_model_config(cfg: LongContextConfig, model_config, world_size: int | N
             raise ConfigError(f"{source}: backend ulysses splits the model's {heads} query heads over the {sp} "
                               f"processes of a sequence-parallel group, and {sp} does not divide {heads}; set sp_size "
                               f"to one of {fits}, or use a ring backend (--backend zigzag, distfa or ring)")
-    from ..backends import get_backend
-    from ..backends.ulysses_mesh import UlyssesMeshBackend, mesh_problem
+    from ...backends import get_backend
+    from ...backends.ulysses_mesh import UlyssesMeshBackend, mesh_problem
 
     spec = get_backend(cfg.backend)
     if isinstance(spec, UlyssesMeshBackend) and heads:
@@ -229,7 +229,7 @@ def check_run(recipe: str | os.PathLike | None = None, *, overrides: Mapping[str
     ``world_size`` defaults to the launcher's ``WORLD_SIZE`` (1 without a launcher). ``dataset`` and
     ``model`` are checked only where they name local paths; ``"synthetic"``/``"sample"`` and the
     built-in model names of the training script pass. ``overrides``: settings from the command line
-    (see :func:`~hf_longctx.hf.config.config_overrides`), checked like the sidecar's.
+    (see :func:`~hf_longctx.hf.settings.sources.config_overrides`), checked like the sidecar's.
     ``attn_implementation``: a name the caller will give transformers instead of the recipe's
     backend (see :func:`check_attn_implementation`). Last, :func:`check_gpu_present` for ``model``
     and the recipe.

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..backends.options import BackendOptions
-from ..layout import ShardPlan
+from ...backends.options import BackendOptions
+from ...layout import ShardPlan
 
 # every context alive now, by id: while it is empty no sharded forward runs, so nothing walks the stack
 _LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -68,7 +68,7 @@ class SequenceParallelContext:
             return self.options
         parsed = _PARSED_OPTIONS.get(self)
         if parsed is None or parsed[0] != backend:
-            from ..backends.api import check_options
+            from ...backends.api import check_options
 
             parsed = _PARSED_OPTIONS[self] = (backend, check_options(backend, self.options))
         return parsed[1]

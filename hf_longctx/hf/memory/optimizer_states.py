@@ -37,7 +37,7 @@ def allocate_optimizer_states(optimizer) -> None:
     """Create the (zero) states of an Adam-family optimizer now, as its first ``step()`` would.
 
     Accepts a torch Adam/AdamW, an accelerate-wrapped one, or
-    :class:`~hf_longctx.hf.optimizer_offload.HostOffloadAdamW` (whose states are in host memory). Raises
+    :class:`~hf_longctx.hf.memory.optimizer_offload.HostOffloadAdamW` (whose states are in host memory). Raises
     ValueError for an optimizer whose states are not Adam's: its first step could not be kept unchanged.
     """
     for opt in _inner_optimizers(optimizer):

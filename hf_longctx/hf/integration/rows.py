@@ -20,7 +20,7 @@ kind of batch keeps the meaning transformers gives it:
   each row, as transformers' loss does, and cut at every packed document's end (a document's last
   token predicts nothing); none when the call has no labels (the caller computes the loss);
 * **positions**: ``position_ids`` as given; without them, the positions the model computes itself on
-  each whole row (``positions_of``, the model's :class:`~hf_longctx.hf.positions.PositionRule`:
+  each whole row (``positions_of``, the model's :class:`~hf_longctx.hf.integration.positions.PositionRule`:
   0, 1, 2, ... for most models, from the mask for OPT, from the ids for RoBERTa), computed here
   before the group's batch is sharded. Without given positions a row's documents come from the row
   and its mask only, never from the computed positions.
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..data.collator import IGNORE_INDEX
-from ..layout import PackedBatch, document_starts
+from ...data.collator import IGNORE_INDEX
+from ...layout import PackedBatch, document_starts
 
 
 def shift_labels_per_document(labels: torch.Tensor, packed: PackedBatch) -> torch.Tensor:

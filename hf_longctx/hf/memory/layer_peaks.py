@@ -47,7 +47,7 @@ class LayerPeakProbe:
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device):
-        from .model_layers import checkpointed_layers as _decoder_layers
+        from .decoder_layers import checkpointed_layers as _decoder_layers
 
         self.layers = _decoder_layers(model)
         if not self.layers:

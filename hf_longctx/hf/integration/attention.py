@@ -22,32 +22,14 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import Backend, one_process_attention, registered_backends, sequence_parallel_attention
-from ..backends.registry import on_backend_registered
+from ...backends import Backend, one_process_attention, sequence_parallel_attention
+from ...backends.registry import on_backend_registered
+from ..settings.backend_names import PREFIX, implementation_name
 from .context import calls_under, context_of, count_attention_call
 from .model_support import unsupported_layers
 from .router_aux import has_router_aux_loss, refuse_local_router_aux_loss
 from .sharded_model import check_sharded_forward
 from .unsharded import match_dtypes, padding_mask, unsharded_attention, without_autocast
-
-PREFIX = "longctx_"
-
-
-def implementation_name(backend: str) -> str:
-    """transformers attention name of a backend: ``longctx_<backend>``.
-
-    transformers treats every attention name containing "flash" as a FlashAttention kernel to import,
-    so "flash" in a backend name becomes "fa".
-    """
-    return PREFIX + backend.replace("flash", "fa")
-
-
-def backend_of(implementation: str) -> str:
-    """Registry name of the backend behind a ``longctx_*`` attention name."""
-    if not implementation.startswith(PREFIX):
-        raise ValueError(f"{implementation!r} is not an hf_longctx attention implementation")
-    return next((b.name for b in registered_backends() if implementation_name(b.name) == implementation),
-                implementation[len(PREFIX):])
 
 
 def _is_causal(module: torch.nn.Module, kwargs: dict) -> bool:
@@ -128,7 +110,7 @@ def _make_attention(backend: str):
                 out = sequence_parallel_attention(q, k, v, plan=ctx.plan, backend=backend, group=ctx.group,
                                                   rank=ctx.rank, softmax_scale=scaling, kernel=ctx.kernel,
                                                   window=window, causal=causal, options=ctx.options_for(backend))
-            if ctx.padding is not None:  # padding tokens attend to nothing (see hf_longctx.hf.rows)
+            if ctx.padding is not None:  # padding tokens attend to nothing (see hf_longctx.hf.integration.rows)
                 out = out.masked_fill(ctx.padding.to(out.device)[:, None, None], 0)
             return out.unsqueeze(0), None
 

@@ -17,7 +17,7 @@ same parameters from different tokens, exactly like data-parallel ranks: the gra
 the sum over all dp x sp ranks. So parameters shard over ONE dimension spanning the whole world
 (``dp_shard`` = dp x sp), and the gradients are reduced once, by FSDP's reduce-scatter over that
 dimension, which averages over the world as DDP's all-reduce does (the loss contract of
-:mod:`hf_longctx.hf.inputs` makes that average exact). That is FSDP's default mesh (the default
+:mod:`hf_longctx.hf.integration.inputs` makes that average exact). That is FSDP's default mesh (the default
 process group), so nothing of ours is passed to ``fully_shard``. In accelerate's
 ``ParallelismConfig`` terms: ``dp_shard_size`` = world (= dp x sp here), ``dp_replicate_size`` 1
 (HSDP, replicate x shard = world, is equally exact), ``tp_size`` 1, and ``cp_size`` / ``sp_size`` 1:
@@ -50,29 +50,8 @@ import os
 
 import torch
 
-from .settings import ConfigError
-
-_TRUE = ("1", "true", "yes")
-
-
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "false").strip().lower() in _TRUE
-
-
-def launcher_fsdp_version(environ=None) -> int | None:
-    """The FSDP version ``accelerate launch`` asked for (its ``ACCELERATE_USE_FSDP`` / ``FSDP_VERSION``), or None."""
-    env = os.environ if environ is None else environ
-    if env.get("ACCELERATE_USE_FSDP", "false").strip().lower() not in _TRUE:
-        return None
-    return int(env.get("FSDP_VERSION", "1") or 1)
-
-
-def requested_fsdp_version(args=None) -> int | None:
-    """FSDP version asked for by the launcher or by ``TrainingArguments(fsdp=..., fsdp_config=...)``, or None."""
-    version = launcher_fsdp_version()
-    if version is None and args is not None and getattr(args, "fsdp", None):
-        version = int((getattr(args, "fsdp_config", None) or {}).get("version", 1))
-    return version
+from ..settings.launcher import TRUE_TEXTS, launcher_fsdp_version, requested_fsdp_version
+from ..settings.schema import ConfigError
 
 
 def unsupported_with_fsdp(cfg) -> str | None:
@@ -99,7 +78,7 @@ def check_fsdp_launch(cfg, environ=None) -> None:
     if version != 2:
         raise ConfigError(f"accelerate config: fsdp_version {version}: sequence parallelism composes with FSDP2 "
                           "(fully_shard) only; set fsdp_config: {fsdp_version: 2}")
-    if env.get("FSDP_ACTIVATION_CHECKPOINTING", "false").strip().lower() in _TRUE:
+    if env.get("FSDP_ACTIVATION_CHECKPOINTING", "false").strip().lower() in TRUE_TEXTS:
         raise ConfigError("accelerate config: fsdp_activation_checkpointing: true wraps every decoder layer in plain "
                           "checkpointing, which re-runs core attention and its communication in backward; set it to "
                           "false and keep the recipe's checkpointing (TrainingArguments(activation_checkpointing=True)"
@@ -185,7 +164,7 @@ def check_fsdp_model(model, args, cfg) -> int | None:
     if not sharded:
         raise ValueError("FSDP was asked for, but the model reached the Trainer unsharded: accelerate (1.15) runs FSDP "
                          "only on accelerators and falls back to DDP on CPU. On CPU call "
-                         "hf_longctx.hf.fsdp.enable_fsdp_on_cpu() after TrainingArguments and before Trainer(...)")
+                         "hf_longctx.hf.enable_fsdp_on_cpu() after TrainingArguments and before Trainer(...)")
     if any(isinstance(m, CheckpointWrapper) for m in model.modules()):
         raise ValueError("fsdp_activation_checkpointing wrapped the decoder layers in plain checkpointing, which "
                          "re-runs core attention and its communication in backward; turn it off and set "

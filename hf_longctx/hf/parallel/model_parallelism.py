@@ -1,11 +1,11 @@
 """``apply_model_parallelism``: a recipe's tp_size / ep_size / moe_dispatch / expert_tp_size applied to a model.
 
 One call after building (or loading) the model and before the Trainer, the optimizer or DDP exist,
-on every rank alike. From the run's :class:`~hf_longctx.hf.settings.LongContextConfig` it builds the
+on every rank alike. From the run's :class:`~hf_longctx.hf.settings.schema.LongContextConfig` it builds the
 process groups of :func:`~hf_longctx.comm.mesh.parallel_groups` and:
 
 * splits the attention heads over the tensor-parallel group (``tp_size``, transformers' own plan,
-  :mod:`~hf_longctx.hf.head_parallel`);
+  :mod:`~hf_longctx.hf.parallel.heads`);
 * shards the experts of every MoE block over the expert group (``ep_size`` x ``expert_tp_size``
   ranks, ``moe_dispatch``, :func:`~hf_longctx.moe.apply_expert_parallel`), tells DDP to leave the
   expert slices alone and installs :class:`ExpertGradSync`;
@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import load_config
-from .settings import LongContextConfig
+from ..settings.schema import LongContextConfig
+from ..settings.sources import load_config
 
 # what apply_model_parallelism did to each model (read by the callback); kept beside the model, not on it,
 # so deepcopy / pickling of the model never meets process groups
@@ -97,7 +97,7 @@ class ExpertGradSync:
         self._queued = False
         if not self.should_sync():
             return  # gradients keep accumulating locally, as DDP's do under no_sync
-        from ..moe import all_reduce_expert_grads, clip_grad_norm_
+        from ...moe import all_reduce_expert_grads, clip_grad_norm_
 
         all_reduce_expert_grads(self.model, self.expert_dp_group, expert_tp_group=self.expert_tp_group)
         if self.max_grad_norm is not None:
@@ -125,12 +125,12 @@ def apply_model_parallelism(model: nn.Module, config: LongContextConfig | None =
     A MoE model on several processes always gets the batch-exact load-balancing loss (each rank's
     own aux loss on its tokens, summed over ranks, is not the batch's), even without expert parallelism.
 
-    ``config`` defaults to the run's (:func:`~hf_longctx.hf.config.load_config`). Call on every rank
+    ``config`` defaults to the run's (:func:`~hf_longctx.hf.settings.sources.load_config`). Call on every rank
     after the weights are loaded and before the Trainer, the optimizer or DDP are created: expert
     slices must exist before DDP broadcasts rank 0's parameters. Sizes are checked against the world
     and the model first (errors name the fix).
     """
-    from ..moe.layer import find_experts_modules
+    from ...moe.layer import find_experts_modules
 
     cfg = config or load_config()
     split = cfg.tp_size * cfg.ep_size * cfg.expert_tp_size > 1
@@ -145,14 +145,14 @@ def apply_model_parallelism(model: nn.Module, config: LongContextConfig | None =
     if world == 1:
         raise RuntimeError(f"tp_size={cfg.tp_size}, ep_size={cfg.ep_size}, expert_tp_size={cfg.expert_tp_size} need "
                            "several processes: launch with accelerate/torchrun, or set them to 1")
-    from ..comm.mesh import parallel_groups
-    from ..moe import apply_expert_parallel, enable_distributed_aux_loss, ignore_expert_params_in_ddp
+    from ...comm.mesh import parallel_groups
+    from ...moe import apply_expert_parallel, enable_distributed_aux_loss, ignore_expert_params_in_ddp
 
     _, sp, tp, ep = cfg.resolved_sizes(world, model.config)
     groups = parallel_groups(sp, tp, ep, cfg.expert_tp_size)
     attention = 0
     if tp > 1:
-        from .head_parallel import apply_head_parallel_attention
+        from .heads import apply_head_parallel_attention
 
         attention = apply_head_parallel_attention(model, groups.tp_mesh)
     blocks, aux, sync = 0, None, None

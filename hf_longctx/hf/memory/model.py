@@ -5,7 +5,7 @@ recompute-aware or layer checkpointing, and whether the checkpoint waits on the 
 loss's and the tiled MLP's chunk sizes; where the optimizer states live. :func:`plan_memory` picks
 them from a transformers config, the tokens per GPU and the GPU's and host's sizes, and returns a
 :class:`MemoryPlan` that prints as one short table and switches the options on
-(:meth:`MemoryPlan.apply`, through :func:`~hf_longctx.hf.memory.enable_memory_options`).
+(:meth:`MemoryPlan.apply`, through :func:`~hf_longctx.hf.memory.enable.enable_memory_options`).
 
 The model (:class:`MemoryModel`) predicts the peak GPU bytes of one step as the largest of its
 phases, and the peak host bytes. All sizes are bytes; ``T`` is tokens per GPU, ``a`` the bytes of
@@ -80,7 +80,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from .settings import GROUP_MODE, ConfigError, group_heads
+from ..settings.schema import GROUP_MODE, ConfigError, group_heads
 
 if TYPE_CHECKING:
     import torch
@@ -656,18 +656,18 @@ class MemoryPlan:
         return sum(c.checkpointing != "none" for c in self.layers)
 
     def memory_options(self) -> dict:
-        """Keyword arguments of :func:`~hf_longctx.hf.memory.enable_memory_options` for this plan."""
+        """Keyword arguments of :func:`~hf_longctx.hf.memory.enable.enable_memory_options` for this plan."""
         return {"checkpointing": self.checkpointing, "offload": self.offloaded_layers > 0,
                 "tiled_loss": self.tiled_loss, "tiled_mlp": self.tiled_mlp, "layers": list(self.layers)}
 
     def apply(self, model):
-        """Switch this plan's options on (returns :class:`~hf_longctx.hf.memory.MemoryOptions`).
+        """Switch this plan's options on (returns :class:`~hf_longctx.hf.memory.enable.MemoryOptions`).
 
         The optimizer is the caller's: :meth:`make_optimizer` builds the one this plan assumes (the Trainer
-        takes :func:`~hf_longctx.hf.optimizer_offload.trainer_optimizer_cls_and_kwargs` when
+        takes :func:`~hf_longctx.hf.memory.optimizer_offload.trainer_optimizer_cls_and_kwargs` when
         ``optimizer_on_host``; the callback refuses a Trainer whose optimizer is not it).
         """
-        from .memory import enable_memory_options
+        from .enable import enable_memory_options
 
         if self.fused_ops:
             from .fused_ops import enable_fused_ops, uses_fused_norms
@@ -1187,7 +1187,7 @@ def plan_for_training(model, cfg, args=None, *, tokens_per_gpu: int | None = Non
     a CUDA device, no ZeRO or FSDP). ``optimizer``: the optimizer the run already has (the Trainer's): the
     plan takes its place as given, and a plan that needs AdamW on the host while it is on the GPU says so.
     """
-    from .fsdp import requested_fsdp_version
+    from ..settings.launcher import requested_fsdp_version
 
     config = getattr(model, "config", model)
     plugin = getattr(args, "deepspeed_plugin", None) if args is not None else None

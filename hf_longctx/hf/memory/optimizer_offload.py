@@ -173,11 +173,11 @@ def check_optimizer_place(plan, optimizer) -> None:
     """Refuse a run whose optimizer is on the GPU when its memory plan needs AdamW on the host."""
     if optimizer is None or not plan.optimizer_on_host or host_optimizer_of(optimizer) is not None:
         return
-    from .config import ConfigError
+    from ..settings.schema import ConfigError
 
     raise ConfigError("memory: auto keeps AdamW on the host (the run does not fit with its states on the GPU), but "
                       "the Trainer's optimizer is on the GPU: build the Trainer with optimizer_cls_and_kwargs="
-                      "hf_longctx.hf.optimizer_offload.trainer_optimizer_cls_and_kwargs(args) (scripts/train.py "
+                      "hf_longctx.hf.trainer_optimizer_cls_and_kwargs(args) (scripts/train.py "
                       "does), or train a shorter context per GPU")
 
 
