@@ -160,7 +160,7 @@ def worker(rank, world, args):
     memory_plan = None
     if args.memory == "auto":  # the planner picks checkpointing, offload and tiling from the memory it sees
         from hf_longctx.hf import LongContextConfig
-        from hf_longctx.hf.memory.model import plan_for_training
+        from hf_longctx.hf.memory.training import plan_for_training
 
         memory_plan = plan_for_training(model, LongContextConfig(memory="auto"), tokens_per_gpu=args.seq,
                                         world=world, sp_size=world, processes_per_host=world, zero_stage=args.zero,

@@ -47,8 +47,8 @@ from hf_longctx.data.tokenization import TextColumnError
 from hf_longctx.hf import ConfigError, apply_model_parallelism, check_positive, check_run, report_config_errors
 from hf_longctx.hf.integration.preflight import check_model_config
 from hf_longctx.hf.memory.checkpointing import checkpointing_training_args
-from hf_longctx.hf.memory.model import plan_for_training
 from hf_longctx.hf.memory.optimizer_offload import trainer_optimizer_cls_and_kwargs
+from hf_longctx.hf.memory.training import plan_for_training
 from hf_longctx.hf.parallel.fsdp import enable_fsdp_on_cpu
 from hf_longctx.hf.settings.sources import add_config_arguments, config_overrides, recipe_source
 

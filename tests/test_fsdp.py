@@ -168,7 +168,7 @@ def test_fsdp_launches_that_cannot_work_are_refused_by_name(env, cfg, message):
 
 def test_the_memory_plan_of_an_fsdp2_launch_shards_like_zero3_without_the_tiled_loss(monkeypatch):
     """memory: auto under FSDP2: weights, gradients and optimizer states over the world, no tiled loss."""
-    from hf_longctx.hf.memory.model import plan_for_training
+    from hf_longctx.hf.memory.training import plan_for_training
 
     model = tiny_llama("longctx_zigzag")
     cfg = LongContextConfig(memory="auto", seq_len=256, tiled_loss=0)

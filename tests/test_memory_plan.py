@@ -20,13 +20,12 @@ from hf_longctx.hf.memory.model import (
     GiB,
     LayerChoice,
     MemoryModel,
-    MemoryPlanError,
     ModelShape,
     default_host_overhead,
     pinned_parameter_bytes,
-    plan_for_training,
-    plan_memory,
 )
+from hf_longctx.hf.memory.search import MemoryPlanError, plan_memory
+from hf_longctx.hf.memory.training import plan_for_training
 from hf_longctx.layout import PackedBatch
 
 H200_GPU = 143771 << 20  # what nvidia-smi reports for an H200 (141 GB)
@@ -322,14 +321,14 @@ def test_a_training_run_plan_on_cpu_uses_host_memory_and_offloads_nothing():
 
 def test_host_memory_is_capped_by_the_cgroup_and_can_be_set(monkeypatch):
     """A container's limit, not /proc/meminfo, is what a process may pin; the variable wins over both."""
-    from hf_longctx.hf.memory import model as memory_plan
+    from hf_longctx.hf.memory import machine
 
     monkeypatch.delenv("HF_LONGCTX_HOST_MEMORY_GIB", raising=False)
-    total = memory_plan.host_memory_bytes()
-    monkeypatch.setattr(memory_plan, "_cgroup_limit", lambda: 3 * 2**30)
-    assert memory_plan.host_memory_bytes() == min(total, 3 * 2**30)
+    total = machine.host_memory_bytes()
+    monkeypatch.setattr(machine, "_cgroup_limit", lambda: 3 * 2**30)
+    assert machine.host_memory_bytes() == min(total, 3 * 2**30)
     monkeypatch.setenv("HF_LONGCTX_HOST_MEMORY_GIB", "125")
-    assert memory_plan.host_memory_bytes() == 125 * 2**30
+    assert machine.host_memory_bytes() == 125 * 2**30
 
 
 def test_fused_ops_keep_less_per_layer_and_take_one_h200_to_448k():

@@ -26,11 +26,12 @@ from .memory.checkpointing import (
 from .memory.enable import MemoryOptions, enable_memory_options
 from .memory.fused_ops import enable_fused_ops
 from .memory.layer_peaks import LayerPeakProbe
-from .memory.model import MemoryPlanError, plan_for_training, plan_memory
 from .memory.optimizer_offload import HostOffloadAdamW, trainer_optimizer_cls_and_kwargs
 from .memory.optimizer_states import allocate_optimizer_states
+from .memory.search import MemoryPlanError, plan_memory
 from .memory.tiled_loss import enable_tiled_loss
 from .memory.tiled_mlp import TiledMLP, disable_tiled_mlp, enable_tiled_mlp
+from .memory.training import plan_for_training
 from .parallel.fsdp import enable_fsdp_on_cpu, fully_shard_model
 from .parallel.heads import apply_head_parallel_attention
 from .parallel.model_parallelism import apply_model_parallelism, model_parallelism

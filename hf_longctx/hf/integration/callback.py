@@ -185,7 +185,7 @@ class LongContextCallback(TrainerCallback):
             checkpointing = "layer" if cfg.checkpointing == "layer" else "recompute_aware"
         plan = None
         if cfg.memory == "auto":  # the plan picks per-layer checkpointing, offload and tiling (hf.memory_plan)
-            from ..memory.model import plan_for_training
+            from ..memory.training import plan_for_training
 
             plan = plan_for_training(model, cfg, args, world=world, sp_size=sp,
                                      train_dataloader=kwargs.get("train_dataloader"), optimizer=kwargs.get("optimizer"))

@@ -50,7 +50,7 @@ def enable_memory_options(model: torch.nn.Module, checkpointing: str = "none", o
     ``recompute_aware`` (the same, keeping each core-attention output); ``offload`` keeps the
     checkpoints in pinned host memory. ``tiled_loss`` / ``tiled_mlp``: tokens per chunk of the
     vocabulary loss / of every MLP (0: off). ``layers``: one ``(mode, offload)`` per decoder layer
-    (as :class:`~hf_longctx.hf.memory.model.MemoryPlan` chooses them; mode ``group`` joins the checkpoint of the
+    (as :class:`~.plan.MemoryPlan` chooses them; mode ``group`` joins the checkpoint of the
     ``layer`` layer below, see :func:`~.checkpointing.enable_per_layer_checkpointing`), which then replaces
     ``checkpointing`` and ``offload``: some layers not checkpointed, exactly the chosen layers'
     checkpoints on the host. Install the sequence-parallel input hook AFTER this call: its output hook

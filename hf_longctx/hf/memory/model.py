@@ -1,14 +1,8 @@
-"""A memory model of one training step at long context, and a planner that picks the fastest memory options that fit.
-
-Six knobs decide whether a long context fits a GPU: per decoder layer, no checkpointing,
-recompute-aware or layer checkpointing, and whether the checkpoint waits on the host; the tiled
-loss's and the tiled MLP's chunk sizes; where the optimizer states live. :func:`plan_memory` picks
-them from a transformers config, the tokens per GPU and the GPU's and host's sizes, and returns a
-:class:`MemoryPlan` that prints as one short table and switches the options on
-(:meth:`MemoryPlan.apply`, through :func:`~hf_longctx.hf.memory.enable.enable_memory_options`).
+"""The memory model of one training step at long context: peak GPU and host bytes of a choice of memory options.
 
 The model (:class:`MemoryModel`) predicts the peak GPU bytes of one step as the largest of its
-phases, and the peak host bytes. All sizes are bytes; ``T`` is tokens per GPU, ``a`` the bytes of
+phases, and the peak host bytes, for per-layer choices (:class:`LayerChoice`) that the planner
+(:mod:`.search`) compares. All sizes are bytes; ``T`` is tokens per GPU, ``a`` the bytes of
 one activation element (2 for bf16), ``h`` the hidden size, ``q = heads x head_dim``,
 ``kv = kv_heads x head_dim``, ``I`` the MLP's intermediate size, ``V`` the vocabulary, ``L`` layers.
 
@@ -41,49 +35,28 @@ below it, the gradients of the layers above it, its own working set); the optimi
 terms: weights, gradients, optimizer states and master weights as the precision and the ZeRO stage
 put them. Host: an overhead (:func:`default_host_overhead`: 3 GiB per process, see :data:`HOST_PROCESS_BYTES`, and 3 GiB
 for the system) plus the pinned checkpoints of every process on the host, plus the optimizer when it lives
-there.
+there. Optimizer states on the host: in one process (no ZeRO) torchao's offload optimizer
+(:mod:`.optimizer_offload`): pinned host copies of every parameter and gradient (power-of-two blocks) plus the
+AdamW moments; on the GPU only the weights and one layer's gradients in flight. Under ZeRO the host layout is
+DeepSpeed's ``offload_optimizer``.
 
 Calibration: measured peaks (``torch.cuda.max_memory_allocated``, whole steps and layer by layer with
-``memory_probe``) against this model, which is to stay above every one of them by a few percent (measured:
+:mod:`.layer_peaks`) against this model, which is to stay above every one of them by a few percent (measured:
 bench/results/2026-11-22_training-memory.md; the per-layer windows the tests check are in
 ``tests/memory_measurements.json``).
 
 On CPU the tests check the saved tensors of each checkpointing mode byte for byte
 (``tests/test_memory_plan.py``).
 Every coefficient is a module constant, so newer measurements can move it.
-
-Cost model (which plan is fastest), in FLOPs per token: a layer's forward is its matmuls
-(``2 x its parameters``) plus causal attention (``4 q x keys per query``), its backward twice the
-matmuls plus :data:`ATTENTION_BACKWARD_FACTOR` times the attention. Layer checkpointing adds a layer's forward;
-recompute-aware only its matmuls (as measured against layer checkpointing, bench/results/2026-11-22_checkpointing.md);
-the tiled MLP one MLP forward per layer; the tiled loss one output-projection forward; an offloaded checkpoint
-:data:`OFFLOAD_OVERHEAD` of the layer's step or the
-copy time that the layer's compute does not hide, whichever is more. So spare memory buys speed:
-first untiled loss and MLP, then fewer checkpointed layers, recompute-aware before layer
-checkpointing, and checkpoints on the host while host memory lasts.
-
-Optimizer states on the host: in one process (no ZeRO) AdamW runs on the host through torchao's
-offload optimizer (:mod:`.optimizer_offload`): pinned host copies of every parameter and gradient
-(power-of-two blocks) plus the AdamW moments; on the GPU only the weights and one layer's gradients in
-flight. :func:`plan_for_training` allows it where it can run (torchao, a CUDA device, one process) and
-the plan chooses it only when nothing fits with the optimizer on the GPU (its host AdamW step costs
-seconds). Under ZeRO the host layout is DeepSpeed's ``offload_optimizer`` (modelled, set in the recipe).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..settings.schema import GROUP_MODE, ConfigError, group_heads
-
-if TYPE_CHECKING:
-    import torch
 
 GiB = 1 << 30
 
@@ -112,7 +85,7 @@ checkpointing keeps exactly this model's bytes (bench/results/2026-12-04_from-mo
 its output (the next projection's input) and a float32 rsqrt per token. Under checkpointing the layer's input
 is the checkpoint itself: counted twice, which leaves ``a h`` per token of margin in the recomputed layer.
 
-What the fused norm does not change, measured layer by layer (``memory_probe``, 8B shape): the peak of a
+What the fused norm does not change, measured layer by layer (:mod:`.layer_peaks`, 8B shape): the peak of a
 layer's forward (the same with either norm) and the temporaries of a layer's backward (Liger's backward needs as
 much as transformers' float32 ones there). A layer's backward with the fused norm needs less per token than with
 transformers': the float32 upcasts it does not keep (measured: bench/results/2026-12-04_from-modules.md)."""
@@ -120,7 +93,7 @@ transformers': the float32 upcasts it does not keep (measured: bench/results/202
 FORWARD_ATTENTION_TRANSIENT_HIDDEN = 13
 """Per token, in units of ``a h``: what a checkpointed layer's forward holds at its attention part (its input,
 the norm's output, q, k and v before and after the rotary embedding and in the kernel's layout, the attention
-output and the projection after it). Measured layer by layer (``memory_probe``), 8B shape, with either norm:
+output and the projection after it). Measured layer by layer (:mod:`.layer_peaks`), 8B shape, with either norm:
 just under 13 ``a h`` per token (bench/results/2026-12-04_from-modules.md)."""
 
 MLP_FORWARD_HIDDEN_TENSORS = 4
@@ -210,42 +183,9 @@ def default_host_overhead(processes_per_host: int = 1) -> int:
     """Host bytes the plan keeps free of checkpoints and optimizer states: the system plus each process's own."""
     return HOST_RESERVED_BYTES + max(1, processes_per_host) * HOST_PROCESS_BYTES
 
-# ---------------------------------------------------------------------------------------------
-# Coefficients of the cost model.
-# ---------------------------------------------------------------------------------------------
-
-ATTENTION_BACKWARD_FACTOR = 2.5
-"""Attention backward / forward FLOPs: FlashAttention's backward runs 5 matmuls to the forward's 2."""
-
-OFFLOAD_OVERHEAD = 0.01
-"""Share of an offloaded layer's step spent on its copies: well under it on one GPU with side streams (measured:
-bench/results/2026-11-22_checkpointing.md), counted as 1% for copies that share PCIe with NCCL traffic and for the
-pinned host memory they take, so a plan offloads only where that buys a whole non-checkpointed layer or a fit."""
-
-HOST_LINK_BYTES_PER_S = 25e9
-"""Pinned host <-> GPU copy bandwidth assumed (PCIe Gen4 x16 measures ~25 GB/s, Gen5 ~50)."""
-
-GPU_FLOPS = 400e12
-"""Achieved bf16 FLOP/s assumed when a copy's time is turned into FLOPs (~40% of an H100/H200)."""
-
-SMALL_CHUNK_PENALTY = 0.05
-"""Extra cost of each halving of a tiled chunk below its default (smaller GEMMs run slower)."""
-
-HOST_ADAM_PARAMS_PER_S = 1e9
-"""Parameters per second one process's host AdamW updates (DeepSpeed CPU Adam)."""
-
-LOSS_CHUNKS = (8192, 4096, 2048, 1024)
-"""Tiled-loss chunk sizes the planner tries, preferred first (8192 is the recipes' default)."""
-
-MLP_CHUNKS = (16384, 8192, 4096, 2048)
-"""Tiled-MLP chunk sizes the planner tries, preferred first (16384: full-speed GEMMs on H100/H200)."""
 
 CHECKPOINTING_CHOICES = ("none", "recompute_aware", "layer")
 PRECISIONS_HELP = "bf16, bf16_fp32_adam, fp32_master, fp32 or fp64"
-
-
-class MemoryPlanError(ConfigError):
-    """No plan fits: the message names the shortfall and what would make the run fit."""
 
 
 @dataclass(frozen=True)
@@ -361,8 +301,15 @@ def _pow2(n: int) -> int:
     return 1 << (int(n) - 1).bit_length() if n > 0 else 0
 
 
-def _gib(n: float) -> str:
+def format_gib(n: float) -> str:
+    """Bytes as GiB with one decimal, as the plan's table and messages print them."""
     return f"{n / GiB:.1f}"
+
+
+def usable_gpu_bytes(total: int) -> int:
+    """What the caching allocator can really use of a GPU of ``total`` bytes."""
+    return int(total * (1 - GPU_FRAGMENTATION)) - GPU_RESERVED_BYTES
+
 
 
 class MemoryModel:
@@ -481,7 +428,7 @@ class MemoryModel:
 
     def layer_items(self, layers: Sequence[LayerChoice]) -> tuple[list[dict[str, int]], list[dict[str, int]]]:
         """Itemised GPU bytes while each layer runs forward and while it runs backward (index = layer); what
-        :class:`~.memory_probe.LayerPeakProbe` measures, window by window."""
+        :class:`~.layer_peaks.LayerPeakProbe` measures, window by window."""
         resident = [0 if c.offload else self.checkpoint[c.checkpointing] for c in layers]
         offloaded = [self.checkpoint[c.checkpointing] if c.offload else 0 for c in layers]
         in_flight = OFFLOAD_IN_FLIGHT_LAYERS * max(offloaded, default=0)
@@ -550,709 +497,3 @@ class MemoryModel:
         return {"fixed overhead": self.host_overhead_bytes, "pinned checkpoints": pinned * self.processes_per_host,
                 "optimizer": self.optimizer_host * self.processes_per_host}
 
-
-# ---------------------------------------------------------------------------------------------
-# The cost model.
-# ---------------------------------------------------------------------------------------------
-
-
-class _Costs:
-    """FLOPs per token of a step and of each option's extra work (module docstring, "Cost model")."""
-
-    def __init__(self, shape: ModelShape, tokens: int, sp_size: int, attention_context: float | None,
-                 precision: Precision, zero_stage: int, world: int):
-        s = shape
-        keys = attention_context if attention_context is not None else tokens * sp_size / 2
-        self.matmul = 2 * s.layer_matmul_params
-        self.attention = 4 * s.q_dim * keys
-        self.layer_forward = self.matmul + self.attention
-        self.layer_step = 3 * self.matmul + (1 + ATTENTION_BACKWARD_FACTOR) * self.attention
-        self.head_forward = 2 * s.vocab * s.hidden
-        self.base = s.layers * self.layer_step + 3 * self.head_forward
-        self.mlp_forward = 2 * 3 * s.hidden * s.intermediate
-        self.tokens = tokens
-        a = precision.activation
-        self._copy_flops = {m: b * a / HOST_LINK_BYTES_PER_S * GPU_FLOPS for m, b in
-                            (("layer", s.hidden), ("recompute_aware", s.hidden + s.q_dim))}
-        shard = world if zero_stage >= 1 else 1
-        per_rank = s.params / shard
-        seconds = (per_rank * (precision.grad + precision.weight) / HOST_LINK_BYTES_PER_S
-                   + per_rank / HOST_ADAM_PARAMS_PER_S)
-        self.optimizer_host = seconds * GPU_FLOPS / max(1, tokens)
-
-    def checkpointing(self, mode: str) -> float:
-        return {"none": 0.0, "layer": self.layer_forward, "recompute_aware": self.matmul,
-                GROUP_MODE: self.layer_forward}[mode]
-
-    def offload(self, mode: str) -> float:
-        exposed = max(0.0, 2 * self._copy_flops[mode] - self.layer_forward)  # copies out and back, hidden by compute
-        return max(OFFLOAD_OVERHEAD * self.layer_step, exposed)
-
-    @staticmethod
-    def _halvings(chunk: int, default: int) -> float:
-        return max(0.0, math.log2(default / chunk)) if chunk else 0.0
-
-    def tiling(self, tiled_loss: int, tiled_mlp: int, layers: int) -> float:
-        cost = 0.0
-        if tiled_loss:
-            cost += self.head_forward * (1 + SMALL_CHUNK_PENALTY * self._halvings(tiled_loss, LOSS_CHUNKS[0]))
-        if tiled_mlp:
-            cost += layers * self.mlp_forward * (1 + SMALL_CHUNK_PENALTY * self._halvings(tiled_mlp, MLP_CHUNKS[0]))
-        return cost
-
-    def plan(self, layers: Sequence[LayerChoice], tiled_loss: int, tiled_mlp: int, optimizer_on_host: bool) -> float:
-        cost = self.tiling(tiled_loss, tiled_mlp, len(layers)) + (self.optimizer_host if optimizer_on_host else 0.0)
-        for c in layers:
-            cost += self.checkpointing(c.checkpointing) + (self.offload(c.checkpointing) if c.offload else 0.0)
-        return cost
-
-
-# ---------------------------------------------------------------------------------------------
-# The plan.
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class MemoryPlan:
-    """The chosen memory options and what the model predicts for them; ``str(plan)`` is a short table."""
-
-    shape: ModelShape
-    tokens_per_gpu: int
-    sp_size: int
-    layers: tuple[LayerChoice, ...]
-    tiled_loss: int
-    tiled_mlp: int
-    optimizer_on_host: bool
-    gpu_peak: int
-    gpu_phase: str
-    gpu_items: dict[str, int]
-    gpu_usable: int
-    gpu_total: int
-    host_peak: int
-    host_items: dict[str, int]
-    host_total: int
-    step_factor: float  # estimated step time / that of no checkpointing and no tiling
-    fused_ops: bool = False  # Liger's RMSNorm, RoPE and (untiled) SwiGLU (hf.fused_ops)
-    layer_gpu: list[int] = field(default_factory=list)  # per layer, bytes kept on the GPU between the passes
-    layer_host: list[int] = field(default_factory=list)  # per layer, pinned host bytes
-    # per layer, predicted GPU bytes while it runs forward / backward (what memory_probe.LayerPeakProbe measures)
-    layer_forward_peak: list[int] = field(default_factory=list)
-    layer_backward_peak: list[int] = field(default_factory=list)
-
-    @property
-    def checkpointing(self) -> str:
-        """The most common checkpointing mode among the checkpointed layers ("none" if none is; a group is layer
-        checkpointing)."""
-        modes = ["layer" if c.checkpointing == GROUP_MODE else c.checkpointing for c in self.layers
-                 if c.checkpointing != "none"]
-        return max(set(modes), key=modes.count) if modes else "none"
-
-    @property
-    def offloaded_layers(self) -> int:
-        return sum(c.offload for c in self.layers)
-
-    @property
-    def checkpointed_layers(self) -> int:
-        return sum(c.checkpointing != "none" for c in self.layers)
-
-    def memory_options(self) -> dict:
-        """Keyword arguments of :func:`~hf_longctx.hf.memory.enable.enable_memory_options` for this plan."""
-        return {"checkpointing": self.checkpointing, "offload": self.offloaded_layers > 0,
-                "tiled_loss": self.tiled_loss, "tiled_mlp": self.tiled_mlp, "layers": list(self.layers)}
-
-    def apply(self, model):
-        """Switch this plan's options on (returns :class:`~hf_longctx.hf.memory.enable.MemoryOptions`).
-
-        The optimizer is the caller's: :meth:`make_optimizer` builds the one this plan assumes (the Trainer
-        takes :func:`~hf_longctx.hf.memory.optimizer_offload.trainer_optimizer_cls_and_kwargs` when
-        ``optimizer_on_host``; the callback refuses a Trainer whose optimizer is not it).
-        """
-        from .enable import enable_memory_options
-
-        if self.fused_ops:
-            from .fused_ops import enable_fused_ops, uses_fused_norms
-
-            if not uses_fused_norms(model):  # the Trainer's use_liger_kernel may have done it already
-                enable_fused_ops(model, swiglu=not self.tiled_mlp)
-        return enable_memory_options(model, **self.memory_options())
-
-    def make_optimizer(self, params, lr: float, **adamw) -> torch.optim.Optimizer:
-        """AdamW where this plan keeps it: on the host (torchao's offload optimizer) or fused on the GPU."""
-        import torch
-
-        if self.optimizer_on_host:
-            from .optimizer_offload import HostOffloadAdamW
-
-            return HostOffloadAdamW(params, lr=lr, **adamw)
-        return torch.optim.AdamW(params, lr=lr, fused=torch.cuda.is_available(), **adamw)
-
-    def checkpoint_runs(self) -> list[tuple[int, int, LayerChoice, int]]:
-        """Runs of consecutive checkpoints made alike: (first layer, last layer, choice, layers per checkpoint); a
-        run of groups is one run, not alternating ``layer`` and ``group`` layers."""
-        heads = group_heads([c.checkpointing for c in self.layers])
-        units: list[list] = []  # [first, last, choice, size] per checkpoint (or per layer without one)
-        for i, c in enumerate(self.layers):
-            if heads[i] != i:
-                units[-1][1], units[-1][3] = i, units[-1][3] + 1
-            else:
-                units.append([i, i, c, 1])
-        runs: list[tuple[int, int, LayerChoice, int]] = []
-        for first, last, c, size in units:
-            if runs and runs[-1][2:] == (c, size):
-                runs[-1] = (runs[-1][0], last, c, size)
-            else:
-                runs.append((first, last, c, size))
-        return runs
-
-    def summary(self) -> dict:
-        """The plan in a few JSON-friendly keys (for logs)."""
-        return {"memory": "auto", "checkpointed_layers": self.checkpointed_layers,
-                "offloaded_layers": self.offloaded_layers, "checkpointing": self.checkpointing,
-                "tiled_loss": self.tiled_loss, "tiled_mlp": self.tiled_mlp,
-                "optimizer_on_host": self.optimizer_on_host, "fused_ops": self.fused_ops,
-                "predicted_gpu_gib": round(self.gpu_peak / GiB, 1),
-                "predicted_host_gib": round(self.host_peak / GiB, 1), "step_factor": round(self.step_factor, 3)}
-
-    def __str__(self) -> str:
-        s = self.shape
-        head = (f"memory plan: {s.layers} layers (hidden {s.hidden}), {self.tokens_per_gpu} tokens/GPU, "
-                f"sp {self.sp_size}; "
-                f"GPU {_gib(self.gpu_peak)} of {_gib(self.gpu_usable)} GiB usable (peak: {self.gpu_phase}), "
-                f"host {_gib(self.host_peak)} of {_gib(self.host_total)} GiB; "
-                f"step ~x{self.step_factor:.2f} of no checkpointing")
-        rows = [f"  {'layers':<8}{'checkpointing':<21}{'kept on':<9}{'GPU GiB':>9}{'host GiB':>10}"]
-        for first, last, c, size in self.checkpoint_runs():
-            span = f"{first}" if first == last else f"{first}-{last}"
-            mode = c.checkpointing if size == 1 else f"{c.checkpointing}, groups of {size}"
-            where = "-" if c.checkpointing == "none" else ("host" if c.offload else "GPU")
-            rows.append(f"  {span:<8}{mode:<21}{where:<9}{_gib(sum(self.layer_gpu[first:last + 1])):>9}"
-                        f"{_gib(sum(self.layer_host[first:last + 1])):>10}")
-        other = ", ".join(f"{k} {_gib(v)}" for k, v in self.gpu_items.items()
-                          if k not in ("checkpoints", "activations") and v)
-        host = ", ".join(f"{k} {_gib(v)}" for k, v in self.host_items.items() if v)
-        rows.append(f"  at the peak: {other} GiB; host: " + (f"{host} GiB" if host else "nothing planned"))
-        opt = "host" if self.optimizer_on_host else "GPU"
-        fused = "Liger RMSNorm/RoPE" + ("" if self.tiled_mlp else "/SwiGLU") if self.fused_ops else "off"
-        rows.append(f"  tiled loss {self.tiled_loss or 'off'}, tiled MLP {self.tiled_mlp or 'off'}, "
-                    f"optimizer on {opt}, fused ops {fused}")
-        return "\n".join([head, *rows])
-
-
-# ---------------------------------------------------------------------------------------------
-# Budgets.
-# ---------------------------------------------------------------------------------------------
-
-
-def gpu_memory_bytes(device=None) -> int:
-    """Total memory of the current (or given) CUDA device (torch.cuda.mem_get_info)."""
-    import torch
-
-    return int(torch.cuda.mem_get_info(device)[1])
-
-
-def host_memory_bytes(available: bool = False) -> int:
-    """Total (or available) host memory this process may use.
-
-    ``HF_LONGCTX_HOST_MEMORY_GIB`` overrides it: some virtual machines report a small MemTotal that grows
-    as memory is touched, and a container's limit is not what /proc/meminfo says. Otherwise psutil (or
-    /proc/meminfo), capped by the cgroup's memory limit where one is set.
-    """
-    override = os.environ.get("HF_LONGCTX_HOST_MEMORY_GIB")
-    if override:
-        return int(float(override) * GiB)
-    try:
-        import psutil
-
-        vm = psutil.virtual_memory()
-        found = int(vm.available if available else vm.total)
-    except ImportError:
-        key = "MemAvailable:" if available else "MemTotal:"
-        found = None
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(key):
-                    found = int(line.split()[1]) * 1024
-        if found is None:
-            raise RuntimeError("cannot read the host's memory size; set HF_LONGCTX_HOST_MEMORY_GIB") from None
-    return min(found, _cgroup_limit() or found)
-
-
-def _cgroup_limit() -> int | None:
-    """The memory limit of this process's cgroup (v2, then v1), or None."""
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = Path(path).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit() and int(text) < 1 << 60:
-            return int(text)
-    return None
-
-
-def usable_gpu_bytes(total: int) -> int:
-    """What the caching allocator can really use of a GPU of ``total`` bytes."""
-    return int(total * (1 - GPU_FRAGMENTATION)) - GPU_RESERVED_BYTES
-
-
-# ---------------------------------------------------------------------------------------------
-# The planner.
-# ---------------------------------------------------------------------------------------------
-
-
-class Grouping(NamedTuple):
-    """``count`` checkpoints of ``size`` consecutive layers each (``size`` 1: no groups)."""
-
-    size: int = 1
-    count: int = 0
-
-    @property
-    def layers(self) -> int:
-        return self.size * self.count if self.size > 1 else 0
-
-
-NO_GROUPS = Grouping()
-
-GROUP_SIZES = (2, 3, 4)
-"""Layers per group the planner tries, smallest first, and only where nothing fits without groups: a group's
-backward holds the recomputed tensors of its lower layers (more memory in flight, no fewer FLOPs)."""
-
-
-def _layout(L: int, n_none: int, n_layer: int, n_off: int, grouping: Grouping = NO_GROUPS) -> list[LayerChoice]:
-    """Per-layer choices from counts: offloaded checkpoints first (their copies have the most time to hide),
-    groups (``n_layer`` counts their layers) before recompute-aware before layer checkpointing, non-checkpointed
-    layers last (their activations are used, and freed, first in backward)."""
-    n_ckpt = L - n_none
-    units = [["layer"] + [GROUP_MODE] * (grouping.size - 1)] * grouping.count if grouping.layers else []
-    units += [["recompute_aware"]] * (n_ckpt - n_layer) + [["layer"]] * (n_layer - grouping.layers)
-    return ([LayerChoice(m, i < n_off and m != GROUP_MODE) for i, unit in enumerate(units) for m in unit]
-            + [LayerChoice("none")] * n_none)
-
-
-@dataclass
-class _Budget:
-    gpu: int
-    host: int
-
-
-class _Search:
-    """Finds the cheapest per-layer layout for one global choice (tiles, optimizer place)."""
-
-    def __init__(self, model: MemoryModel, costs: _Costs, budget: _Budget, modes: tuple[str, ...], allow_offload: bool,
-                 grouping: Grouping = NO_GROUPS):
-        self.model, self.costs, self.budget, self.modes, self.allow_offload = model, costs, budget, modes, allow_offload
-        self.L = model.shape.layers
-        self.grouping = grouping
-
-    def _layout(self, n_none: int, n_layer: int, n_off: int) -> list[LayerChoice]:
-        return _layout(self.L, n_none, n_layer, n_off, self.grouping)
-
-    def fits(self, layers) -> bool:
-        return (self.model.gpu_peak(layers)[0] <= self.budget.gpu
-                and sum(self.model.host_items(layers).values()) <= self.budget.host)
-
-    def min_offload(self, n_none: int, n_layer: int) -> int | None:
-        """Fewest offloaded layers that fit (None: nothing fits with these counts)."""
-        n_ckpt = self.L - n_none
-        top = n_ckpt - self.grouping.layers + self.grouping.count if self.allow_offload else 0  # checkpoints
-
-        def gpu_ok(k):
-            return self.model.gpu_peak(self._layout(n_none, n_layer, k))[0] <= self.budget.gpu
-
-        if not gpu_ok(top):
-            return None
-        lo, hi = 0, top  # gpu_ok(hi) holds
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if gpu_ok(mid):
-                hi = mid
-            else:
-                lo = mid + 1
-        layers = self._layout(n_none, n_layer, lo)
-        return lo if sum(self.model.host_items(layers).values()) <= self.budget.host else None
-
-    def best(self, bound: float, fixed: float) -> tuple[float, list[LayerChoice]] | None:
-        """The cheapest layout costing less than ``bound`` (or None); ``fixed``: the global choice's own cost."""
-        best = None
-        none_ok = "none" in self.modes
-        ra_ok, layer_ok = "recompute_aware" in self.modes, "layer" in self.modes
-        ckpt_cost = self.costs.checkpointing("recompute_aware" if ra_ok else "layer")
-        if (ra_ok or layer_ok) and self.min_offload(0, self.L if layer_ok else 0) is None:
-            return None  # not even the layout needing the least memory fits
-        for n_ckpt in range(0 if none_ok else self.L, self.L + 1):
-            if fixed + n_ckpt * ckpt_cost >= (best[0] if best else bound):
-                break
-            n_none = self.L - n_ckpt
-            grouped = self.grouping.layers
-            if grouped > n_ckpt or (grouped and not layer_ok):
-                continue
-            # fewest layer-checkpointed layers that fit (more of them: less memory)
-            if ra_ok and layer_ok:
-                candidates = range(grouped, n_ckpt + 1)
-            else:
-                candidates = [0] if ra_ok else [n_ckpt]
-            found = None
-            lo, hi = candidates[0], candidates[-1]
-            if self.min_offload(n_none, hi) is None:
-                continue
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if self.min_offload(n_none, mid) is not None:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            n_off = self.min_offload(n_none, lo)
-            found = self._layout(n_none, lo, n_off)
-            cost = self.costs.plan(found, self.model.tiled_loss, self.model.tiled_mlp, self.model.optimizer_on_host)
-            if cost < (best[0] if best else bound):
-                best = (cost, found)
-        return best
-
-
-def _cheapest(models: list[MemoryModel], costs: _Costs, budget: _Budget, modes: tuple[str, ...], allow_offload: bool,
-              groupings: list[Grouping]) -> tuple[float, list[LayerChoice], MemoryModel] | None:
-    """The cheapest fitting (cost, layers, model) over the global choices and ``groupings``; at equal cost the
-    earlier model (untiled first, optimizer on the GPU first) and the earlier grouping (fewer layers held) win."""
-    best = None
-    for model in models:
-        fixed = costs.tiling(model.tiled_loss, model.tiled_mlp, model.shape.layers)
-        fixed += costs.optimizer_host if model.optimizer_on_host else 0.0
-        for grouping in groupings:
-            if best is not None and fixed >= best[0]:
-                break
-            found = _Search(model, costs, budget, modes, allow_offload, grouping).best(best[0] if best else math.inf,
-                                                                                    fixed)
-            if found is not None:
-                best = (found[0], found[1], model)
-    return best
-
-
-def _precision_for(precision: str | None, zero_stage: int) -> str:
-    return precision or ("fp32_master" if zero_stage else "bf16")
-
-
-def plan_memory(config, tokens_per_gpu: int, sp_size: int = 1, gpu_bytes: int | None = None,
-                host_bytes: int | None = None, zero_stage: int = 0, world: int = 1, *,
-                precision: str | None = None, modes: Sequence[str] = CHECKPOINTING_CHOICES,
-                allow_offload: bool = True, allow_optimizer_on_host: bool = False,
-                tiled_loss: int | None = None, tiled_mlp: int | None = None,
-                host_overhead_bytes: int | None = None, processes_per_host: int = 1,
-                attention_context: float | None = None, fused_ops: bool | None = None,
-                optimizer_on_host: bool | None = None, allow_groups: bool = True) -> MemoryPlan:
-    """The fastest memory plan for ``tokens_per_gpu`` tokens per GPU that fits the GPU and the host.
-
-    ``config``: a transformers config (or a :class:`ModelShape`). ``gpu_bytes``: the GPU's total
-    memory (default: torch.cuda.mem_get_info of the current device); the plan keeps under
-    :func:`usable_gpu_bytes` of it. ``host_bytes``: the host's total memory (default: psutil or
-    /proc/meminfo), shared by ``processes_per_host`` processes and ``host_overhead_bytes`` of
-    everything else. ``precision``: ``bf16`` (bf16 weights, gradients and AdamW moments, what a
-    bf16 model with torch AdamW keeps), ``bf16_fp32_adam``, ``fp32_master`` (DeepSpeed bf16: float32
-    master weights, gradients and moments; the default under ZeRO) or ``fp32``. ZeRO ``zero_stage``
-    shards over ``world`` ranks. ``modes``: the checkpointing modes allowed per layer.
-    ``tiled_loss`` / ``tiled_mlp``: a chunk size fixes it (0: off), None lets the planner choose.
-    ``attention_context``: mean keys per query for the cost model (default: one document over the
-    whole context). ``fused_ops``: the model runs Liger's fused RMSNorm/RoPE/SwiGLU (:mod:`.fused_ops`), which
-    keeps less per layer; None: wherever they can run here. ``optimizer_on_host``: where AdamW is (an optimizer
-    that already exists); None lets the plan choose (the host only with ``allow_optimizer_on_host``).
-    ``allow_groups``: where nothing fits otherwise, checkpoint groups of 2-4 layers as one (:data:`GROUP_SIZES`).
-    Raises :class:`MemoryPlanError` naming the shortfall and what would fit.
-    """
-    shape = config if isinstance(config, ModelShape) else ModelShape.from_config(config)
-    tokens = int(tokens_per_gpu)
-    if tokens < 1:
-        raise ValueError(f"tokens_per_gpu must be positive, got {tokens_per_gpu!r}")
-    modes = tuple(modes)
-    unknown = [m for m in modes if m not in CHECKPOINTING_CHOICES]
-    if unknown or not modes:
-        raise ValueError(f"modes must be some of {CHECKPOINTING_CHOICES}, got {modes!r}")
-    gpu_total = int(gpu_bytes) if gpu_bytes is not None else gpu_memory_bytes()
-    host_total = int(host_bytes) if host_bytes is not None else host_memory_bytes()
-    if fused_ops is None:
-        from .fused_ops import fused_ops_available
-
-        fused_ops = fused_ops_available()
-    settings = dict(sp_size=sp_size, precision=_precision_for(precision, zero_stage), zero_stage=zero_stage,
-                    world=world, processes_per_host=processes_per_host, host_overhead_bytes=host_overhead_bytes,
-                    fused_ops=bool(fused_ops))
-    budget = _Budget(usable_gpu_bytes(gpu_total), host_total)
-    if optimizer_on_host is not None:
-        places = [bool(optimizer_on_host)]
-        allow_optimizer_on_host = bool(optimizer_on_host)
-    else:
-        places = [False, True] if allow_optimizer_on_host else [False]
-    # groups only where nothing fits without them; not under ZeRO-3/FSDP, whose hooks gather each layer's weights
-    group = allow_groups and "layer" in modes and zero_stage != 3
-    groupings = [Grouping(k, n) for k in GROUP_SIZES for n in range(1, shape.layers // k + 1)] if group else []
-
-    def cheapest(t: int, any_fit: bool = False):
-        """The cheapest plan for ``t`` tokens, or None. ``any_fit``: only whether one fits, so only the
-        finest tiles (the least memory) are tried."""
-        loss_options = [tiled_loss] if tiled_loss is not None else [0, *[c for c in LOSS_CHUNKS if c < t]]
-        mlp_options = [tiled_mlp] if tiled_mlp is not None else [0, *[c for c in MLP_CHUNKS if c < t]]
-        if any_fit:
-            loss_options, mlp_options = loss_options[-1:], mlp_options[-1:]
-        if zero_stage == 3:  # the chunked backward reads weights ZeRO-3 has freed (see tiled_mlp)
-            mlp_options = [0]
-        costs = _Costs(shape, t, sp_size, attention_context, PRECISIONS[settings["precision"]], zero_stage, world)
-        models = [MemoryModel(shape, t, tiled_loss=loss, tiled_mlp=mlp, optimizer_on_host=on_host, **settings)
-                  for on_host in places for loss in loss_options for mlp in mlp_options]
-        best = _cheapest(models, costs, budget, modes, allow_offload, [NO_GROUPS])
-        if best is None and groupings:
-            best = _cheapest(models, costs, budget, modes, allow_offload, groupings)
-        return best, costs
-
-    best, costs = cheapest(tokens)
-    if best is None:
-        grouped_fits = (lambda t: cheapest(t, any_fit=True)[0] is not None) if groupings else None
-        raise MemoryPlanError(_no_fit_message(shape, tokens, gpu_total, host_total, modes, allow_offload,
-                                              allow_optimizer_on_host, tiled_loss, tiled_mlp, settings, grouped_fits))
-    cost, layers, model = best
-    peak, phase, items = model.gpu_peak(layers)
-    host = model.host_items(layers)
-    forward, backward = model.layer_items(layers)
-    return MemoryPlan(shape=shape, tokens_per_gpu=tokens, sp_size=sp_size, layers=tuple(layers),
-                      tiled_loss=model.tiled_loss, tiled_mlp=model.tiled_mlp, optimizer_on_host=model.optimizer_on_host,
-                      fused_ops=model.fused_ops,
-                      gpu_peak=peak, gpu_phase=phase, gpu_items=items, gpu_usable=budget.gpu, gpu_total=gpu_total,
-                      host_peak=sum(host.values()), host_items=host, host_total=host_total,
-                      step_factor=(costs.base + cost) / costs.base,
-                      layer_gpu=[0 if c.offload else model.checkpoint[c.checkpointing] for c in layers],
-                      layer_host=[model.host_checkpoint[c.checkpointing] if c.offload else 0 for c in layers],
-                      layer_forward_peak=[sum(it.values()) for it in forward],
-                      layer_backward_peak=[sum(it.values()) for it in backward])
-
-
-# ---------------------------------------------------------------------------------------------
-# When nothing fits: the shortfall and what would fit.
-# ---------------------------------------------------------------------------------------------
-
-
-def _longest_grouped(known: int, tokens: int, fits) -> int:
-    """The longest length below ``tokens`` that ``fits`` (group checkpointing allowed) accepts, at least
-    ``known`` (what fits layer by layer), searched in steps of 1024 tokens: each try is a full plan search."""
-    step = 1024
-    lo, hi = known // step, (tokens - 1) // step  # in units of ``step``: lo fits (or is 0), hi may not
-    if hi <= lo or not fits(max(1, (lo + 1) * step)):
-        return known
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(mid * step):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo * step
-
-
-def _least_memory(shape, tokens, gpu_total, host_total, modes, allow_offload, on_host, tiled_loss, tiled_mlp,
-                  settings) -> tuple[bool, int, int, MemoryModel, list[LayerChoice]]:
-    """(fits, GPU bytes, host bytes) of the plan needing the least GPU memory that the host allows."""
-    settings = dict(settings)
-    zero3 = settings["zero_stage"] == 3
-    loss = tiled_loss if tiled_loss is not None else (LOSS_CHUNKS[-1] if LOSS_CHUNKS[-1] < tokens else 0)
-    mlp = 0 if zero3 else (tiled_mlp if tiled_mlp is not None else (MLP_CHUNKS[-1] if MLP_CHUNKS[-1] < tokens else 0))
-    model = MemoryModel(shape, tokens, tiled_loss=loss, tiled_mlp=mlp, optimizer_on_host=on_host, **settings)
-    mode = "layer" if "layer" in modes else ("recompute_aware" if "recompute_aware" in modes else "none")
-    L = shape.layers
-    n_none = L if mode == "none" else 0
-    n_layer = L - n_none if mode == "layer" else 0
-    # offload as many layers as the host takes
-    n_off = 0
-    if allow_offload and mode != "none":
-        lo, hi = 0, L
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if sum(model.host_items(_layout(L, n_none, n_layer, mid)).values()) <= host_total:
-                lo = mid
-            else:
-                hi = mid - 1
-        n_off = lo
-    layers = _layout(L, n_none, n_layer, n_off)
-    gpu = model.gpu_peak(layers)[0]
-    host = sum(model.host_items(layers).values())
-    return gpu <= usable_gpu_bytes(gpu_total) and host <= host_total, gpu, host, model, layers
-
-
-def _no_fit_message(shape, tokens, gpu_total, host_total, modes, allow_offload, allow_opt, tiled_loss, tiled_mlp,
-                    settings, grouped_fits=None) -> str:
-    """The shortfall and what would fit. The bounds price layer-by-layer layouts (cheap to bisect);
-    ``grouped_fits(tokens)``, where group checkpointing is allowed, raises the shorter-context bound to
-    what groups fit."""
-    sp, world = settings["sp_size"], settings["world"]
-
-    def fits(t, sp_size=sp, world_size=world, host=host_total, on_host=allow_opt, **changes):
-        s = dict(settings, sp_size=sp_size, world=world_size, **changes)
-        return any(_least_memory(shape, t, gpu_total, host, modes, allow_offload, place, tiled_loss, tiled_mlp, s)[0]
-                   for place in ([False, True] if on_host else [False]))
-
-    _, gpu, host, model, layers = _least_memory(shape, tokens, gpu_total, host_total, modes, allow_offload, allow_opt,
-                                                tiled_loss, tiled_mlp, settings)
-    usable = usable_gpu_bytes(gpu_total)
-    off = sum(c.offload for c in layers)
-    what = (f"the plan needing the least GPU memory ({layers[0].checkpointing} checkpointing on every layer, "
-            f"{off} of {shape.layers} checkpoints on the host, tiled loss {model.tiled_loss or 'off'}, tiled MLP "
-            f"{model.tiled_mlp or 'off'})")
-    lines = [f"{tokens} tokens per GPU do not fit: {what} needs {_gib(gpu)} GiB of GPU memory, "
-             f"{_gib(usable)} GiB usable of {_gib(gpu_total)}"]
-    if host > host_total:
-        lines[0] += f"; and {_gib(host)} GiB of host memory, the host has {_gib(host_total)}"
-    hints = []
-    context = tokens * sp
-    # more GPUs for the same context: as configured, else with DeepSpeed ZeRO sharding the optimizer
-    sharded = [({}, "")] + [({"zero_stage": z, "precision": "fp32_master"}, f" under DeepSpeed ZeRO-{z}")
-                            for z in (2, 3) if settings["zero_stage"] < z]
-    for changes, how in sharded:
-        more = next((n for n in range(sp + 1, 1025)
-                     if fits(math.ceil(context / n), n, world * n // sp, **changes)), None)
-        if more is not None:
-            hints.append(f"sequence parallelism over {more} GPUs{how} (sp_size {more}: {math.ceil(context / more)} "
-                         f"tokens per GPU for the same {context}-token context, each GPU with this much GPU and "
-                         "host memory)")
-            break
-    lo, hi = 0, tokens - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    grouped = _longest_grouped(lo, tokens, grouped_fits) if grouped_fits is not None else lo
-    if grouped > lo:
-        hints.append(f"a shorter context: at most {grouped} tokens per GPU fit here with group checkpointing "
-                     f"({grouped * sp} tokens over sp_size {sp})")
-    elif lo > 0:
-        hints.append(f"a shorter context: at most {lo} tokens per GPU fit here ({lo * sp} tokens over sp_size {sp})")
-    if allow_offload and gpu > usable:
-        full = sum(model.host_items(_layout(shape.layers, 0, shape.layers, shape.layers)).values())
-        if off < shape.layers and full > host_total:
-            full_fits = _least_memory(shape, tokens, gpu_total, full, modes, allow_offload, allow_opt, tiled_loss,
-                                      tiled_mlp, settings)[0]
-            if full_fits:
-                hints.append(f"more host memory: {_gib(full)} GiB (has {_gib(host_total)}) to offload every "
-                             "layer's checkpoint")
-    if not allow_opt and fits(tokens, on_host=True):
-        hints.append("the optimizer states on the host (allow_optimizer_on_host=True: torchao's offload optimizer "
-                     "in one process, pip install 'hf_longctx[offload]'; DeepSpeed's offload_optimizer under ZeRO)")
-    if not hints:
-        hints.append("none found among sequence parallelism up to 1024 GPUs, more host memory or a shorter context")
-    return lines[0] + ". Would fit: " + "; or ".join(hints)
-
-
-# ---------------------------------------------------------------------------------------------
-# A training run's plan (recipe key ``memory: auto``).
-# ---------------------------------------------------------------------------------------------
-
-_MODES_OF_RECIPE = {"recompute_aware": CHECKPOINTING_CHOICES, "layer": ("none", "layer"), "none": ("none",)}
-
-
-def row_tokens(dataloader) -> int | None:
-    """Tokens of one training row of ``dataloader``'s dataset (None when it cannot tell)."""
-    try:
-        row = dataloader.dataset[0]
-        ids = row["input_ids"] if isinstance(row, dict) else row
-        return len(ids)
-    except Exception:  # an iterable dataset, or rows without input_ids
-        return None
-
-
-def precision_of(model, zero_stage: int = 0) -> str:
-    """The :data:`PRECISIONS` entry of a model: its parameter dtype, and float32 master copies under ZeRO."""
-    import torch
-
-    dtype = next(model.parameters()).dtype
-    if dtype in (torch.bfloat16, torch.float16):
-        return "fp32_master" if zero_stage else "bf16"
-    return "fp64" if dtype == torch.float64 else "fp32"
-
-
-def plan_for_training(model, cfg, args=None, *, tokens_per_gpu: int | None = None, world: int = 1,
-                      sp_size: int = 1, train_dataloader=None, processes_per_host: int | None = None,
-                      zero_stage: int | None = None, precision: str | None = None,
-                      fused_ops: bool | None = None, allow_optimizer_on_host: bool | None = None,
-                      optimizer=None) -> MemoryPlan:
-    """The memory plan of a run whose recipe says ``memory: auto``.
-
-    ``model``: the model or its config. Tokens per GPU: ``tokens_per_gpu``, else the length of a row of
-    ``train_dataloader`` (what the data really brings) x the per-device batch size, else the recipe's
-    ``seq_len`` x that batch size. The recipe's
-    ``checkpointing`` bounds the modes (``recompute_aware``: any; ``layer``: none or layer;
-    ``none``: none); a non-zero ``tiled_loss`` / ``tiled_mlp`` is kept as given, otherwise the plan
-    chooses; ``offload_checkpoints`` is the plan's to decide. ZeRO's stage comes from ``args``'s
-    DeepSpeed plugin (or ``zero_stage``, or accelerate's ``ACCELERATE_DEEPSPEED_ZERO_STAGE``); the
-    precision from the model's parameters (or ``precision`` when ``model`` is a config). On a GPU
-    the budgets are the device's total memory and the host's; on CPU the "device" is the host
-    itself: the plan takes the host's available memory, split over the processes on it, as the
-    device budget, and offloads nothing (a host copy would save nothing). ``fused_ops``: plan (and apply)
-    Liger's fused RMSNorm/RoPE/SwiGLU; None: where they run (a CUDA device, Liger installed) or where the
-    model runs them already (``use_liger_kernel=True``). ``allow_optimizer_on_host``: let the plan keep AdamW
-    on the host when nothing fits otherwise; None: where torchao's offload optimizer can run (one process on
-    a CUDA device, no ZeRO or FSDP). ``optimizer``: the optimizer the run already has (the Trainer's): the
-    plan takes its place as given, and a plan that needs AdamW on the host while it is on the GPU says so.
-    """
-    from ..settings.launcher import requested_fsdp_version
-
-    config = getattr(model, "config", model)
-    plugin = getattr(args, "deepspeed_plugin", None) if args is not None else None
-    # FSDP2 keeps what ZeRO-3 keeps: weights, gradients and optimizer states sharded over the world and one
-    # or two layers gathered at a time, in the model's own dtype (no float32 master copy); the tiled loss
-    # is refused under it (see hf.fsdp)
-    fsdp = requested_fsdp_version(args) == 2
-    if fsdp:
-        cfg = dataclasses.replace(cfg, tiled_loss=0)
-        if hasattr(model, "parameters"):
-            precision = precision_of(model, 0)
-    if fsdp:
-        zero = 3
-    elif plugin is not None:
-        zero = int(getattr(plugin, "zero_stage", 0) or 0)
-    elif zero_stage is not None:
-        zero = zero_stage
-    elif os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        zero = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "0") or 0)
-    else:
-        zero = 0
-    if tokens_per_gpu is None:  # what the data really brings, where it can tell; else the recipe's seq_len
-        batch = getattr(args, "per_device_train_batch_size", 1) if args is not None else 1
-        row = row_tokens(train_dataloader) if train_dataloader is not None else None
-        tokens_per_gpu = (row or cfg.seq_len) * batch
-    if not tokens_per_gpu:
-        raise ConfigError("memory: auto needs the tokens per GPU: set seq_len in the recipe (or --seq-len)")
-    ppn = processes_per_host or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    device = getattr(args, "device", None) if args is not None else None
-    on_gpu = device.type == "cuda" if device is not None else _cuda_available()
-    if not fsdp:
-        precision = precision_of(model, zero) if hasattr(model, "parameters") else precision
-    from .fused_ops import fused_ops_available, fused_ops_reason, uses_fused_norms
-
-    already = hasattr(model, "parameters") and uses_fused_norms(model)  # the Trainer's use_liger_kernel
-    if fused_ops is None and cfg.fused_ops == "liger":
-        reason = fused_ops_reason(device if on_gpu else "cpu")
-        if reason:
-            raise ConfigError(f"fused_ops: liger, but {reason}; set fused_ops: auto or off")
-        fused_ops = True
-    elif fused_ops is None and cfg.fused_ops == "off":
-        fused_ops = already  # what the model runs is what the plan must count
-    elif fused_ops is None:
-        fused_ops = already or (on_gpu and fused_ops_available(device))
-    from .optimizer_offload import check_optimizer_place, host_optimizer_of, optimizer_offload_available
-
-    fixed_place = True if optimizer is not None and host_optimizer_of(optimizer) is not None else None
-    if allow_optimizer_on_host is None:
-        allow_optimizer_on_host = (on_gpu and zero == 0 and not fsdp and world == 1
-                                   and optimizer_offload_available(device))
-    common = dict(sp_size=sp_size, zero_stage=zero, world=world, precision=precision, fused_ops=fused_ops,
-                  allow_optimizer_on_host=allow_optimizer_on_host, optimizer_on_host=fixed_place,
-                  modes=_MODES_OF_RECIPE[cfg.checkpointing], tiled_loss=0 if fsdp else (cfg.tiled_loss or None),
-                  tiled_mlp=cfg.tiled_mlp or None, processes_per_host=ppn)
-    if on_gpu:
-        plan = plan_memory(config, tokens_per_gpu, gpu_bytes=gpu_memory_bytes(device), **common)
-    else:
-        budget = host_memory_bytes(available=True) // ppn
-        plan = plan_memory(config, tokens_per_gpu, gpu_bytes=budget, host_bytes=budget, allow_offload=False,
-                           host_overhead_bytes=0, **common)
-    check_optimizer_place(plan, optimizer)
-    return plan
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
