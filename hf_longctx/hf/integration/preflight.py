@@ -24,7 +24,7 @@ from pathlib import Path
 from ..parallel.fsdp import check_fsdp_launch
 from ..settings.launcher import launcher_num_processes
 from ..settings.schema import ConfigError, LongContextConfig
-from ..settings.sources import _recipe_and_origin, load_config, recipe_source
+from ..settings.sources import load_config, recipe_and_origin, recipe_source
 from .model_support import packed_sequence_refusal, unsupported_layers
 
 _DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow", ".csv", ".txt")
@@ -122,7 +122,7 @@ _GPU_PRECISIONS = ("bf16", "fp16", "fp8")  # what GPU recipes ask accelerate for
 
 def _accelerate_config(recipe: str | os.PathLike | None) -> Path | None:
     """The accelerate config of the run's recipe (beside its sidecar when a sidecar was named), if it exists."""
-    found = _recipe_and_origin(recipe)[0]
+    found = recipe_and_origin(recipe)[0]
     if not found:
         return None
     path = Path(found).expanduser()

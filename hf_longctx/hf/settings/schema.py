@@ -49,7 +49,7 @@ WHOLE_NUMBER_RANGES = {
 }
 
 
-def _out_of_range(key: str, value) -> str | None:
+def whole_number_problem(key: str, value) -> str | None:
     """Why ``value`` is not valid for the whole-number setting ``key`` (None when it is)."""
     least, meaning = WHOLE_NUMBER_RANGES[key]
     if not isinstance(value, int) or isinstance(value, bool) or value < least:
@@ -89,8 +89,8 @@ class LongContextConfig:
                              "'layer' or 'recompute_aware', not 'none'")
         for key in WHOLE_NUMBER_RANGES:
             value = getattr(self, key)
-            if _out_of_range(key, value):
-                raise ValueError(f"{key} {_out_of_range(key, value)}, got {value!r}")
+            if whole_number_problem(key, value):
+                raise ValueError(f"{key} {whole_number_problem(key, value)}, got {value!r}")
         if self.memory not in MEMORY_MODES:
             hint = difflib.get_close_matches(str(self.memory), MEMORY_MODES, n=1, cutoff=0.5)
             raise ValueError(f"unknown memory {self.memory!r}" + (f"; did you mean {hint[0]!r}?" if hint else "")
@@ -149,7 +149,7 @@ class LongContextConfig:
     @classmethod
     def from_dict(cls, values: dict, source: str = "config") -> LongContextConfig:
         for key in values:
-            _check_key(key, source)
+            check_setting_name(key, source)
         try:
             return cls(**values)
         except (TypeError, ValueError) as err:
@@ -210,7 +210,7 @@ def _check_kernel(kernel: str) -> None:
                          + f" (choose one of {', '.join(valid)})")
 
 
-def _check_key(key: str, source: str, spell=repr, noun: str = "key") -> None:
+def check_setting_name(key: str, source: str, spell=repr, noun: str = "key") -> None:
     """An unknown setting name fails with the closest known one, spelled as where it was written."""
     known = [f.name for f in fields(LongContextConfig)]
     if key in known:

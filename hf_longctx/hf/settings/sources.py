@@ -7,10 +7,10 @@ an explicit path (``--recipe``), ``HF_LONGCTX_RECIPE``, the ``--config_file`` of
 ``accelerate launch`` that started this process. Single keys are then overridden, lowest first:
 ``HF_LONGCTX_<KEY>`` environment variables, then command-line options ``--<key>`` (see
 :func:`add_config_arguments`). Every value, wherever it comes from, is validated by
-:class:`~.settings.LongContextConfig`; an unknown key or option is an error that suggests the right name.
+:class:`~.schema.LongContextConfig`; an unknown key or option is an error that suggests the right name.
 
-The schema lives in :mod:`.settings`, user spellings of backend names in :mod:`.backend_names`, and
-what the launcher was asked for in :mod:`.launcher`; their public names are importable from here too.
+The schema lives in :mod:`.schema`, user spellings of backend names in :mod:`.backend_names`, and
+what the launcher was asked for in :mod:`.launcher`.
 """
 
 from __future__ import annotations
@@ -22,39 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from pathlib import Path
 
-from .backend_names import backend_from_name
-from .launcher import launcher_config_file, launcher_num_processes
-from .schema import (
-    CHECKPOINTING_MODES,
-    FUSED_OPS_MODES,
-    MEMORY_MODES,
-    MOE_DISPATCHES,
-    WHOLE_NUMBER_RANGES,
-    ConfigError,
-    LongContextConfig,
-    _check_key,
-    _out_of_range,
-)
-
-__all__ = [
-    "CHECKPOINTING_MODES",
-    "FUSED_OPS_MODES",
-    "MEMORY_MODES",
-    "MOE_DISPATCHES",
-    "PACKAGE_ENVIRONMENT",
-    "WHOLE_NUMBER_RANGES",
-    "ConfigError",
-    "LongContextConfig",
-    "add_config_arguments",
-    "backend_from_name",
-    "config_overrides",
-    "launcher_num_processes",
-    "load_config",
-    "option_name",
-    "parse_backend_options",
-    "recipe_source",
-    "sidecar_path",
-]
+from .launcher import launcher_config_file
+from .schema import WHOLE_NUMBER_RANGES, ConfigError, LongContextConfig, check_setting_name, whole_number_problem
 
 
 def sidecar_path(recipe: str | os.PathLike) -> Path:
@@ -113,8 +82,8 @@ def _from_text(key: str, text: str, given_as: str):
         value = _FROM_TEXT[key](text)
     except ValueError as err:
         raise ValueError(f"{given_as}: {err}") from None
-    if key in WHOLE_NUMBER_RANGES and _out_of_range(key, value):
-        raise ValueError(f"{given_as}: {key} {_out_of_range(key, value)}")
+    if key in WHOLE_NUMBER_RANGES and whole_number_problem(key, value):
+        raise ValueError(f"{given_as}: {key} {whole_number_problem(key, value)}")
     return value
 
 
@@ -176,10 +145,10 @@ PACKAGE_ENVIRONMENT = ("HF_LONGCTX_RECIPE", "HF_LONGCTX_DATA_DIR", "HF_LONGCTX_C
 
 
 def _recipe(recipe: str | os.PathLike | None) -> str | os.PathLike | None:
-    return _recipe_and_origin(recipe)[0]
+    return recipe_and_origin(recipe)[0]
 
 
-def _recipe_and_origin(recipe: str | os.PathLike | None) -> tuple[str | os.PathLike | None, str]:
+def recipe_and_origin(recipe: str | os.PathLike | None) -> tuple[str | os.PathLike | None, str]:
     """The recipe in use and how it was named: ``--recipe``, ``HF_LONGCTX_RECIPE=`` or the launcher's option."""
     if recipe:
         return recipe, "--recipe"
@@ -224,7 +193,7 @@ def load_config(recipe: str | os.PathLike | None = None,
     import yaml
 
     values: dict = {}
-    recipe, origin = _recipe_and_origin(recipe)
+    recipe, origin = recipe_and_origin(recipe)
     if recipe:
         if not Path(recipe).expanduser().is_file():
             raise _missing_recipe(recipe, origin)
@@ -250,7 +219,7 @@ def load_config(recipe: str | os.PathLike | None = None,
                          + ", ".join(f"HF_LONGCTX_{k.upper()}" for k in _FROM_TEXT))
     if overrides:
         for key, value in overrides.items():
-            _check_key(key, "command line", spell=option_name, noun="option")
+            check_setting_name(key, "command line", spell=option_name, noun="option")
             given_as = f"command line: {option_name(key)} {value!r}"
             values[key] = _from_text(key, value, given_as) if isinstance(value, str) else value
         source += " with " + ", ".join(option_name(k) for k in overrides) + " from the command line"
