@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ...backends import Backend, one_process_attention, sequence_parallel_attention
+from ...backends import Backend, segment_attention, sequence_parallel_attention
 from ...backends.registry import on_backend_registered
 from ..settings.backend_names import PREFIX, implementation_name
 from .context import calls_under, context_of, count_attention_call
@@ -104,8 +104,8 @@ def _make_attention(backend: str):
                 order = ctx.plan.local_indices(ctx.rank).to(q.device)
                 inverse = torch.empty_like(order)
                 inverse[order] = torch.arange(order.numel(), device=q.device)
-                out = one_process_attention(q[inverse], k[inverse], v[inverse], cu, cu, softmax_scale=scaling,
-                                       kernel=ctx.kernel, causal=False)[order]
+                out = segment_attention(q[inverse], k[inverse], v[inverse], cu, cu, softmax_scale=scaling,
+                                        kernel=ctx.kernel, causal=False)[order]
             else:
                 out = sequence_parallel_attention(q, k, v, plan=ctx.plan, backend=backend, group=ctx.group,
                                                   rank=ctx.rank, softmax_scale=scaling, kernel=ctx.kernel,

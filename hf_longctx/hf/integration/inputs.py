@@ -30,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ...backends.load import attention_load
+from ...backends.attention_load import attention_load
 from ...backends.options import BackendOptions
 from ...comm.groups import group_rank_and_size
 from ..settings.backend_names import backend_of

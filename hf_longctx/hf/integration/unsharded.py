@@ -1,5 +1,10 @@
 """A ``longctx_*`` model without a sequence-parallel batch: exact attention in this process alone.
 
+Why it exists beside :func:`hf_longctx.backends.segment_attention` (which it calls) and the backend ``local``: both
+take documents already known, as segment boundaries or a shard plan; a model call that no batch was sharded for
+brings transformers' own description of them instead, in one of three forms, and with a KV cache queries that are
+only the last tokens of each row. :func:`unsharded_attention` turns that into segments.
+
 Evaluation, ``generate()``, a padded batch or plain single-process training reach the attention
 function with no ``longctx`` context. The documents are then found from what transformers and TRL
 hand every attention function, in this order:
@@ -15,7 +20,7 @@ hand every attention function, in this order:
 With a KV cache the queries are the last tokens of each row, so a segment has fewer queries than
 keys and the kernels' bottom-right causal mask is exactly the decoding mask. Padded query rows get a
 zero output (nothing reads them). The attention runs through
-:func:`hf_longctx.backends.one_process_attention`: no process group is touched, so this works in any
+:func:`~hf_longctx.backends.segment_attention`: no process group is touched, so this works in any
 process of a distributed run.
 """
 
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ...backends import one_process_attention
+from ...backends import segment_attention
 from ...layout import document_starts
 from .model_support import reads_dense_mask
 
@@ -172,16 +177,16 @@ def unsharded_attention(
             if one_document_only and len(cu_q) > 2:
                 raise ValueError(f"this batch packs several documents in a row, but {one_document_only}; give each "
                                  "document a row of its own (padded), or use attn_implementation='sdpa'")
-            return one_process_attention(q, k, v, cu_q, cu_k, **run).view(batch, sq, hq, dim)
+            return segment_attention(q, k, v, cu_q, cu_k, **run).view(batch, sq, hq, dim)
     q_rows, k_rows, cu_q, cu_k = _segments(batch, sq, sk, attention_mask, position_ids)
     if one_document_only and len(cu_q) - 1 > len(q_rows):
         raise ValueError(f"this batch packs several documents in a row, but {one_document_only}; give each document a "
                          "row of its own (padded), or use attn_implementation='sdpa'")
     if len(q_rows) == batch and cu_q[-1] == batch * sq and cu_k[-1] == batch * sk:  # nothing dropped
-        return one_process_attention(q, k, v, cu_q, cu_k, **run).view(batch, sq, hq, dim)
+        return segment_attention(q, k, v, cu_q, cu_k, **run).view(batch, sq, hq, dim)
     out = q.new_zeros(q.shape)
     if q_rows:
         qi, ki = torch.cat(q_rows).to(q.device), torch.cat(k_rows).to(k.device)
-        kept = one_process_attention(q[qi], k[ki], v[ki], cu_q, cu_k, **run)
+        kept = segment_attention(q[qi], k[ki], v[ki], cu_q, cu_k, **run)
         out = out.index_copy(0, qi, kept.to(out.dtype))
     return out.view(batch, sq, hq, dim)

@@ -1,7 +1,11 @@
-"""Exact attention of packed segments in this process alone: no group, no communication.
+"""Exact attention of packed segments given by their boundaries, in this process alone: no shard plan, no group.
 
-What a ``longctx_*`` model runs whenever no sequence-parallel batch was prepared for it: evaluation,
-``generate()`` with a KV cache, a padded batch, or plain training in one process. Segment ``i`` pairs
+Why it exists beside the backend ``local`` (:mod:`.local`): a backend runs a shard plan, the document lengths of one
+packed sequence, through the checks, schedule and op every backend shares; a model call that no sequence-parallel
+batch was prepared for (evaluation, ``generate()`` with a KV cache, a padded batch, plain training in one process)
+has no plan, only segments, and decoding segments have fewer queries than keys, which no shard plan describes. The
+transformers layer finds those segments in what transformers hands its attention function
+(:mod:`hf_longctx.hf.integration.unsharded`) and calls :func:`segment_attention`. Segment ``i`` pairs
 queries ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` with keys ``cu_seqlens_k[i]:cu_seqlens_k[i+1]``; with a
 KV cache a segment has fewer queries than keys and the causal mask is bottom-right aligned (the
 kernels' contract), so the last query sees every key. With autograd it goes through the same
@@ -20,8 +24,8 @@ from .op import run_core_attention
 
 
 @dataclass(frozen=True)
-class OneProcessRun:
-    """What the core-attention op runs for a one-process call: the checked kernel call and the kernel.
+class SegmentRun:
+    """What the core-attention op runs for a call of :func:`segment_attention`: the checked kernel call and the kernel.
 
     The op hands back q, k and v (the same tensors, or recomputed ones under checkpointing), so only
     they are swapped into the call; segments, scale and window stay as they were checked.
@@ -38,7 +42,7 @@ class OneProcessRun:
         return kernel_backward(replace(self.call, q=q, k=k, v=v), dout, out, lse, self.kernel)
 
 
-def one_process_attention(
+def segment_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -62,7 +66,7 @@ def one_process_attention(
     call = kernel_call(q, k, v, cu_q, cu_k, max((b - a for a, b in zip(cu_q, cu_q[1:])), default=0),
                        max((b - a for a, b in zip(cu_k, cu_k[1:])), default=0), causal=causal,
                        softmax_scale=softmax_scale, window=window)
-    run = OneProcessRun(call, kernel)
+    run = SegmentRun(call, kernel)
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
         return run.forward(q, k, v)[0]
     return run_core_attention(q, k, v, run)
