@@ -60,7 +60,7 @@ from .model_file import is_model_path, load_model_file
 from .options import COST_MODELS_TERMS, CadOptions, CadRun, cad_options
 from .pingpong import pingpong_split
 from .refine import refine_in_time
-from .scheduler import CadSchedule, schedule, with_tasks
+from .scheduler import CadSchedule, assign_servers, with_tasks
 from .shared_pricing import PricingShare, priced_together
 from .tasks import (
     CadTask,
@@ -271,13 +271,13 @@ def cost_model_for(plan: ShardPlan, options: CadOptions | dict) -> CostModel:
 def cad_schedule(plan: ShardPlan, options: CadOptions | dict, share: PricingShare | None = None) -> CadSchedule:
     """The plan's schedule under ``options`` (``eps``: a float, default 0.1, or ``"auto"`` for the eps whose
     schedule is predicted fastest, see :mod:`.eps`; ``cost_model``; ``min_shard`` and ``search_width`` of
-    :func:`~.scheduler.schedule`), cached on the plan.
+    :func:`~.scheduler.assign_servers`), cached on the plan.
 
     On a measured cost model (not additive over rows), what the runtime adds to a server beyond its tasks'
     prices is balanced too: ping-pong cuts some tasks in two (two thinner segments, which run slower) and a
     server's calls cost something of their own, and a call whose last blocks run alone has a tail
     (:mod:`hf_longctx.kernels.launch`). The schedule is made again with those costs as per-server offsets
-    (:func:`~.scheduler.schedule`'s ``server_offsets``), twice, and the one whose predicted busiest server
+    (:func:`~.scheduler.assign_servers`'s ``server_offsets``), twice, and the one whose predicted busiest server
     (:func:`server_costs`) is least is kept. On measured profiles at 64 servers this brought the predicted
     max/mean most of the way to what the tasks alone were balanced to (bench/results/2026-11-24_cad-kernel-time.md).
     Last, the busiest server gives tasks away while that lowers the predicted maximum (:mod:`.refine`), also as key
@@ -300,7 +300,7 @@ def cad_schedule(plan: ShardPlan, options: CadOptions | dict, share: PricingShar
         docs = docs_per_rank(plan)
         # "auto": the eps whose schedule is predicted fastest; the runtime's costs are balanced under it as below
         first = sweep_eps(docs, plan.world_size, model, **knobs)[0] if eps == "auto" else \
-            schedule(docs, plan.world_size, eps=eps, cost_model=model, **knobs)
+            assign_servers(docs, plan.world_size, eps=eps, cost_model=model, **knobs)
         if isinstance(_base(model), FlopsCostModel):
             return first  # FLOPs: ping-pong's cuts cost what the rows cost, and no call term is priced
         best, best_peak = first, float(_predicted_costs(plan, first.tasks, options, model, share).max(initial=0.0))
@@ -317,8 +317,8 @@ def cad_schedule(plan: ShardPlan, options: CadOptions | dict, share: PricingShar
             for _ in range(RUNTIME_OFFSET_ROUNDS):
                 own = sched.loads - (sched.offsets if sched.offsets is not None else 0.0)
                 extra = _predicted_costs(plan, sched.tasks, options, view, share) - own
-                sched = schedule(docs, plan.world_size, eps=first.eps, cost_model=model, **knobs,
-                                 server_offsets=np.maximum(extra, 0.0))
+                sched = assign_servers(docs, plan.world_size, eps=first.eps, cost_model=model, **knobs,
+                                       server_offsets=np.maximum(extra, 0.0))
                 peak = float(_predicted_costs(plan, sched.tasks, options, model, share).max(initial=0.0))
                 if peak < best_peak:
                     best, best_peak = sched, peak
