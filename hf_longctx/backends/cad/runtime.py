@@ -43,7 +43,7 @@ import torch.distributed as dist
 from ...comm.collectives import all_reduce_max, collective_device, group_state, in_one_process, is_distributed
 from ...comm.gather import GatherPlan, Run
 from ...kernels import accumulation_dtype
-from ...kernels.calls import CallTerms, backward_in_calls, call_order, calls_overhead, forward_in_calls, plan_calls
+from ...kernels.calls import CallTerms, backward_in_calls, call_order, calls_overhead, cut_into_calls, forward_in_calls
 from ...kernels.key_split import KeySplit
 from ...layout import ShardPlan
 from ..contract import Backend
@@ -130,7 +130,7 @@ def build_nano_batch(plan: ShardPlan, tasks: Sequence[CadTask], rank: int, terms
     Per server and task: the query rows (one run at the owner) and the key rows, the document's prefix
     up to the task's last query row (one run per holder piece). :class:`GatherPlan` turns these into
     unique-row transfers; the varlen kernel sees one segment per task (bottom-right causal), longest keys
-    first, cut into kernel calls by ``terms`` (:func:`~hf_longctx.kernels.calls.plan_calls`; None: one call).
+    first, cut into kernel calls by ``terms`` (:func:`~hf_longctx.kernels.calls.cut_into_calls`; None: one call).
     """
     world = plan.world_size
     pieces = all_pieces(plan)
@@ -167,8 +167,8 @@ def build_nano_batch(plan: ShardPlan, tasks: Sequence[CadTask], rank: int, terms
     q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
     k_lens = [b - a for a, b in zip(cu_k, cu_k[1:])]
     n_causal = sum(not t.is_rect for t in mine)  # rectangles come last, in calls of their own
-    causal_calls = plan_calls(q_lens[:n_causal], k_lens[:n_causal], terms)
-    rect_calls = [(a + n_causal, b + n_causal) for a, b in plan_calls(q_lens[n_causal:], k_lens[n_causal:], terms)]
+    causal_calls = cut_into_calls(q_lens[:n_causal], k_lens[:n_causal], terms)
+    rect_calls = [(a + n_causal, b + n_causal) for a, b in cut_into_calls(q_lens[n_causal:], k_lens[n_causal:], terms)]
     return NanoBatch(mine, GatherPlan(q_runs, rank, rows), GatherPlan(kv_runs, rank, rows), cu_q, cu_k,
                      causal_calls + rect_calls, [True] * len(causal_calls) + [False] * len(rect_calls), partial,
                      terms.key_split if terms is not None else None)
@@ -386,14 +386,14 @@ def _server_batches(plan: ShardPlan, tasks: Sequence[CadTask], options: CadOptio
 def server_calls(plan: ShardPlan, tasks: Sequence[CadTask], options: CadOptions | dict, model: CostModel,
                  split: bool = True) -> list[tuple[list[int], list[int], bool]]:
     """The kernel calls one server's ``tasks`` make, as the runtime cuts its batches
-    (:func:`~hf_longctx.kernels.calls.plan_calls` under :func:`call_terms_for`): (query rows, keys, causal) per call,
-    in order. What :mod:`.call_profile` times to fit a kernel's cost on calls shaped like CAD's own."""
+    (:func:`~hf_longctx.kernels.calls.cut_into_calls` under :func:`call_terms_for`): (query rows, keys, causal) per
+    call, in order. What :mod:`.call_profile` times to fit a kernel's cost on calls shaped like CAD's own."""
     options = cad_options(options)
     terms = call_terms_for(options, model)
     calls = []
     for causal, seg in _server_batches(plan, tasks, options, model, split):
         q_lens, k_lens = [q for q, _, _ in seg], [k for _, k, _ in seg]
-        calls += [(q_lens[a:b], k_lens[a:b], causal) for a, b in plan_calls(q_lens, k_lens, terms)]
+        calls += [(q_lens[a:b], k_lens[a:b], causal) for a, b in cut_into_calls(q_lens, k_lens, terms)]
     return calls
 
 
@@ -409,7 +409,7 @@ def _server_time(plan: ShardPlan, tasks: Sequence[CadTask], options: CadOptions,
         if terms is None and tails is None:
             continue
         q_lens, k_lens = [q for q, _, _ in seg], [k for _, k, _ in seg]
-        runs = plan_calls(q_lens, k_lens, terms)
+        runs = cut_into_calls(q_lens, k_lens, terms)
         if terms is not None:
             total += calls_overhead(q_lens, k_lens, runs, terms)
         if tails is not None:
