@@ -7,10 +7,10 @@ only says how many processes share a sequence and which memory knobs to turn.
 At ``on_train_begin`` it builds the sequence-parallel group (a ("dp", "sp") DeviceMesh over the
 processes accelerate started), installs the input hook that shards every batch, switches on
 recompute-aware checkpointing when ``TrainingArguments.activation_checkpointing`` is on (the model may
-be FSDP2-sharded by then: see :mod:`.fsdp`, which also names what is refused with it), and from then
+be FSDP2-sharded by then: see :mod:`..parallel.fsdp`, which also names what is refused with it), and from then
 on adds to the logs: tokens/s, an MFU estimate, the attention-load imbalance of the schedule across
 ranks. A MoE model (``router_aux_loss_coef`` in its config) gets the batch-exact load-balancing loss
-(:mod:`~hf_longctx.moe.aux_loss`) unless :func:`~.parallelism.apply_model_parallelism` installed it
+(:mod:`~hf_longctx.moe.aux_loss`) unless :func:`~..parallel.model_parallelism.apply_model_parallelism` installed it
 already: the input hook takes ``attention_mask`` out of the call and spreads the batch over the group,
 so transformers' own aux loss would count padding and be each shard's own, not the batch's; its
 shares are scaled as the Trainer scales the language-model loss (:func:`follow_loss_averaging`): the

@@ -175,7 +175,7 @@ def check_model_config(cfg: LongContextConfig, model_config, world_size: int | N
     the parallel sizes against the model's heads and experts (as the callback checks at train begin),
     ``tp_size`` > 1 (the Trainer gives every process its own rows), and the query heads Ulysses splits
     over the sequence-parallel group (:func:`hf_longctx.backends.ulysses.kv_repeat`, its first forward's
-    check). ``source`` names where the settings came from (see :func:`~.config.recipe_source`).
+    check). ``source`` names where the settings came from (see :func:`~..settings.sources.recipe_source`).
     """
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config

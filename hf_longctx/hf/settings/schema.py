@@ -1,7 +1,7 @@
 """The long-context settings of a run, as one typed, validated object: :class:`LongContextConfig`.
 
 Every value, wherever it comes from (a recipe's sidecar, an environment variable, the command line;
-see :mod:`.config`), is checked here, so a wrong value fails the same way in each place; an unknown
+see :mod:`.sources`), is checked here, so a wrong value fails the same way in each place; an unknown
 key fails with the closest known name.
 """
 
