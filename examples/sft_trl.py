@@ -26,7 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import hf_longctx
 from hf_longctx.data import load_sample_tokenizer, load_text_dataset, sample_corpus_path
 from hf_longctx.hf import check_run, report_config_errors
-from hf_longctx.hf.checkpointing import checkpointing_training_args
+from hf_longctx.hf.memory.checkpointing import checkpointing_training_args
 
 NEEDS_TRL = "examples/sft_trl.py needs TRL: pip install -e '.[examples]' (or pip install 'trl>=1.16')"
 try:

@@ -11,7 +11,7 @@ import importlib.util
 __version__ = "0.1.0"
 
 if importlib.util.find_spec("transformers") is not None:
-    from .hf.attention import register_attention_implementations as _register
+    from .hf.integration.attention import register_attention_implementations as _register
 
     ATTENTION_IMPLEMENTATIONS = _register()
 else:
@@ -24,7 +24,7 @@ _SUBPACKAGES = ("backends", "comm", "data", "hf", "kernels", "layout", "moe")
 
 def __getattr__(name: str):
     if name == "LongContextCallback":  # imports transformers.Trainer machinery only when asked for
-        from .hf.callback import LongContextCallback
+        from .hf.integration.callback import LongContextCallback
 
         return LongContextCallback
     if name in _SUBPACKAGES:  # hf_longctx.moe etc. work after a plain `import hf_longctx`

@@ -41,7 +41,7 @@ from hf_longctx.benchmarking import (
 )
 from hf_longctx.comm import comm_stats, reset_comm_stats
 from hf_longctx.comm.groups import high_priority_options
-from hf_longctx.hf.config import parse_backend_options
+from hf_longctx.hf.settings.sources import parse_backend_options
 from hf_longctx.kernels import SKIP_KERNEL, attention_backward, attention_forward
 from hf_longctx.lab.emulation import real_rank_kernel_times
 from hf_longctx.lab.emulation.workloads import WORKLOAD_MIXES, doc_lengths, global_tensors
@@ -64,11 +64,11 @@ def _measured_cost_model():
     may profile, training never does (it names a file made by ``hf-longctx-lab profile-cad``)."""
     import torch
 
-    from hf_longctx.lab.cad.profiled import SegmentShape, profiled_cost_model
+    from hf_longctx.lab.cad.profiled import SegmentShape, measured_cost_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     kernel = "auto" if device.type == "cuda" else "reference"
-    return profiled_cost_model(kernel, device, SegmentShape())[0]
+    return measured_cost_model(kernel, device, SegmentShape())[0]
 
 
 def backend_and_options(label: str) -> tuple[str, dict | None]:

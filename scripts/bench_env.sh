@@ -30,8 +30,8 @@ fit_launch_model() {
 import json, logging, shutil, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stdout)
 import torch
-from hf_longctx.lab.cad.profiled import SegmentShape, launch_cache_path, profiled_cost_model
-print("model:", profiled_cost_model("torch_flash")[1])
+from hf_longctx.lab.cad.profiled import SegmentShape, launch_cache_path, measured_cost_model
+print("model:", measured_cost_model("torch_flash")[1])
 path = launch_cache_path(torch.device("cuda"), "torch_flash", SegmentShape())
 print("meta:", json.dumps(json.loads(path.read_text())["meta"]))
 shutil.copy(path, sys.argv[1])

@@ -40,7 +40,7 @@ plans)
     $PY - "$seq" <<'PY'
 import sys
 from transformers import LlamaConfig
-from hf_longctx.hf.memory_plan import MemoryPlanError, plan_memory
+from hf_longctx.hf.memory.search import MemoryPlanError, plan_memory
 cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                   num_attention_heads=32, num_key_value_heads=8)
 try:

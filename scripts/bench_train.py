@@ -48,8 +48,8 @@ from hf_longctx.benchmarking import (
     timed_slowest_rank,
     training_mfu,
 )
-from hf_longctx.hf.config import parse_backend_options
-from hf_longctx.hf.settings import checked_backend_options
+from hf_longctx.hf.settings.schema import checked_backend_options
+from hf_longctx.hf.settings.sources import parse_backend_options
 
 
 def build_model(args, impl: str, device):
@@ -131,7 +131,7 @@ def _sync(device):
 
 def worker(rank, world, args):
     from hf_longctx.hf import implementation_name, plan_for, shard_batch
-    from hf_longctx.hf.memory import enable_memory_options
+    from hf_longctx.hf.memory.enable import enable_memory_options
 
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))  # what DeepSpeed reads
     device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
@@ -160,7 +160,7 @@ def worker(rank, world, args):
     memory_plan = None
     if args.memory == "auto":  # the planner picks checkpointing, offload and tiling from the memory it sees
         from hf_longctx.hf import LongContextConfig
-        from hf_longctx.hf.memory_plan import plan_for_training
+        from hf_longctx.hf.memory.training import plan_for_training
 
         memory_plan = plan_for_training(model, LongContextConfig(memory="auto"), tokens_per_gpu=args.seq,
                                         world=world, sp_size=world, processes_per_host=world, zero_stage=args.zero,
@@ -176,7 +176,7 @@ def worker(rank, world, args):
     else:
         args.fused_ops = "liger" if args.fused_ops == "liger" else "off"  # manual options: only when asked
         if args.fused_ops == "liger":
-            from hf_longctx.hf.fused_ops import enable_fused_ops
+            from hf_longctx.hf.memory.fused_ops import enable_fused_ops
 
             enable_fused_ops(model, swiglu=not args.tiled_mlp)
         enable_memory_options(model, args.checkpointing, args.offload, args.tiled_loss, args.tiled_mlp)
@@ -186,7 +186,7 @@ def worker(rank, world, args):
     if memory_plan is not None and memory_plan.optimizer_on_host:  # torchao's offload optimizer (one process)
         opt = memory_plan.make_optimizer(params, lr=args.lr)
     elif args.optimizer == "host":  # the same by hand
-        from hf_longctx.hf.optimizer_offload import HostOffloadAdamW
+        from hf_longctx.hf.memory.optimizer_offload import HostOffloadAdamW
 
         opt = HostOffloadAdamW(params, lr=args.lr)
     elif args.optimizer == "deepspeed":  # DeepSpeed builds its own CPU Adam from the config below
@@ -194,7 +194,7 @@ def worker(rank, world, args):
     else:
         opt = torch.optim.AdamW(params, lr=args.lr, fused=device.type == "cuda" and not args.zero and not peer)
     if not args.zero and not args.fsdp and not peer and opt is not None:
-        from hf_longctx.hf.optimizer_states import allocate_optimizer_states
+        from hf_longctx.hf.memory.optimizer_states import allocate_optimizer_states
 
         allocate_optimizer_states(opt)  # a timed first step then holds AdamW's states, as every later step does
     total = args.seq * world
@@ -212,7 +212,7 @@ def worker(rank, world, args):
         def step():
             return trainer.step(**whole)
     elif args.fsdp:  # FSDP2: every decoder layer and the root sharded over all GPUs (dp x sp share the weights)
-        from hf_longctx.hf.fsdp import fully_shard_model
+        from hf_longctx.hf.parallel.fsdp import fully_shard_model
 
         fully_shard_model(model)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,  # the shards
@@ -271,7 +271,7 @@ def worker(rank, world, args):
         torch.cuda.reset_peak_memory_stats(device)
     probe = None
     if args.layer_peaks and device.type == "cuda":
-        from hf_longctx.hf.memory_probe import LayerPeakProbe
+        from hf_longctx.hf.memory.layer_peaks import LayerPeakProbe
 
         probe = LayerPeakProbe(model, device)
     with probe or contextlib.nullcontext():

@@ -45,12 +45,12 @@ from hf_longctx.data import (
 )
 from hf_longctx.data.tokenization import TextColumnError
 from hf_longctx.hf import ConfigError, apply_model_parallelism, check_positive, check_run, report_config_errors
-from hf_longctx.hf.checkpointing import checkpointing_training_args
-from hf_longctx.hf.config import add_config_arguments, config_overrides, recipe_source
-from hf_longctx.hf.fsdp import enable_fsdp_on_cpu
-from hf_longctx.hf.memory_plan import plan_for_training
-from hf_longctx.hf.optimizer_offload import trainer_optimizer_cls_and_kwargs
-from hf_longctx.hf.preflight import check_model_config
+from hf_longctx.hf.integration.preflight import check_model_config
+from hf_longctx.hf.memory.checkpointing import checkpointing_training_args
+from hf_longctx.hf.memory.optimizer_offload import trainer_optimizer_cls_and_kwargs
+from hf_longctx.hf.memory.training import plan_for_training
+from hf_longctx.hf.parallel.fsdp import enable_fsdp_on_cpu
+from hf_longctx.hf.settings.sources import add_config_arguments, config_overrides, recipe_source
 
 
 def tiny_llama_config(vocab_size: int, attn_implementation: str) -> LlamaConfig:
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
         use_cpu=not on_gpu, dataloader_drop_last=True, ddp_find_unused_parameters=False,
         **checkpointing_training_args(cfg.checkpointing != "none"),  # the callback makes it recompute-aware
     )
-    enable_fsdp_on_cpu(training_args)  # an FSDP2 recipe on CPU: accelerate would fall back to DDP (hf_longctx.hf.fsdp)
+    enable_fsdp_on_cpu(training_args)  # an FSDP2 recipe on CPU: accelerate would fall back to DDP (hf.parallel.fsdp)
     callback = hf_longctx.LongContextCallback(cfg)
     # a plan that keeps AdamW on the host needs that optimizer from the start (the callback checks it)
     host_adamw = memory_plan is not None and memory_plan.optimizer_on_host

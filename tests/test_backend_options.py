@@ -101,7 +101,7 @@ def test_a_model_file_made_ahead_prices_the_schedule(tmp_path):
 ], ids=["device", "kernel", "not-json", "not-a-model"])
 def test_a_mismatched_model_file_is_refused_when_the_settings_are_checked(tmp_path, meta, text, problem):
     """Checked with the settings (before a model is built), never a fall back to FLOPs."""
-    from hf_longctx.hf.settings import LongContextConfig
+    from hf_longctx.hf.settings.schema import LongContextConfig
 
     path = tmp_path / "model.json"
     if text is None:
@@ -185,10 +185,10 @@ def test_causal_is_a_field_of_the_run_not_an_option():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(batch.num_tokens, 4, 8, dtype=torch.float64, generator=gen) for _ in range(3))
     out = sequence_parallel_attention(q, k, v, plan=plan, backend="ulysses", causal=False, rank=0)
-    from hf_longctx.backends import one_process_attention
+    from hf_longctx.backends import segment_attention
 
     cu = batch.cu_seqlens.tolist()
-    torch.testing.assert_close(out, one_process_attention(q, k, v, cu, cu, causal=False), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(out, segment_attention(q, k, v, cu, cu, causal=False), rtol=1e-9, atol=1e-12)
 
 
 def test_shard_batch_parses_a_mapping_for_the_model_it_is_given():

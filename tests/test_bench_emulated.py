@@ -43,7 +43,7 @@ def test_cad_runs_choose_the_cad_variants_and_a_misspelt_one_is_refused_first(tm
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     profiled = []
-    monkeypatch.setattr(module, "profiled_cost_model", lambda *a, **k: profiled.append(1))
+    monkeypatch.setattr(module, "measured_cost_model", lambda *a, **k: profiled.append(1))
     out = tmp_path / "emulated.md"
     assert module.main(["--quick", "--out", str(out), "--cad-runs", "cad profiled eps0.001"]) == 2
     assert "unknown run(s) ['cad profiled eps0.001']" in capsys.readouterr().err and not profiled  # before profiling
@@ -113,14 +113,14 @@ def test_each_mix_shares_the_budget_the_set_up_left_and_none_starts_past_the_bud
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     clock = [0.0]
-    real_profile = module.profiled_cost_model
+    real_profile = module.measured_cost_model
 
     def slow_profile(*args, **kwargs):
         clock[0] += 100.0
         return real_profile(*args, **kwargs)
 
     monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    monkeypatch.setattr(module, "profiled_cost_model", slow_profile)
+    monkeypatch.setattr(module, "measured_cost_model", slow_profile)
     out = tmp_path / "emulated.md"
     common = ["--quick", "--out", str(out), "--worlds", "2", "--mixes", "prolong,sft", "--backends", "ring",
               "--eps-sweep", "none:0"]

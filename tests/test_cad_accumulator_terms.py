@@ -16,7 +16,7 @@ from hf_longctx.kernels import fa4
 from hf_longctx.kernels.launch import LaunchGrid, accumulator_share, backward_short_steps
 from hf_longctx.lab.cad import call_profile, profiled
 from hf_longctx.lab.cad.call_profile import profile_launch_cost
-from hf_longctx.lab.cad.profiled import SegmentShape, profiled_cost_model
+from hf_longctx.lab.cad.profiled import SegmentShape, measured_cost_model
 
 FA4_LIKE = LaunchGrid(forward_tile=(128, 128), backward_tile=(64, 128), forward_weight=0.3, launch_order="segment",
                       backward_min_steps=16, backward_accumulator_keys=(15360, 46080))
@@ -123,19 +123,19 @@ def test_a_cached_model_without_the_accumulator_terms_is_kept_only_where_the_gri
                         lambda kernel, device, head_dim, mode="fwd+bwd", shape=None: current["grid"])
     fits = small_profiles(monkeypatch, server_calls=0)
     shape = SegmentShape(2, 1, 8, torch.float32)
-    profiled_cost_model("reference", "cpu", shape)
+    measured_cost_model("reference", "cpu", shape)
     cached = profiled.launch_cache_path(torch.device("cpu"), "reference", shape)
     older = json.loads(cached.read_text())
     for phase in ("forward", "backward"):
         del older[phase]["accumulator_key"], older[phase]["accumulator_short_step"]
     cached.write_text(json.dumps(older))
-    _, source = profiled_cost_model("reference", "cpu", shape)
+    _, source = measured_cost_model("reference", "cpu", shape)
     assert "now" not in source and len(fits) == 1  # the grid declares no accumulator keys: kept
     current["grid"] = replace(grid, backward_accumulator_keys=(120, 360))
-    _, source = profiled_cost_model("reference", "cpu", shape)
+    _, source = measured_cost_model("reference", "cpu", shape)
     assert "now" in source and len(fits) == 2  # now it does: fitted again
-    _, source = profiled_cost_model("reference", "cpu", shape)
+    _, source = measured_cost_model("reference", "cpu", shape)
     assert "now" not in source and len(fits) == 2
     current["grid"] = replace(grid, backward_accumulator_keys=(100, 300))  # another L2: its terms mean otherwise
-    _, source = profiled_cost_model("reference", "cpu", shape)
+    _, source = measured_cost_model("reference", "cpu", shape)
     assert "now" in source and len(fits) == 3

@@ -11,7 +11,7 @@ from hf_longctx.backends.cad.eps import EpsCandidate, choose_eps, sweep_eps
 from hf_longctx.backends.cad.runtime import cad_schedule
 from hf_longctx.backends.cad.scheduler import verify_schedule
 from hf_longctx.backends.cad.tasks import docs_per_rank
-from hf_longctx.lab.cad.profiled import ProfileBudget, SegmentShape, profiled_cost_model
+from hf_longctx.lab.cad.profiled import ProfileBudget, SegmentShape, measured_cost_model
 from hf_longctx.lab.emulation import emulate_step
 from hf_longctx.layout import shard_plan
 
@@ -40,11 +40,11 @@ def test_sweep_picks_one_of_its_candidates():
 
 def test_profiled_model_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_LONGCTX_CACHE", str(tmp_path))
-    model, source = profiled_cost_model("reference", "cpu", SHAPE, **TINY)
+    model, source = measured_cost_model("reference", "cpu", SHAPE, **TINY)
     assert isinstance(model, ProfiledCostModel) and "now" in source
     files = list((tmp_path / "cad_cost").glob("cpu-reference-*.json"))
     assert len(files) == 1
-    again, source = profiled_cost_model("reference", "cpu", SHAPE, **TINY)
+    again, source = measured_cost_model("reference", "cpu", SHAPE, **TINY)
     assert "now" not in source and str(files[0]) in source
     assert again.cost(64, 256) == pytest.approx(model.cost(64, 256))
     assert model.cost(64, 256) > model.cost(16, 256) > 0
@@ -53,14 +53,14 @@ def test_profiled_model_is_measured_once_then_read_from_the_cache(tmp_path, monk
 def test_without_a_gpu_the_default_is_flops():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    model, source = profiled_cost_model()
+    model, source = measured_cost_model()
     assert isinstance(model, FlopsCostModel) and source.startswith("FLOPs")
 
 
 @pytest.mark.parametrize("world", [3, 4])
 def test_cad_on_a_profiled_model_and_auto_eps_stays_exact(tmp_path, monkeypatch, world):
     monkeypatch.setenv("HF_LONGCTX_CACHE", str(tmp_path))
-    model, _ = profiled_cost_model("reference", "cpu", SegmentShape(4, 2, 16, torch.float64), **TINY)
+    model, _ = measured_cost_model("reference", "cpu", SegmentShape(4, 2, 16, torch.float64), **TINY)
     batch, q, k, v, dout = make_problem(11 + world, world, torch.float64)
     want = reference(batch, q, k, v, dout)
     options = {"cost_model": model, "eps": "auto"}
@@ -140,13 +140,13 @@ def test_a_cached_profile_without_the_segment_term_is_measured_again(tmp_path, m
 
     monkeypatch.setenv("HF_LONGCTX_CACHE", str(tmp_path))
     monkeypatch.setattr(profiled, "_run_ms", _fake_clock(call_ms=0.0, per_segment_ms=0.01, per_pair_ms=1e-6))
-    model, source = profiled_cost_model("reference", "cpu", SHAPE, **TINY)
+    model, source = measured_cost_model("reference", "cpu", SHAPE, **TINY)
     path = next((tmp_path / "cad_cost").glob("*.json"))
     assert "now" in source and model.segment_cost == pytest.approx(0.01, rel=1e-6)
     doc = json.loads(path.read_text())
     del doc["segment_cost"], doc["tile"]  # as written before the term existed
     path.write_text(json.dumps(doc))
-    again, source = profiled_cost_model("reference", "cpu", SHAPE, **TINY)
+    again, source = measured_cost_model("reference", "cpu", SHAPE, **TINY)
     assert "now" in source and again.segment_cost == pytest.approx(0.01, rel=1e-6)
     assert "segment_cost" in json.loads(path.read_text())
 

@@ -22,7 +22,7 @@ from hf_longctx.backends.cad.launch_cost import (
     fit_phase_terms,
 )
 from hf_longctx.backends.cad.runtime import prepare, server_costs
-from hf_longctx.kernels.calls import call_order, calls_overhead, plan_calls
+from hf_longctx.kernels.calls import call_order, calls_overhead, cut_into_calls
 from hf_longctx.kernels.launch import (
     LaunchGrid,
     backward_step_total,
@@ -44,7 +44,7 @@ from hf_longctx.lab.cad.call_profile import (
     short_document_calls,
     sweep_shapes,
 )
-from hf_longctx.lab.cad.profiled import SegmentShape, profiled_cost_model
+from hf_longctx.lab.cad.profiled import SegmentShape, measured_cost_model
 from hf_longctx.lab.emulation import emulate_step
 from hf_longctx.layout import shard_plan
 
@@ -552,63 +552,63 @@ def test_profiled_picks_the_launch_model_where_the_kernel_declares_a_grid(tmp_pa
     monkeypatch.setattr(profiled, "launch_grid", lambda kernel, device, head_dim, mode="fwd+bwd", shape=None: grid)
     fits = small_profiles(monkeypatch, server_calls=8)
     shape = SegmentShape(2, 1, 8, torch.float32)
-    model, source = profiled_cost_model("reference", "cpu", shape)
+    model, source = measured_cost_model("reference", "cpu", shape)
     assert isinstance(model, LaunchCostModel) and source.startswith("launch-fitted") and "now" in source
-    again, source = profiled_cost_model("reference", "cpu", shape)
+    again, source = measured_cost_model("reference", "cpu", shape)
     assert again == model and "now" not in source and len(fits) == 1  # read from the cache
     cached = profiled.launch_cache_path(torch.device("cpu"), "reference", shape)
     older = json.loads(cached.read_text())
     del older["forward"]["merge_row"], older["backward"]["merge_row"]  # saved before the term existed: fitted again
     cached.write_text(json.dumps(older))
-    _, source = profiled_cost_model("reference", "cpu", shape)
+    _, source = measured_cost_model("reference", "cpu", shape)
     assert "now" in source and len(fits) == 2
     fitted = json.loads(cached.read_text())
     assert fitted["meta"]["merge"] == "torch"  # the CPU merges cut forwards with torch's index ops
     fitted["meta"]["merge"] = "triton"  # fitted where one Triton kernel merged them: priced for another merge
     cached.write_text(json.dumps(fitted))
-    _, source = profiled_cost_model("reference", "cpu", shape)
+    _, source = measured_cost_model("reference", "cpu", shape)
     assert "now" in source and len(fits) == 3
     # the L2 state the profile times calls in: a model timed warm is fitted again where calls are to be timed cold
     assert json.loads(cached.read_text())["meta"]["l2"] == "warm" and not any(evicted)
     monkeypatch.setenv("HF_LONGCTX_PROFILE_L2", "evicted")
-    _, source = profiled_cost_model("reference", "cpu", shape)
+    _, source = measured_cost_model("reference", "cpu", shape)
     assert "now" in source and len(fits) == 4 and json.loads(cached.read_text())["meta"]["l2"] == "evicted"
     assert evicted and all(evicted[-10:])
-    _, source = profiled_cost_model("reference", "cpu", shape)
+    _, source = measured_cost_model("reference", "cpu", shape)
     assert "now" not in source and len(fits) == 4
     monkeypatch.setenv("HF_LONGCTX_PROFILE_L2", "cold")
     with pytest.raises(ValueError, match="HF_LONGCTX_PROFILE_L2='cold': choose one of evicted, warm"):
-        profiled_cost_model("reference", "cpu", shape)
+        measured_cost_model("reference", "cpu", shape)
     monkeypatch.delenv("HF_LONGCTX_PROFILE_L2")
-    _, source = profiled_cost_model("reference", "cpu", shape)  # back to warm: fitted again, then read
+    _, source = measured_cost_model("reference", "cpu", shape)  # back to warm: fitted again, then read
     assert "now" in source and len(fits) == 5
-    _, source = profiled_cost_model("reference", "cpu", shape)
+    _, source = measured_cost_model("reference", "cpu", shape)
     assert "now" not in source and len(fits) == 5
     earlier = json.loads(cached.read_text())
     earlier["meta"]["call_set"] = call_profile.CALL_SET - 1  # fitted on another set of calls: fitted again
     cached.write_text(json.dumps(earlier))
-    _, source = profiled_cost_model("reference", "cpu", shape)
+    _, source = measured_cost_model("reference", "cpu", shape)
     assert "now" in source and len(fits) == 6
     # a term the grid never measures (short backward blocks, where it declares no minimum) may be missing
     unmeasured = json.loads(cached.read_text())
     del unmeasured["forward"]["short_step"], unmeasured["backward"]["short_step"]
     cached.write_text(json.dumps(unmeasured))
-    _, source = profiled_cost_model("reference", "cpu", shape)
+    _, source = measured_cost_model("reference", "cpu", shape)
     assert "now" not in source and len(fits) == 6
     monkeypatch.setattr(profiled, "launch_grid", lambda kernel, device, head_dim, mode="fwd+bwd", shape=None:
                         replace(grid, backward_min_steps=4))
-    _, source = profiled_cost_model("reference", "cpu", shape)  # now the grid measures it: fitted again
+    _, source = measured_cost_model("reference", "cpu", shape)  # now the grid measures it: fitted again
     assert "now" in source and len(fits) == 7
     monkeypatch.setattr(profiled, "launch_grid", lambda kernel, device, head_dim, mode="fwd+bwd", shape=None: grid)
-    grid_model, _ = profiled_cost_model("reference", "cpu", shape, model="grid", q_lens=(16, 64),
+    grid_model, _ = measured_cost_model("reference", "cpu", shape, model="grid", q_lens=(16, 64),
                                         kv_lens=(16, 64, 256), budget=profiled.ProfileBudget(
                                             min_tokens=64, max_kv_tokens=1024, max_pairs=4096, warmup=0, reps=1))
     assert isinstance(grid_model, ProfiledCostModel)
     monkeypatch.setattr(profiled, "launch_grid", lambda kernel, device, head_dim, mode="fwd+bwd", shape=None: None)
-    flops, source = profiled_cost_model("reference", "cpu", shape, model="launch")
+    flops, source = measured_cost_model("reference", "cpu", shape, model="launch")
     assert "declares no launch grid" in source  # asked for, impossible: said why, FLOPs stand in
     with pytest.raises(ValueError, match="model must be one of"):
-        profiled_cost_model("reference", "cpu", shape, model="lanch")
+        measured_cost_model("reference", "cpu", shape, model="lanch")
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -643,7 +643,7 @@ def test_the_runtime_prices_a_server_as_the_sum_of_its_calls():
         seg = [segment_shape(plan, t) for t in tasks if t.server == s and t.q_end > t.q_start]
         seg = [seg[i] for i in call_order([q for q, _ in seg], [k for _, k in seg])]
         q, k = [a for a, _ in seg], [b for _, b in seg]
-        calls = plan_calls(q, k, H200.call_terms)
+        calls = cut_into_calls(q, k, H200.call_terms)
         assert predicted[s] == pytest.approx(sum(H200.call_cost(q[a:b], k[a:b]) for a, b in calls), rel=1e-9)
 
 

@@ -26,7 +26,7 @@ from hf_longctx.backends.cad.runtime import (
     call_terms_for,
     server_costs,
 )
-from hf_longctx.backends.cad.scheduler import schedule, task_bytes, verify_schedule, with_tasks
+from hf_longctx.backends.cad.scheduler import assign_servers, task_bytes, verify_schedule, with_tasks
 from hf_longctx.backends.cad.tasks import docs_per_rank
 from hf_longctx.kernels.launch import LaunchGrid
 from hf_longctx.lab.emulation.workloads import doc_lengths
@@ -39,7 +39,7 @@ H200 = ProfiledCostModel.load(Path(__file__).with_name("h200_torch_flash_launch_
 def test_any_task_set_is_counted_in_bytes_as_the_scheduler_counts_its_own():
     batch = PackedBatch.from_doc_lens(doc_lengths("prolong", 128 << 10, seed=2))
     docs = docs_per_rank(shard_plan(batch, 8, "cad"))
-    sched = schedule(docs, 8, eps=0.01, cost_model=H200)
+    sched = assign_servers(docs, 8, eps=0.01, cost_model=H200)
     per_rank, per_server = task_bytes(docs, sched.task_owner, sched.task_piece, sched.task_q_start,
                                       sched.task_q_end, sched.task_server, 8)
     assert per_rank == pytest.approx(sched.bytes_per_rank) and per_server == pytest.approx(sched.bytes_per_server)
@@ -52,7 +52,7 @@ def test_refinement_lowers_the_busiest_predicted_server_and_keeps_every_row(mix,
     plan = shard_plan(batch, world, "cad")
     docs = docs_per_rank(plan)
     options = CadOptions(eps=0.01, cost_model=H200)
-    first = schedule(docs, world, eps=0.01, cost_model=H200)
+    first = assign_servers(docs, world, eps=0.01, cost_model=H200)
     terms = call_terms_for(options, H200)
     moved = refine_in_time(plan, first.tasks, H200, lambda ts: _server_time(plan, ts, options, H200, terms))
     refined = with_tasks(docs, first, moved, H200)
@@ -89,7 +89,7 @@ def test_a_refined_schedule_still_computes_what_one_device_does(world):
     model = tailed_grid_model()
     options = CadOptions(eps=0.0, min_shard=16, cost_model=model)
     plan = shard_plan(batch, world, "cad")
-    first = schedule(docs_per_rank(plan), world, eps=0.0, cost_model=model, min_shard=16)
+    first = assign_servers(docs_per_rank(plan), world, eps=0.0, cost_model=model, min_shard=16)
     tasks = refine_in_time(plan, first.tasks, model, lambda ts: _server_time(plan, ts, options, model, None))
 
     def rows(ts):
@@ -207,7 +207,7 @@ def _count_pricings(screen: int | None):
     batch = PackedBatch.from_doc_lens(doc_lengths("sft", 64 << 10, seed=0))
     plan = shard_plan(batch, 4, "cad")
     options = CadOptions(eps=0.01, cost_model=H200)
-    first = schedule(docs_per_rank(plan), 4, eps=0.01, cost_model=H200)
+    first = assign_servers(docs_per_rank(plan), 4, eps=0.01, cost_model=H200)
     terms = call_terms_for(options, H200)
     priced = [0]
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from hf_longctx.backends.cad.cost_model import FlopsCostModel, ProfiledCostModel, TokenBytes, query_rows_cost
 from hf_longctx.backends.cad.launch_cost import LaunchCostModel, PhaseTerms
-from hf_longctx.backends.cad.scheduler import parse_docs, schedule, verify_schedule
+from hf_longctx.backends.cad.scheduler import assign_servers, parse_docs, verify_schedule
 from hf_longctx.backends.cad.tasks import docs_per_rank
 from hf_longctx.data.synthetic_lengths import synthetic_doc_lengths
 from hf_longctx.kernels.launch import LaunchGrid
@@ -142,7 +142,7 @@ def batches(draw):
 @SETTINGS
 def test_every_query_row_in_exactly_one_task(docs, eps, min_shard, extra_servers):
     servers = max(1, len(docs) + extra_servers)
-    sched = schedule(docs, servers, eps=eps, cost_model=PAIRS, min_shard=min_shard)
+    sched = assign_servers(docs, servers, eps=eps, cost_model=PAIRS, min_shard=min_shard)
     verify_schedule(docs, sched, PAIRS)
     assert sched.loads.sum() == pytest.approx(sched.initial_loads.sum(), rel=1e-9)
     item, length, _ = task_rows(sched, docs)
@@ -159,7 +159,7 @@ def test_deterministic_and_input_untouched():
     lengths = synthetic_doc_lengths("prolong", 64 * 65536, seed=3, max_doc_len=65536)
     docs = contiguous_layout(lengths, 64, 65536)
     snapshot = [list(d) for d in docs]
-    a, b = schedule(docs, 64), schedule(docs, 64)
+    a, b = assign_servers(docs, 64), assign_servers(docs, 64)
     assert docs == snapshot
     for name in ("task_owner", "task_piece", "task_q_start", "task_q_end", "task_server", "loads", "bytes_per_rank"):
         assert np.array_equal(getattr(a, name), getattr(b, name)), name
@@ -169,7 +169,7 @@ def test_explicit_split_and_bytes():
     """One long document against an empty rank: half its cost moves as one head-tail ring."""
     tb = TokenBytes(q=1.0, kv=10.0, out=100.0)
     docs = [[4096], []]
-    sched = schedule(docs, 2, eps=0.0, cost_model=PAIRS, min_shard=128, token_bytes=tb)
+    sched = assign_servers(docs, 2, eps=0.0, cost_model=PAIRS, min_shard=128, token_bytes=tb)
     verify_schedule(docs, sched, PAIRS)
     tasks = sorted((t.owner, t.piece, t.q_start, t.q_end, t.server) for t in sched.tasks)
     # every pair of mirrored rows (i, 4095 - i) costs 4097 keys; half the total is k = 1024 pairs
@@ -184,9 +184,9 @@ def test_bytes_of_pieces_with_offsets():
     """In place, a piece fetches its offset KV only; remote, also its rows and its KV prefix."""
     tb = TokenBytes(q=1.0, kv=10.0, out=100.0)
     docs = [[(200, 1000)], [(50, 7)]]
-    sched = schedule(docs, 2, eps=10.0, cost_model=PAIRS, token_bytes=tb)  # nothing moves
+    sched = assign_servers(docs, 2, eps=10.0, cost_model=PAIRS, token_bytes=tb)  # nothing moves
     assert sched.num_moves == 0 and sched.bytes_per_rank.tolist() == [1000 * 10.0, 7 * 10.0]
-    sched = schedule(docs, 1, eps=10.0, cost_model=PAIRS, token_bytes=tb)  # rank 1 has no server
+    sched = assign_servers(docs, 1, eps=10.0, cost_model=PAIRS, token_bytes=tb)  # rank 1 has no server
     assert sched.bytes_per_rank.tolist() == [1000 * 10.0, 50 * 101.0 + (7 + 50) * 10.0]
 
 
@@ -194,7 +194,7 @@ def test_bytes_of_pieces_with_offsets():
 @SETTINGS
 def test_bytes_accounting_matches_the_tasks(docs, eps):
     tb = TokenBytes(q=3.0, kv=5.0, out=7.0)
-    sched = schedule(docs, len(docs), eps=eps, cost_model=PAIRS, min_shard=16, token_bytes=tb)
+    sched = assign_servers(docs, len(docs), eps=eps, cost_model=PAIRS, min_shard=16, token_bytes=tb)
     item, length, off = task_rows(sched, docs)
     expect = np.zeros(len(docs))
     for it in np.unique(item):
@@ -212,8 +212,8 @@ def test_bytes_accounting_matches_the_tasks(docs, eps):
 
 def test_a_move_must_pay_for_its_bytes():
     docs = [[8192], [16], [16]]
-    assert schedule(docs, 3, min_gain_per_byte=1e30).num_moves == 0
-    assert schedule(docs, 3).num_moves > 0
+    assert assign_servers(docs, 3, min_gain_per_byte=1e30).num_moves == 0
+    assert assign_servers(docs, 3).num_moves > 0
 
 
 # ---------------------------------------------------------------- scheduler: balance
@@ -243,7 +243,7 @@ def long_tailed(draw):
 def test_within_eps_when_granularity_allows(docs, eps, min_shard):
     """Achievable when ``eps * F >= 2 * g``, ``g`` the largest cost that moves in one piece (``granularity``):
     every server then ends within ``eps * F`` of ``F``."""
-    sched = schedule(docs, len(docs), eps=eps, cost_model=PAIRS, min_shard=min_shard)
+    sched = assign_servers(docs, len(docs), eps=eps, cost_model=PAIRS, min_shard=min_shard)
     verify_schedule(docs, sched, PAIRS)
     if eps * sched.target >= 2 * granularity(docs, min_shard):
         assert sched.converged
@@ -258,7 +258,7 @@ def test_profiled_cost_model_drives_the_scheduler():
     model = ProfiledCostModel.from_grid(grid, grid, [[PAIRS.cost(q, k) + 1e3 for k in grid] for q in grid])
     lengths = synthetic_doc_lengths("prolong", 16 * 65536, seed=1, max_doc_len=65536)
     docs = contiguous_layout(lengths, 16, 65536)
-    sched = schedule(docs, 16, eps=0.1, cost_model=model)
+    sched = assign_servers(docs, 16, eps=0.1, cost_model=model)
     verify_schedule(docs, sched, model)
     assert sched.initial_imbalance > 1.3 and sched.imbalance <= 1.1 + 1e-9
 
@@ -273,10 +273,11 @@ def test_speed_512_ranks_512k_tokens(mix):
     best = float("inf")
     for _ in range(3):
         t = time.perf_counter()
-        sched = schedule(docs, 512, eps=0.1)
+        sched = assign_servers(docs, 512, eps=0.1)
         best = min(best, time.perf_counter() - t)
     print(f"\n{mix}: 512 ranks x 512K tokens, {sched.stats['items']} pieces, {sched.num_moves} moves: "
-          f"schedule() best of 3 {best * 1e3:.1f} ms, imbalance {sched.initial_imbalance:.2f} -> {sched.imbalance:.3f}")
+          f"assign_servers() best of 3 {best * 1e3:.1f} ms, imbalance {sched.initial_imbalance:.2f} -> "
+          f"{sched.imbalance:.3f}")
     assert sched.imbalance <= 1.1 + 1e-9
     assert best < 0.5
 
@@ -326,7 +327,7 @@ def test_scheduler_balances_windowed_cost_and_covers_every_row():
 
     docs = contiguous_layout([9000, 300, 200, 4000, 2500, 100] * 2, ranks=4, tokens_per_rank=8050)
     model = WindowedCostModel(FlopsCostModel(), 512)
-    sched = schedule(docs, 4, eps=0.05, cost_model=model)
+    sched = assign_servers(docs, 4, eps=0.05, cost_model=model)
     verify_schedule(docs, sched, cost_model=model)
     assert sched.converged and sched.imbalance <= 1.05 + 1e-9
     assert sched.loads.sum() == pytest.approx(model.cost_array(*np.array(
@@ -435,7 +436,7 @@ def test_scheduler_charges_every_split_its_segment_term(ranks, eps, min_shard):
     docs = _prolong_docs(ranks, 16384)
     seg = flat_model(segment_cost=0.2).cost(128, 16384) * 0.01  # 1% of a 128-row shard over 16K keys
     model = flat_model(segment_cost=seg)
-    sched = schedule(docs, ranks, eps=eps, cost_model=model, min_shard=min_shard)
+    sched = assign_servers(docs, ranks, eps=eps, cost_model=model, min_shard=min_shard)
     verify_schedule(docs, sched, model)  # every row once; loads are the tasks priced one by one
     items = len(parse_docs(docs)[0])
     extra = len(sched.task_server) - items
@@ -448,10 +449,10 @@ def test_scheduler_charges_every_split_its_segment_term(ranks, eps, min_shard):
 
 def test_a_split_whose_segment_terms_outweigh_its_rows_is_not_made():
     docs = [[8192], [256], [256], [256]]
-    cheap = schedule(docs, 4, eps=0.05, cost_model=flat_model())
+    cheap = assign_servers(docs, 4, eps=0.05, cost_model=flat_model())
     assert len(cheap.task_server) > 4  # without the term the long document is cut
     dear = flat_model(segment_cost=flat_model().cost(8192, 8192))  # a segment term larger than the whole document
-    sched = schedule(docs, 4, eps=0.05, cost_model=dear)
+    sched = assign_servers(docs, 4, eps=0.05, cost_model=dear)
     verify_schedule(docs, sched, dear)
     assert len(sched.task_server) == 4 and sched.loads.max() == pytest.approx(dear.cost(8192, 8192))
 
@@ -465,8 +466,8 @@ def test_flops_and_term_free_profiles_ignore_the_segment_machinery():
                               tuple(tuple(r) for r in table), "ms", "rate")
     explicit = ProfiledCostModel.from_grid(grid, grid, table, interpolate="rate", segment_cost=0.0, tile=0)
     for model in (FlopsCostModel(), plain):
-        a = schedule(docs, 8, eps=0.01, cost_model=model, min_shard=32)
-        b = schedule(docs, 8, eps=0.01, cost_model=explicit if model is plain else FlopsCostModel(), min_shard=32)
+        a = assign_servers(docs, 8, eps=0.01, cost_model=model, min_shard=32)
+        b = assign_servers(docs, 8, eps=0.01, cost_model=explicit if model is plain else FlopsCostModel(), min_shard=32)
         for name in ("task_owner", "task_piece", "task_q_start", "task_q_end", "task_server", "loads"):
             assert np.array_equal(getattr(a, name), getattr(b, name)), name
         assert a.target == b.target and a.num_moves == b.num_moves
@@ -490,7 +491,7 @@ def test_measured_kernel_time_balances_within_2_percent_on_servers_of_a_few_thou
     model = ProfiledCostModel.load(H200_PROFILE, interpolate="rate")
     batch = PackedBatch.from_doc_lens(doc_lengths(mix, tokens, seed=0))
     docs = docs_per_rank(shard_plan(batch, world, "cad"))
-    sched = schedule(docs, world, eps=0.01, cost_model=model)
+    sched = assign_servers(docs, world, eps=0.01, cost_model=model)
     verify_schedule(docs, sched, model)
     assert sched.imbalance <= 1.02, (mix, world, sched.imbalance)
 
@@ -500,7 +501,7 @@ def test_a_piece_sheds_its_first_rows_alone_where_no_ring_fits():
     ~20K keys each) costs 5.2M. Its first 149 rows alone cost 3M: one move, one new segment, one KV prefix
     shipped (two rings each way would balance too, at six tasks and twice the bytes)."""
     docs = [[(600, 20000)], [3520]]
-    sched = schedule(docs, 2, eps=0.01, cost_model=PAIRS, min_shard=128)
+    sched = assign_servers(docs, 2, eps=0.01, cost_model=PAIRS, min_shard=128)
     verify_schedule(docs, sched, PAIRS)
     tasks = sorted((t.owner, t.q_start, t.q_end, t.server) for t in sched.tasks)
     assert tasks == [(0, 0, 149, 1), (0, 149, 600, 0), (1, 0, 3520, 1)]
@@ -522,6 +523,6 @@ def test_an_overshoot_leaves_no_receiver_far_above_the_target(search_width):
     with one 77K-token document."""
     batch = PackedBatch.from_doc_lens(doc_lengths("pretrain", 512 << 10, seed=1))
     docs = docs_per_rank(shard_plan(batch, 64, "cad"))
-    sched = schedule(docs, 64, eps=0.01, cost_model=H200_LAUNCH, search_width=search_width)
+    sched = assign_servers(docs, 64, eps=0.01, cost_model=H200_LAUNCH, search_width=search_width)
     verify_schedule(docs, sched, H200_LAUNCH)
     assert sched.imbalance <= 1.09, (search_width, sched.imbalance)

@@ -19,7 +19,7 @@ from hf_longctx.backends.cad.cost_model import ProfiledCostModel
 from hf_longctx.backends.cad.options import CadOptions
 from hf_longctx.backends.cad.refine import refine_in_time
 from hf_longctx.backends.cad.runtime import _server_time, cad_schedule
-from hf_longctx.backends.cad.scheduler import schedule
+from hf_longctx.backends.cad.scheduler import assign_servers
 from hf_longctx.backends.cad.shared_pricing import PricingShare, priced_together
 from hf_longctx.backends.cad.tasks import docs_per_rank
 from hf_longctx.kernels.launch import LaunchGrid
@@ -41,7 +41,7 @@ def rows(tasks) -> set:
 
 def refined(plan, share, screen=None) -> tuple[list, int]:
     """(tasks, server pricings made by this rank) of refining the plan's first schedule."""
-    first = schedule(docs_per_rank(plan), plan.world_size, eps=0.0, cost_model=MODEL, min_shard=16)
+    first = assign_servers(docs_per_rank(plan), plan.world_size, eps=0.0, cost_model=MODEL, min_shard=16)
     count = [0]
 
     def server_cost(ts):
@@ -53,7 +53,7 @@ def refined(plan, share, screen=None) -> tuple[list, int]:
 
 def check_same_tasks_less_pricing(rank, world):
     plan = shard_plan(PackedBatch.from_doc_lens(DOC_LENS), world, "cad")
-    first = schedule(docs_per_rank(plan), world, eps=0.0, cost_model=MODEL, min_shard=16)
+    first = assign_servers(docs_per_rank(plan), world, eps=0.0, cost_model=MODEL, min_shard=16)
     alone, alone_count = refined(plan, None)
     together, together_count = refined(plan, PricingShare(None, rank, world))
     assert rows(alone) != rows(first.tasks), "the refinement moved nothing: the test tests nothing"
@@ -115,7 +115,7 @@ def check_backend_prices_together(rank, world):
         torch.testing.assert_close(got, ref[idx], rtol=1e-9, atol=1e-9, msg=lambda m, n=name: f"{n} rank {rank} {m}")
     # the run's schedule (made with the group, cached on the plan) is the one a lone rank makes
     lone = cad_schedule(shard_plan(batch, world, "cad"), OPTIONS)
-    first = schedule(docs_per_rank(plan), world, eps=0.0, cost_model=MODEL, min_shard=16)
+    first = assign_servers(docs_per_rank(plan), world, eps=0.0, cost_model=MODEL, min_shard=16)
     assert rows(lone.tasks) != rows(first.tasks), "no move was refined: the test tests nothing"
     assert rows(cad_schedule(plan, OPTIONS).tasks) == rows(lone.tasks)
 

@@ -34,7 +34,7 @@ from transformers import DynamicCache, Qwen3MoeConfig, Qwen3MoeForCausalLM, Trai
 
 import hf_longctx  # noqa: F401 - registers the longctx_* implementations
 from hf_longctx.hf import enable_layer_checkpointing, plan_for, shard_batch
-from hf_longctx.hf.inputs import install_input_hook
+from hf_longctx.hf.integration.inputs import install_input_hook
 from hf_longctx.layout import PackedBatch
 from hf_longctx.moe import enable_distributed_aux_loss
 

@@ -1,7 +1,7 @@
 """FSDP2 (``fully_shard``) through accelerate and the Trainer trains exactly like DDP under sequence parallelism.
 
 accelerate (1.15) runs FSDP only on accelerator devices (on CPU it silently falls back to DDP), so
-these CPU runs call :func:`hf_longctx.hf.fsdp.enable_fsdp_on_cpu` first, which sets accelerate's state
+these CPU runs call :func:`hf_longctx.hf.parallel.fsdp.enable_fsdp_on_cpu` first, which sets accelerate's state
 to FSDP as accelerate itself does on GPUs; from there the Trainer's own FSDP2 path runs: accelerate's
 ``fsdp2_prepare_model`` (``fully_shard`` per decoder layer, embedding, tail and root, on the default
 world mesh over gloo), its gradient clipping over DTensors and its sharded checkpoints
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from hf_longctx.hf import ConfigError, LongContextConfig
-from hf_longctx.hf.fsdp import check_fsdp_launch, check_fsdp_model, enable_fsdp_on_cpu
+from hf_longctx.hf.parallel.fsdp import check_fsdp_launch, check_fsdp_model, enable_fsdp_on_cpu
 
 from distributed import run_distributed
 from trainer_runs import flattening_run, join_world, tiny_llama
@@ -168,7 +168,7 @@ def test_fsdp_launches_that_cannot_work_are_refused_by_name(env, cfg, message):
 
 def test_the_memory_plan_of_an_fsdp2_launch_shards_like_zero3_without_the_tiled_loss(monkeypatch):
     """memory: auto under FSDP2: weights, gradients and optimizer states over the world, no tiled loss."""
-    from hf_longctx.hf.memory_plan import plan_for_training
+    from hf_longctx.hf.memory.training import plan_for_training
 
     model = tiny_llama("longctx_zigzag")
     cfg = LongContextConfig(memory="auto", seq_len=256, tiled_loss=0)

@@ -7,9 +7,10 @@ import pytest
 import torch
 from test_memory_plan import HOST, LLAMA3_8B, K, _batch, _SavedPerLayer, _tiny
 
-from hf_longctx.hf.checkpointing import enable_per_layer_checkpointing
-from hf_longctx.hf.memory import enable_memory_options
-from hf_longctx.hf.memory_plan import GiB, LayerChoice, MemoryModel, MemoryPlanError, ModelShape, plan_memory
+from hf_longctx.hf.memory.checkpointing import enable_per_layer_checkpointing
+from hf_longctx.hf.memory.enable import enable_memory_options
+from hf_longctx.hf.memory.model import GiB, LayerChoice, MemoryModel, ModelShape
+from hf_longctx.hf.memory.search import MemoryPlanError, plan_memory
 
 MIXES = [
     # groups of 2 and 3 with single layers of every mode

@@ -17,8 +17,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_longctx  # noqa: F401 - registers the attention implementations
 from hf_longctx.hf import LongContextConfig, implementation_name, plan_for, shard_batch
-from hf_longctx.hf.checkpointing import enable_layer_checkpointing, enable_recompute_aware_checkpointing
-from hf_longctx.hf.inputs import install_input_hook
+from hf_longctx.hf.integration.inputs import install_input_hook
+from hf_longctx.hf.memory.checkpointing import enable_layer_checkpointing, enable_recompute_aware_checkpointing
 from hf_longctx.kernels import reset_stats, stats
 from hf_longctx.layout import PackedBatch
 
@@ -135,7 +135,7 @@ def test_input_hook_trains_on_the_concatenated_group_batch():
 def check_backend_options_reach_every_attention_call(rank, world, options):
     """The settings' backend_options, given to the input hook, reach every attention call of the sharded forward,
     and the run they tune is exact (each rank brings its own packed rows, as in :func:`check_input_hook`)."""
-    import hf_longctx.hf.attention as attention
+    import hf_longctx.hf.integration.attention as attention
 
     seen = []
     run = attention.sequence_parallel_attention
@@ -173,7 +173,7 @@ def test_backend_options_of_the_settings_reach_every_attention_call_and_stay_exa
 
 def test_shard_batch_hands_its_options_to_every_attention_call(monkeypatch):
     """``shard_batch(..., options=...)``, the path of a caller that shards batches itself (the benchmarks)."""
-    import hf_longctx.hf.attention as attention
+    import hf_longctx.hf.integration.attention as attention
 
     seen = []
     run = attention.sequence_parallel_attention

@@ -1,6 +1,6 @@
 """A varlen batch cut into several kernel calls: the cheapest cut, and the same numbers as one call.
 
-:func:`~hf_longctx.kernels.calls.plan_calls` cuts segments (sorted longest keys first by
+:func:`~hf_longctx.kernels.calls.cut_into_calls` cuts segments (sorted longest keys first by
 :func:`~hf_longctx.kernels.calls.call_order`) into contiguous runs, one kernel call each. It must find the
 cheapest contiguous cut under :func:`~hf_longctx.kernels.calls.calls_overhead` (checked against a brute
 force over every cut), keep one call when cutting cannot pay, and never leave surplus tiles when calls are
@@ -26,8 +26,8 @@ from hf_longctx.kernels.calls import (
     backward_in_calls,
     call_order,
     calls_overhead,
+    cut_into_calls,
     forward_in_calls,
-    plan_calls,
 )
 
 FP64 = dict(rtol=1e-10, atol=1e-10)
@@ -75,7 +75,7 @@ terms_strategy = st.builds(CallTerms, call=price, q_tile=price, k_tile=price, ti
 @settings(max_examples=300, deadline=None)
 def test_plan_calls_is_the_cheapest_contiguous_cut(segments, terms):
     q_lens, k_lens = segments
-    runs = plan_calls(q_lens, k_lens, terms)
+    runs = cut_into_calls(q_lens, k_lens, terms)
     check_runs_cover(runs, len(q_lens))
     best = min(calls_overhead(q_lens, k_lens, cut, terms) for cut in all_cuts(len(q_lens)))
     assert calls_overhead(q_lens, k_lens, runs, terms) == pytest.approx(best, rel=1e-9, abs=1e-12)
@@ -92,7 +92,7 @@ def test_plan_calls_is_the_cheapest_cut_on_seeded_batches():
         q_lens, k_lens = [q_lens[i] for i in order], [k_lens[i] for i in order]
         terms = CallTerms(call=rng.choice([0.0, 0.01, 0.3]), q_tile=rng.choice([0.0, 1e-3, 0.05]),
                           k_tile=rng.choice([0.0, 1e-3, 0.05]), tile=rng.choice([16, 128]))
-        runs = plan_calls(q_lens, k_lens, terms)
+        runs = cut_into_calls(q_lens, k_lens, terms)
         check_runs_cover(runs, n)
         best = min(calls_overhead(q_lens, k_lens, cut, terms) for cut in all_cuts(n))
         assert calls_overhead(q_lens, k_lens, runs, terms) == pytest.approx(best, rel=1e-9, abs=1e-12), \
@@ -119,7 +119,7 @@ def test_plan_calls_is_the_cheapest_cut_under_a_keys_limit():
         terms = CallTerms(call=rng.choice([0.0, 0.01, 0.3]), q_tile=rng.choice([0.0, 1e-3, 0.05]),
                           k_tile=rng.choice([0.0, 1e-3, 0.05]), tile=rng.choice([16, 128]),
                           max_keys=rng.choice([300, 600, 1000, 2500, 5000]))
-        runs = plan_calls(q_lens, k_lens, terms)
+        runs = cut_into_calls(q_lens, k_lens, terms)
         check_runs_cover(runs, n)
         assert limit_respected(runs, k_lens, terms.max_keys), (k_lens, terms, runs)
         allowed = [cut for cut in all_cuts(n) if limit_respected(cut, k_lens, terms.max_keys)]
@@ -138,11 +138,11 @@ def test_a_keys_limit_alone_cuts_a_batch_into_the_fewest_calls_under_it():
     and a segment longer than the limit alone."""
     q_lens, k_lens = [100, 90, 80, 70, 60, 50], [900, 500, 400, 300, 200, 100]
     free = CallTerms()
-    assert plan_calls(q_lens, k_lens, free) == [(0, 6)]
-    runs = plan_calls(q_lens, k_lens, CallTerms(max_keys=800))
+    assert cut_into_calls(q_lens, k_lens, free) == [(0, 6)]
+    runs = cut_into_calls(q_lens, k_lens, CallTerms(max_keys=800))
     # 900 keys alone; the other 1500 in runs of at most 800 contiguous keys need three
     assert limit_respected(runs, k_lens, 800) and len(runs) == 4 and runs[0] == (0, 1), runs
-    assert plan_calls(q_lens, k_lens, CallTerms(max_keys=2400)) == [(0, 6)]
+    assert cut_into_calls(q_lens, k_lens, CallTerms(max_keys=2400)) == [(0, 6)]
 
 
 def test_a_large_batch_over_the_keys_limit_is_cut_under_it_quickly():
@@ -153,7 +153,7 @@ def test_a_large_batch_over_the_keys_limit_is_cut_under_it_quickly():
     q_lens = list(k_lens)
     terms = CallTerms(call=0.02, q_tile=1e-4, k_tile=1e-4, tile=128, max_keys=100_000)
     started = time.perf_counter()
-    runs = plan_calls(q_lens, k_lens, terms)
+    runs = cut_into_calls(q_lens, k_lens, terms)
     assert time.perf_counter() - started < 2.0
     check_runs_cover(runs, len(k_lens))
     assert limit_respected(runs, k_lens, terms.max_keys)
@@ -167,15 +167,15 @@ def test_call_order_puts_longest_keys_first_then_longest_queries_stably():
 
 
 def test_empty_batch_has_no_runs():
-    assert plan_calls([], [], CallTerms(call=1.0, k_tile=1.0)) == []
+    assert cut_into_calls([], [], CallTerms(call=1.0, k_tile=1.0)) == []
 
 
 @given(segments=sorted_segments(), call=price, tile=st.sampled_from([1, 16, 128]))
 @settings(max_examples=60, deadline=None)
 def test_one_call_when_surplus_tiles_cost_nothing(segments, call, tile):
     q_lens, k_lens = segments
-    assert plan_calls(q_lens, k_lens, None) == [(0, len(q_lens))]
-    assert plan_calls(q_lens, k_lens, CallTerms(call=call, tile=tile)) == [(0, len(q_lens))]
+    assert cut_into_calls(q_lens, k_lens, None) == [(0, len(q_lens))]
+    assert cut_into_calls(q_lens, k_lens, CallTerms(call=call, tile=tile)) == [(0, len(q_lens))]
 
 
 @given(segments=sorted_segments(), terms=terms_strategy)
@@ -183,7 +183,7 @@ def test_one_call_when_surplus_tiles_cost_nothing(segments, call, tile):
 def test_one_call_when_a_call_costs_more_than_any_surplus(segments, terms):
     q_lens, k_lens = segments
     huge = CallTerms(call=1e9, q_tile=terms.q_tile, k_tile=terms.k_tile, tile=terms.tile)
-    assert plan_calls(q_lens, k_lens, huge) == [(0, len(q_lens))]
+    assert cut_into_calls(q_lens, k_lens, huge) == [(0, len(q_lens))]
 
 
 @given(segments=sorted_segments(), q_tile=st.floats(1e-4, 1.0), k_tile=st.floats(1e-4, 1.0),
@@ -193,7 +193,7 @@ def test_free_calls_leave_no_surplus_tiles(segments, q_tile, k_tile, tile):
     """Calls cost nothing, tiles something: every run holds segments of equal tile counts."""
     q_lens, k_lens = segments
     terms = CallTerms(call=0.0, q_tile=q_tile, k_tile=k_tile, tile=tile)
-    runs = plan_calls(q_lens, k_lens, terms)
+    runs = cut_into_calls(q_lens, k_lens, terms)
     check_runs_cover(runs, len(q_lens))
     for a, b in runs:
         assert len({(tiles(q, tile), tiles(k, tile)) for q, k in zip(q_lens[a:b], k_lens[a:b])}) == 1, runs
@@ -206,7 +206,7 @@ def test_a_long_segment_gets_its_own_call_beside_many_short_ones():
     terms = CallTerms(call=0.25, k_tile=2e-4, tile=128)
     q_lens, k_lens = [32768] + [128] * 64, [32768] + [128] * 64
     assert call_order(q_lens, k_lens) == list(range(65))
-    runs = plan_calls(q_lens, k_lens, terms)
+    runs = cut_into_calls(q_lens, k_lens, terms)
     assert runs == [(0, 1), (1, 65)]
     assert calls_overhead(q_lens, k_lens, runs, terms) == pytest.approx(2 * terms.call)
     assert calls_overhead(q_lens, k_lens, [(0, 65)], terms) == pytest.approx(0.25 + 2e-4 * 64 * 255)
@@ -298,7 +298,7 @@ def test_calls_give_the_numbers_of_one_call(seed, runs, window):
 
 
 def test_calls_planned_with_tile_prices_give_the_numbers_of_one_call():
-    """The whole path: segments sorted by :func:`call_order`, cut by :func:`plan_calls` into several runs."""
+    """The whole path: segments sorted by :func:`call_order`, cut by :func:`cut_into_calls` into several runs."""
     q, k, v, dout, cu_q, cu_k = make_segments(7, 12)
     q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
     k_lens = [b - a for a, b in zip(cu_k, cu_k[1:])]
@@ -308,7 +308,7 @@ def test_calls_planned_with_tile_prices_give_the_numbers_of_one_call():
     q, dout, k, v = q[q_rows], dout[q_rows], k[k_rows], v[k_rows]
     q_lens, k_lens = [q_lens[i] for i in order], [k_lens[i] for i in order]
     cu_q, cu_k = list(itertools.accumulate(q_lens, initial=0)), list(itertools.accumulate(k_lens, initial=0))
-    runs = plan_calls(q_lens, k_lens, CallTerms(call=0.0, q_tile=1.0, k_tile=1.0, tile=8))
+    runs = cut_into_calls(q_lens, k_lens, CallTerms(call=0.0, q_tile=1.0, k_tile=1.0, tile=8))
     assert len(runs) > 2, runs
     for window in (None, 7):
         want = one_call(q, k, v, dout, cu_q, cu_k, window)

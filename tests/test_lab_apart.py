@@ -2,7 +2,9 @@
 
 (i) No module of the product imports ``hf_longctx.lab``, at the top or inside a function, absolutely or relatively.
 (ii) The files of ``hf_longctx`` import one another without a cycle (function-local imports count), and never from a
-lower layer up (kernels, layout, comm, data; backends and moe; hf; lab on top).
+lower layer up (kernels, layout, comm, data; backends and moe; hf; lab on top). Inside ``hf`` the rooms keep an order
+too: ``settings`` imports no other room, ``memory`` and ``parallel`` import ``settings`` only, ``integration`` any of
+them, and no room imports the ``hf`` package itself (docs/architecture.md, "Layers").
 (iii) A CAD training step on 2 gloo processes, under every cost model a recipe accepts (FLOPs, a fitted grid file,
 a fitted launch model file), leaves no ``hf_longctx.lab`` module imported: training never profiles.
 """
@@ -159,6 +161,44 @@ def test_no_module_imports_a_layer_above_its_own():
     assert not upward, f"imports from a lower layer up: {upward}"
 
 
+# the rooms of hf_longctx.hf, each with the rooms it may import besides its own
+HF_ROOMS = {"settings": set(), "memory": {"settings"}, "parallel": {"settings"},
+            "integration": {"settings", "memory", "parallel"}}
+
+
+def _room(module: str) -> str | None:
+    """The room of ``hf_longctx.hf`` a module belongs to (``hf_longctx.hf.memory.search`` -> ``memory``), or None."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "hf" else None
+
+
+def test_every_module_of_hf_lives_in_a_room():
+    modules = _modules()
+    loose = sorted(m for m in modules if m.startswith("hf_longctx.hf.") and _room(m) not in HF_ROOMS)
+    assert not loose, f"modules of hf outside its rooms (a new room needs its place in HF_ROOMS): {loose}"
+
+
+def _against_the_rooms(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs where a room of hf imports a room it may not, or the hf package itself."""
+    return [(m, d) for m, deps in sorted(graph.items()) if _room(m) for d in sorted(deps)
+            if d == "hf_longctx.hf" or (_room(d) not in (None, _room(m)) and _room(d) not in HF_ROOMS[_room(m)])]
+
+
+def test_the_room_check_finds_imports_against_the_order():
+    graph = {"hf_longctx.hf.memory.plan": {"hf_longctx.hf.integration.callback", "hf_longctx.hf.settings.schema",
+                                           "hf_longctx.hf.memory.enable", "hf_longctx.backends"},
+             "hf_longctx.hf.parallel.fsdp": {"hf_longctx.hf.memory.model", "hf_longctx.hf"},
+             "hf_longctx.hf.integration.callback": {"hf_longctx.hf.memory.enable", "hf_longctx.hf.parallel.fsdp"}}
+    assert _against_the_rooms(graph) == [("hf_longctx.hf.memory.plan", "hf_longctx.hf.integration.callback"),
+                                         ("hf_longctx.hf.parallel.fsdp", "hf_longctx.hf"),
+                                         ("hf_longctx.hf.parallel.fsdp", "hf_longctx.hf.memory.model")]
+
+
+def test_the_rooms_of_hf_import_only_the_rooms_below_them():
+    upward = _against_the_rooms(_graph())
+    assert not upward, f"imports between the rooms of hf against their order: {upward}"
+
+
 def _train_cad_step(rank, world, options):
     """One optimizer step of a tiny Llama on ``longctx_cad`` with ``options`` (checked as a recipe's are), then no
     lab module may have been imported by anything the step ran."""
@@ -166,7 +206,7 @@ def _train_cad_step(rank, world, options):
 
     import hf_longctx  # noqa: F401 - registers the attention implementations
     from hf_longctx.hf import LongContextConfig, implementation_name
-    from hf_longctx.hf.inputs import install_input_hook
+    from hf_longctx.hf.integration.inputs import install_input_hook
     from hf_longctx.layout import PackedBatch
 
     settings = LongContextConfig(backend="cad", backend_options=options)

@@ -9,8 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_longctx  # noqa: F401 - registers the attention implementations
 from hf_longctx.hf import plan_for, shard_batch
-from hf_longctx.hf.memory import enable_memory_options
-from hf_longctx.hf.tiled_mlp import TiledMLP
+from hf_longctx.hf.memory.enable import enable_memory_options
+from hf_longctx.hf.memory.tiled_mlp import TiledMLP
 from hf_longctx.kernels import reset_stats, stats
 from hf_longctx.layout import PackedBatch
 

@@ -14,19 +14,18 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import hf_longctx  # noqa: F401 - registers the attention implementations
 from hf_longctx.backends.op import ATTENTION_OUTPUTS
 from hf_longctx.hf import plan_for, shard_batch
-from hf_longctx.hf.checkpointing import enable_per_layer_checkpointing, enable_recompute_aware_checkpointing
-from hf_longctx.hf.memory import enable_memory_options
-from hf_longctx.hf.memory_plan import (
+from hf_longctx.hf.memory.checkpointing import enable_per_layer_checkpointing, enable_recompute_aware_checkpointing
+from hf_longctx.hf.memory.enable import enable_memory_options
+from hf_longctx.hf.memory.model import (
     GiB,
     LayerChoice,
     MemoryModel,
-    MemoryPlanError,
     ModelShape,
     default_host_overhead,
     pinned_parameter_bytes,
-    plan_for_training,
-    plan_memory,
 )
+from hf_longctx.hf.memory.search import MemoryPlanError, plan_memory
+from hf_longctx.hf.memory.training import plan_for_training
 from hf_longctx.layout import PackedBatch
 
 H200_GPU = 143771 << 20  # what nvidia-smi reports for an H200 (141 GB)
@@ -322,14 +321,14 @@ def test_a_training_run_plan_on_cpu_uses_host_memory_and_offloads_nothing():
 
 def test_host_memory_is_capped_by_the_cgroup_and_can_be_set(monkeypatch):
     """A container's limit, not /proc/meminfo, is what a process may pin; the variable wins over both."""
-    from hf_longctx.hf import memory_plan
+    from hf_longctx.hf.memory import machine
 
     monkeypatch.delenv("HF_LONGCTX_HOST_MEMORY_GIB", raising=False)
-    total = memory_plan.host_memory_bytes()
-    monkeypatch.setattr(memory_plan, "_cgroup_limit", lambda: 3 * 2**30)
-    assert memory_plan.host_memory_bytes() == min(total, 3 * 2**30)
+    total = machine.host_memory_bytes()
+    monkeypatch.setattr(machine, "_cgroup_limit", lambda: 3 * 2**30)
+    assert machine.host_memory_bytes() == min(total, 3 * 2**30)
     monkeypatch.setenv("HF_LONGCTX_HOST_MEMORY_GIB", "125")
-    assert memory_plan.host_memory_bytes() == 125 * 2**30
+    assert machine.host_memory_bytes() == 125 * 2**30
 
 
 def test_fused_ops_keep_less_per_layer_and_take_one_h200_to_448k():
@@ -355,7 +354,7 @@ def test_fused_ops_keep_less_per_layer_and_take_one_h200_to_448k():
 
 
 def test_fused_ops_are_refused_where_liger_cannot_run():
-    from hf_longctx.hf.fused_ops import enable_fused_ops, fused_ops_available
+    from hf_longctx.hf.memory.fused_ops import enable_fused_ops, fused_ops_available
 
     model = _tiny(2)
     assert not fused_ops_available("cpu")
@@ -410,8 +409,8 @@ def test_the_model_against_whole_steps_measured_after_a_warm_up_step():
 
 
 def test_a_plan_with_adamw_on_the_host_refuses_an_optimizer_on_the_gpu():
-    from hf_longctx.hf.config import ConfigError
-    from hf_longctx.hf.optimizer_offload import check_optimizer_place, optimizer_offload_reason
+    from hf_longctx.hf.memory.optimizer_offload import check_optimizer_place, optimizer_offload_reason
+    from hf_longctx.hf.settings.schema import ConfigError
 
     plan = plan_memory(LLAMA3_8B, 128 * K, gpu_bytes=H100_GPU, host_bytes=HOST, allow_optimizer_on_host=True)
     assert plan.optimizer_on_host
@@ -423,18 +422,19 @@ def test_a_plan_with_adamw_on_the_host_refuses_an_optimizer_on_the_gpu():
 
 
 def test_fused_ops_key_is_checked_and_honoured(monkeypatch):
-    from hf_longctx.hf.config import ConfigError, LongContextConfig
+    from hf_longctx.hf.settings.schema import ConfigError, LongContextConfig
 
     with pytest.raises(ValueError, match="did you mean 'liger'"):
         LongContextConfig(fused_ops="ligre")
-    monkeypatch.setattr("hf_longctx.hf.fused_ops.liger_installed", lambda: False)
+    monkeypatch.setattr("hf_longctx.hf.settings.schema.liger_installed", lambda: False)
     with pytest.raises(ValueError, match="pip install 'hf_longctx\\[liger\\]'"):
         LongContextConfig(fused_ops="liger")
     model = _tiny(2)
     assert not plan_for_training(model, LongContextConfig(memory="auto", fused_ops="off", seq_len=64)).fused_ops
     # liger where its kernels cannot run: said before any step, naming the way out
-    monkeypatch.setattr("hf_longctx.hf.fused_ops.liger_installed", lambda: True)
-    monkeypatch.setattr("hf_longctx.hf.fused_ops.uses_fused_norms", lambda model: False)
+    monkeypatch.setattr("hf_longctx.hf.settings.schema.liger_installed", lambda: True)
+    monkeypatch.setattr("hf_longctx.hf.memory.fused_ops.liger_installed", lambda: True)
+    monkeypatch.setattr("hf_longctx.hf.memory.fused_ops.uses_fused_norms", lambda model: False)
     with pytest.raises(ConfigError, match="need a CUDA GPU; set fused_ops: auto or off"):
         plan_for_training(model, LongContextConfig(memory="auto", fused_ops="liger", seq_len=64))
 
@@ -448,16 +448,16 @@ def test_layer_peak_probe_opens_one_window_per_layer_and_pass(monkeypatch, outer
     and each layer's backward window closes at the gradient of its input: last layer first."""
     from torch.utils.checkpoint import checkpoint
 
-    from hf_longctx.hf import memory_probe
+    from hf_longctx.hf.memory import layer_peaks
 
     clock = iter(range(1, 10**6))  # the allocator's "peak" grows with every read: the order of the reads
-    monkeypatch.setattr(memory_probe.torch.cuda, "max_memory_allocated", lambda device=None: next(clock))
-    monkeypatch.setattr(memory_probe.torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(layer_peaks.torch.cuda, "max_memory_allocated", lambda device=None: next(clock))
+    monkeypatch.setattr(layer_peaks.torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
     model = _tiny(3, dtype=torch.float32)
     model.train()
     enable_per_layer_checkpointing(model, ["layer", "recompute_aware", "none"])
     batch = _batch(32)
-    with memory_probe.LayerPeakProbe(model, torch.device("cpu")) as probe:
+    with layer_peaks.LayerPeakProbe(model, torch.device("cpu")) as probe:
         if outer_checkpoint:
             loss = checkpoint(lambda ids, pos: model(input_ids=ids, position_ids=pos).logits.float().square().mean(),
                               batch["input_ids"], batch["position_ids"], use_reentrant=False)

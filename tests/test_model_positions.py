@@ -1,7 +1,7 @@
 """Models that number their tokens themselves get, sharded, the positions they compute on the whole row.
 
 Without ``position_ids`` OPT numbers tokens from the attention mask and RoBERTa (and its kin) from the
-ids; the input hook computes those positions per row before sharding (:mod:`hf_longctx.hf.positions`).
+ids; the input hook computes those positions per row before sharding (:mod:`hf_longctx.hf.integration.positions`).
 Proven in float64 at 1e-9 against transformers' own SDPA on the same inputs (loss and every parameter
 gradient), in one process and over two gloo processes through ``install_input_hook`` as the callback
 installs it: OPT with left and right padding; RoBERTa (and XLM-RoBERTa) as decoders with plain
@@ -30,8 +30,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 import hf_longctx  # noqa: F401 - registers the longctx_* implementations
 from hf_longctx.hf import plan_for, shard_batch
-from hf_longctx.hf.inputs import install_input_hook
-from hf_longctx.hf.positions import ARANGE, FROM_IDS, FROM_MASK, position_rule
+from hf_longctx.hf.integration.inputs import install_input_hook
+from hf_longctx.hf.integration.positions import ARANGE, FROM_IDS, FROM_MASK, position_rule
 from hf_longctx.layout import PackedBatch
 
 from distributed import run_distributed

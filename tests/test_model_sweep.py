@@ -70,8 +70,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 import hf_longctx  # noqa: F401 - registers the attention implementations
 from hf_longctx.hf import plan_for, shard_batch
-from hf_longctx.hf.callback import install_aux_loss
-from hf_longctx.hf.inputs import install_input_hook
+from hf_longctx.hf.integration.callback import install_aux_loss
+from hf_longctx.hf.integration.inputs import install_input_hook
 from hf_longctx.layout import PackedBatch
 
 from distributed import run_distributed

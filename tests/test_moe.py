@@ -29,8 +29,8 @@ import hf_longctx  # noqa: F401 - registers the attention implementations
 from hf_longctx.backends import default_strategy
 from hf_longctx.comm.mesh import check_parallel_sizes, parallel_groups
 from hf_longctx.hf import LongContextConfig, enable_tiled_mlp, implementation_name, shard_batch
-from hf_longctx.hf.checkpointing import enable_recompute_aware_checkpointing
-from hf_longctx.hf.head_parallel import apply_head_parallel_attention
+from hf_longctx.hf.memory.checkpointing import enable_recompute_aware_checkpointing
+from hf_longctx.hf.parallel.heads import apply_head_parallel_attention
 from hf_longctx.layout import PackedBatch, shard_plan
 from hf_longctx.moe import (
     ExpertParallelExperts,
@@ -378,7 +378,7 @@ def check_tp_sp_ep_zigzag(rank, world, alone):
 def check_grad_sync_with_accumulation(rank, world):
     """ExpertGradSync: no reduction on accumulating backwards, one on the synchronising one, equal to reducing by
     hand after both; the all-reduce runs once per backward even with recompute-aware checkpointing."""
-    from hf_longctx.hf.parallelism import ExpertGradSync
+    from hf_longctx.hf.parallel.model_parallelism import ExpertGradSync
 
     groups = parallel_groups(ep_size=2)
     ids = torch.randint(0, VOCAB, (2, world, 7), generator=torch.Generator().manual_seed(5))[:, rank : rank + 1]
@@ -445,7 +445,7 @@ def test_parallel_sizes_are_validated_with_the_fix():
         LongContextConfig(ep_size=3).resolved_sizes(8)
     with pytest.raises(ValueError, match="unknown dispatch"):
         apply_expert_parallel(block_of("qwen3", 2), None, "alltoall")
-    from hf_longctx.hf.callback import check_moe_layout
+    from hf_longctx.hf.integration.callback import check_moe_layout
 
     with pytest.raises(ValueError, match="experts are not sharded"):  # a recipe's ep_size is never ignored
         check_moe_layout(tiny_qwen3_moe(), LongContextConfig(ep_size=2), world=2)

@@ -92,7 +92,7 @@ def test_model_parallelism_is_refused_where_it_cannot_run():
         LongContextConfig(expert_tp_size=3).resolved_sizes(3, tiny_moe().config)
     with pytest.raises(ValueError, match="ep_size x expert_tp_size = 2 x 2 must divide the 2 ranks"):
         LongContextConfig(ep_size=2, expert_tp_size=2).resolved_sizes(2)
-    from hf_longctx.hf.callback import check_moe_layout
+    from hf_longctx.hf.integration.callback import check_moe_layout
 
     with pytest.raises(ValueError, match="tp_size: 1 for Trainer runs"):
         check_moe_layout(tiny_moe(), LongContextConfig(tp_size=2), world=2)

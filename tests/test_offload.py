@@ -15,7 +15,7 @@ from test_hf import assert_group_sum_equal, loss_sum_fp64, packed_example, refer
 
 from hf_longctx.backends.op import ATTENTION_OUTPUTS
 from hf_longctx.hf import implementation_name, plan_for, shard_batch
-from hf_longctx.hf.checkpointing import enable_layer_checkpointing, enable_recompute_aware_checkpointing
+from hf_longctx.hf.memory.checkpointing import enable_layer_checkpointing, enable_recompute_aware_checkpointing
 from hf_longctx.kernels import reset_stats, stats
 
 from distributed import run_distributed

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_longctx.hf.optimizer_states import allocate_optimizer_states
+from hf_longctx.hf.memory.optimizer_states import allocate_optimizer_states
 
 
 def _model(seed: int = 0) -> torch.nn.Module:

@@ -19,7 +19,7 @@ def test_every_subpackage_is_an_attribute_after_a_plain_import():
 def test_a_broken_import_inside_the_package_is_not_hidden():
     """A failing import below the transformers glue raises at ``import hf_longctx`` instead of leaving
     ``ATTENTION_IMPLEMENTATIONS`` silently empty."""
-    code = ("import sys; sys.modules['hf_longctx.hf.attention'] = None\n"
+    code = ("import sys; sys.modules['hf_longctx.hf.integration.attention'] = None\n"
             "try:\n    import hf_longctx\nexcept ImportError as exc:\n    print('raised', exc)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.startswith("raised"), result.stdout + result.stderr

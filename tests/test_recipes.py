@@ -14,7 +14,7 @@ from accelerate.commands.config.config_args import ClusterConfig
 from hf_longctx.backends.cad.options import CadOptions
 from hf_longctx.backends.options import NoOptions
 from hf_longctx.hf import ConfigError, LongContextConfig, check_run, load_config
-from hf_longctx.hf.config import PACKAGE_ENVIRONMENT, add_config_arguments, config_overrides, sidecar_path
+from hf_longctx.hf.settings.sources import PACKAGE_ENVIRONMENT, add_config_arguments, config_overrides, sidecar_path
 
 ROOT = Path(__file__).parent.parent
 RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if not p.name.endswith(".longctx.yaml"))

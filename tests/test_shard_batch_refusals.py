@@ -19,7 +19,8 @@ import torch.distributed as dist
 from transformers import BambaConfig, BambaForCausalLM, BartConfig, BartForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import hf_longctx  # noqa: F401 - registers the longctx_* implementations
-from hf_longctx.hf import enable_layer_checkpointing, plan_for, shard_batch, sharded_model
+from hf_longctx.hf import enable_layer_checkpointing, plan_for, shard_batch
+from hf_longctx.hf.integration import sharded_model
 from hf_longctx.layout import PackedBatch
 
 from distributed import run_distributed

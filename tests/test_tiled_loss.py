@@ -13,8 +13,8 @@ from test_hf import (
 )
 
 from hf_longctx.hf import implementation_name, plan_for, shard_batch
-from hf_longctx.hf.inputs import install_input_hook
-from hf_longctx.hf.tiled_loss import enable_tiled_loss, tiled_causal_lm_loss
+from hf_longctx.hf.integration.inputs import install_input_hook
+from hf_longctx.hf.memory.tiled_loss import enable_tiled_loss, tiled_causal_lm_loss
 
 from distributed import run_distributed
 

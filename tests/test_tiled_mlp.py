@@ -16,8 +16,8 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 
 import hf_longctx  # noqa: F401 - registers the attention implementations
 from hf_longctx.hf import TiledMLP, disable_tiled_mlp, enable_tiled_mlp, plan_for, shard_batch
-from hf_longctx.hf.checkpointing import enable_layer_checkpointing, enable_recompute_aware_checkpointing
-from hf_longctx.hf.tiled_mlp import chunk_spans
+from hf_longctx.hf.memory.checkpointing import enable_layer_checkpointing, enable_recompute_aware_checkpointing
+from hf_longctx.hf.memory.tiled_mlp import chunk_spans
 from hf_longctx.kernels import reset_stats, stats
 
 VOCAB, HIDDEN, INTER, LAYERS, T = 61, 32, 64, 2, 37

@@ -186,7 +186,7 @@ def test_checkpointing_uses_the_current_training_argument_without_warnings():
 
     from transformers import TrainingArguments
 
-    from hf_longctx.hf.checkpointing import checkpointing_argument, checkpointing_training_args
+    from hf_longctx.hf.memory.checkpointing import checkpointing_argument, checkpointing_training_args
 
     assert checkpointing_argument() == "activation_checkpointing"
     with warnings.catch_warnings():
@@ -481,7 +481,7 @@ def test_a_misspelled_attn_implementation_names_the_registered_one(example, monk
 
 def test_one_process_where_the_launcher_asked_for_more_is_refused(monkeypatch):
     """`accelerate launch --num_processes 2` without --multi_gpu starts one process on CPU: say so."""
-    import hf_longctx.hf.preflight as preflight
+    import hf_longctx.hf.integration.preflight as preflight
 
     monkeypatch.delenv("HF_LONGCTX_RECIPE", raising=False)
     monkeypatch.setattr(preflight, "launcher_num_processes", lambda: 2)

@@ -30,8 +30,8 @@ from transformers import (
 )
 
 import hf_longctx
-from hf_longctx.hf.callback import trainer_averages_processes, trainer_passes_counts
-from hf_longctx.hf.inputs import install_input_hook
+from hf_longctx.hf.integration.callback import trainer_averages_processes, trainer_passes_counts
+from hf_longctx.hf.integration.inputs import install_input_hook
 
 from distributed import run_distributed
 from trainer_runs import VOCAB, join_world, token_rows

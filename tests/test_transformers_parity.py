@@ -36,7 +36,7 @@ from transformers import (
 )
 
 import hf_longctx  # noqa: F401 - registers the longctx_* implementations
-from hf_longctx.hf.inputs import install_input_hook
+from hf_longctx.hf.integration.inputs import install_input_hook
 
 from distributed import run_distributed
 from trainer_runs import PaddingCollator, causal_lm_loss_fp64, flattening_run, shifted_sum_loss, summed_loss_and_grads
@@ -309,7 +309,7 @@ def test_trainer_loss_options_on_two_processes_equal_their_reference(tmp_path):
 def test_layers_no_backend_computes_are_named_from_the_config(model_type, expected):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from hf_longctx.hf.model_support import unsupported_layers
+    from hf_longctx.hf.integration.model_support import unsupported_layers
 
     reason = unsupported_layers(CONFIG_MAPPING[model_type]())
     assert reason == expected if expected is None else expected in reason

@@ -148,7 +148,7 @@ def sharded_model_loss_and_grads(model, impl, rank, world, rows, options):
     """Like test_transformers_parity's sharded run, with the backend's options handed to every attention call."""
     import torch.distributed as dist
 
-    from hf_longctx.hf.inputs import install_input_hook
+    from hf_longctx.hf.integration.inputs import install_input_hook
 
     model.set_attn_implementation(impl)
     model.zero_grad()
@@ -169,7 +169,7 @@ def sharded_model_loss_and_grads(model, impl, rank, world, rows, options):
 def check_llama_on_mesh(rank, world):
     from test_transformers_parity import assert_same, build, packed, per_document_reference, split_documents
 
-    from hf_longctx.hf.attention import implementation_name
+    from hf_longctx.hf.settings.backend_names import implementation_name
 
     ids, pos = packed(3, MODEL_LENS)
     rows = split_documents(ids, pos, MODEL_LENS, world)
@@ -192,7 +192,7 @@ def test_preflight_names_the_ulysses_size_that_splits_the_heads():
     from transformers import LlamaConfig
 
     from hf_longctx.hf import ConfigError, LongContextConfig
-    from hf_longctx.hf.preflight import check_model_config
+    from hf_longctx.hf.integration.preflight import check_model_config
 
     model_config = LlamaConfig(num_attention_heads=6, num_key_value_heads=2, hidden_size=48)
     ok = LongContextConfig(backend="ulysses_zigzag", sp_size=4, backend_options={"ulysses_size": 2})

@@ -17,7 +17,7 @@ from datasets import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_longctx
-from hf_longctx.hf.checkpointing import checkpointing_training_args
+from hf_longctx.hf.memory.checkpointing import checkpointing_training_args
 
 VOCAB = 61
 

@@ -8,7 +8,6 @@ from . import builtin  # noqa: F401 - registers the package's backends
 from .api import sequence_parallel_attention
 from .contract import Backend, ScheduleBackend
 from .engine import RunContext
-from .one_process import one_process_attention
 from .options import BackendOptions, NoOptions
 from .registry import (
     backend_names,
@@ -19,6 +18,9 @@ from .registry import (
     registered_backends,
 )
 from .schedule import distfa_schedule
+from .segments import segment_attention
+
+one_process_attention = segment_attention  # the former name of segment_attention, importable for existing callers
 
 __all__ = [
     "Backend",
@@ -31,8 +33,8 @@ __all__ = [
     "distfa_schedule",
     "get_backend",
     "on_backend_registered",
-    "one_process_attention",
     "register_backend",
     "registered_backends",
+    "segment_attention",
     "sequence_parallel_attention",
 ]

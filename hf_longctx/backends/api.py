@@ -41,11 +41,13 @@ def windowed_plan(plan: ShardPlan, window: int | None) -> ShardPlan:
 
 
 @dataclass(frozen=True)
-class RankCall:
-    """One rank's call of :func:`sequence_parallel_attention`, as every step from checks to run sees it.
+class AttentionRequest:
+    """What one rank asked :func:`sequence_parallel_attention` for, as every step from checks to run sees it.
+
+    A request, not a call: in this package a call is one kernel call (:class:`~hf_longctx.kernels.KernelCall`).
 
     ``plan`` is the plan the backend runs (its window view under a sliding window), ``window_problem``
-    why the call's window could not be applied (every rank hears of it before any raises). ``causal`` is
+    why the request's window could not be applied (every rank hears of it before any raises). ``causal`` is
     False for a bidirectional layer; ``options`` are ``backend``'s, already parsed (:func:`check_options`).
     """
 
@@ -64,13 +66,14 @@ class RankCall:
     window_problem: str | None = None
 
 
-def _local_problem(call: RankCall) -> str | None:
+def _local_problem(request: AttentionRequest) -> str | None:
     """The checks every backend shares, then the backend's own :meth:`~.contract.Backend.validate`."""
-    q, k, v, plan, backend, rank, world = call.q, call.k, call.v, call.plan, call.backend, call.rank, call.world
+    q, k, v, plan = request.q, request.k, request.v, request.plan
+    backend, rank, world = request.backend, request.rank, request.world
     spec = get_backend(backend)
-    if call.window_problem:
-        return call.window_problem
-    if not call.causal and not spec.bidirectional:
+    if request.window_problem:
+        return request.window_problem
+    if not request.causal and not spec.bidirectional:
         able = [b.name for b in registered_backends() if b.bidirectional and b.sequence_parallel]
         return (f"this layer attends bidirectionally (is_causal=False) but backend {backend!r} computes causal "
                 f"attention only; use {', '.join(able) or 'one process'} for sequence parallelism of bidirectional "
@@ -104,22 +107,23 @@ def _plan_fingerprint(plan: ShardPlan) -> int:
     return int.from_bytes(digest.digest(), "little")
 
 
-def check_group_agrees(call: RankCall) -> None:
+def check_group_agrees(request: AttentionRequest) -> None:
     """Validate locally, then make sure every rank of the group runs the same problem (one all_gather).
 
-    ``call.plan`` is the plan the backend will run (its window view under a sliding window), so ranks
+    ``request.plan`` is the plan the backend will run (its window view under a sliding window), so ranks
     that disagree on the window stop here too. A plan that passed once for a group is not checked again.
     The plan remembers the group object itself, not its ``id``: a group created after another was freed may
     get the same ``id``, and a rank that took the old group's pass for its own would skip the all_gather its
     peers make (emulated groups come and go with every emulated step).
     """
-    q, k, plan, backend, rank, world = call.q, call.k, call.plan, call.backend, call.rank, call.world
-    problem = _local_problem(call)
-    if world == 1 or not is_distributed(call.group):
+    q, k, plan = request.q, request.k, request.plan
+    backend, rank, world = request.backend, request.rank, request.world
+    problem = _local_problem(request)
+    if world == 1 or not is_distributed(request.group):
         if problem:
             raise ValueError(f"hf_longctx {backend}: {problem}")
         return
-    key = ("validated", backend, call.group, q.shape[1:], k.shape[1:], q.dtype, plan.window)
+    key = ("validated", backend, request.group, q.shape[1:], k.shape[1:], q.dtype, plan.window)
     if problem is None and plan.has_cached(key):
         return
     backend_code = int.from_bytes(hashlib.blake2b(backend.encode(), digest_size=4).digest(), "little")
@@ -129,7 +133,7 @@ def check_group_agrees(call: RankCall) -> None:
         dtype=torch.int64, device=q.device,
     )
     gathered = [torch.empty_like(sig) for _ in range(world)]
-    all_gather(gathered, sig, call.group)
+    all_gather(gathered, sig, request.group)
     rows = [g.tolist() for g in gathered]
     if problem:
         raise ValueError(f"hf_longctx {backend} on rank {rank}: {problem}")
@@ -154,19 +158,19 @@ def check_options(backend: str, options: BackendOptions | dict | None) -> Backen
     return parse_options(backend, get_backend(backend).options_type, options)
 
 
-def make_run_context(call: RankCall, backend: str | Candidate) -> RunContext:
+def make_run_context(request: AttentionRequest, backend: str | Candidate) -> RunContext:
     """The run of ``backend`` for this rank: its schedule, prepared state, forward and backward.
 
-    A name runs with ``call.options`` when it is ``call.backend``, else with its own defaults; a
+    A name runs with ``request.options`` when it is ``request.backend``, else with its own defaults; a
     :class:`~.contract.Candidate` (what :meth:`~.contract.Backend.resolve` names, e.g. ``auto``'s choice) runs with
     the candidate's options."""
     if isinstance(backend, Candidate):
         name, options = backend.backend, backend.options
     else:
-        name, options = backend, call.options if backend == call.backend else get_backend(backend).options_type()
-    spec = get_backend(name)
-    return spec.run_context(call.plan, call.group, call.rank, call.world, call.scale, call.kernel, options,
-                            call.causal)
+        name = backend
+        options = request.options if backend == request.backend else get_backend(backend).options_type()
+    return get_backend(name).run_context(request.plan, request.group, request.rank, request.world, request.scale,
+                                         request.kernel, options, request.causal)
 
 
 def _rank_and_world(group: dist.ProcessGroup | None, rank: int | None) -> tuple[int, int]:
@@ -213,19 +217,21 @@ def sequence_parallel_attention(
         run_plan, window_problem = windowed_plan(plan, window), None
     except ValueError as exc:
         run_plan, window_problem = plan, str(exc)
-    call = RankCall(q_local, k_local, v_local, run_plan, backend, group, rank, world, causal,
-                    softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_local.shape[-1]), kernel,
-                    options, window_problem)
-    check_group_agrees(call)
-    run = make_run_context(call, resolve_backend(call))
+    request = AttentionRequest(q_local, k_local, v_local, run_plan, backend, group, rank, world, causal,
+                               softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_local.shape[-1]),
+                               kernel, options, window_problem)
+    check_group_agrees(request)
+    run = make_run_context(request, resolve_backend(request))
     return run_core_attention(q_local, k_local, v_local, run)
 
 
-def resolve_backend(call: RankCall) -> Candidate:
-    """The backend that runs, with its options: ``call.backend`` itself, or the one it chooses (``auto``: priced,
+def resolve_backend(request: AttentionRequest) -> Candidate:
+    """The backend that runs, with its options: ``request.backend`` itself, or the one it chooses (``auto``: priced,
     then the candidates that could win timed on these inputs, cached)."""
 
     def probe(candidate: Candidate) -> tuple[torch.Tensor, torch.Tensor]:
-        return make_run_context(call, candidate).forward(call.q, call.k, call.v)
+        return make_run_context(request, candidate).forward(request.q, request.k, request.v)
 
-    return get_backend(call.backend).resolve(call.q, call.k, call.v, call.plan, call.group, probe, call.options)
+    return get_backend(request.backend).resolve(request.q, request.k, request.v, request.plan, request.group, probe,
+                                                request.options)
+

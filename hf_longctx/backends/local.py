@@ -1,8 +1,9 @@
 """Backend ``local``: the engine's rotation schedule on a group of one rank.
 
-The registered single-device backend, for recipes with a sequence-parallel size of 1; it goes through
-the plan, checks and op of every backend. A model call that has no sharded batch at all runs
-:func:`~.one_process.one_process_attention` instead.
+Why it exists: a recipe with a sequence-parallel size of 1 names a backend like any other (``longctx_local``), and
+its run goes through the shard plan, checks, op and attention-load logs of every backend, so one rank trains and
+logs what a group does and the backends' tests have a one-rank member. A model call that has no sharded batch at
+all has no plan either: it runs :func:`~.segments.segment_attention` instead.
 """
 
 from __future__ import annotations

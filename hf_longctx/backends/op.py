@@ -22,8 +22,8 @@ from ..kernels import count
 class AttentionRun(Protocol):
     """What the op runs: one rank's attention call, forward and backward, with everything but q/k/v bound.
 
-    A distributed call is a :class:`~.engine.RunContext`; the one-process path is a
-    :class:`~.one_process.OneProcessRun`.
+    A distributed call is a :class:`~.engine.RunContext`; a call of packed segments without a plan is a
+    :class:`~.segments.SegmentRun`.
     """
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...

@@ -7,7 +7,7 @@ says so, and in transformers as ``longctx_<name>``.
 
 That last step belongs to the transformers layer, which this layer must not import. So the registry
 only announces registrations: :func:`on_backend_registered` hands a listener every backend registered
-so far and every one registered later, and :mod:`hf_longctx.hf.attention` installs the listener that
+so far and every one registered later, and :mod:`hf_longctx.hf.integration.attention` installs the listener that
 registers the attention names. Registering before or after ``import hf_longctx`` gives the same result.
 """
 

@@ -12,7 +12,7 @@ The cure is cheap: sort a batch's segments by key length (longest first) and cut
 call each, so that each run's grid fits its own longest segment. A call has a fixed cost of its own, so a
 run is cut only where the surplus tiles it saves cost more than one more call, or where the kernel slows down
 past a number of keys per call. :class:`CallTerms` holds the three measured prices and that limit, and
-:func:`plan_calls` finds the cheapest cuts (an exact dynamic program over the
+:func:`cut_into_calls` finds the cheapest cuts (an exact dynamic program over the
 sorted segments). The forward and backward of a cut batch (:func:`forward_in_calls`,
 :func:`backward_in_calls`) are the plain calls on contiguous slices, concatenated: the same numbers as one
 call, since segments never see each other.
@@ -27,7 +27,7 @@ import torch
 
 from .key_split import KeySplit
 
-__all__ = ["CallTerms", "backward_in_calls", "call_order", "calls_overhead", "forward_in_calls", "plan_calls"]
+__all__ = ["CallTerms", "backward_in_calls", "call_order", "calls_overhead", "forward_in_calls", "cut_into_calls"]
 
 CallRange = tuple[int, int]  # segments [first, end) of one kernel call
 TIE = 1e-12  # costs this close (relative) are equal: the cut with fewer calls wins
@@ -93,11 +93,11 @@ def calls_overhead(q_lens: Sequence[int], k_lens: Sequence[int], runs: Sequence[
 
 
 def call_order(q_lens: Sequence[int], k_lens: Sequence[int]) -> list[int]:
-    """The order :func:`plan_calls` expects segments in: longest keys first, then longest queries (stable)."""
+    """The order :func:`cut_into_calls` expects segments in: longest keys first, then longest queries (stable)."""
     return sorted(range(len(k_lens)), key=lambda i: (-int(k_lens[i]), -int(q_lens[i])))
 
 
-def plan_calls(q_lens: Sequence[int], k_lens: Sequence[int], terms: CallTerms | None) -> list[CallRange]:
+def cut_into_calls(q_lens: Sequence[int], k_lens: Sequence[int], terms: CallTerms | None) -> list[CallRange]:
     """The cheapest cut of segments, given in :func:`call_order`, into contiguous runs (one kernel call each),
     none holding more than ``terms.max_keys`` keys unless it is one segment.
 
@@ -190,7 +190,7 @@ def forward_in_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Se
                      runs: Sequence[CallRange], **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the packed segments, one :func:`~hf_longctx.kernels.attention_forward` call per run.
 
-    ``runs`` must cover the segments in order (as :func:`plan_calls` returns them); ``kwargs`` go to every call
+    ``runs`` must cover the segments in order (as :func:`cut_into_calls` returns them); ``kwargs`` go to every call
     (``key_split`` among them: a call of few long blocks runs as chunks of its keys).
     """
     from . import attention_forward  # the observed entry point, so per-call observers see every call

@@ -54,7 +54,7 @@ def backward_keys_limit(heads: int, kv_heads: int, head_dim: int, itemsize: int)
     the reduction leaves 32-bit indexing and slows down per key, in one call or in several
     (``scripts/lab/profile_cad.py``; measured: bench/results/2026-12-04_from-modules.md). A CAD server cuts its batch
     into calls under this limit
-    (:func:`~hf_longctx.kernels.calls.plan_calls`), and the launch cost model prices what a longer single segment
+    (:func:`~hf_longctx.kernels.calls.cut_into_calls`), and the launch cost model prices what a longer single segment
     pays (:class:`~hf_longctx.backends.cad.launch_cost.PhaseTerms`' ``k_spill``)."""
     if heads == kv_heads:
         return None  # no expanded gradients: the kernel writes dK and dV directly

@@ -34,7 +34,7 @@ def cmd_profile_cad(args: argparse.Namespace) -> int:
         ProfileBudget,
         SegmentShape,
         device_name,
-        profiled_cost_model,
+        measured_cost_model,
         resolved_kernel,
     )
 
@@ -47,7 +47,7 @@ def cmd_profile_cad(args: argparse.Namespace) -> int:
     grid = {"q_lens": args.q_lens or DEFAULT_Q_LENS, "kv_lens": args.kv_lens or DEFAULT_KV_LENS}
     if args.min_tokens:
         grid["budget"] = ProfileBudget(min_tokens=args.min_tokens)
-    model, source = profiled_cost_model(kernel, device, shape, model=args.model, **grid)
+    model, source = measured_cost_model(kernel, device, shape, model=args.model, **grid)
     if isinstance(model, FlopsCostModel):
         print(f"profile-cad: no measured cost model: {source}", file=sys.stderr)
         return 1

@@ -21,7 +21,7 @@ shard's ``longctx`` context (the input hook puts it there, ``shard_batch`` makes
 runs with router logits off, so transformers adds nothing of its own; hooks on the routers record
 their logits, and a forward hook on the model fills ``aux_loss`` (this rank's share) and
 ``router_logits`` and adds ``coef x share`` to ``loss`` when the model computed one. A loss computed
-from the output afterwards (the tiled loss of :mod:`~hf_longctx.hf.tiled_loss`, which takes the labels
+from the output afterwards (the tiled loss of :mod:`~hf_longctx.hf.memory.tiled_loss`, which takes the labels
 out of the call) adds ``coef x aux_loss`` itself, as transformers' forward does; so the share is
 counted once whichever of the two hooks was registered first.
 
@@ -35,7 +35,7 @@ data parallelism sees, and transformers' aux of them is that device's aux.
 Which ranks share the batch: by default the sharded batch's own group (the context's, the
 sequence-parallel group). A group's concatenated batch is what one device of plain data parallelism
 sees, so each group's aux is that device's aux. An explicit group (``ParallelGroups.batch``, as
-:func:`~hf_longctx.hf.parallelism.apply_model_parallelism` gives) makes it the aux of every rank of
+:func:`~hf_longctx.hf.parallel.model_parallelism.apply_model_parallelism` gives) makes it the aux of every rank of
 that group together (the whole world: one process on every rank's rows).
 
 How the shares meet the Trainer's scaling (``Trainer.compute_loss`` / ``training_step``). W processes
@@ -52,7 +52,7 @@ group's target count / s (``SequenceParallelInputs.average_in_group``), making t
 the mean over groups of each group's token mean, as plain DDP averages its devices' means. The aux must
 then be multiplied by s as well, or each group's aux arrives divided by s: with
 :attr:`DistributedAuxLoss.averaged_over_processes` (set by ``LongContextCallback`` with the Trainer's
-rule, ``hf_longctx.hf.callback.trainer_averages_processes``) each share is multiplied by its group's
+rule, ``hf_longctx.hf.integration.callback.trainer_averages_processes``) each share is multiplied by its group's
 size, so the average over processes is the mean over groups of each group's aux, plain DDP's
 per-device aux (for the whole-world group: the world's aux, what one process on all rows trains on,
 as with the argument True).

@@ -21,7 +21,7 @@ MIXES=${MIXES:-prolong,pretrain,sft}
 if [ -n "${MODEL:-}" ]; then
   use_launch_model "$MODEL" "$KERNEL" || exit 1
   # the cache keeps it only where its grid, terms and timing are this code's: else stop, rather than fit one now
-  $PY -c "from hf_longctx.lab.cad.profiled import profiled_cost_model as p; s = p('$KERNEL', \
+  $PY -c "from hf_longctx.lab.cad.profiled import measured_cost_model as p; s = p('$KERNEL', \
 profile_if_missing=False)[1]; print('cost model:', s); raise SystemExit(s.startswith('FLOPs'))" \
     || { echo "the cache did not take $MODEL: its grid, terms or timing are not this code's" >&2; exit 1; }
 fi

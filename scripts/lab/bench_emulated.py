@@ -79,7 +79,7 @@ from hf_longctx.backends.ulysses_mesh import OPTION as ULYSSES_SIZE
 from hf_longctx.benchmarking import HOST_AHEAD, table_header, table_row, token_counts
 from hf_longctx.comm.links import INTER_NODE_BYTES_PER_S, LinkTiers
 from hf_longctx.lab.cad.calibrate import recalibrate
-from hf_longctx.lab.cad.profiled import ProfileBudget, SegmentShape, profiled_cost_model
+from hf_longctx.lab.cad.profiled import ProfileBudget, SegmentShape, measured_cost_model
 from hf_longctx.lab.emulation import (
     EmulatedStep,
     device_memory,
@@ -294,17 +294,17 @@ def main(argv: list[str] | None = None) -> int:
             args.eps_sweep = "prolong:4"
         grid = dict(q_lens=(16, 64, 256), kv_lens=(16, 64, 256, 1024),
                     budget=ProfileBudget(min_tokens=256, max_kv_tokens=4096, max_pairs=65536, warmup=0, reps=1))
-        profiled, source = profiled_cost_model(args.kernel, device, shape, **grid)
+        profiled, source = measured_cost_model(args.kernel, device, shape, **grid)
     else:
         if not torch.cuda.is_available():
             print("bench_emulated.py needs a CUDA device (or --quick for the CPU smoke run)", file=sys.stderr)
             return 2
         device = torch.device("cuda", torch.cuda.current_device())
         shape = SegmentShape()
-        profiled, source = profiled_cost_model(args.kernel, device, shape)
+        profiled, source = measured_cost_model(args.kernel, device, shape)
     grid_model = None
     if args.also_grid and isinstance(profiled, LaunchCostModel):
-        grid_model, grid_source = profiled_cost_model(args.kernel, device, shape, model="grid")
+        grid_model, grid_source = measured_cost_model(args.kernel, device, shape, model="grid")
         source += f"; beside it the grid profile: {grid_source}"
     print(f"cost model: {source}", flush=True)
     worlds = token_counts(args.worlds)

@@ -26,7 +26,7 @@ Run on the GPU machine:
     python scripts/lab/profile_cad.py --out cad_profile.json
 
 then ``ProfiledCostModel.load("cad_profile.json")`` and pass it to
-``hf_longctx.backends.cad.scheduler.schedule(..., cost_model=...)``. ``--mode fwd`` times the
+``hf_longctx.backends.cad.scheduler.assign_servers(..., cost_model=...)``. ``--mode fwd`` times the
 forward only; the default ``fwd+bwd`` is what a training step pays. ``--device cpu`` runs the same
 measurements on the CPU (reference kernel, tiny sizes: a smoke run, not a profile to schedule on).
 

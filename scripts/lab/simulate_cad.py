@@ -12,7 +12,7 @@ is placed four ways and priced with the FLOPs cost model (one attention layer, f
     diverge.
 (c) ``per-doc CP``: every document split over all ranks in 2 x ranks zig-zag chunks (rank r gets
     chunks r and 2R-1-r); KV all-gathered, so each rank receives the KV of all tokens it does not hold.
-(d) ``CAD``: :func:`hf_longctx.backends.cad.scheduler.schedule` on the layout of (a), one server per
+(d) ``CAD``: :func:`hf_longctx.backends.cad.scheduler.assign_servers` on the layout of (a), one server per
     rank, at each eps; bytes are what its tasks move (query rows, KV prefixes, outputs + lse).
 
 Reports attention imbalance (max / mean cost per rank), token imbalance (max / mean tokens per rank),
@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from hf_longctx.backends.cad.cost_model import FlopsCostModel, ProfiledCostModel, TokenBytes
-from hf_longctx.backends.cad.scheduler import parse_docs, schedule
+from hf_longctx.backends.cad.scheduler import assign_servers, parse_docs
 from hf_longctx.data.synthetic_lengths import PARAMS, synthetic_doc_lengths
 
 MIB = 2**20
@@ -133,7 +133,7 @@ def cad(docs, cm, tb, ranks, tokens, eps: float, reps: int, width: int = 1) -> R
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
-        sched = schedule(docs, ranks, eps=eps, cost_model=cm, token_bytes=tb, search_width=width)
+        sched = assign_servers(docs, ranks, eps=eps, cost_model=cm, token_bytes=tb, search_width=width)
         best = min(best, time.perf_counter() - t)
     label = f"CAD eps={eps:g}" + (f" (search width {width})" if width != 1 else "")
     b = sched.bytes_per_rank
@@ -185,7 +185,7 @@ def simulate_profiled(mixes, tokens_list, ranks_list, seed, profile_path: Path, 
                 found = [base]
                 for label, model in (("FLOPs", flops), ("profile", prof)):
                     t = time.perf_counter()
-                    sched = schedule(docs, ranks, eps=eps, cost_model=model, token_bytes=tb)
+                    sched = assign_servers(docs, ranks, eps=eps, cost_model=model, token_bytes=tb)
                     ms = (time.perf_counter() - t) * 1e3
                     b = sched.bytes_per_rank
                     found.append(Row(mix, tokens, ranks, f"CAD eps={eps:g}, scheduled with {label}",
@@ -255,7 +255,7 @@ def markdown(rows: list[Row], args, command: str, elapsed: float) -> str:
         "rank under a 1.5x token cap; no bytes during attention, but tokens (memory) per rank diverge.",
         "- **per-doc CP**: every document split over all ranks (zig-zag, 2 chunks per rank), KV all-gathered: "
         "each rank receives the KV of every token it does not hold.",
-        "- **CAD**: `hf_longctx.backends.cad.scheduler.schedule` on the contiguous layout, one in-place "
+        "- **CAD**: `hf_longctx.backends.cad.scheduler.assign_servers` on the contiguous layout, one in-place "
         "attention server per rank, min_shard 128; bytes = query rows + KV prefixes not already on the "
         "server + outputs and lse back.",
         "",
@@ -264,7 +264,7 @@ def markdown(rows: list[Row], args, command: str, elapsed: float) -> str:
                     f"log-uniform [{p.long_min // 1024}K, cap] documents" for m, p in PARAMS.items()) + ".",
         f"Bytes per token (Llama-3-8B attention, bf16): Q {tb.q:.0f}, KV {tb.kv:.0f}, out + lse {tb.out:.0f}. "
         "MiB are per rank for one layer's forward; scheduler time is the best of "
-        f"{args.reps} calls of `schedule()` on this CPU.",
+        f"{args.reps} calls of `assign_servers()` on this CPU.",
         "",
         "Attention imbalance = max / mean attention cost per rank (the straggler factor of the layer); "
         "token imbalance = max / mean tokens per rank (memory).",
@@ -309,7 +309,7 @@ def markdown(rows: list[Row], args, command: str, elapsed: float) -> str:
         ratio_mean = np.exp(np.mean([np.log(max(w.mib_mean, 1e-9) / max(b.mib_mean, 1e-9)) for w, b in wide]))
         ratio_max = np.exp(np.mean([np.log(max(w.mib_max, 1e-9) / max(b.mib_max, 1e-9)) for w, b in wide]))
         lines += [
-            "Search width: `schedule()` prices, for the largest deficit, the items of the largest-surplus server "
+            "Search width: `assign_servers()` prices, for the largest deficit, the items of the largest-surplus server "
             "(width 1, the default). Pricing the top 4 surplus servers at every step (rows \"search width 4\") "
             f"changes mean bytes per rank by a factor {ratio_mean:.2f} and max bytes by {ratio_max:.2f} "
             f"(geometric means over the {len(wide)} configurations), and costs more scheduler time: the locally "
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--widths", type=lambda s: [int(x) for x in s.split(",")], default=[4],
                    help="extra CAD rows at eps 0.1 with these search widths")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--reps", type=int, default=3, help="schedule() calls timed per row (best is kept)")
+    p.add_argument("--reps", type=int, default=3, help="assign_servers() calls timed per row (best is kept)")
     p.add_argument("--profile", type=Path, default=None,
                    help="JSON from scripts/lab/profile_cad.py: add a section priced in measured time")
     p.add_argument("--profile-interpolate", choices=["time", "rate"], default="rate",

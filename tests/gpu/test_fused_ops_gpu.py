@@ -1,7 +1,7 @@
 """Liger-Kernel's fused ops on the GPU: they keep what the memory model says, and they train like transformers' own.
 
 The memory planner reaches longer contexts with Liger's RMSNorm, RoPE and SwiGLU, which keep less for
-backward than transformers' modules (hf_longctx.hf.fused_ops). Here a tiny Llama patched
+backward than transformers' modules (hf_longctx.hf.memory.fused_ops). Here a tiny Llama patched
 by :func:`enable_fused_ops` keeps, per decoder layer, exactly the bytes :class:`MemoryModel` predicts
 with ``fused_ops=True``; and a Trainer run with ``use_liger_kernel=True`` (TRL's flag is the same
 TrainingArguments field) and the long-context callback gives the losses and gradient norms of the
@@ -18,10 +18,10 @@ from transformers.models.llama import modeling_llama
 
 import hf_longctx
 from hf_longctx.backends.registry import backend_names
-from hf_longctx.hf.config import LongContextConfig
-from hf_longctx.hf.fused_ops import enable_fused_ops, uses_fused_norms
-from hf_longctx.hf.memory import enable_memory_options
-from hf_longctx.hf.memory_plan import MemoryModel, ModelShape
+from hf_longctx.hf.memory.enable import enable_memory_options
+from hf_longctx.hf.memory.fused_ops import enable_fused_ops, uses_fused_norms
+from hf_longctx.hf.memory.model import MemoryModel, ModelShape
+from hf_longctx.hf.settings.schema import LongContextConfig
 
 pytest.importorskip("liger_kernel")
 

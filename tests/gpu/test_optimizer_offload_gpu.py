@@ -14,8 +14,8 @@ import torch
 from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import hf_longctx
-from hf_longctx.hf.config import LongContextConfig
-from hf_longctx.hf.optimizer_offload import HostOffloadAdamW, trainer_optimizer_cls_and_kwargs
+from hf_longctx.hf.memory.optimizer_offload import HostOffloadAdamW, trainer_optimizer_cls_and_kwargs
+from hf_longctx.hf.settings.schema import LongContextConfig
 
 pytest.importorskip("torchao")
 
@@ -58,7 +58,7 @@ def test_host_adamw_steps_like_adamw_on_the_gpu(max_grad_norm):
 def test_states_allocated_before_the_first_step_change_no_step(on_host):
     """A benchmark that times the first step allocates AdamW's states first (on the GPU or on the host):
     the training that follows is the training without it, bit for bit."""
-    from hf_longctx.hf.optimizer_states import allocate_optimizer_states
+    from hf_longctx.hf.memory.optimizer_states import allocate_optimizer_states
 
     def make(model):
         if on_host:

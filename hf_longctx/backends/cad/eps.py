@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ...comm.links import LINKS
 from .cost_model import CostModel, FlopsCostModel, TokenBytes
-from .scheduler import CadSchedule, schedule
+from .scheduler import CadSchedule, assign_servers
 
 EPS_CANDIDATES = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2)
 ASSUMED_TFLOPS = 500.0  # fwd+bwd TFLOP/s that converts a FLOPs schedule to seconds (design document section 7: 480-600)
@@ -62,8 +62,8 @@ def a2a_bandwidth(max_bytes: float) -> float:
 def sweep_eps(docs_per_rank, world: int, model: CostModel, token_bytes: TokenBytes | None = None,
               eps_values: Sequence[float] = EPS_CANDIDATES, **knobs: int) -> tuple[CadSchedule, list[EpsCandidate]]:
     """Schedule every ``eps_values`` and keep the one :func:`choose_eps` picks; (schedule, all candidates).
-    ``knobs`` (``min_shard``, ``search_width``) go to :func:`~.scheduler.schedule`."""
-    scheds = {e: schedule(docs_per_rank, world, eps=e, cost_model=model, token_bytes=token_bytes, **knobs)
+    ``knobs`` (``min_shard``, ``search_width``) go to :func:`~.scheduler.assign_servers`."""
+    scheds = {e: assign_servers(docs_per_rank, world, eps=e, cost_model=model, token_bytes=token_bytes, **knobs)
               for e in eps_values}
     cands = [candidate(s, model) for s in scheds.values()]
     bandwidth = a2a_bandwidth(max(c.max_bytes for c in cands))

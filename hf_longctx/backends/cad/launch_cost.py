@@ -313,7 +313,7 @@ class LaunchCostModel:
 
     @property
     def call_terms(self) -> CallTerms:
-        """What a call costs beyond its segments' own blocks, as :func:`~hf_longctx.kernels.calls.plan_calls`
+        """What a call costs beyond its segments' own blocks, as :func:`~hf_longctx.kernels.calls.cut_into_calls`
         cuts a batch by: the calls' constants, and each segment's surplus query tiles (forward blocks) and key
         tiles (backward blocks) under the call's longest segment."""
         if self.launch.launch_order == "segment":  # no segment launches blocks for another: no surplus to cut away

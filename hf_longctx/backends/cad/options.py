@@ -118,7 +118,7 @@ class CadOptions(BackendOptions):
         return None
 
     def scheduler_knobs(self) -> dict[str, int]:
-        """The keyword arguments of :func:`~.scheduler.schedule` these options set (``min_shard``,
+        """The keyword arguments of :func:`~.scheduler.assign_servers` these options set (``min_shard``,
         ``search_width``)."""
         return {k: getattr(self, k) for k in ("min_shard", "search_width") if getattr(self, k) is not None}
 

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from ...comm.collectives import all_reduce_max, collective_device, group_state, in_one_process, is_distributed
 from ...comm.gather import GatherPlan, Run
 from ...kernels import accumulation_dtype
-from ...kernels.calls import CallTerms, backward_in_calls, call_order, calls_overhead, forward_in_calls, plan_calls
+from ...kernels.calls import CallTerms, backward_in_calls, call_order, calls_overhead, cut_into_calls, forward_in_calls
 from ...kernels.key_split import KeySplit
 from ...layout import ShardPlan
 from ..contract import Backend
@@ -60,7 +60,7 @@ from .model_file import is_model_path, load_model_file
 from .options import COST_MODELS_TERMS, CadOptions, CadRun, cad_options
 from .pingpong import pingpong_split
 from .refine import refine_in_time
-from .scheduler import CadSchedule, schedule, with_tasks
+from .scheduler import CadSchedule, assign_servers, with_tasks
 from .shared_pricing import PricingShare, priced_together
 from .tasks import (
     CadTask,
@@ -122,7 +122,7 @@ def build_nano_batch(plan: ShardPlan, tasks: Sequence[CadTask], rank: int, terms
     Per server and task: the query rows (one run at the owner) and the key rows, the document's prefix
     up to the task's last query row (one run per holder piece). :class:`GatherPlan` turns these into
     unique-row transfers; the varlen kernel sees one segment per task (bottom-right causal), longest keys
-    first, cut into kernel calls by ``terms`` (:func:`~hf_longctx.kernels.calls.plan_calls`; None: one call).
+    first, cut into kernel calls by ``terms`` (:func:`~hf_longctx.kernels.calls.cut_into_calls`; None: one call).
     """
     world = plan.world_size
     pieces = all_pieces(plan)
@@ -149,8 +149,8 @@ def build_nano_batch(plan: ShardPlan, tasks: Sequence[CadTask], rank: int, terms
     q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
     k_lens = [b - a for a, b in zip(cu_k, cu_k[1:])]
     n_causal = sum(not t.is_rect for t in mine)  # rectangles come last, in calls of their own
-    causal_calls = plan_calls(q_lens[:n_causal], k_lens[:n_causal], terms)
-    rect_calls = [(a + n_causal, b + n_causal) for a, b in plan_calls(q_lens[n_causal:], k_lens[n_causal:], terms)]
+    causal_calls = cut_into_calls(q_lens[:n_causal], k_lens[:n_causal], terms)
+    rect_calls = [(a + n_causal, b + n_causal) for a, b in cut_into_calls(q_lens[n_causal:], k_lens[n_causal:], terms)]
     return NanoBatch(mine, GatherPlan(q_runs, rank, rows), GatherPlan(kv_runs, rank, rows), cu_q, cu_k,
                      causal_calls + rect_calls, [True] * len(causal_calls) + [False] * len(rect_calls), partial,
                      terms.key_split if terms is not None else None)
@@ -253,13 +253,13 @@ def cost_model_for(plan: ShardPlan, options: CadOptions | dict) -> CostModel:
 def cad_schedule(plan: ShardPlan, options: CadOptions | dict, share: PricingShare | None = None) -> CadSchedule:
     """The plan's schedule under ``options`` (``eps``: a float, default 0.1, or ``"auto"`` for the eps whose
     schedule is predicted fastest, see :mod:`.eps`; ``cost_model``; ``min_shard`` and ``search_width`` of
-    :func:`~.scheduler.schedule`), cached on the plan.
+    :func:`~.scheduler.assign_servers`), cached on the plan.
 
     On a measured cost model (not additive over rows), what the runtime adds to a server beyond its tasks'
     prices is balanced too: ping-pong cuts some tasks in two (two thinner segments, which run slower) and a
     server's calls cost something of their own, and a call whose last blocks run alone has a tail
     (:mod:`hf_longctx.kernels.launch`). The schedule is made again with those costs as per-server offsets
-    (:func:`~.scheduler.schedule`'s ``server_offsets``), twice, and the one whose predicted busiest server
+    (:func:`~.scheduler.assign_servers`'s ``server_offsets``), twice, and the one whose predicted busiest server
     (:func:`server_costs`) is least is kept. On measured profiles at 64 servers this brought the predicted
     max/mean most of the way to what the tasks alone were balanced to (bench/results/2026-11-24_cad-kernel-time.md).
     Last, the busiest server gives tasks away while that lowers the predicted maximum (:mod:`.refine`), also as key
@@ -283,7 +283,7 @@ def cad_schedule(plan: ShardPlan, options: CadOptions | dict, share: PricingShar
         docs = docs_per_rank(plan)
         # "auto": the eps whose schedule is predicted fastest; the runtime's costs are balanced under it as below
         first = sweep_eps(docs, plan.world_size, model, **knobs)[0] if eps == "auto" else \
-            schedule(docs, plan.world_size, eps=eps, cost_model=model, **knobs)
+            assign_servers(docs, plan.world_size, eps=eps, cost_model=model, **knobs)
         if isinstance(_base(model), FlopsCostModel):
             return first  # FLOPs: ping-pong's cuts cost what the rows cost, and no call term is priced
         best, best_peak = first, float(_predicted_costs(plan, first.tasks, options, model, share).max(initial=0.0))
@@ -300,8 +300,8 @@ def cad_schedule(plan: ShardPlan, options: CadOptions | dict, share: PricingShar
             for _ in range(RUNTIME_OFFSET_ROUNDS):
                 own = sched.loads - (sched.offsets if sched.offsets is not None else 0.0)
                 extra = _predicted_costs(plan, sched.tasks, options, view, share) - own
-                sched = schedule(docs, plan.world_size, eps=first.eps, cost_model=model, **knobs,
-                                 server_offsets=np.maximum(extra, 0.0))
+                sched = assign_servers(docs, plan.world_size, eps=first.eps, cost_model=model, **knobs,
+                                       server_offsets=np.maximum(extra, 0.0))
                 peak = float(_predicted_costs(plan, sched.tasks, options, model, share).max(initial=0.0))
                 if peak < best_peak:
                     best, best_peak = sched, peak
@@ -369,14 +369,14 @@ def _server_batches(plan: ShardPlan, tasks: Sequence[CadTask], options: CadOptio
 def server_calls(plan: ShardPlan, tasks: Sequence[CadTask], options: CadOptions | dict, model: CostModel,
                  split: bool = True) -> list[tuple[list[int], list[int], bool]]:
     """The kernel calls one server's ``tasks`` make, as the runtime cuts its batches
-    (:func:`~hf_longctx.kernels.calls.plan_calls` under :func:`call_terms_for`): (query rows, keys, causal) per call,
-    in order. What :mod:`.call_profile` times to fit a kernel's cost on calls shaped like CAD's own."""
+    (:func:`~hf_longctx.kernels.calls.cut_into_calls` under :func:`call_terms_for`): (query rows, keys, causal) per
+    call, in order. What :mod:`.call_profile` times to fit a kernel's cost on calls shaped like CAD's own."""
     options = cad_options(options)
     terms = call_terms_for(options, model)
     calls = []
     for causal, seg in _server_batches(plan, tasks, options, model, split):
         q_lens, k_lens = [q for q, _, _ in seg], [k for _, k, _ in seg]
-        calls += [(q_lens[a:b], k_lens[a:b], causal) for a, b in plan_calls(q_lens, k_lens, terms)]
+        calls += [(q_lens[a:b], k_lens[a:b], causal) for a, b in cut_into_calls(q_lens, k_lens, terms)]
     return calls
 
 
@@ -392,7 +392,7 @@ def _server_time(plan: ShardPlan, tasks: Sequence[CadTask], options: CadOptions,
         if terms is None and tails is None:
             continue
         q_lens, k_lens = [q for q, _, _ in seg], [k for _, k, _ in seg]
-        runs = plan_calls(q_lens, k_lens, terms)
+        runs = cut_into_calls(q_lens, k_lens, terms)
         if terms is not None:
             total += calls_overhead(q_lens, k_lens, runs, terms)
         if tails is not None:

@@ -4,7 +4,9 @@ Each rank keeps its documents for the context-independent layers (equal token co
 layers and activation memory balanced); only core attention is rebalanced. Core attention is
 divisible at token granularity: any run of query rows of a document can be computed anywhere, given
 its causal KV prefix. Every rank is also an *attention server* (in-place servers: server ``s`` lives
-on rank ``s``). The scheduler decides which server computes which query rows.
+on rank ``s``). The scheduler (:func:`assign_servers`) decides which server computes which query rows: its
+:class:`CadSchedule` is an assignment of rows to servers, with no steps (the backends' step-by-step
+:data:`~hf_longctx.backends.schedule.Schedule` of blocks is another thing).
 
 Algorithm (the paper's greedy, with numpy/heap bookkeeping so 512 ranks schedule in milliseconds):
 
@@ -57,7 +59,7 @@ import numpy as np
 from .cost_model import CostModel, FlopsCostModel, TokenBytes, segment_overhead
 from .tasks import CadTask
 
-__all__ = ["CadSchedule", "CadTask", "parse_docs", "schedule", "verify_schedule"]
+__all__ = ["CadSchedule", "CadTask", "assign_servers", "parse_docs", "verify_schedule"]
 
 DocItem = int | tuple[int, int]
 OVERSHOOT_WIDE = 0.9  # the second balancing run's overshoot share of the gap (see schedule)
@@ -603,7 +605,7 @@ def _bytes(off, rank, n_ranks, n_servers, tb, home_items, home_lo, home_hi, move
     return per_rank, per_server
 
 
-def schedule(
+def assign_servers(
     docs_per_rank: Sequence[Sequence[DocItem]],
     num_servers: int | None = None,
     eps: float = 0.1,

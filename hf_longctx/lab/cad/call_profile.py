@@ -48,7 +48,7 @@ from hf_longctx.backends.cad.launch_cost import (
 )
 from hf_longctx.benchmarking import HOST_AHEAD, one_run_ms
 from hf_longctx.kernels import attention_backward, attention_forward
-from hf_longctx.kernels.calls import call_order, plan_calls
+from hf_longctx.kernels.calls import call_order, cut_into_calls
 from hf_longctx.kernels.key_split import KeySplit
 from hf_longctx.kernels.launch import LaunchGrid
 from hf_longctx.lab.emulation.step_calls import dumped_calls
@@ -249,7 +249,7 @@ def check_keys_limit(model: LaunchCostModel, kernel: str, kv_heads: int, head_di
     """What the kernel's backward keys limit (``model.launch.backward_keys_limit``) is worth, timed: one segment
     of ``rows`` rows over keys on both sides of it (:data:`KEYS_LIMIT_SWEEP`), each backward timed and priced with
     and without the spill; and three such segments over 1.2x the limit together, as one call and as the calls a
-    server cuts them into (:func:`~hf_longctx.kernels.calls.plan_calls` under the model's call terms).
+    server cuts them into (:func:`~hf_longctx.kernels.calls.cut_into_calls` under the model's call terms).
     ``{"sweep": [{keys, measured, priced, priced_without_spill}], "batch": {segments, one_call, cut_calls, runs}}``
     (ms)."""
     limit = model.launch.backward_keys_limit
@@ -265,7 +265,7 @@ def check_keys_limit(model: LaunchCostModel, kernel: str, kv_heads: int, head_di
                       "priced_without_spill": plain.phase_cost("backward", [rows], [keys])})
     segments = [(rows, int(limit * 0.4))] * 3
     q_lens, k_lens = [q for q, _ in segments], [k for _, k in segments]
-    runs = plan_calls(q_lens, k_lens, model.call_terms)
+    runs = cut_into_calls(q_lens, k_lens, model.call_terms)
     _, one_call = time_call_phases(segments, kernel, model.heads, kv_heads, head_dim, dtype, device, warmup, reps)
     cut = sum(time_call_phases(segments[a:b], kernel, model.heads, kv_heads, head_dim, dtype, device, warmup,
                                reps)[1] for a, b in runs)

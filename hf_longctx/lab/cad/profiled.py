@@ -2,7 +2,8 @@
 
 Why: the scheduler balances what its cost model prices. FLOPs miss that a kernel's throughput depends
 on segment shape (several times lower on short documents than on long ones; bench/results/2026-12-04_from-modules.md),
-so a schedule balanced in FLOPs is not balanced in time. :func:`profiled_cost_model` returns a
+so a schedule balanced in FLOPs is not balanced in time. :func:`measured_cost_model` returns the cost model measured
+on this device's kernel, whichever kind it is: the launch cost model (below) or the profiled grid, a
 :class:`~.cost_model.ProfiledCostModel` of forward+backward milliseconds per (q_len, kv_len) segment,
 timed as CA-tasks run on a server (many segments fused in one varlen call), read from
 ``~/.cache/hf_longctx/cad_cost/`` (``HF_LONGCTX_CACHE`` moves the root) or profiled and written
@@ -17,7 +18,7 @@ are rounded up to, and what a kernel call costs beyond its segments (:func:`meas
 the runtime cuts a server's batch into calls. A cached profile from before these terms existed is measured
 again.
 
-Where the kernel declares a launch grid (on a GPU), :func:`profiled_cost_model` returns the launch cost model
+Where the kernel declares a launch grid (on a GPU), :func:`measured_cost_model` returns the launch cost model
 instead (:mod:`.launch_cost`, fitted by :mod:`.call_profile` and cached beside the grid as ``...-launch.json``):
 it prices short documents and partial tiles that the grid's interpolation misses.
 """
@@ -413,7 +414,7 @@ def profile_segment_costs(kernel: str = "auto", device: torch.device | str = "cu
 COST_MODELS = ("auto", "grid", "launch")
 
 
-def profiled_cost_model(kernel: str = "auto", device: torch.device | str | None = None,
+def measured_cost_model(kernel: str = "auto", device: torch.device | str | None = None,
                         shape: SegmentShape = SegmentShape(), *, profile_if_missing: bool = True,
                         q_lens=DEFAULT_Q_LENS, kv_lens=DEFAULT_KV_LENS, budget: ProfileBudget = ProfileBudget(),
                         model: str = "auto") -> tuple[CostModel, str]:
@@ -430,7 +431,7 @@ def profiled_cost_model(kernel: str = "auto", device: torch.device | str | None 
     profile is asked for with an explicit ``device="cpu"``).
     """
     if model not in COST_MODELS:
-        raise ValueError(f"profiled_cost_model's model must be one of {COST_MODELS}, got {model!r}")
+        raise ValueError(f"measured_cost_model's model must be one of {COST_MODELS}, got {model!r}")
     l2 = profile_l2()  # here: a misspelled setting is refused, not lost to the FLOPs fallback below
     if device is None:
         if not torch.cuda.is_available():

@@ -44,7 +44,13 @@ import torch
 import torch.distributed as dist
 
 from hf_longctx.backends import default_strategy
-from hf_longctx.backends.api import RankCall, check_group_agrees, check_options, make_run_context, resolve_backend
+from hf_longctx.backends.api import (
+    AttentionRequest,
+    check_group_agrees,
+    check_options,
+    make_run_context,
+    resolve_backend,
+)
 from hf_longctx.backends.options import BackendOptions
 from hf_longctx.benchmarking import FORWARD_BACKWARD_FACTOR
 from hf_longctx.comm.links import LINKS, LinkTiers, Transfer, transfer_seconds
@@ -197,10 +203,10 @@ def _rank_step(group: EmulatedGroup, plan: ShardPlan, backend: str, tensors, opt
     ql, kl, vl, dl = (t.index_select(0, idx) for t in (q, k, v, dout))
     scale = 1.0 / math.sqrt(q.shape[-1])
     with torch.no_grad():
-        call = RankCall(ql, kl, vl, plan, backend, group, rank, world, causal=True, scale=scale, kernel=kernel,
-                        options=options)
-        check_group_agrees(call)
-        run = make_run_context(call, resolve_backend(call))
+        request = AttentionRequest(ql, kl, vl, plan, backend, group, rank, world, causal=True, scale=scale,
+                                   kernel=kernel, options=options)
+        check_group_agrees(request)
+        run = make_run_context(request, resolve_backend(request))
         out, lse = run.forward_fn(run, ql, kl, vl)
         dq, dk, dv = run.backward_fn(run, dl, ql, kl, vl, out, lse)
     return (out, dq, dk, dv) if keep else None
