@@ -6,7 +6,7 @@ product does, its shortlist's emulated steps standing in for the timing on a rea
 GPU is timed for real beside it (see :mod:`hf_longctx.lab.backend_table`). Rows on several real GPUs come from
 ``scripts/bench_attention.py --gpus N``.
 
-    python scripts/bench_backend_table.py --out-md bench/results/DATE_backend-table.md --out-json T.jsonl  # GPU
+    python scripts/bench_backend_table.py --out-md TABLE_MD --out-json T.jsonl  # GPU
     python scripts/bench_backend_table.py --quick                     # CPU smoke run: tiny sizes, reference kernel
     python scripts/bench_backend_table.py ... --readme README.md      # also replace the README's table
     python scripts/bench_backend_table.py --from-json A.jsonl B.jsonl --readme README.md  # the table of earlier runs
