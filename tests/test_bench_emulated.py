@@ -22,7 +22,7 @@ def test_bench_emulated_quick_writes_its_tables(tmp_path, monkeypatch):
     assert "emulated on one GPU" in text and "design document section 7" in text
     for label in ("ring", "zigzag", "distfa", "tasp", "cad flops eps0.1", "cad profiled eps auto", "ulysses"):
         assert f"| {label} |" in text, label
-    assert "auto (emulated) ->" in text and "CAD eps sweep" in text and "rule's choice" in text
+    assert "fastest emulated ->" in text and "CAD eps sweep" in text and "rule's choice" in text
     assert "Error" not in text
     assert "noise alone max/mean 1." in text  # two repetitions: every row says what timing noise alone gives
 

@@ -151,16 +151,20 @@ def plan_for(packed: PackedBatch, backend: str, group: dist.ProcessGroup | None,
              model: torch.nn.Module | None = None, device: torch.device | None = None, kernel: str = "auto",
              options: BackendOptions | Mapping | None = None) -> ShardPlan:
     """Where the tokens of ``packed`` go over ``group`` for ``backend``: its default placement, or, for a backend that
-    decides it per batch (``auto``, which prices its candidates on the batch), what the backend decides for
-    ``model``'s attention shape and dtype on ``device``. Every rank of the group calls it together."""
+    chooses among others (``auto``, which prices its candidates on the batch), what it decides for ``model``'s
+    attention shape and dtype on ``device`` (the default placement for a model whose layers differ in shape: its
+    layers' own shapes are priced at their first attention call). Every rank of the group calls it together."""
     _, world = group_rank_and_size(group)
     spec = get_backend(backend)
-    if model is None or world == 1:
+    if model is None or world == 1 or not spec.chooses_backend:
         return shard_plan(packed, world, default_strategy(backend))
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    try:
+        shape = attention_shape(model.config, dtype)
+    except (AttributeError, TypeError, ValueError, RuntimeError):  # layers of different shapes (Gemma 4)
+        return shard_plan(packed, world, default_strategy(backend))
     device = device if device is not None else next((p.device for p in model.parameters()), torch.device("cpu"))
-    options = check_options(backend, options)
-    return spec.plan_batch(packed, group, attention_shape(model.config, dtype), dtype, device, kernel, options)
+    return spec.plan_batch(packed, group, shape, dtype, device, kernel, check_options(backend, options))
 
 
 def gather_group_batch(flat: FlatBatch | None, group: dist.ProcessGroup | None,

@@ -1,9 +1,9 @@
 """hf_longctx itself, as ``scripts/bench_train.py --gpus 1 --backend local --memory auto`` trains it.
 
 ``attn_implementation="longctx_local"`` with the best installed kernel (``kernel="auto"``); the memory planner
-(:func:`hf_longctx.hf.memory_plan.plan_for_training`, ``memory: auto``) picks checkpointing, offload, tiling,
+(:func:`hf_longctx.hf.plan_for_training`, ``memory: auto``) picks checkpointing, offload, tiling,
 Liger's fused ops where they run, and where AdamW lives, for the GPU and host it sees; its optimizer
-(:meth:`~hf_longctx.hf.memory_plan.MemoryPlan.make_optimizer`) with its states allocated before the first step,
+(:meth:`~hf_longctx.hf.memory.plan.MemoryPlan.make_optimizer`) with its states allocated before the first step,
 as bench_train does. The packed row is sharded (one shard: the whole row) with per-document shifted targets.
 """
 
@@ -21,9 +21,14 @@ class LongCtxRun:
     process_group = True  # as scripts/bench_train.py, accelerate launch: a one-rank group
 
     def __init__(self, work: Workload, device: torch.device) -> None:
-        from hf_longctx.hf import LongContextConfig, implementation_name, plan_for, shard_batch
-        from hf_longctx.hf.memory_plan import plan_for_training
-        from hf_longctx.hf.optimizer_states import allocate_optimizer_states
+        from hf_longctx.hf import (
+            LongContextConfig,
+            allocate_optimizer_states,
+            implementation_name,
+            plan_for,
+            plan_for_training,
+            shard_batch,
+        )
         from hf_longctx.layout import PackedBatch
 
         self.model = build_model(work, implementation_name("local"), device)
