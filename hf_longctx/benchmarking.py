@@ -321,6 +321,17 @@ def training_mfu(model_config, flops_per_token: float, tokens: int, causal_pairs
     return flops / max(seconds, 1e-9) / (devices * peak)
 
 
+def host_peak_gib() -> float | None:
+    """This process's resident high-water mark (``VmHWM``: pinned buffers included), GiB; None off Linux."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+
 def token_counts(text: str) -> list[int]:
     """``"128,2k,512K"`` -> ``[128, 2048, 524288]``: the benchmarks' sizes as written on their command lines."""
     out = []

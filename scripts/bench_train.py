@@ -41,6 +41,7 @@ import torch.multiprocessing as mp
 from hf_longctx.benchmarking import (
     FORWARD_BACKWARD_FACTOR,
     free_port,
+    host_peak_gib,
     model_flops_per_token,
     peak_flops,
     table_header,
@@ -111,17 +112,6 @@ def attention_ms(plan, backend, rank, group, cfg, device, dtype, reps=3, kernel=
         out.backward(torch.ones_like(out))
 
     return timed_slowest_rank(step, reps, device)
-
-
-def host_peak_gib() -> float:
-    """Peak resident memory of this process (VmHWM: pinned checkpoint buffers included), GiB; nan off Linux."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 2**20
-    except OSError:
-        pass
-    return float("nan")
 
 
 def _sync(device):
@@ -304,7 +294,8 @@ def worker(rank, world, args):
         "mfu": training_mfu(model.config, flops_per_token, total, packed.causal_pairs(), ms / 1e3, world,
                             peak_flops(device)),
         "peak_gib": peak_t.item(),
-        "host_peak_gib": host_peak_gib(), "phase_peak_gib": {k: round(v, 1) for k, v in phase_peaks.items()},
+        "host_peak_gib": host_peak_gib() or float("nan"),
+        "phase_peak_gib": {k: round(v, 1) for k, v in phase_peaks.items()},
         "attention_share": None if peer else min(1.0, attn * attn_runs / ms),
     }
     if memory_plan is not None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ from ..layout import PackedBatch, ShardPlan, shard_plan
 from .contract import Backend, Candidate, ForwardProbe
 from .engine import RunContext
 from .options import BackendOptions
-from .prediction import AttentionShape, KernelRates, StepPrediction, measure_kernel_rates, predict
+from .prediction import AttentionShape, KernelRates, StepPrediction, measure_kernel_rates, predict, time_forward
 from .registry import get_backend, registered_backends
 
 log = logging.getLogger(__name__)
@@ -238,24 +237,6 @@ def _spans_world(group, world: int) -> bool:
     if in_one_process(group) or not (dist.is_available() and dist.is_initialized()):
         return True
     return dist.get_world_size() == world
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_forward(run_forward: Callable[[], object], device: torch.device, reps: int = 2) -> float:
-    """Median wall seconds of ``run_forward()`` after one warm-up call (device synchronised)."""
-    run_forward()
-    times = []
-    for _ in range(reps):
-        _sync(device)
-        start = time.perf_counter()
-        run_forward()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
 
 
 Timer = Callable[[Callable[[], object], torch.device], float]

@@ -23,9 +23,8 @@ A backend that cannot say (``Backend.rank_work`` returns None) is never an ``aut
 from __future__ import annotations
 
 import math
-import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -196,6 +195,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def time_forward(run: Callable[[], object], device: torch.device, reps: int = 2) -> float:
+    """Median wall seconds of ``run()`` after one warm-up call (device synchronised): how ``auto`` times a kernel at
+    launch and a candidate's forward on the group."""
+    run()
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        start = time.perf_counter()
+        run()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
 def _time_forward_backward(length: int, shape: AttentionShape, dtype: torch.dtype, device: torch.device,
                            kernel: str) -> float:
     """Median seconds of one forward and one backward kernel call on one causal segment of ``length`` tokens."""
@@ -211,15 +224,7 @@ def _time_forward_backward(length: int, shape: AttentionShape, dtype: torch.dtyp
         kernel_backward(call, dout, out, lse, kernel)
 
     with torch.no_grad():
-        once()  # compiles, plans, allocates
-        times = []
-        for _ in range(MEASURE_REPS):
-            _sync(device)
-            start = time.perf_counter()
-            once()
-            _sync(device)
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        return time_forward(once, device, reps=MEASURE_REPS)  # its warm-up call compiles, plans, allocates
 
 
 def measure_kernel_rates(kernel: str, device: torch.device | str, shape: AttentionShape, dtype: torch.dtype,

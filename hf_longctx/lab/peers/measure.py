@@ -14,7 +14,6 @@ import statistics
 import time
 import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -67,17 +66,6 @@ def gpu_peaks_gib(device: torch.device) -> tuple[float | None, float | None]:
     if device.type != "cuda":
         return None, None
     return torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30
-
-
-def own_host_peak_gib() -> float | None:
-    """This process's resident high-water mark (``VmHWM``, pinned buffers included), GiB; None off Linux."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 2**20
-    except OSError:
-        pass
-    return None
 
 
 def error_record(err: BaseException, lines: int = 12) -> dict:

@@ -29,9 +29,12 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402 - after the allocator setting
 
-from hf_longctx.benchmarking import peak_flops  # noqa: E402
+from hf_longctx.benchmarking import (
+    host_peak_gib,  # noqa: E402
+    peak_flops,  # noqa: E402
+)
 
-from .measure import StepClock, error_record, gpu_peaks_gib, own_host_peak_gib  # noqa: E402
+from .measure import StepClock, error_record, gpu_peaks_gib  # noqa: E402
 from .workload import StepFlops, Workload, mfu  # noqa: E402
 
 SYSTEMS = ("hf_longctx", "alst", "trl_cp", "transformers")
@@ -101,7 +104,7 @@ def measure(system: str, work: Workload, result: dict) -> None:
                   mfu=mfu(flops.model, seconds, peak), mfu_with_recompute=mfu(flops.with_recompute, seconds, peak),
                   flops_per_step=flops.model, flops_per_step_with_recompute=flops.with_recompute,
                   gpu_peak_allocated_gib=allocated, gpu_peak_reserved_gib=reserved,
-                  worker_host_peak_gib=own_host_peak_gib(), losses=clock.losses)
+                  worker_host_peak_gib=host_peak_gib(), losses=clock.losses)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         measure(args.system, work, result)
         code = 0
     except BaseException as err:  # noqa: BLE001 - every failure is the result of this measurement
-        result.update(error=error_record(err), worker_host_peak_gib=own_host_peak_gib())
+        result.update(error=error_record(err), worker_host_peak_gib=host_peak_gib())
         code = 1
     Path(args.out).write_text(json.dumps(result))
     if torch.distributed.is_initialized():
