@@ -20,7 +20,7 @@ install:
 	$(if $(shell $(PYTHON) -c "import deepspeed" 2>/dev/null && echo y),,DS_BUILD_OPS=0 $(PIP) -q --no-build-isolation "$(DEEPSPEED)")
 
 demo: install-demo
-	accelerate launch --config_file recipes/cpu-2proc.yaml scripts/train.py
+	$(PYTHON) -m accelerate.commands.launch --config_file recipes/cpu-2proc.yaml scripts/train.py
 
 test: install
 	$(PYTHON) -m ruff check hf_longctx tests scripts examples
