@@ -15,7 +15,7 @@ import torch
 from test_backends import make_problem, reference
 
 from hf_longctx.backends import default_strategy, sequence_parallel_attention
-from hf_longctx.comm.links import LINKS, MB, transfer_seconds
+from hf_longctx.comm.links import LINKS, MB, ONE_NODE
 from hf_longctx.lab.emulation import EmulatedStep, RankStep, emulate_step, noise_only_imbalance, real_rank_kernel_times
 from hf_longctx.lab.emulation.group import EmulationError, EmulationHub
 from hf_longctx.lab.emulation.timing import KernelTimer
@@ -136,7 +136,8 @@ def test_link_model_uses_the_measured_figures_and_interpolates_between_them():
     assert LINKS["a2a"].at(256 * MB) == pytest.approx(148e9)
     assert LINKS["p2p"].at(1 * MB) == pytest.approx(71e9)  # held at the smallest measured size
     assert 71e9 < LINKS["p2p"].at(32 * MB) < 114e9
-    assert transfer_seconds([("p2p", 64 * MB), ("a2a", 16 * MB)]) == pytest.approx(64 * MB / 114e9 + 16 * MB / 87e9)
+    calls = [("p2p", {1: 64 * MB}), ("a2a", {1: 8 * MB, 2: 8 * MB})]  # a call's message: its bytes to every peer
+    assert ONE_NODE.seconds(0, calls) == pytest.approx(64 * MB / 114e9 + 16 * MB / 87e9)
 
 
 def test_auto_decides_from_emulated_steps_and_says_why():

@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 import torch
 
-from hf_longctx.comm.links import LINKS, MB, LinkTiers, transfer_seconds
+from hf_longctx.comm.links import LINKS, MB, ONE_NODE, LinkTiers
 from hf_longctx.lab.emulation import RankStep, emulate_step
 from hf_longctx.layout import PackedBatch
 
@@ -84,7 +84,7 @@ def test_without_tiers_a_step_is_priced_as_before_on_one_node():
     for r in step.ranks:
         old = sum(LINKS[kind].seconds(sum(bytes_to.values())) for kind, bytes_to in r.traffic)
         assert r.transfer_s == old and old > 0
-        assert transfer_seconds([(kind, sum(b.values())) for kind, b in r.traffic]) == old  # old-style calls
+        assert ONE_NODE.seconds(r.rank, r.traffic) == old
         assert r.node_bytes == (r.sent_bytes, 0)
         assert dataclasses.replace(r, tiers=LinkTiers(node_size=WORLD)).transfer_s == old
     assert step.predicted_step_s == max(step.kernel_s) + max(

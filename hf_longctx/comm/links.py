@@ -54,18 +54,6 @@ LINKS: dict[str, LinkCurve] = {
 }
 
 
-def transfer_seconds(calls: Sequence[tuple[str, int | Mapping[int, int]]]) -> float:
-    """Seconds a rank's transfers take back to back inside one node: each ``(kind, bytes)`` call at its kind's
-    bandwidth for that message size. A call may give its bytes per peer (a :data:`Transfer`); inside one node
-    they count together, as the call's message size."""
-    return sum(LINKS[kind].seconds(total_bytes(nbytes)) for kind, nbytes in calls)
-
-
-def total_bytes(nbytes: int | Mapping[int, int]) -> int:
-    """The bytes of one call: ``nbytes`` itself, or the sum over its peers where given per peer."""
-    return sum(nbytes.values()) if isinstance(nbytes, Mapping) else nbytes
-
-
 # A rank's transfer in one call: its kind and the bytes it sends to each peer (group ranks of the world the tiers
 # number; the rank itself never appears).
 Transfer = tuple[str, Mapping[int, int]]
@@ -81,8 +69,8 @@ class LinkTiers:
     Why a formula: a group beyond one node cannot be measured on one node, yet which backend is fastest there
     turns on what crosses the network (Ulysses' all_to_all spans its whole group; a ring across nodes sends one
     neighbour's block). A rank's call sends its intra-node and inter-node bytes at the same time over different
-    links, so the call lasts the longer of the two. One node (``node_size`` at least the group) is the model of
-    :func:`transfer_seconds` exactly.
+    links, so the call lasts the longer of the two. :data:`ONE_NODE` keeps every rank in one node: each call on
+    its kind's NVLink curve at its total bytes.
     """
 
     node_size: int = 8
@@ -115,3 +103,6 @@ class LinkTiers:
     def describe(self) -> str:
         return (f"nodes of {self.node_size} GPUs (NVLink curves inside), "
                 f"{self.inter_node_bytes_per_s / 1e9:.0f} GB/s per GPU between nodes")
+
+
+ONE_NODE = LinkTiers(node_size=1 << 30)  # every rank of any group in one NVLink node

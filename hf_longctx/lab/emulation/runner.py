@@ -53,7 +53,7 @@ from hf_longctx.backends.api import (
 )
 from hf_longctx.backends.options import BackendOptions
 from hf_longctx.benchmarking import FORWARD_BACKWARD_FACTOR
-from hf_longctx.comm.links import LINKS, LinkTiers, Transfer, transfer_seconds
+from hf_longctx.comm.links import LINKS, ONE_NODE, LinkTiers, Transfer
 from hf_longctx.kernels import observe_kernels
 from hf_longctx.lab.emulation.group import EmulatedGroup, EmulationHub
 from hf_longctx.lab.emulation.timing import KernelTimer, ThisProcess
@@ -88,9 +88,7 @@ class RankStep:
     @property
     def node_bytes(self) -> tuple[int, int]:
         """(bytes sent to ranks of this rank's node, bytes sent to other nodes); all in one node without tiers."""
-        if self.tiers is None:
-            return self.sent_bytes, 0
-        splits = [self.tiers.split(self.rank, bytes_to) for _, bytes_to in self.traffic]
+        splits = [(self.tiers or ONE_NODE).split(self.rank, bytes_to) for _, bytes_to in self.traffic]
         return sum(a for a, _ in splits), sum(b for _, b in splits)
 
     @property
@@ -98,9 +96,7 @@ class RankStep:
         """Seconds this rank's sends take back to back: on the measured NVLink curves
         (:data:`~hf_longctx.comm.links.LINKS`, every peer in one node) without tiers, else on the tiers (each call
         as long as the slower of its intra-node and inter-node bytes)."""
-        if self.tiers is None:
-            return transfer_seconds(self.traffic)
-        return self.tiers.seconds(self.rank, self.traffic)
+        return (self.tiers or ONE_NODE).seconds(self.rank, self.traffic)
 
 
 @dataclass
