@@ -9,11 +9,17 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "lab" / "bench_emulated.py"
 
 
-def test_bench_emulated_quick_writes_its_tables(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_LONGCTX_CACHE", str(tmp_path / "cache"))
+def load_script():
+    """scripts/lab/bench_emulated.py as a module (its main and helpers callable, with monkeypatched runners)."""
     spec = importlib.util.spec_from_file_location("bench_emulated", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_emulated_quick_writes_its_tables(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_LONGCTX_CACHE", str(tmp_path / "cache"))
+    module = load_script()
     out = tmp_path / "emulated.md"
     calls = tmp_path / "calls"
     assert module.main(["--quick", "--out", str(out), "--worlds", "4", "--mixes", "prolong,sft",
@@ -39,9 +45,7 @@ def test_bench_emulated_quick_writes_its_tables(tmp_path, monkeypatch):
 
 def test_cad_runs_choose_the_cad_variants_and_a_misspelt_one_is_refused_first(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_LONGCTX_CACHE", str(tmp_path / "cache"))
-    spec = importlib.util.spec_from_file_location("bench_emulated", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script()
     profiled = []
     monkeypatch.setattr(module, "measured_cost_model", lambda *a, **k: profiled.append(1))
     out = tmp_path / "emulated.md"
@@ -75,9 +79,7 @@ def test_a_configuration_out_of_device_memory_runs_again_staged_on_the_host(tmp_
     import torch
 
     monkeypatch.setenv("HF_LONGCTX_CACHE", str(tmp_path / "cache"))
-    spec = importlib.util.spec_from_file_location("bench_emulated", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script()
     from hf_longctx.lab.emulation import runner
 
     real = runner.emulate_step
@@ -109,9 +111,7 @@ def test_each_mix_shares_the_budget_the_set_up_left_and_none_starts_past_the_bud
     import types
 
     monkeypatch.setenv("HF_LONGCTX_CACHE", str(tmp_path / "cache"))
-    spec = importlib.util.spec_from_file_location("bench_emulated", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script()
     clock = [0.0]
     real_profile = module.measured_cost_model
 
@@ -138,9 +138,7 @@ def test_bench_emulated_prices_nodes_and_runs_two_dimensional_backends(tmp_path,
     """--node-size / --inter-node-gbps price every step on two link tiers, and the rows give the bytes inside a node
     and between nodes; --backends takes ulysses_<outer> with --ulysses-size, and refuses it without."""
     monkeypatch.setenv("HF_LONGCTX_CACHE", str(tmp_path / "cache"))
-    spec = importlib.util.spec_from_file_location("bench_emulated", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script()
     from hf_longctx.comm.links import LinkTiers
     from hf_longctx.lab.emulation import runner
 

@@ -233,5 +233,5 @@ def resolve_backend(request: AttentionRequest) -> Candidate:
         return make_run_context(request, candidate).forward(request.q, request.k, request.v)
 
     return get_backend(request.backend).resolve(request.q, request.k, request.v, request.plan, request.group, probe,
-                                                request.options)
+                                                request.options, request.kernel)
 

@@ -227,9 +227,9 @@ def _class_key(group, world: int, tokens: int, shape: AttentionShape, device: to
     return _group_key(group), world, _size_bucket(tokens), shape, device.type, kernel
 
 
-def _verdict_key(q: torch.Tensor, plan: ShardPlan, group, shape: AttentionShape) -> tuple:
+def _verdict_key(q: torch.Tensor, plan: ShardPlan, group, shape: AttentionShape, kernel: str) -> tuple:
     """A verdict's key: the shape class, the placement, the sliding window and the dtype."""
-    return (_class_key(group, plan.world_size, plan.batch.num_tokens, shape, q.device, "any"), plan.strategy,
+    return (_class_key(group, plan.world_size, plan.batch.num_tokens, shape, q.device, kernel), plan.strategy,
             plan.window, q.dtype)
 
 
@@ -257,14 +257,15 @@ class AutoBackend(Backend):
         self.decisions = AutoDecisions()
         self.timer: Timer = time_forward  # tests impose timings here
 
-    def plan_batch(self, batch: PackedBatch, group: dist.ProcessGroup | None, shape: AttentionShape,
+    def plan_batch(self, batch: PackedBatch, group: dist.ProcessGroup | None, shape: AttentionShape | None,
                    dtype: torch.dtype, device: torch.device, kernel: str, options: BackendOptions) -> ShardPlan:
         """The placement of the best-priced candidate for ``batch`` (the first batch of its shape class decides,
         later ones take the same placement). Every rank of ``group`` calls this together: the first batch of a
-        class measures the kernel once and agrees its rates over the group."""
+        class measures the kernel once and agrees its rates over the group. A model without one attention shape
+        (``shape`` None) gets the default placement; its layers are priced at their own first call."""
         options = options if isinstance(options, AutoOptions) else AutoOptions()
         _, world = group_rank_and_size(group)
-        if world == 1:
+        if world == 1 or shape is None:
             return shard_plan(batch, 1, self.default_strategy)
         key = _class_key(group, world, batch.num_tokens, shape, device, kernel)
         strategy = self.decisions.placements.get(key)
@@ -280,26 +281,28 @@ class AutoBackend(Backend):
         return plans[strategy]
 
     def resolve(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ShardPlan,
-                group: dist.ProcessGroup | None, probe: ForwardProbe, options: BackendOptions) -> Candidate:
-        """The candidate that runs ``plan``: the verdict of its shape class, reached here on its first call."""
+                group: dist.ProcessGroup | None, probe: ForwardProbe, options: BackendOptions,
+                kernel: str = "auto") -> Candidate:
+        """The candidate that runs ``plan`` on ``kernel``: the verdict of its shape class, reached here on its first
+        call."""
         options = options if isinstance(options, AutoOptions) else AutoOptions()
         shape = AttentionShape.of(q, k)
-        key = _verdict_key(q, plan, group, shape)
+        key = _verdict_key(q, plan, group, shape, kernel)
         verdict = self.decisions.verdicts.get(key)
         if verdict is None:
-            verdict = self._decide(q, plan, group, probe, options, shape)
+            verdict = self._decide(q, plan, group, probe, options, shape, kernel)
             self.decisions.verdicts[key] = verdict
         return verdict.candidate
 
     def _decide(self, q: torch.Tensor, plan: ShardPlan, group, probe: ForwardProbe, options: AutoOptions,
-                shape: AttentionShape) -> Verdict:
+                shape: AttentionShape, kernel: str) -> Verdict:
         world = plan.world_size
         if world == 1:
             first = candidates(world, shape, options, (plan.strategy,))
             if not first:
                 raise ValueError(f"backend 'auto' has no candidate for plan strategy {plan.strategy!r}")
             return Verdict(first[0], {}, {}, "one rank")
-        rates = measure_kernel_rates("auto", q.device, shape, q.dtype, group)
+        rates = measure_kernel_rates(kernel, q.device, shape, q.dtype, group)
         predictions = price({plan.strategy: plan}, shape, rates, options, _spans_world(group, world))
         if not predictions:
             raise ValueError(f"backend 'auto' has no candidate for plan strategy {plan.strategy!r} on {world} ranks "
@@ -340,11 +343,13 @@ AUTO = AutoBackend()
 
 
 def record_verdict(q: torch.Tensor, k: torch.Tensor, plan: ShardPlan, group, candidate: Candidate,
-                   predicted_s: Mapping[str, float], measured_s: Mapping[str, float], reason: str) -> None:
+                   predicted_s: Mapping[str, float], measured_s: Mapping[str, float], reason: str,
+                   kernel: str = "auto") -> None:
     """Decide ``auto`` for this problem in advance (e.g. from W ranks emulated on one device): its first call then
-    runs ``candidate`` without pricing or timing anything. Every rank of the group must record the same verdict."""
+    runs ``candidate`` on ``kernel`` without pricing or timing anything. Every rank of the group must record the same
+    verdict."""
     verdict = Verdict(candidate, dict(predicted_s), dict(measured_s), reason)
-    AUTO.decisions.verdicts[_verdict_key(q, plan, group, AttentionShape.of(q, k))] = verdict
+    AUTO.decisions.verdicts[_verdict_key(q, plan, group, AttentionShape.of(q, k), kernel)] = verdict
     log.info("hf_longctx auto: %s for %d tokens on %d ranks, decided in advance: %s", candidate.label,
              plan.batch.num_tokens, plan.world_size, reason)
 

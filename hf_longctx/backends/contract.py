@@ -107,16 +107,19 @@ class Backend:
         """
         return None
 
-    def plan_batch(self, batch: PackedBatch, group: dist.ProcessGroup | None, shape: AttentionShape,
+    def plan_batch(self, batch: PackedBatch, group: dist.ProcessGroup | None, shape: AttentionShape | None,
                    dtype: torch.dtype, device: torch.device, kernel: str, options: BackendOptions) -> ShardPlan:
         """Where the tokens of ``batch`` go over the ranks of ``group``, decided before the batch is sharded: the
-        :attr:`default_strategy` (``auto`` prices its candidates here). Every rank of the group calls it together
-        with the same arguments and gets the same plan."""
+        :attr:`default_strategy` (``auto`` prices its candidates here). ``shape`` is the model's attention shape, None
+        for a model whose layers differ in shape. Every rank of the group calls it together with the same arguments
+        and gets the same plan."""
         return shard_plan(batch, group_rank_and_size(group)[1], self.default_strategy)
 
     def resolve(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ShardPlan,
-                group: dist.ProcessGroup | None, probe: ForwardProbe, options: BackendOptions) -> Candidate:
-        """The backend that runs this problem, with its options: this one, unless it chooses among others."""
+                group: dist.ProcessGroup | None, probe: ForwardProbe, options: BackendOptions,
+                kernel: str = "auto") -> Candidate:
+        """The backend that runs this problem, with its options: this one, unless it chooses among others (on the
+        run's ``kernel``)."""
         return Candidate(self.name, plan.strategy, options)
 
     def schedule(self, world: int) -> Schedule:

@@ -22,7 +22,6 @@ A backend that cannot say (``Backend.rank_work`` returns None) is never an ``aut
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -164,7 +163,6 @@ class StepPrediction:
     strategy: str
     kernel_s: tuple[float, ...]
     transfer_s: tuple[float, ...]
-    sent_bytes: tuple[int, ...] = ()
 
     @property
     def step_s(self) -> float:
@@ -176,8 +174,7 @@ def predict(backend: str, strategy: str, work: Sequence[RankWork], rates: Kernel
             tiers: LinkTiers) -> StepPrediction:
     """``work`` (one :class:`RankWork` per rank) priced under ``rates`` and ``tiers``."""
     return StepPrediction(backend, strategy, tuple(rates.seconds(w) for w in work),
-                          tuple(tiers.seconds(r, w.transfers) for r, w in enumerate(work)),
-                          tuple(w.sent_bytes for w in work))
+                          tuple(tiers.seconds(r, w.transfers) for r, w in enumerate(work)))
 
 
 # ----------------------------------------------------------------------------- measuring the kernel
@@ -253,11 +250,6 @@ def measure_kernel_rates(kernel: str, device: torch.device | str, shape: Attenti
     return rates
 
 
-def forget_kernel_rates() -> None:
-    """Drop the measured rates (a test that imposes timings, or a device whose clocks changed)."""
-    _RATES.clear()
-
-
 def fixed_rates(tflops: float, call_s: float = 0.0, kernel: str = "auto", device: str = "cpu",
                 head_dim: int = 128) -> KernelRates:
     """Rates of a kernel that runs ``tflops`` TFLOP/s forward + backward on full tiles (3.5 x the forward's
@@ -265,6 +257,3 @@ def fixed_rates(tflops: float, call_s: float = 0.0, kernel: str = "auto", device
     flops_per_tile_head = 3.5 * 4.0 * head_dim * TILE * TILE
     return KernelRates(flops_per_tile_head / (tflops * 1e12), call_s, kernel, device)
 
-
-def fmt_seconds(seconds: float) -> str:
-    return f"{seconds * 1e3:.2f} ms" if math.isfinite(seconds) else "inf"

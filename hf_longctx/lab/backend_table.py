@@ -96,7 +96,6 @@ def table_candidates(predictions: dict[Candidate, StepPrediction]) -> list[Candi
     chosen: dict[str, Candidate] = {}
     for c in predictions:
         own = get_backend(c.backend).default_strategy
-        own = "contiguous" if own == "cad" else own
         if c.backend not in chosen or (c.strategy == own and chosen[c.backend].strategy != own):
             chosen[c.backend] = c
     return list(chosen.values())

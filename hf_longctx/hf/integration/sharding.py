@@ -139,32 +139,33 @@ def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
-def attention_shape(config, dtype: torch.dtype) -> AttentionShape:
-    """The attention shape of a model's config (its text config): query and key/value heads, head dim, dtype."""
+def attention_shape(config, dtype: torch.dtype) -> AttentionShape | None:
+    """The attention shape of a model's config (its text config): query and key/value heads, head dim, dtype; None
+    for a model whose layers differ in shape (Gemma 4 refuses a global ``head_dim``): its layers are priced at their
+    own first attention call."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    return AttentionShape.of_dtype(heads, getattr(text, "num_key_value_heads", None) or heads,
-                                   getattr(text, "head_dim", None) or text.hidden_size // heads, dtype)
+    try:
+        heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    except (AttributeError, TypeError, ValueError, RuntimeError):
+        return None
+    return AttentionShape.of_dtype(heads, kv_heads, head_dim, dtype)
 
 
 def plan_for(packed: PackedBatch, backend: str, group: dist.ProcessGroup | None, *,
              model: torch.nn.Module | None = None, device: torch.device | None = None, kernel: str = "auto",
              options: BackendOptions | Mapping | None = None) -> ShardPlan:
-    """Where the tokens of ``packed`` go over ``group`` for ``backend``: its default placement, or, for a backend that
-    chooses among others (``auto``, which prices its candidates on the batch), what it decides for ``model``'s
-    attention shape and dtype on ``device`` (the default placement for a model whose layers differ in shape: its
-    layers' own shapes are priced at their first attention call). Every rank of the group calls it together."""
+    """Where the tokens of ``packed`` go over ``group`` for ``backend``: what the backend decides for ``model``'s
+    attention shape and dtype on ``device`` (:meth:`~hf_longctx.backends.contract.Backend.plan_batch`: its default
+    placement; ``auto`` prices its candidates on the batch). Every rank of the group calls it together."""
     _, world = group_rank_and_size(group)
-    spec = get_backend(backend)
-    if model is None or world == 1 or not spec.chooses_backend:
+    if model is None or world == 1:
         return shard_plan(packed, world, default_strategy(backend))
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    try:
-        shape = attention_shape(model.config, dtype)
-    except (AttributeError, TypeError, ValueError, RuntimeError):  # layers of different shapes (Gemma 4)
-        return shard_plan(packed, world, default_strategy(backend))
     device = device if device is not None else next((p.device for p in model.parameters()), torch.device("cpu"))
-    return spec.plan_batch(packed, group, shape, dtype, device, kernel, check_options(backend, options))
+    return get_backend(backend).plan_batch(packed, group, attention_shape(model.config, dtype), dtype, device, kernel,
+                                           check_options(backend, options))
 
 
 def gather_group_batch(flat: FlatBatch | None, group: dist.ProcessGroup | None,

@@ -90,5 +90,5 @@ def decide_auto(batch: PackedBatch, world: int, tensors: tuple[torch.Tensor, ...
         record_verdict(q_local, k_local, plan, group, choice.candidate,
                        {c.label: p.step_s for c, p in choice.predictions.items() if c.strategy == choice.placement},
                        {c.label: s.predicted_step_s for c, s in choice.timed.items()},
-                       f"emulated on one device: {choice.reason}")
+                       f"emulated on one device: {choice.reason}", kernel)
     return choice
