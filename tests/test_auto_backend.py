@@ -146,6 +146,15 @@ def test_the_prices_follow_the_batch():
     assert by["ulysses@zigzag"] > by["zigzag@zigzag"] and best.backend != "ulysses"
 
 
+def test_the_shortlist_is_the_placements_candidates_near_the_best_prediction():
+    _, predictions = _placed([65536], 5)
+    on = {c.label: p.step_s for c, p in predictions.items() if c.strategy == "zigzag"}
+    timed = auto.shortlist(predictions, "zigzag", 1.25)
+    assert {c.strategy for c in timed} == {"zigzag"} and timed[0].label == min(on, key=on.get)
+    assert [c.label for c in timed] == sorted((n for n in on if on[n] <= 1.25 * min(on.values())), key=on.get)
+    assert [c.label for c in auto.shortlist(predictions, "zigzag", 1.0)] == [timed[0].label]
+
+
 def test_past_one_node_the_network_is_priced():
     """A group of 16 over 2 nodes: Ulysses' all_to_all crosses the network for half its bytes, the composition
     keeps it inside each node and sends only the ring's blocks across."""
@@ -165,16 +174,20 @@ def test_plan_batch_places_the_batch_for_the_best_prediction(monkeypatch):
     auto.reset_auto_decisions()
     try:
         batch = PackedBatch.from_doc_lens([65536])
-        expected, _ = _placed([65536], 4)
-        monkeypatch.setattr(auto, "group_rank_and_size", lambda group: (0, 4))  # four ranks; the rates are imposed
+        expected, _ = _placed([65536], 5)
+        assert expected.strategy == "contiguous"  # DistFlashAttn balances one document over 5 ranks best
+        monkeypatch.setattr(auto, "group_rank_and_size", lambda group: (0, 5))  # five ranks; the rates are imposed
         plan = auto.AUTO.plan_batch(batch, None, SHAPE, torch.bfloat16, torch.device("cpu"), "auto",
                                     auto.AutoOptions(node_size=8))
-        assert plan.strategy == expected.strategy and plan.world_size == 4
+        assert plan.strategy == "contiguous" and plan.world_size == 5
+        # a model whose layers differ in shape cannot be priced as one: the default placement
+        assert auto.AUTO.plan_batch(PackedBatch.from_doc_lens([9000]), None, None, torch.bfloat16,
+                                    torch.device("cpu"), "auto", auto.AutoOptions()).strategy == "zigzag"
         # the shape class keeps its placement: a later batch of similar length is not priced again
         monkeypatch.setattr(auto, "price", lambda *a, **k: pytest.fail("priced again"))
         again = auto.AUTO.plan_batch(PackedBatch.from_doc_lens([60000]), None, SHAPE, torch.bfloat16,
                                      torch.device("cpu"), "auto", auto.AutoOptions(node_size=8))
-        assert again.strategy == expected.strategy
+        assert again.strategy == "contiguous"
     finally:
         auto.reset_auto_decisions()
 

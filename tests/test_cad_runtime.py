@@ -410,6 +410,7 @@ def test_pingpong_on_random_schedules_covers_every_row():
 
 
 def check_schedule_agreement(rank, world):
+    from hf_longctx.backends import get_backend
     from hf_longctx.backends.cad.shared_pricing import PricingShare
 
     plan = shard_plan(PackedBatch.from_doc_lens([700, 90, 300, 33, 500, 211]), world, "cad")
@@ -418,6 +419,11 @@ def check_schedule_agreement(rank, world):
     apart = {"cost_model": "flops", "eps": 0.0 if rank == 0 else 0.5}  # rank 0 schedules otherwise
     with pytest.raises(RuntimeError, match="the ranks made different schedules"):
         runtime.cad_schedule(plan, apart, share)  # every rank raises, none waits on the others
+    # a schedule made before the run without the group (auto pricing CAD) does not let the run skip the check
+    other = shard_plan(PackedBatch.from_doc_lens([700, 90, 300, 33, 500, 211]), world, "cad")
+    runtime.cad_schedule(other, apart)
+    with pytest.raises(RuntimeError, match="the ranks made different schedules"):
+        get_backend("cad").run_context(other, None, rank, world, 0.25, "reference", apart)
 
 
 def test_ranks_that_made_different_schedules_all_stop_with_a_message():
