@@ -31,7 +31,7 @@ import torch
 from hf_longctx.backends.auto import AutoOptions
 from hf_longctx.backends.prediction import AttentionShape, measure_kernel_rates
 from hf_longctx.benchmarking import portable_command, token_counts
-from hf_longctx.lab.backend_table import MAX_CALLS, markdown, read_json, run_cell, write_json
+from hf_longctx.lab.backend_table import MAX_CALLS, JsonLines, markdown, read_json, run_cell
 from hf_longctx.lab.emulation import device_memory
 
 README_START, README_END = "<!-- backend-table:start -->", "<!-- backend-table:end -->"
@@ -85,20 +85,6 @@ def main(argv: list[str] | None = None) -> int:
     rates = measure_kernel_rates(args.kernel, device, shape, dtype)
     print(f"kernel rates ({args.kernel}, {gpu}): {rates.tile_head_s * 1e6:.3f} us per 128x128 tile and head, "
           f"{rates.call_s * 1e6:.1f} us per call", flush=True)
-    cells, left_out = [], []
-    for mix in args.mixes.split(","):
-        for world in token_counts(args.worlds):
-            if time.perf_counter() - start > args.budget_s:
-                left_out.append(f"{mix} W={world}")
-                continue
-            cell = run_cell(mix, world, per_gpu * world, shape, dtype, device, rates, options, kernel=args.kernel,
-                            reps=args.reps, warmup=args.warmup, seed=args.seed, max_calls=args.max_calls,
-                            log=lambda line: print(line, flush=True))
-            cells.append(cell.as_json())
-            print(f"{mix} W={world}: auto -> {cell.auto.label} ({cell.auto_placement}), {cell.auto_ratio:.3f} of the "
-                  f"best ({cell.best.candidate.label}); {device_memory(device)}", flush=True)
-    if left_out:
-        print(f"left out (budget): {', '.join(left_out)}", flush=True)
     date = datetime.date.today().isoformat()
     command = portable_command("scripts/bench_backend_table.py", sys.argv[1:] if argv is None else argv)
     marks = (f"Emulated on one {gpu} ({date}, kernel {args.kernel}, {per_gpu} tokens per GPU, two link tiers: "
@@ -107,9 +93,28 @@ def main(argv: list[str] | None = None) -> int:
              f"emulated. Command: `{command}`.")
     meta = {"date": date, "gpu": gpu, "kernel": args.kernel, "command": command, "tokens_per_gpu": per_gpu,
             "node_size": args.node_size, "inter_node_gbps": args.inter_node_gbps, "rates": vars(rates),
-            "seconds": time.perf_counter() - start, "left_out": left_out, "marks": marks}
-    if args.out_json:
-        write_json(args.out_json, cells, meta)
+            "marks": marks}
+    out = JsonLines(args.out_json, meta) if args.out_json else None
+    cells, left_out = [], []
+    for mix in args.mixes.split(","):
+        for world in token_counts(args.worlds):
+            if time.perf_counter() - start > args.budget_s:
+                left_out.append(f"{mix} W={world}")
+                continue
+            began = time.perf_counter()
+            cell = run_cell(mix, world, per_gpu * world, shape, dtype, device, rates, options, kernel=args.kernel,
+                            reps=args.reps, warmup=args.warmup, seed=args.seed, max_calls=args.max_calls,
+                            log=lambda line: print(line, flush=True))
+            cells.append(cell.as_json())
+            if out:
+                out.cell(cells[-1])
+            print(f"{mix} W={world}: auto -> {cell.auto.label} ({cell.auto_placement}), {cell.auto_ratio:.3f} of the "
+                  f"best ({cell.best.candidate.label}); {time.perf_counter() - began:.0f} s; {device_memory(device)}",
+                  flush=True)
+    if left_out:
+        print(f"left out (budget): {', '.join(left_out)}", flush=True)
+    if out:
+        out.close({"seconds": time.perf_counter() - start, "left_out": left_out})
     return finish(args, cells, marks)
 
 

@@ -24,7 +24,8 @@ def test_a_quick_run_writes_every_backend_and_autos_choice(tmp_path):
                "--readme", str(readme))
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    meta, cells = rows[0]["meta"], rows[1:]
+    meta, cells, end = rows[0]["meta"], rows[1:-1], rows[-1]["end"]
+    assert end["left_out"] == [] and end["seconds"] > 0
     assert [c["mix"] for c in cells] == ["prolong", "sft"] and meta["kernel"] == "reference"
     for cell in cells:
         labels = {b["label"] for b in cell["backends"]}
@@ -41,7 +42,7 @@ def test_a_quick_run_writes_every_backend_and_autos_choice(tmp_path):
     assert again.returncode == 0 and "| sft | 4 |" in again.stdout
 
 
-def test_auto_far_from_the_best_fails_the_run(tmp_path):
+def test_auto_far_from_the_best_fails_the_run(tmp_path):  # the file of a run cut short: meta and cells, no end
     out = tmp_path / "table.jsonl"
     cell = {"mix": "sft", "world": 8, "tokens": 8192, "docs": 3, "one_gpu_ms": 1.0, "auto": "ring",
             "auto_placement": "contiguous", "auto_ratio": 1.2, "auto_reason": "", "best": "zigzag",
@@ -50,3 +51,20 @@ def test_auto_far_from_the_best_fails_the_run(tmp_path):
     out.write_text(json.dumps({"meta": {"marks": "m", "command": "c"}}) + "\n" + json.dumps(cell) + "\n")
     done = run("--from-json", str(out))
     assert done.returncode == 1 and "| sft | 8 | 8K | 1.0 | 1.2 | **1.0** | ring (contiguous) | 1.200 |" in done.stdout
+
+
+def test_a_table_measured_in_parts_reads_by_mix_then_w(tmp_path):
+    def cell(mix, world):
+        return {"mix": mix, "world": world, "tokens": 1024 * world, "docs": 1, "one_gpu_ms": 1.0, "auto": "ring",
+                "auto_placement": "contiguous", "auto_ratio": 1.0, "auto_reason": "", "best": "ring",
+                "backends": [{"label": "ring", "placement": "contiguous", "predicted_ms": 1.0, "emulated_ms": 1.0}]}
+
+    first, second = tmp_path / "small.jsonl", tmp_path / "large.jsonl"
+    meta = json.dumps({"meta": {"marks": "m", "command": "c"}})
+    first.write_text("\n".join([meta] + [json.dumps(cell(m, w)) for m in ("prolong", "sft") for w in (8, 16)]))
+    second.write_text("\n".join([meta] + [json.dumps(cell(m, 64)) for m in ("prolong", "sft")]))
+    done = run("--from-json", str(first), str(second))
+    rows = [line.split(" | ")[:2] for line in done.stdout.splitlines() if line.startswith("| prolong") or
+            line.startswith("| sft")]
+    assert rows == [["| prolong", "8"], ["| prolong", "16"], ["| prolong", "64"], ["| sft", "8"], ["| sft", "16"],
+                    ["| sft", "64"]], done.stdout

@@ -162,7 +162,10 @@ def _ms_text(ms: float | None) -> str:
 def markdown(cells: Sequence[dict], marks: str) -> str:
     """The table of ``cells`` (:meth:`Cell.as_json` rows): one row per mix and W, the whole batch on one GPU (real),
     one column per backend (emulated ms, ``(.. p)`` where priced only), then auto's choice and its step over the
-    best's. ``marks`` is the line that says where and how it ran."""
+    best's, rows by mix (in order of first appearance), then W, whichever run measured them. ``marks`` is the line
+    that says where and how it ran."""
+    mixes = list(dict.fromkeys(cell["mix"] for cell in cells))
+    cells = sorted(cells, key=lambda cell: (mixes.index(cell["mix"]), cell["world"]))
     names: list[str] = []
     for cell in cells:
         for b in cell["backends"]:
@@ -192,19 +195,37 @@ def markdown(cells: Sequence[dict], marks: str) -> str:
 
 
 def read_json(paths: Sequence[str]) -> tuple[list[dict], list[dict]]:
-    """(cells, metas) of JSON-lines files :func:`write_json` wrote, in file order."""
+    """(cells, metas) of JSON-lines files :class:`JsonLines` wrote, in file order. A file whose run was cut short
+    still gives its finished cells."""
     cells, metas = [], []
     for path in paths:
         with open(path) as f:
             for line in f:
                 row = json.loads(line)
-                (metas if "meta" in row else cells).append(row.get("meta", row))
+                if "meta" in row:
+                    metas.append(row["meta"])
+                elif "end" not in row:
+                    cells.append(row)
     return cells, metas
 
 
-def write_json(path, cells: Sequence[dict], meta: dict) -> None:
-    """``cells`` (:meth:`Cell.as_json` rows) as JSON lines after one line of the run's ``meta``."""
-    with open(path, "w") as f:
-        f.write(json.dumps({"meta": meta}) + "\n")
-        for cell in cells:
-            f.write(json.dumps(cell) + "\n")
+class JsonLines:
+    """A run's cells as JSON lines, each written (and flushed) as it is finished, after one line of the run's meta,
+    so that a run stopped by a time limit keeps every cell it finished."""
+
+    def __init__(self, path, meta: dict) -> None:
+        self._file = open(path, "w")
+        self._write({"meta": meta})
+
+    def _write(self, row: dict) -> None:
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+
+    def cell(self, cell: dict) -> None:
+        """One finished cell (a :meth:`Cell.as_json` row)."""
+        self._write(cell)
+
+    def close(self, end: dict) -> None:
+        """The run's end: how long it took and which cells the budget left out."""
+        self._write({"end": end})
+        self._file.close()
