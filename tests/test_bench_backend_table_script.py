@@ -55,9 +55,12 @@ def test_auto_far_from_the_best_fails_the_run(tmp_path):  # the file of a run cu
 
 def test_a_table_measured_in_parts_reads_by_mix_then_w(tmp_path):
     def cell(mix, world):
+        backends = [{"label": "ring", "placement": "contiguous", "predicted_ms": 1.0, "emulated_ms": 1.0}]
+        if world < 64:  # Ulysses is a candidate only where the heads split over the ranks
+            backends.append({"label": "ulysses", "placement": "zigzag", "predicted_ms": 2.0, "emulated_ms": 2.0})
         return {"mix": mix, "world": world, "tokens": 1024 * world, "docs": 1, "one_gpu_ms": 1.0, "auto": "ring",
                 "auto_placement": "contiguous", "auto_ratio": 1.0, "auto_reason": "", "best": "ring",
-                "backends": [{"label": "ring", "placement": "contiguous", "predicted_ms": 1.0, "emulated_ms": 1.0}]}
+                "backends": backends}
 
     first, second = tmp_path / "small.jsonl", tmp_path / "large.jsonl"
     meta = json.dumps({"meta": {"marks": "m", "command": "c"}})
@@ -68,3 +71,5 @@ def test_a_table_measured_in_parts_reads_by_mix_then_w(tmp_path):
             line.startswith("| sft")]
     assert rows == [["| prolong", "8"], ["| prolong", "16"], ["| prolong", "64"], ["| sft", "8"], ["| sft", "16"],
                     ["| sft", "64"]], done.stdout
+    assert "| prolong | 8 | 8K | 1.0 | **1.0** | 2.0 |" in done.stdout
+    assert "| prolong | 64 | 64K | 1.0 | **1.0** | n/a |" in done.stdout and "n/a: not a candidate" in done.stdout

@@ -173,7 +173,9 @@ def markdown(cells: Sequence[dict], marks: str) -> str:
             if name not in names:
                 names.append(name)
     head = ["mix", "W", "tokens", "one GPU (real)"] + names + ["auto's choice", "auto / best"]
-    lines = [marks, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    legend = ("n/a: not a candidate at this W (Ulysses needs the query heads to split over the W ranks; the 2-D "
+              "compositions run past one node).")
+    lines = [marks, "", legend, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for cell in cells:
         by: dict[str, dict] = {}
         for b in cell["backends"]:  # the backend at its own placement (entered first), not auto's other placements
@@ -183,7 +185,7 @@ def markdown(cells: Sequence[dict], marks: str) -> str:
         for name in names:
             b = by.get(name)
             if b is None:
-                row.append("")
+                row.append("n/a")
             elif b["emulated_ms"] is None:
                 row.append(f"({_ms_text(b['predicted_ms'])} p)")
             else:
