@@ -6,6 +6,8 @@
 #   scripts/bench_memory.sh 128k    # today's hand-picked settings, --memory auto, two hand-picked with Liger
 #   scripts/bench_memory.sh auto 262144   # --memory auto at the sizes named (tokens per GPU)
 #   scripts/bench_memory.sh plans   # the planner's verdict (no run) from 64K to 1M on this GPU
+#   scripts/bench_memory.sh kernel fa4 131072 262144   # --memory auto on one kernel, each layer's peak beside the
+#                                                      # plan's (the planner's check per kernel)
 #
 # HF_LONGCTX_HOST_MEMORY_GIB tells the planner the host's memory where /proc/meminfo under-reports it.
 # Every number printed is copied into a dated file of bench/results/ (indexed in bench/RESULTS.md) with the date,
@@ -35,6 +37,13 @@ auto)
     train --seq "$seq" --memory auto
   done
   ;;
+kernel)
+  kernel=${2:?usage: $0 kernel KERNEL SEQ...}
+  shift 2
+  for seq in "${@:-131072}"; do
+    train --seq "$seq" --memory auto --kernel "$kernel" --layer-peaks
+  done
+  ;;
 plans)
   for seq in 65536 131072 262144 393216 524288 1048576; do
     $PY - "$seq" <<'PY'
@@ -51,7 +60,7 @@ PY
   done
   ;;
 *)
-  echo "usage: $0 128k | auto SEQ... | plans" >&2
+  echo "usage: $0 128k | auto SEQ... | kernel KERNEL SEQ... | plans" >&2
   exit 2
   ;;
 esac
