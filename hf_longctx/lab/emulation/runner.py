@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import gc
 import math
-import resource
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -52,7 +51,7 @@ from hf_longctx.backends.api import (
     resolve_backend,
 )
 from hf_longctx.backends.options import BackendOptions
-from hf_longctx.benchmarking import FORWARD_BACKWARD_FACTOR
+from hf_longctx.benchmarking import FORWARD_BACKWARD_FACTOR, host_peak_gib
 from hf_longctx.comm.links import LINKS, ONE_NODE, LinkTiers, Transfer
 from hf_longctx.kernels import observe_kernels
 from hf_longctx.lab.emulation.group import EmulatedGroup, EmulationHub
@@ -336,8 +335,8 @@ def release_memory(device: torch.device | str | None = None) -> None:
 
 def host_peak_memory() -> str:
     """This process's peak resident host memory so far (with staged collectives, most of it is theirs)."""
-    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return f"host peak resident {kib / float(1 << 20):.1f} GiB"
+    gib = host_peak_gib()
+    return "host peak resident unknown" if gib is None else f"host peak resident {gib:.1f} GiB"
 
 
 def device_memory(device: torch.device) -> str:

@@ -29,10 +29,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402 - after the allocator setting
 
-from hf_longctx.benchmarking import (
-    host_peak_gib,  # noqa: E402
-    peak_flops,  # noqa: E402
-)
+from hf_longctx.benchmarking import host_peak_gib, peak_flops  # noqa: E402
 
 from .measure import StepClock, error_record, gpu_peaks_gib  # noqa: E402
 from .workload import StepFlops, Workload, mfu  # noqa: E402
