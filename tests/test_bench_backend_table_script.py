@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hf_longctx.lab.backend_table import JsonLines, read_json
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "bench_backend_table.py"
 
@@ -73,3 +75,14 @@ def test_a_table_measured_in_parts_reads_by_mix_then_w(tmp_path):
                     ["| sft", "64"]], done.stdout
     assert "| prolong | 8 | 8K | 1.0 | **1.0** | 2.0 |" in done.stdout
     assert "| prolong | 64 | 64K | 1.0 | **1.0** | n/a |" in done.stdout and "n/a: not a candidate" in done.stdout
+
+
+def test_each_cell_is_on_disk_as_soon_as_it_is_finished(tmp_path):
+    """A run stopped by a time limit mid-table keeps every cell it finished: each line is flushed when written."""
+    path = tmp_path / "cut.jsonl"
+    lines = JsonLines(path, {"marks": "m", "command": "c"})
+    lines.cell({"mix": "sft", "world": 8})
+    cells, metas = read_json([str(path)])  # before close, as after a kill
+    assert cells == [{"mix": "sft", "world": 8}] and metas == [{"marks": "m", "command": "c"}]
+    lines.close({"seconds": 1.0, "left_out": ["sft W=16"]})
+    assert read_json([str(path)])[0] == cells  # the end line is no cell
