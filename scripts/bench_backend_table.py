@@ -11,8 +11,9 @@ GPU is timed for real beside it (see :mod:`hf_longctx.lab.backend_table`). Rows 
     python scripts/bench_backend_table.py ... --readme README.md      # also replace the README's table
     python scripts/bench_backend_table.py --from-json A.jsonl B.jsonl --readme README.md  # the table of earlier runs
 
-Cells run in order (mix, then W); none starts after ``--budget-s`` seconds, and those left out are named, so one
-table can be measured in parts (``--mixes``, ``--worlds``) and put together with ``--from-json``.
+Cells run in order (mix, then W); none starts after ``--budget-s`` seconds, and those left out are named. Each
+cell is written to ``--out-json`` as it finishes (a run stopped by a time limit keeps its cells), so one table can
+be measured in parts (``--mixes``, ``--worlds``) and put together with ``--from-json``, by mix, then W.
 
 Exit status: 0 when ``auto``'s choice is within ``--within`` of the best backend in every cell, 1 otherwise.
 """
