@@ -152,7 +152,8 @@ def worker(rank, world, args):
         from hf_longctx.hf import LongContextConfig
         from hf_longctx.hf.memory.training import plan_for_training
 
-        memory_plan = plan_for_training(model, LongContextConfig(memory="auto"), tokens_per_gpu=args.seq,
+        memory_plan = plan_for_training(model, LongContextConfig(memory="auto", kernel=args.kernel),
+                                        tokens_per_gpu=args.seq,
                                         world=world, sp_size=world, processes_per_host=world, zero_stage=args.zero,
                                         fused_ops=None if args.fused_ops == "auto" else args.fused_ops == "liger")
         if rank == 0:

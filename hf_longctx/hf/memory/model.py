@@ -21,7 +21,8 @@ Per layer (per token):
   the MLP's (``2 a h`` residual-stream gradients, its recomputed intermediates and ``3 a I``
   gradients, or with the tiled MLP one chunk's ``chunk x 7 a I``) and, once the MLP's tensors are
   freed, the norms' and attention's (``2 a h + 2 x 4 h + a (q + 2 kv) + 4 q + a q``: residual-stream
-  gradients, float32 norm temporaries, dq/dk/dv, the kernel's float32 dq accumulator, d(out)).
+  gradients, float32 norm temporaries, dq/dk/dv, the kernel's float32 dq accumulator, d(out)), as torch's
+  FlashAttention-2 needs it; another kernel's differs by its own buffers (:mod:`.kernel_buffers`).
 
 * ``group`` (a run of ``k`` layers under ONE checkpoint, its first layer's ``a h``): ``k`` times fewer checkpoints;
   the backward of the group's ``p``-th layer (from 0) also holds the recomputed tensors of the ``p`` layers below
@@ -57,6 +58,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..settings.schema import GROUP_MODE, ConfigError, group_heads
+from .kernel_buffers import CALIBRATION_KERNEL, backward_bytes_beyond_torch_flash
 
 GiB = 1 << 30
 
@@ -323,7 +325,8 @@ class MemoryModel:
     def __init__(self, shape: ModelShape, tokens: int, sp_size: int = 1, precision: str | Precision = "bf16",
                  zero_stage: int = 0, world: int = 1, tiled_loss: int = 0, tiled_mlp: int = 0,
                  optimizer_on_host: bool = False, processes_per_host: int = 1,
-                 host_overhead_bytes: int | None = None, fused_ops: bool = False):
+                 host_overhead_bytes: int | None = None, fused_ops: bool = False,
+                 kernel: str = CALIBRATION_KERNEL):
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
         if isinstance(precision, str):
@@ -337,6 +340,7 @@ class MemoryModel:
         self.host_overhead_bytes = (host_overhead_bytes if host_overhead_bytes is not None
                                     else default_host_overhead(self.processes_per_host))
         self.fused_ops = fused_ops
+        self.kernel = kernel
         self._precompute()
 
     # per-token and per-layer terms ------------------------------------------------------------
@@ -363,6 +367,7 @@ class MemoryModel:
         # freed, norms and attention; the working set is the larger of the two sub-phases
         attention_phase = T * (residual + norm_temps + a * (q + 2 * kv)
                                + ATTENTION_DQ_ACCUMULATOR_BYTES * q + a * q + sp)
+        attention_phase += backward_bytes_beyond_torch_flash(self.kernel, s.heads, s.kv_heads, s.head_dim, a, T)
         chunk = mlp_chunk * (MLP_SAVED_INTERMEDIATES + MLP_GRAD_INTERMEDIATES) * a * inter
         mlp_grads = T * (residual + (0 if mlp_chunk else grad_intermediates * a * inter)) + chunk
         self.saved_layer = T * (saved_rest + saved_mlp)  # a layer without checkpointing keeps this

@@ -39,6 +39,7 @@ class MemoryPlan:
     host_total: int
     step_factor: float  # estimated step time / that of no checkpointing and no tiling
     fused_ops: bool = False  # Liger's RMSNorm, RoPE and (untiled) SwiGLU (.fused_ops)
+    kernel: str = "torch_flash"  # the attention kernel whose buffers the plan counts (.kernel_buffers)
     layer_gpu: list[int] = field(default_factory=list)  # per layer, bytes kept on the GPU between the passes
     layer_host: list[int] = field(default_factory=list)  # per layer, pinned host bytes
     # per layer, predicted GPU bytes while it runs forward / backward (what layer_peaks.LayerPeakProbe measures)
@@ -115,7 +116,7 @@ class MemoryPlan:
         return {"memory": "auto", "checkpointed_layers": self.checkpointed_layers,
                 "offloaded_layers": self.offloaded_layers, "checkpointing": self.checkpointing,
                 "tiled_loss": self.tiled_loss, "tiled_mlp": self.tiled_mlp,
-                "optimizer_on_host": self.optimizer_on_host, "fused_ops": self.fused_ops,
+                "optimizer_on_host": self.optimizer_on_host, "fused_ops": self.fused_ops, "kernel": self.kernel,
                 "predicted_gpu_gib": round(self.gpu_peak / GiB, 1),
                 "predicted_host_gib": round(self.host_peak / GiB, 1), "step_factor": round(self.step_factor, 3)}
 
@@ -140,6 +141,6 @@ class MemoryPlan:
         opt = "host" if self.optimizer_on_host else "GPU"
         fused = "Liger RMSNorm/RoPE" + ("" if self.tiled_mlp else "/SwiGLU") if self.fused_ops else "off"
         rows.append(f"  tiled loss {self.tiled_loss or 'off'}, tiled MLP {self.tiled_mlp or 'off'}, "
-                    f"optimizer on {opt}, fused ops {fused}")
+                    f"optimizer on {opt}, fused ops {fused}, kernel {self.kernel}")
         return "\n".join([head, *rows])
 

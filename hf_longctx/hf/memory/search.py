@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 from ..settings.schema import GROUP_MODE, ConfigError
 from .costs import LOSS_CHUNKS, MLP_CHUNKS, StepCosts
+from .kernel_buffers import CALIBRATION_KERNEL
 from .machine import gpu_memory_bytes, host_memory_bytes
 from .model import CHECKPOINTING_CHOICES, PRECISIONS, LayerChoice, MemoryModel, ModelShape, format_gib, usable_gpu_bytes
 from .plan import MemoryPlan
@@ -168,7 +169,8 @@ def plan_memory(config, tokens_per_gpu: int, sp_size: int = 1, gpu_bytes: int | 
                 tiled_loss: int | None = None, tiled_mlp: int | None = None,
                 host_overhead_bytes: int | None = None, processes_per_host: int = 1,
                 attention_context: float | None = None, fused_ops: bool | None = None,
-                optimizer_on_host: bool | None = None, allow_groups: bool = True) -> MemoryPlan:
+                optimizer_on_host: bool | None = None, allow_groups: bool = True,
+                kernel: str = CALIBRATION_KERNEL) -> MemoryPlan:
     """The fastest memory plan for ``tokens_per_gpu`` tokens per GPU that fits the GPU and the host.
 
     ``config``: a transformers config (or a :class:`ModelShape`). ``gpu_bytes``: the GPU's total
@@ -185,6 +187,7 @@ def plan_memory(config, tokens_per_gpu: int, sp_size: int = 1, gpu_bytes: int | 
     keeps less per layer; None: wherever they can run here. ``optimizer_on_host``: where AdamW is (an optimizer
     that already exists); None lets the plan choose (the host only with ``allow_optimizer_on_host``).
     ``allow_groups``: where nothing fits otherwise, checkpoint groups of 2-4 layers as one (:data:`GROUP_SIZES`).
+    ``kernel``: the attention kernel the run uses (its backward's own buffers differ: :mod:`.kernel_buffers`).
     Raises :class:`MemoryPlanError` naming the shortfall and what would fit.
     """
     shape = config if isinstance(config, ModelShape) else ModelShape.from_config(config)
@@ -203,7 +206,7 @@ def plan_memory(config, tokens_per_gpu: int, sp_size: int = 1, gpu_bytes: int | 
         fused_ops = fused_ops_available()
     settings = dict(sp_size=sp_size, precision=_precision_for(precision, zero_stage), zero_stage=zero_stage,
                     world=world, processes_per_host=processes_per_host, host_overhead_bytes=host_overhead_bytes,
-                    fused_ops=bool(fused_ops))
+                    fused_ops=bool(fused_ops), kernel=kernel)
     budget = _Budget(usable_gpu_bytes(gpu_total), host_total)
     if optimizer_on_host is not None:
         places = [bool(optimizer_on_host)]
@@ -242,7 +245,7 @@ def plan_memory(config, tokens_per_gpu: int, sp_size: int = 1, gpu_bytes: int | 
     forward, backward = model.layer_items(layers)
     return MemoryPlan(shape=shape, tokens_per_gpu=tokens, sp_size=sp_size, layers=tuple(layers),
                       tiled_loss=model.tiled_loss, tiled_mlp=model.tiled_mlp, optimizer_on_host=model.optimizer_on_host,
-                      fused_ops=model.fused_ops,
+                      fused_ops=model.fused_ops, kernel=kernel,
                       gpu_peak=peak, gpu_phase=phase, gpu_items=items, gpu_usable=budget.gpu, gpu_total=gpu_total,
                       host_peak=sum(host.values()), host_items=host, host_total=host_total,
                       step_factor=(costs.base + cost) / costs.base,
@@ -357,6 +360,9 @@ def _no_fit_message(shape, tokens, gpu_total, host_total, modes, allow_offload, 
             full_fits = _least_memory(shape, tokens, gpu_total, full, modes, allow_offload, allow_opt, tiled_loss,
                                       tiled_mlp, settings)[0]
             if full_fits:
+                lines[0] += (f"; host memory binds: {off} of {shape.layers} checkpoints fit on the host beside the rest "
+                             f"it holds, every checkpoint there needs {format_gib(full)} GiB of host memory, "
+                             f"{format_gib(full - host_total)} GiB more than the host's {format_gib(host_total)}")
                 hints.append(f"more host memory: {format_gib(full)} GiB (has {format_gib(host_total)}) to offload "
                              "every layer's checkpoint")
     if not allow_opt and fits(tokens, on_host=True):

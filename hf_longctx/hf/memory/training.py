@@ -114,7 +114,11 @@ def plan_for_training(model, cfg, args=None, *, tokens_per_gpu: int | None = Non
     if allow_optimizer_on_host is None:
         allow_optimizer_on_host = (on_gpu and zero == 0 and not fsdp and world == 1
                                    and optimizer_offload_available(device))
+    from .kernel_buffers import planned_kernel
+
+    kernel = planned_kernel(cfg.kernel, device if device is not None else ("cuda" if on_gpu else "cpu"))
     common = dict(sp_size=sp_size, zero_stage=zero, world=world, precision=precision, fused_ops=fused_ops,
+                  kernel=kernel,
                   allow_optimizer_on_host=allow_optimizer_on_host, optimizer_on_host=fixed_place,
                   modes=_MODES_OF_RECIPE[cfg.checkpointing], tiled_loss=0 if fsdp else (cfg.tiled_loss or None),
                   tiled_mlp=cfg.tiled_mlp or None, processes_per_host=ppn)
