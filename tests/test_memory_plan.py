@@ -480,3 +480,15 @@ def test_the_plan_predicts_each_layer_and_its_worst_backward_is_the_backward_pha
     backward = next(items for name, items in phases.items() if name.startswith("backward"))
     assert max(plan.layer_backward_peak) == sum(backward.values())
     assert plan.layer_forward_peak[-1] == sum(phases["forward"].values())
+
+
+def test_a_context_the_host_cannot_hold_names_the_host_and_by_how_much():
+    """640K on one H200 with 125 GiB of host memory: offloading every checkpoint would fit the GPU, but the host
+    holds 7 of 32 beside AdamW's states; the message names the host as the bound and the shortfall."""
+    with pytest.raises(MemoryPlanError) as err:
+        plan_memory(LLAMA3_8B, 640 * K, gpu_bytes=H200_GPU, host_bytes=HOST, fused_ops=True,
+                    allow_optimizer_on_host=True, kernel="fa4")
+    text = str(err.value)
+    assert "host memory binds: 7 of 32 checkpoints fit on the host" in text
+    assert "199.9 GiB more than the host's 125.0" in text
+    assert "at most 524288 tokens per GPU fit here with group checkpointing" in text
