@@ -33,8 +33,9 @@ ArcticTraining does for SDPA; ``packed`` keeps the mask): their documents see ea
 the pairs inside documents, over the GPU's dense bf16 peak (``hf_longctx.benchmarking``), and the same with one
 more forward of every decoder layer (``mfu_with_recompute``). Step time: the median of ``--steps`` timed steps
 after ``--warmup`` untimed ones. Peaks: ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` over the
-timed steps, and the host's resident high-water mark of the system's process tree. ``--search`` finds, for each
-system, the longest context that trains one step (doubling from ``--search-start``, then bisection to
+timed steps, and the host's resident high-water mark of the system's process tree; ``--warmup`` is at least 1
+for a real model, since a first step may run before the optimizer's states exist. ``--search`` finds, for each
+system, the longest context that trains a second step (doubling from ``--search-start``, then bisection to
 ``--granularity``; each attempt a process with ``--timeout``). The peers' packages: ``pip install -e ".[peers]"``,
 or ``make wheels-peers`` for a machine without network.
 """
@@ -67,7 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sdpa-mask", default="causal", choices=["causal", "packed"],
                    help="peers on SDPA: one causal row (documents not masked) or transformers' dense document mask")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for one system's process")
-    p.add_argument("--search", action="store_true", help="also find each system's longest context (one step)")
+    p.add_argument("--search", action="store_true", help="also find each system's longest context (a second step "
+                                                                 "trains)")
     p.add_argument("--search-start", default=None, help="first length of the search (default --seq)")
     p.add_argument("--search-max", default="4194304", help="longest length the search tries")
     p.add_argument("--granularity", default="16384", help="the search stops when it knows the answer this closely")
@@ -83,6 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.search_start = token_counts(args.search_start)[0] if args.search_start else args.seq
     if args.steps < 1 or args.warmup < 0 or args.seq < 2:
         p.error("need --steps >= 1, --warmup >= 0 and --seq >= 2")
+    if args.warmup < 1 and not args.tiny:
+        p.error("--warmup must be at least 1 for a real model: a system's first step can run before its optimizer "
+                "states exist (the Trainer's AdamW allocates them in its first step), so that step's memory and "
+                "time are not a training step's")
     if args.layers is None:
         args.layers = 2 if args.tiny else LLAMA3_8B_LAYERS
     return args

@@ -152,3 +152,36 @@ def test_one_flops_formula_with_and_without_recomputation():
     assert flops.with_recompute - flops.model == pytest.approx(8192 * 2 * 32 * layer + attention / 3.5, rel=1e-12)
     assert mfu(flops.model, 2.0, 989e12) == pytest.approx(flops.model / 2.0 / 989e12)
     assert mfu(flops.model, 2.0, None) is None
+
+
+def test_a_real_model_is_measured_after_a_first_step_and_so_is_each_search_attempt():
+    """A first step can run before the optimizer's states exist (the Trainer's AdamW allocates them in it): its
+    memory is not a training step's, so neither the timed steps nor a search attempt may be a first step."""
+    import importlib.util
+
+    from hf_longctx.lab.peers.runner import search_workload
+
+    spec = importlib.util.spec_from_file_location("bench_peers", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    parse_args = script.parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--seq", "131072", "--warmup", "0"])
+    assert parse_args(["--tiny", "--seq", "128", "--warmup", "0"]).warmup == 0  # plumbing on a CPU may skip it
+    attempt = search_workload(Workload(seq=4096, layers=2, tiny=True, mix="prolong", seed=0, steps=3, warmup=0), 8192)
+    assert (attempt.seq, attempt.warmup, attempt.steps) == (8192, 1, 1)
+
+
+def test_flashattention4s_flash_attn_package_does_not_make_peers_pick_flash_attention_2(tmp_path):
+    """FlashAttention-4 installs a ``flash_attn.cute`` package; transformers' ``flash_attention_2`` cannot run on it,
+    so a peer that saw the package would fail at model load instead of running SDPA. In a process of its own:
+    transformers caches what it finds installed."""
+    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
+    (tmp_path / "flash_attn" / "__init__.py").write_text("")
+    (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("")
+    code = ("from hf_longctx.lab.peers.common import choose_attention; "
+            "print(choose_attention('packed'), choose_attention('causal'))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[-2] == "('sdpa', True) ('sdpa', False)"

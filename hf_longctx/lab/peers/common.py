@@ -18,7 +18,11 @@ import torch
 
 
 def flash_attention_installed() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    """FlashAttention-2 as transformers can use it (FlashAttention-4 installs a ``flash_attn.cute`` package too,
+    which transformers' ``flash_attention_2`` cannot run)."""
+    from transformers.utils import is_flash_attn_2_available
+
+    return is_flash_attn_2_available()
 
 
 def liger_available(device: torch.device) -> bool:

@@ -195,8 +195,10 @@ def search_longest(system: str, attempt: Callable[[int], dict], start: int, limi
 
 
 def search_workload(work: Workload, seq: int) -> Workload:
-    """The workload of a search attempt: ``seq`` tokens, one timed step and no warm-up (does a step train?)."""
-    return replace(work, seq=seq, steps=1, warmup=0)
+    """The workload of a search attempt: ``seq`` tokens, one step after a first one. The second step is the one
+    that counts: optimizers that allocate their states in their first step (torch's AdamW, the Trainer's) hold them
+    through it, as they do through every step of a real run."""
+    return replace(work, seq=seq, steps=1, warmup=1)
 
 
 # ----------------------------------------------------------------------------------------------------------- table
