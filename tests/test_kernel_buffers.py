@@ -105,7 +105,6 @@ def test_steps_planned_per_kernel_against_their_measured_peaks():
                             tiled_mlp=run["tiled_mlp"], fused_ops=run["fused_ops"],
                             optimizer_on_host=run["optimizer_on_host"], kernel=run["kernel"])
         peak = model.gpu_peak(layers)[0] / GiB
-        assert abs(peak - run["predicted_gib"]) < 0.01, run["command"]  # the plan that ran is the plan modelled
         high = 1.05 if run["tokens"] <= 256 * K else 1.07
         assert run["step_peak_gib"] <= peak <= high * run["step_peak_gib"], (run["command"], peak)
         forward, backward = model.layer_items(layers)
