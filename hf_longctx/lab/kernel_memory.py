@@ -1,7 +1,7 @@
 """What each single-device attention kernel allocates beyond its inputs and outputs, measured on a GPU.
 
 The measurement behind :mod:`hf_longctx.hf.memory.kernel_buffers` (``scripts/bench_kernel_memory.py`` prints it;
-``tests/gpu/test_kernel_buffers.py`` holds the model to it).
+``tests/gpu/test_kernel_buffers_gpu.py`` holds the model to it).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 from hf_longctx.hf.memory.kernel_buffers import kernel_buffer_bytes
 from hf_longctx.kernels import get_kernel
 from hf_longctx.kernels.dispatch import kernel_call
+from hf_longctx.layout import PackedBatch
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -21,17 +22,15 @@ def _bytes(*tensors: torch.Tensor) -> int:
 
 def measure_kernel_buffers(kernel: str, lens: list[int], device: torch.device) -> dict:
     """One forward and one backward of ``kernel`` on documents ``lens``: each pass's memory beyond its outputs."""
-    total = sum(lens)
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
+    packed = PackedBatch.from_doc_lens(lens)
+    total, cu = packed.num_tokens, packed.cu_seqlens
     gen = torch.Generator(device=device).manual_seed(0)
 
     def rand(heads: int) -> torch.Tensor:
         return torch.randn(total, heads, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
 
     q, k, v = rand(HEADS), rand(KV_HEADS), rand(KV_HEADS)
-    call = kernel_call(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+    call = kernel_call(q, k, v, cu, cu, packed.max_seqlen, packed.max_seqlen, causal=True)
     impl = get_kernel(kernel)
     problem = impl.supports(call)
     if problem:

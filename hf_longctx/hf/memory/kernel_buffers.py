@@ -5,7 +5,7 @@ backwards accumulate dq in float32 and add per-document padding rows; torch's Fl
 head's dK and dV (the GQA-expanded gradients, in the input dtype) and sums them afterwards, where FlashAttention-4
 accumulates dK and dV per KV head in float32. :func:`kernel_buffer_bytes` states each kernel's buffers from how
 its library allocates them (the sources are named per kernel below); ``scripts/bench_kernel_memory.py`` measures
-them on a GPU and ``tests/gpu/test_kernel_buffers.py`` holds the two together.
+them on a GPU and ``tests/gpu/test_kernel_buffers_gpu.py`` holds the two together.
 
 The memory model (:mod:`.model`) was calibrated with torch's FlashAttention-2 (every whole-step and layer-by-layer
 measurement before kernels were told apart), so it counts another kernel's backward as torch's plus the difference
@@ -28,10 +28,17 @@ PLANNED_DOCUMENT_TOKENS = 1024
 CALIBRATION_KERNEL = "torch_flash"
 """The kernel the memory model's constants were measured with."""
 
-
 SMALL_TENSOR_BYTES = 64 << 10
 """Per call: the small tensors a call allocates besides its buffers (offsets, RNG state, scheduler metadata), each
 rounded up to the caching allocator's 512-byte blocks."""
+
+UNMEASURED_KERNELS = ("cudnn_varlen", "cudnn")
+"""Kernels counted with an upper bound until measured (``scripts/bench_kernel_memory.py``): torch
+FlashAttention-2's buffers, copies of q, k, v, out and d(out) (what the cuDNN wrappers copy when they pad a call's
+rows onto their grid of graph shapes) and :data:`UNMEASURED_LSE_BYTES`."""
+
+UNMEASURED_LSE_BYTES = 512 * 2**20
+"""The padded log-sum-exp the cuDNN varlen backward takes (its wrapper splits calls to stay under this size)."""
 
 
 class KernelBuffers(NamedTuple):
@@ -39,10 +46,6 @@ class KernelBuffers(NamedTuple):
 
     forward: int
     backward: int
-
-
-def _padded(lens: Sequence[int], rows_per_document: int) -> int:
-    return sum(lens) + rows_per_document * len(lens)
 
 
 def kernel_buffer_bytes(kernel: str, doc_lens: Sequence[int], heads: int, kv_heads: int, head_dim: int,
@@ -68,7 +71,7 @@ def kernel_buffer_bytes(kernel: str, doc_lens: Sequence[int], heads: int, kv_hea
 def _buffers(kernel: str, doc_lens: Sequence[int], heads: int, kv_heads: int, head_dim: int,
              itemsize: int) -> tuple[int, int]:
     tokens = sum(doc_lens)
-    padded = _padded(doc_lens, PADDED_ROWS_PER_DOCUMENT)
+    padded = tokens + PADDED_ROWS_PER_DOCUMENT * len(doc_lens)
     f32 = 4
     gqa = heads != kv_heads
     if kernel == "torch_flash":
@@ -96,15 +99,6 @@ def _buffers(kernel: str, doc_lens: Sequence[int], heads: int, kv_heads: int, he
         return forward + copies, backward + copies + UNMEASURED_LSE_BYTES
     raise ValueError(f"memory: auto has no buffer model for attention kernel {kernel!r} (known: torch_flash, fa4, "
                      f"reference, {', '.join(UNMEASURED_KERNELS)}); set kernel to one of them, or memory: manual")
-
-
-UNMEASURED_KERNELS = ("cudnn_varlen", "cudnn")
-"""Kernels counted with an upper bound until measured (``scripts/bench_kernel_memory.py``): torch
-FlashAttention-2's buffers, copies of q, k, v, out and d(out) (what the cuDNN wrappers copy when they pad a call's
-rows onto their grid of graph shapes) and :data:`UNMEASURED_LSE_BYTES`."""
-
-UNMEASURED_LSE_BYTES = 512 * 2**20
-"""The padded log-sum-exp the cuDNN varlen backward takes (its wrapper splits calls to stay under this size)."""
 
 
 def backward_bytes_beyond_torch_flash(kernel: str, heads: int, kv_heads: int, head_dim: int, itemsize: int,

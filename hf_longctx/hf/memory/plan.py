@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..settings.schema import GROUP_MODE, group_heads
+from .kernel_buffers import CALIBRATION_KERNEL
 from .model import GiB, LayerChoice, ModelShape, format_gib
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ class MemoryPlan:
     host_total: int
     step_factor: float  # estimated step time / that of no checkpointing and no tiling
     fused_ops: bool = False  # Liger's RMSNorm, RoPE and (untiled) SwiGLU (.fused_ops)
-    kernel: str = "torch_flash"  # the attention kernel whose buffers the plan counts (.kernel_buffers)
+    kernel: str = CALIBRATION_KERNEL  # the attention kernel whose buffers the plan counts (.kernel_buffers)
     layer_gpu: list[int] = field(default_factory=list)  # per layer, bytes kept on the GPU between the passes
     layer_host: list[int] = field(default_factory=list)  # per layer, pinned host bytes
     # per layer, predicted GPU bytes while it runs forward / backward (what layer_peaks.LayerPeakProbe measures)
