@@ -68,8 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sdpa-mask", default="causal", choices=["causal", "packed"],
                    help="peers on SDPA: one causal row (documents not masked) or transformers' dense document mask")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for one system's process")
-    p.add_argument("--search", action="store_true", help="also find each system's longest context (a second step "
-                                                                 "trains)")
+    p.add_argument("--search", action="store_true",
+                   help="also find each system's longest context (the longest where a second step trains)")
     p.add_argument("--search-start", default=None, help="first length of the search (default --seq)")
     p.add_argument("--search-max", default="4194304", help="longest length the search tries")
     p.add_argument("--granularity", default="16384", help="the search stops when it knows the answer this closely")

@@ -361,8 +361,7 @@ def _no_fit_message(shape, tokens, gpu_total, host_total, modes, allow_offload, 
                                       tiled_mlp, settings)[0]
             if full_fits:
                 lines[0] += (f"; host memory binds: {off} of {shape.layers} checkpoints fit on the host beside the "
-                             f"rest it holds, every checkpoint there needs {format_gib(full)} GiB of host memory, "
-                             f"{format_gib(full - host_total)} GiB more than the host's {format_gib(host_total)}")
+                             f"rest it holds, {format_gib(full - host_total)} GiB short of holding every one")
                 hints.append(f"more host memory: {format_gib(full)} GiB (has {format_gib(host_total)}) to offload "
                              "every layer's checkpoint")
     if not allow_opt and fits(tokens, on_host=True):
