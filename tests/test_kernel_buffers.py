@@ -117,3 +117,14 @@ def test_steps_planned_per_kernel_against_their_measured_peaks():
                 assert max(predicted[i:end]) >= measured, (run["command"], name, i)
         kernels.add(run["kernel"])
     assert kernels == {"torch_flash", "fa4"}
+
+
+def test_a_training_run_plans_for_its_recipes_kernel():
+    from hf_longctx.hf import LongContextConfig
+    from hf_longctx.hf.memory.training import plan_for_training
+
+    tiny = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2)
+    named = plan_for_training(tiny, LongContextConfig(memory="auto", kernel="fa4"), tokens_per_gpu=4096)
+    assert named.kernel == "fa4"
+    assert plan_for_training(tiny, LongContextConfig(memory="auto"), tokens_per_gpu=4096).kernel == "reference"
