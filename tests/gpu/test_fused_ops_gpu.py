@@ -101,7 +101,10 @@ def _train(tmp_path, backend: str, liger: bool, memory: str) -> tuple[list[float
                              max_steps=3, logging_steps=1, learning_rate=1e-3, report_to=[], save_strategy="no",
                              use_liger_kernel=liger, seed=0, dataloader_num_workers=0,
                              gradient_checkpointing=memory == "manual")
-    callback = hf_longctx.LongContextCallback(LongContextConfig(memory=memory, seq_len=512))
+    # a Ulysses mesh backend needs its group size, as a user's recipe gives it: one rank here
+    options = {"ulysses_size": 1} if backend.startswith("ulysses_") else {}
+    callback = hf_longctx.LongContextCallback(LongContextConfig(memory=memory, seq_len=512, backend=backend,
+                                                                backend_options=options))
     trainer = Trainer(model=model, args=args, train_dataset=_Rows(32, 97),
                       data_collator=DataCollatorWithFlattening(return_position_ids=True), callbacks=[callback])
     trainer.train()

@@ -41,6 +41,15 @@ UNMEASURED_LSE_BYTES = 512 * 2**20
 """The padded log-sum-exp the cuDNN varlen backward takes (its wrapper splits calls to stay under this size)."""
 
 
+REFERENCE_TILE_SCORES = 4
+"""The reference kernel's (query block x key block) float32 tensors alive together in its forward: the previous key
+block's scores and probabilities while the next block's scores are computed and scaled."""
+
+REFERENCE_TILE_ROWS = 4
+"""Its (query block x head_dim) float32 tensors alive together: the query block, the running output, its rescaled
+copy and the next block's contribution."""
+
+
 class KernelBuffers(NamedTuple):
     """Bytes a kernel holds at its peak beyond its inputs and its outputs (out and lse; dq, dk and dv)."""
 
@@ -58,10 +67,10 @@ def kernel_buffer_bytes(kernel: str, doc_lens: Sequence[int], heads: int, kv_hea
     (:mod:`hf_longctx.kernels.torch_flash`) flips the lse's sign into a float32 copy through a boolean mask, forward
     and backward. ``fa4``: FlashAttention-4's ``_flash_attn_bwd`` allocates ``dq_accum``, ``dpsum`` and ``lse_log2``
     (float32, padded rows) and with GQA ``dk_accum`` and ``dv_accum`` (float32, per KV head). ``reference``
-    (:mod:`hf_longctx.kernels.reference`, blockwise in float32, one document at a time, so its longest one counts):
-    forward, the document's float32 output, its cast and lse, and a block's float32 scores and probabilities;
-    backward, float32 dq, dk and dv of the row and of the document, the document's delta and finite lse, and the
-    float32 copies of its out and d(out) that the delta is computed from. ``cudnn_varlen`` and ``cudnn``: not
+    (:mod:`hf_longctx.kernels.reference`, blockwise in float32, one document at a time): forward, a document's
+    float32 output and lse beside the previous one's, and the larger of its cast and a tile's temporaries; backward,
+    float32 dq, dk and dv of the row and of the document, the document's delta and finite lse, and the float32
+    copies of its out and d(out) that the delta is computed from. ``cudnn_varlen`` and ``cudnn``: not
     measured yet, so bounded from above (:data:`UNMEASURED_KERNELS`).
     """
     forward, backward = _buffers(kernel, doc_lens, heads, kv_heads, head_dim, itemsize)
@@ -89,7 +98,12 @@ def _buffers(kernel: str, doc_lens: Sequence[int], heads: int, kv_heads: int, he
         from ...kernels.reference import BLOCK
 
         longest = max(doc_lens, default=0)
-        forward = longest * heads * (head_dim * (f32 + itemsize) + f32) + 2 * heads * BLOCK * BLOCK * f32
+        # a document's float32 output and lse, then either its cast to the input dtype or a tile's temporaries,
+        # while the previous document's float32 output and lse wait to be released (the loop rebinds them after)
+        tile = heads * BLOCK * (REFERENCE_TILE_SCORES * BLOCK + REFERENCE_TILE_ROWS * head_dim) * f32
+        kept = [n * heads * (head_dim + 1) * f32 for n in doc_lens]
+        forward = max((kept[i - 1] if i else 0) + kept[i] + max(n * heads * head_dim * itemsize, tile)
+                      for i, n in enumerate(doc_lens)) if doc_lens else 0
         backward = (f32 * (heads + 2 * kv_heads) * head_dim * (tokens + longest) + 2 * f32 * heads * longest
                     + 2 * f32 * heads * head_dim * longest)
         return forward, backward
