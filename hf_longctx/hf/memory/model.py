@@ -85,7 +85,7 @@ FUSED_NORM_KEPT_INPUTS = 2
 before the MLP (transformers' norm keeps its float32 upcast instead). Measured on a tiny bf16 Llama: a layer without
 checkpointing keeps exactly this model's bytes (bench/results/2026-12-04_from-modules.md). Each fused norm also keeps
 its output (the next projection's input) and a float32 rsqrt per token. Under checkpointing the layer's input
-is the checkpoint itself: counted twice, which leaves ``a h`` per token of margin in the recomputed layer.
+is the checkpoint itself, which a layer's backward counts once (:attr:`MemoryModel.input_is_checkpoint`).
 
 What the fused norm does not change, measured layer by layer (:mod:`.layer_peaks`, 8B shape): the peak of a
 layer's forward (the same with either norm) and the temporaries of a layer's backward (Liger's backward needs as
@@ -377,11 +377,14 @@ class MemoryModel:
                                 "recompute_aware": _pow2(T * a * h) + _pow2(T * a * q) + _pow2(T * LSE_BYTES * s.heads),
                                 GROUP_MODE: 0}
         recomputed = {"none": 0, "layer": T * saved_rest, "recompute_aware": T * (saved_rest - attention_out)}
+        # the fused norm keeps the layer's input, which under checkpointing is the checkpoint (counted on its own)
+        self.input_is_checkpoint = T * a * h if self.fused_ops else 0
         self.backward_work = {m: recomputed[m] + max(attention_phase, mlp_grads + (T * saved_mlp if m != "none" else 0))
-                              for m in CHECKPOINTING_CHOICES}
-        # a group's layer is back-propagated as a layer-checkpointed one, while the recomputed tensors of the
-        # group's layers below it wait for their own backward: each holds what a layer without checkpointing keeps
-        self.backward_work[GROUP_MODE] = self.backward_work["layer"]
+                              - (self.input_is_checkpoint if m != "none" else 0) for m in CHECKPOINTING_CHOICES}
+        # a group's layer is back-propagated as a layer-checkpointed one whose input is not the checkpoint, while the
+        # recomputed tensors of the group's layers below it wait for their own backward: each holds what a layer
+        # without checkpointing keeps (the first of them, the group's checkpoint among them)
+        self.backward_work[GROUP_MODE] = self.backward_work["layer"] + self.input_is_checkpoint
         self.group_held = self.saved_layer
         # forward of one layer. A checkpointed layer frees what it does not keep as it goes: its peak is the
         # larger of its attention part and its MLP part (the layer's input, the residual sum, the MLP's input and
@@ -452,24 +455,27 @@ class MemoryModel:
             ckpt, act = prefix[i]
             forward.append({**static, "checkpoints": ckpt, "activations": act,
                             "layer working set": self.forward_work[c.checkpointing], "offload in flight": in_flight})
-            backward.append(self._backward_items(layers, i, heads[i], prefix[heads[i]], offloaded, static))
+            below_head = heads[heads[i] - 1] if heads[i] > 0 else None
+            backward.append(self._backward_items(layers, i, heads[i], below_head, prefix[heads[i]], offloaded, static))
         return forward, backward
 
-    def _backward_items(self, layers, i: int, g: int, below: tuple[int, int], offloaded: list[int],
-                        static: dict[str, int]) -> dict[str, int]:
-        """GPU bytes while layer ``i`` runs backward; ``g``: the first layer of its checkpoint (``i`` unless grouped).
+    def _backward_items(self, layers, i: int, g: int, below_head: int | None, below: tuple[int, int],
+                        offloaded: list[int], static: dict[str, int]) -> dict[str, int]:
+        """GPU bytes while layer ``i`` runs backward; ``g``: the first layer of its checkpoint (``i`` unless grouped);
+        ``below_head``: the first layer of the checkpoint below ``g``'s.
 
         The checkpoint of the group (restored from the host or kept) is part of the working set; the layers of the
-        group below ``i`` hold their recomputed tensors (:attr:`group_held` each) until their own backward; in
-        flight: the checkpoint below the group, prefetched once the group's own is restored (both offloaded).
+        group below ``i`` hold their recomputed tensors (:attr:`group_held` each, the group's checkpoint counted
+        once) until their own backward; in flight: the checkpoint below, prefetched once the group's own is restored
+        (both offloaded; where the layers below are a group too, its first layer's checkpoint).
         """
         ckpt, act = below
-        work = (self.backward_work[layers[i].checkpointing] + (i - g) * self.group_held
-                + self.checkpoint[layers[g].checkpointing])
-        prefetch = g > 0 and layers[g - 1].offload and layers[g].offload
+        held = (i - g) * self.group_held - (self.input_is_checkpoint if i > g else 0)
+        work = self.backward_work[layers[i].checkpointing] + held + self.checkpoint[layers[g].checkpointing]
+        prefetch = below_head is not None and layers[below_head].offload and layers[g].offload
         return {**static, "checkpoints": ckpt, "activations": act,
                 "grads": self.grad_head + (len(layers) - i) * self.grad_layer, "layer working set": work,
-                "offload in flight": offloaded[g - 1] if prefetch else 0}
+                "offload in flight": offloaded[below_head] if prefetch else 0}
 
     def gpu_phases(self, layers: Sequence[LayerChoice]) -> dict[str, dict[str, int]]:
         """Itemised GPU bytes of each phase of a step ({phase: {item: bytes}}): the last layer's forward, the
