@@ -99,8 +99,8 @@ def test_steps_planned_per_kernel_against_their_measured_peaks():
     """One H100, the full 8B shape, planned by --memory auto for torch_flash and for FlashAttention-4 at 128K, 256K
     and the longest context each fits, and FlashAttention-4 at 512K on one H200
     (bench/results/2026-12-07_planner-per-kernel.md). The model never predicts less than a step or any of its layers'
-    windows needed; the step's peak within 5% at 128K and 256K, and within 8% beyond, where FlashAttention-4's
-    checkpointed layers keep about 25 KB per token less than the model says (the H200 at 512K: +7.2%)."""
+    windows needed; the step's peak within 5% at 128K and 256K, and within 8% beyond: the H200's 512K step is 7.2%
+    under the model, where its last layer (not checkpointed) needs 17 KB per token less than the model says."""
     data = json.loads((HERE / "memory_measurements.json").read_text())
     kernels = set()
     for run in data["kernel_runs"]:
