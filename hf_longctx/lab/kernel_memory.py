@@ -16,10 +16,6 @@ from hf_longctx.layout import PackedBatch
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
-def _bytes(*tensors: torch.Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def measure_kernel_buffers(kernel: str, lens: list[int], device: torch.device) -> dict:
     """One forward and one backward of ``kernel`` on documents ``lens``: each pass's memory beyond its outputs."""
     packed = PackedBatch.from_doc_lens(lens)
@@ -41,7 +37,7 @@ def measure_kernel_buffers(kernel: str, lens: list[int], device: torch.device) -
     torch.cuda.reset_peak_memory_stats(device)
     out, lse = impl.forward(call)
     torch.cuda.synchronize(device)
-    forward_extra = torch.cuda.max_memory_allocated(device) - base - _bytes(out, lse)
+    forward_extra = torch.cuda.max_memory_allocated(device) - base - out.nbytes - lse.nbytes
     dout = rand(HEADS)
     impl.backward(call, dout, out, lse)
     torch.cuda.synchronize(device)
@@ -49,7 +45,7 @@ def measure_kernel_buffers(kernel: str, lens: list[int], device: torch.device) -
     torch.cuda.reset_peak_memory_stats(device)
     dq, dk, dv = impl.backward(call, dout, out, lse)
     torch.cuda.synchronize(device)
-    backward_extra = torch.cuda.max_memory_allocated(device) - base - _bytes(dq, dk, dv)
+    backward_extra = torch.cuda.max_memory_allocated(device) - base - dq.nbytes - dk.nbytes - dv.nbytes
     try:
         planned = tuple(kernel_buffer_bytes(kernel, lens, HEADS, KV_HEADS, HEAD_DIM, q.element_size()))
     except ValueError:  # a kernel the planner has no model of: its measurement is what one needs
