@@ -49,6 +49,7 @@ from hf_longctx.benchmarking import (
     timed_slowest_rank,
     training_mfu,
 )
+from hf_longctx.hf.memory.adam_states import AdamStates
 from hf_longctx.hf.settings.schema import checked_backend_options
 from hf_longctx.hf.settings.sources import parse_backend_options
 
@@ -155,7 +156,8 @@ def worker(rank, world, args):
         memory_plan = plan_for_training(model, LongContextConfig(memory="auto", kernel=args.kernel),
                                         tokens_per_gpu=args.seq,
                                         world=world, sp_size=world, processes_per_host=world, zero_stage=args.zero,
-                                        fused_ops=None if args.fused_ops == "auto" else args.fused_ops == "liger")
+                                        fused_ops=None if args.fused_ops == "auto" else args.fused_ops == "liger",
+                                        adam_states=None if args.zero else AdamStates(args.optimizer_state_bits))
         if rank == 0:
             print(memory_plan, flush=True)
         memory_plan.apply(model)
@@ -174,12 +176,15 @@ def worker(rank, world, args):
     model.train()
     flops_per_token = model_flops_per_token(model)  # before ZeRO-3 partitions the parameters away
     params = [p for p in model.parameters() if p.requires_grad]
-    if memory_plan is not None and memory_plan.optimizer_on_host:  # torchao's offload optimizer (one process)
+    states = AdamStates(args.optimizer_state_bits)
+    if memory_plan is not None and (memory_plan.optimizer_on_host or states.low_bit):  # where and how it planned
         opt = memory_plan.make_optimizer(params, lr=args.lr)
     elif args.optimizer == "host":  # the same by hand
         from hf_longctx.hf.memory.optimizer_offload import HostOffloadAdamW
 
-        opt = HostOffloadAdamW(params, lr=args.lr)
+        opt = HostOffloadAdamW(params, lr=args.lr, optimizer_class=states.optimizer_class())
+    elif states.low_bit and args.optimizer == "gpu":
+        opt = states.optimizer_class()(params, lr=args.lr)
     elif args.optimizer == "deepspeed":  # DeepSpeed builds its own CPU Adam from the config below
         opt = None
     else:
@@ -290,6 +295,7 @@ def worker(rank, world, args):
         "offload": args.offload, "fused_ops": args.fused_ops,
         "optimizer_on_host": bool(memory_plan is not None and memory_plan.optimizer_on_host) or args.optimizer != "gpu",
         "optimizer": "host" if memory_plan is not None and memory_plan.optimizer_on_host else args.optimizer,
+        "optimizer_state_bits": args.optimizer_state_bits,
         "docs": packed.num_docs,
         "longest_doc": max(packed.doc_lens), "step_s": ms / 1e3, "tokens_per_s": total / (ms / 1e3),
         "mfu": training_mfu(model.config, flops_per_token, total, packed.causal_pairs(), ms / 1e3, world,
@@ -411,6 +417,9 @@ def main() -> int:
     p.add_argument("--optimizer", default="gpu", choices=["gpu", "host", "deepspeed"],
                    help="where AdamW's states live: gpu (torch AdamW), host (torchao's offload optimizer, one "
                         "process), deepspeed (ZeRO-Offload: DeepSpeed's CPU Adam; ZeRO-2 unless --zero names a stage)")
+    p.add_argument("--optimizer-state-bits", type=int, default=None, choices=[8, 4],
+                   help="AdamW's moments in torchao's 8- or 4-bit blocks (AdamW8bit / AdamW4bit) wherever AdamW is; "
+                        "default: in the parameters' dtype")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard per decoder layer and root) over all GPUs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layer-peaks", action="store_true",
@@ -454,6 +463,9 @@ def main() -> int:
                 "--fsdp or torch_cp")
     if args.optimizer == "host" and (args.zero or args.gpus > 1):
         p.error("--optimizer host serves one process without ZeRO; with several GPUs or ZeRO name deepspeed")
+    if args.optimizer_state_bits and (args.zero or args.optimizer == "deepspeed" or args.fsdp):
+        p.error("--optimizer-state-bits runs torchao's AdamW: not with DeepSpeed, whose optimizer keeps its own "
+                "states, nor with --fsdp here")
     if args.optimizer == "deepspeed" and not args.zero:
         args.zero = 2  # ZeRO-Offload needs a ZeRO stage; 2 keeps the bf16 weights whole on the GPU
     if args.search:

@@ -38,8 +38,8 @@ put them. Host: an overhead (:func:`default_host_overhead`: 3 GiB per process, s
 for the system) plus the pinned checkpoints of every process on the host, plus the optimizer when it lives
 there. Optimizer states on the host: in one process (no ZeRO) torchao's offload optimizer
 (:mod:`.optimizer_offload`): pinned host copies of every parameter and gradient (power-of-two blocks) plus the
-AdamW moments; on the GPU only the weights and one layer's gradients in flight. Under ZeRO the host layout is
-DeepSpeed's ``offload_optimizer``.
+AdamW moments (in the parameters' dtype, or torchao's 8- or 4-bit blocks: :mod:`.adam_states`); on the GPU only
+the weights and one layer's gradients in flight. Under ZeRO the host layout is DeepSpeed's ``offload_optimizer``.
 
 Calibration: measured peaks (``torch.cuda.max_memory_allocated``, whole steps and layer by layer with
 :mod:`.layer_peaks`) against this model, which is to stay above every one of them by a few percent (measured:
@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..settings.schema import GROUP_MODE, ConfigError, group_heads
+from .adam_states import AdamStates
 from .kernel_buffers import CALIBRATION_KERNEL, backward_bytes_beyond_torch_flash
 
 GiB = 1 << 30
@@ -162,6 +163,11 @@ DDP_BUCKET_COPIES = 1
 OPTIMIZER_STEP_TEMP_COPIES = 0
 """Optimizer-state-sized temporaries of the step: 0 for fused AdamW (the Trainer's default on CUDA);
 the foreach implementation would need 1."""
+
+LOW_BIT_STEP_FLOAT32_COPIES = 3
+"""torchao's low-bit AdamW steps one parameter at a time in float32 (the two moments dequantized and the parameter):
+at most this many float32 copies of the largest parameter tensor, where it runs on the GPU. Not measured: an upper
+bound, since the compiled step may fuse them away."""
 
 GPU_RESERVED_BYTES = 2 * GiB
 """GPU memory the caching allocator never sees: CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers."""
@@ -326,7 +332,7 @@ class MemoryModel:
                  zero_stage: int = 0, world: int = 1, tiled_loss: int = 0, tiled_mlp: int = 0,
                  optimizer_on_host: bool = False, processes_per_host: int = 1,
                  host_overhead_bytes: int | None = None, fused_ops: bool = False,
-                 kernel: str = CALIBRATION_KERNEL):
+                 kernel: str = CALIBRATION_KERNEL, adam_states: AdamStates | None = None):
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
         if isinstance(precision, str):
@@ -341,6 +347,11 @@ class MemoryModel:
                                     else default_host_overhead(self.processes_per_host))
         self.fused_ops = fused_ops
         self.kernel = kernel
+        self.adam_states = adam_states or AdamStates()
+        if self.adam_states.low_bit and precision.master:
+            raise ValueError(f"AdamW's {self.adam_states.bits}-bit states are torchao's optimizer, which updates the "
+                             f"parameters themselves; precision {precision.name!r} keeps float32 master weights "
+                             "(DeepSpeed's optimizer): plan it with bits None")
         self._precompute()
 
     # per-token and per-layer terms ------------------------------------------------------------
@@ -409,7 +420,10 @@ class MemoryModel:
         self.weights = P * p.weight // (n if zero == 3 else 1)
         if zero == 3:
             self.weights += ZERO3_LIVE_LAYERS * max(s.layer_params, s.embedding_params) * p.weight
-        optimizer = P * (p.master + p.master_grad + p.states) // shard_states
+        elements = parameter_tensor_elements(s)
+        states = (self.adam_states.state_bytes(elements, p.states // 2) + max(0, P - sum(elements)) * p.states
+                  if self.adam_states.low_bit else P * p.states)
+        optimizer = (P * (p.master + p.master_grad) + states) // shard_states
         self.optimizer_gpu = 0 if self.optimizer_on_host else optimizer
         self.optimizer_host = optimizer if self.optimizer_on_host else 0
         self.grad_layer = s.layer_params * p.grad // shard_grads
@@ -418,7 +432,7 @@ class MemoryModel:
         host_adamw = self.optimizer_on_host and zero == 0
         if host_adamw:  # torchao's offload optimizer: pinned copies of parameters and gradients, moments on the host
             self.optimizer_host = (pinned_parameter_bytes(s, p.weight) + pinned_parameter_bytes(s, p.grad)
-                                   + P * p.states)
+                                   + states)
             # each GPU gradient is freed once its copy has left: one layer's gradients in flight
             self.grad_layer = self.grad_head = self.grad_embedding = 0
         buffers = s.layer_params * p.grad if host_adamw else 0
@@ -428,6 +442,8 @@ class MemoryModel:
             buffers = DDP_BUCKET_COPIES * P * p.grad
         self.buffers = buffers
         self.optimizer_step_temp = OPTIMIZER_STEP_TEMP_COPIES * P * p.states // 2 // shard_states
+        if self.adam_states.low_bit and not self.optimizer_on_host:
+            self.optimizer_step_temp += LOW_BIT_STEP_FLOAT32_COPIES * 4 * max(elements) // shard_states
 
     # phases --------------------------------------------------------------------------------
     def _static(self) -> dict[str, int]:

@@ -2,9 +2,10 @@
 
 Why: on one GPU the weights, gradients and AdamW states of an 8B model take most of an H100's memory,
 which is what caps its context with ``memory: auto`` (measured: bench/results/2026-11-22_training-memory.md). torchao's
-offload optimizer keeps a pinned host copy of every parameter and its gradient, runs ``torch.optim.AdamW`` (fused, on
-the CPU) there, and copies the updated parameters back; with ``offload_gradients`` each GPU gradient is
-freed as soon as its copy has left, so neither the states nor the gradients stay on the GPU.
+offload optimizer keeps a pinned host copy of every parameter and its gradient, runs AdamW on the CPU there (torch's,
+or torchao's ``AdamW8bit`` / ``AdamW4bit`` whose block-quantized moments take a half or a quarter of the host
+memory: :mod:`.adam_states`), and copies the updated parameters back; with ``offload_gradients`` each GPU gradient
+is freed as soon as its copy has left, so neither the states nor the gradients stay on the GPU.
 
 What it does not do on its own, and :class:`HostOffloadAdamW` adds, so a run with it is never silently
 different from one without:
@@ -29,6 +30,8 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from .adam_states import adam_states_of_class
 
 MINIMAL_OFFLOAD_ELEMENTS = 4096
 """Parameters smaller than this stay with an on-GPU AdamW (torchao's default): many tiny copies cost more
@@ -78,13 +81,16 @@ class HostOffloadAdamW(torch.optim.Optimizer):
     use, so this module imports without torchao); being an ``Optimizer`` subclass itself, it is taken by
     ``Trainer(optimizer_cls_and_kwargs=(HostOffloadAdamW, {...}))`` as an optimizer class.
     ``max_grad_norm``: clip the global gradient norm in ``step`` (the callback sets it from
-    ``TrainingArguments.max_grad_norm``). Extra ``kwargs`` go to ``torch.optim.AdamW``.
+    ``TrainingArguments.max_grad_norm``). ``optimizer_class``: the AdamW that runs on the host, torch's or one of
+    torchao's low-bit ones (anything else raises ValueError: the plan counts Adam's states). Extra ``kwargs`` go
+    to it.
     """
 
     def __new__(cls, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                weight_decay: float = 0.01, max_grad_norm: float | None = None, **kwargs):
+                weight_decay: float = 0.01, max_grad_norm: float | None = None,
+                optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW, **kwargs):
         return _host_offload_class()(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                     max_grad_norm=max_grad_norm, **kwargs)
+                                     max_grad_norm=max_grad_norm, optimizer_class=optimizer_class, **kwargs)
 
 
 _CLASS = None
@@ -101,7 +107,13 @@ def _host_offload_class():
 
         is_host_offload = True
 
-        def __init__(self, params, *, max_grad_norm: float | None = None, **adamw):
+        def __init__(self, params, *, max_grad_norm: float | None = None,
+                     optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW, **adamw):
+            states = adam_states_of_class(optimizer_class, adamw)
+            if states is None:
+                raise ValueError(f"the optimizer on the host runs AdamW (torch's, or torchao's AdamW8bit / AdamW4bit); "
+                                 f"got {getattr(optimizer_class, '__name__', optimizer_class)!r}")
+            self.adam_states = states
             groups = _flatten(params)
             self.max_grad_norm = max_grad_norm
             self.last_grad_norm: float | None = None
@@ -112,7 +124,7 @@ def _host_offload_class():
                 for p in group["params"]:
                     if p.requires_grad and p.numel() >= MINIMAL_OFFLOAD_ELEMENTS:
                         p.register_post_accumulate_grad_hook(self._arrived)
-            super().__init__(groups, torch.optim.AdamW, offload_gradients=True,
+            super().__init__(groups, optimizer_class, offload_gradients=True,
                              minimal_size=MINIMAL_OFFLOAD_ELEMENTS, **adamw)
 
         def _arrived(self, p: torch.nn.Parameter) -> None:
@@ -182,6 +194,20 @@ def check_optimizer_place(plan, optimizer) -> None:
 
 
 def trainer_optimizer_cls_and_kwargs(args) -> tuple:
-    """``Trainer(optimizer_cls_and_kwargs=...)`` for :class:`HostOffloadAdamW` with ``args``'s AdamW settings."""
-    return HostOffloadAdamW, {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2),
-                              "eps": args.adam_epsilon, "weight_decay": args.weight_decay}
+    """``Trainer(optimizer_cls_and_kwargs=...)`` for :class:`HostOffloadAdamW` running the optimizer ``args`` names,
+    as transformers resolves ``optim`` and ``optim_args`` (torch's AdamW, fused or not; torchao's 8- or 4-bit one).
+
+    Raises ConfigError for any other ``optim``: the host runs AdamW, and the run would silently train with another
+    optimizer than the one asked for.
+    """
+    from transformers import Trainer
+
+    optimizer_class, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+    if adam_states_of_class(optimizer_class, kwargs) is None:
+        from ..settings.schema import ConfigError
+
+        optim = str(getattr(args.optim, "value", args.optim))  # an OptimizerNames member or a string
+        raise ConfigError(f"memory: auto keeps the optimizer on the host, which runs AdamW, but optim={optim!r} "
+                          f"({optimizer_class.__name__}) is not AdamW: set optim to adamw_torch_fused, adamw_torch, "
+                          "adamw_torch_8bit or adamw_torch_4bit, or train a shorter context per GPU")
+    return HostOffloadAdamW, {"weight_decay": args.weight_decay, **kwargs, "optimizer_class": optimizer_class}

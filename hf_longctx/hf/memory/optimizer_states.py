@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from .adam_states import is_torchao_adam
+
 ADAM_STATE_KEYS = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
 
 
@@ -33,15 +35,28 @@ def _parameters(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in opt.param_groups for p in group["params"] if p.requires_grad]
 
 
+def _make_fresh(state: torch.Tensor) -> None:
+    """Zero a state as a new optimizer creates it. torchao's quantized states are tensor subclasses: a fresh one has
+    zero codes and zero scales beside its quantization map (``qmap``); quantizing zeros would not give that (4-bit
+    maps have no exact 0), so their inner tensors are zeroed instead."""
+    if type(state) in (torch.Tensor, torch.nn.Parameter):
+        state.zero_()
+        return
+    names, _ = state.__tensor_flatten__()
+    for name in names:
+        if name != "qmap":
+            getattr(state, name).zero_()
+
+
 def allocate_optimizer_states(optimizer) -> None:
     """Create the (zero) states of an Adam-family optimizer now, as its first ``step()`` would.
 
-    Accepts a torch Adam/AdamW, an accelerate-wrapped one, or
+    Accepts a torch Adam/AdamW, torchao's low-bit ones, an accelerate-wrapped one, or
     :class:`~hf_longctx.hf.memory.optimizer_offload.HostOffloadAdamW` (whose states are in host memory). Raises
     ValueError for an optimizer whose states are not Adam's: its first step could not be kept unchanged.
     """
     for opt in _inner_optimizers(optimizer):
-        if not isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
+        if not (isinstance(opt, torch.optim.Adam | torch.optim.AdamW) or is_torchao_adam(opt)):
             raise ValueError(f"allocate_optimizer_states knows Adam's states; got {type(opt).__name__}")
         params = [p for p in _parameters(opt) if not opt.state.get(p)]
         if not params:
@@ -70,6 +85,6 @@ def allocate_optimizer_states(optimizer) -> None:
                 raise ValueError(f"unexpected optimizer state {sorted(unknown)}: not Adam's")
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
-                    value.zero_()
+                    _make_fresh(value)
                 else:
                     state[key] = type(value)(0)

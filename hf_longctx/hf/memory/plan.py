@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..settings.schema import GROUP_MODE, group_heads
+from .adam_states import AdamStates
 from .kernel_buffers import CALIBRATION_KERNEL
 from .model import GiB, LayerChoice, ModelShape, format_gib
 
@@ -41,6 +42,7 @@ class MemoryPlan:
     step_factor: float  # estimated step time / that of no checkpointing and no tiling
     fused_ops: bool = False  # Liger's RMSNorm, RoPE and (untiled) SwiGLU (.fused_ops)
     kernel: str = CALIBRATION_KERNEL  # the attention kernel whose buffers the plan counts (.kernel_buffers)
+    adam_states: AdamStates = field(default_factory=AdamStates)  # how AdamW keeps its moments (.adam_states)
     layer_gpu: list[int] = field(default_factory=list)  # per layer, bytes kept on the GPU between the passes
     layer_host: list[int] = field(default_factory=list)  # per layer, pinned host bytes
     # per layer, predicted GPU bytes while it runs forward / backward (what layer_peaks.LayerPeakProbe measures)
@@ -85,13 +87,18 @@ class MemoryPlan:
         return enable_memory_options(model, **self.memory_options())
 
     def make_optimizer(self, params, lr: float, **adamw) -> torch.optim.Optimizer:
-        """AdamW where this plan keeps it: on the host (torchao's offload optimizer) or fused on the GPU."""
+        """AdamW where this plan keeps it, with the states it counts: on the host (torchao's offload optimizer) or
+        on the GPU (torch's fused AdamW, or torchao's low-bit one)."""
         import torch
 
+        states = self.adam_states
         if self.optimizer_on_host:
             from .optimizer_offload import HostOffloadAdamW
 
-            return HostOffloadAdamW(params, lr=lr, **adamw)
+            return HostOffloadAdamW(params, lr=lr, optimizer_class=states.optimizer_class(),
+                                    **states.optimizer_kwargs(), **adamw)
+        if states.low_bit:
+            return states.optimizer_class()(params, lr=lr, **states.optimizer_kwargs(), **adamw)
         return torch.optim.AdamW(params, lr=lr, fused=torch.cuda.is_available(), **adamw)
 
     def checkpoint_runs(self) -> list[tuple[int, int, LayerChoice, int]]:
@@ -117,7 +124,8 @@ class MemoryPlan:
         return {"memory": "auto", "checkpointed_layers": self.checkpointed_layers,
                 "offloaded_layers": self.offloaded_layers, "checkpointing": self.checkpointing,
                 "tiled_loss": self.tiled_loss, "tiled_mlp": self.tiled_mlp,
-                "optimizer_on_host": self.optimizer_on_host, "fused_ops": self.fused_ops, "kernel": self.kernel,
+                "optimizer_on_host": self.optimizer_on_host, "optimizer_state_bits": self.adam_states.bits,
+                "fused_ops": self.fused_ops, "kernel": self.kernel,
                 "predicted_gpu_gib": round(self.gpu_peak / GiB, 1),
                 "predicted_host_gib": round(self.host_peak / GiB, 1), "step_factor": round(self.step_factor, 3)}
 
@@ -139,7 +147,8 @@ class MemoryPlan:
                           if k not in ("checkpoints", "activations") and v)
         host = ", ".join(f"{k} {format_gib(v)}" for k, v in self.host_items.items() if v)
         rows.append(f"  at the peak: {other} GiB; host: " + (f"{host} GiB" if host else "nothing planned"))
-        opt = "host" if self.optimizer_on_host else "GPU"
+        opt = ("host" if self.optimizer_on_host else "GPU") + (
+            f" ({self.adam_states.bits}-bit states)" if self.adam_states.low_bit else "")
         fused = "Liger RMSNorm/RoPE" + ("" if self.tiled_mlp else "/SwiGLU") if self.fused_ops else "off"
         rows.append(f"  tiled loss {self.tiled_loss or 'off'}, tiled MLP {self.tiled_mlp or 'off'}, "
                     f"optimizer on {opt}, fused ops {fused}, kernel {self.kernel}")

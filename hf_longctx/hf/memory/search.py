@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..settings.schema import GROUP_MODE, ConfigError
+from .adam_states import AdamStates
 from .costs import LOSS_CHUNKS, MLP_CHUNKS, StepCosts
 from .kernel_buffers import CALIBRATION_KERNEL
 from .machine import gpu_memory_bytes, host_memory_bytes
@@ -170,7 +171,7 @@ def plan_memory(config, tokens_per_gpu: int, sp_size: int = 1, gpu_bytes: int | 
                 host_overhead_bytes: int | None = None, processes_per_host: int = 1,
                 attention_context: float | None = None, fused_ops: bool | None = None,
                 optimizer_on_host: bool | None = None, allow_groups: bool = True,
-                kernel: str = CALIBRATION_KERNEL) -> MemoryPlan:
+                kernel: str = CALIBRATION_KERNEL, adam_states: AdamStates | None = None) -> MemoryPlan:
     """The fastest memory plan for ``tokens_per_gpu`` tokens per GPU that fits the GPU and the host.
 
     ``config``: a transformers config (or a :class:`ModelShape`). ``gpu_bytes``: the GPU's total
@@ -188,6 +189,8 @@ def plan_memory(config, tokens_per_gpu: int, sp_size: int = 1, gpu_bytes: int | 
     that already exists); None lets the plan choose (the host only with ``allow_optimizer_on_host``).
     ``allow_groups``: where nothing fits otherwise, checkpoint groups of 2-4 layers as one (:data:`GROUP_SIZES`).
     ``kernel``: the attention kernel the run uses (its backward's own buffers differ: :mod:`.kernel_buffers`).
+    ``adam_states``: how AdamW keeps its moments, wherever the plan puts it (default: in the parameters' dtype;
+    torchao's 8- or 4-bit ones are the run's choice, never the plan's: :mod:`.adam_states`).
     Raises :class:`MemoryPlanError` naming the shortfall and what would fit.
     """
     shape = config if isinstance(config, ModelShape) else ModelShape.from_config(config)
@@ -206,7 +209,7 @@ def plan_memory(config, tokens_per_gpu: int, sp_size: int = 1, gpu_bytes: int | 
         fused_ops = fused_ops_available()
     settings = dict(sp_size=sp_size, precision=_precision_for(precision, zero_stage), zero_stage=zero_stage,
                     world=world, processes_per_host=processes_per_host, host_overhead_bytes=host_overhead_bytes,
-                    fused_ops=bool(fused_ops), kernel=kernel)
+                    fused_ops=bool(fused_ops), kernel=kernel, adam_states=adam_states or AdamStates())
     budget = _Budget(usable_gpu_bytes(gpu_total), host_total)
     if optimizer_on_host is not None:
         places = [bool(optimizer_on_host)]
@@ -217,9 +220,9 @@ def plan_memory(config, tokens_per_gpu: int, sp_size: int = 1, gpu_bytes: int | 
     group = allow_groups and "layer" in modes and zero_stage != 3
     groupings = [Grouping(k, n) for k in GROUP_SIZES for n in range(1, shape.layers // k + 1)] if group else []
 
-    def cheapest(t: int, any_fit: bool = False):
+    def cheapest(t: int, any_fit: bool = False, states: AdamStates | None = None):
         """The cheapest plan for ``t`` tokens, or None. ``any_fit``: only whether one fits, so only the
-        finest tiles (the least memory) are tried."""
+        finest tiles (the least memory) are tried. ``states``: AdamW's other than the run's."""
         loss_options = [tiled_loss] if tiled_loss is not None else [0, *[c for c in LOSS_CHUNKS if c < t]]
         mlp_options = [tiled_mlp] if tiled_mlp is not None else [0, *[c for c in MLP_CHUNKS if c < t]]
         if any_fit:
@@ -227,7 +230,8 @@ def plan_memory(config, tokens_per_gpu: int, sp_size: int = 1, gpu_bytes: int | 
         if zero_stage == 3:  # the chunked backward reads weights ZeRO-3 has freed (see tiled_mlp)
             mlp_options = [0]
         costs = StepCosts(shape, t, sp_size, attention_context, PRECISIONS[settings["precision"]], zero_stage, world)
-        models = [MemoryModel(shape, t, tiled_loss=loss, tiled_mlp=mlp, optimizer_on_host=on_host, **settings)
+        these = {**settings, "adam_states": states or settings["adam_states"]}
+        models = [MemoryModel(shape, t, tiled_loss=loss, tiled_mlp=mlp, optimizer_on_host=on_host, **these)
                   for on_host in places for loss in loss_options for mlp in mlp_options]
         best = _cheapest(models, costs, budget, modes, allow_offload, [NO_GROUPS])
         if best is None and groupings:
@@ -237,15 +241,19 @@ def plan_memory(config, tokens_per_gpu: int, sp_size: int = 1, gpu_bytes: int | 
     best, costs = cheapest(tokens)
     if best is None:
         grouped_fits = (lambda t: cheapest(t, any_fit=True)[0] is not None) if groupings else None
+        low_bit = AdamStates(LOW_BIT_HINT_BITS)
+        low_bit_fits = (not settings["adam_states"].low_bit and not PRECISIONS[settings["precision"]].master
+                        and cheapest(tokens, any_fit=True, states=low_bit)[0] is not None)
         raise MemoryPlanError(_no_fit_message(shape, tokens, gpu_total, host_total, modes, allow_offload,
-                                              allow_optimizer_on_host, tiled_loss, tiled_mlp, settings, grouped_fits))
+                                              allow_optimizer_on_host, tiled_loss, tiled_mlp, settings, grouped_fits,
+                                              low_bit if low_bit_fits else None))
     cost, layers, model = best
     peak, phase, items = model.gpu_peak(layers)
     host = model.host_items(layers)
     forward, backward = model.layer_items(layers)
     return MemoryPlan(shape=shape, tokens_per_gpu=tokens, sp_size=sp_size, layers=tuple(layers),
                       tiled_loss=model.tiled_loss, tiled_mlp=model.tiled_mlp, optimizer_on_host=model.optimizer_on_host,
-                      fused_ops=model.fused_ops, kernel=kernel,
+                      fused_ops=model.fused_ops, kernel=kernel, adam_states=model.adam_states,
                       gpu_peak=peak, gpu_phase=phase, gpu_items=items, gpu_usable=budget.gpu, gpu_total=gpu_total,
                       host_peak=sum(host.values()), host_items=host, host_total=host_total,
                       step_factor=(costs.base + cost) / costs.base,
@@ -253,6 +261,11 @@ def plan_memory(config, tokens_per_gpu: int, sp_size: int = 1, gpu_bytes: int | 
                       layer_host=[model.host_checkpoint[c.checkpointing] if c.offload else 0 for c in layers],
                       layer_forward_peak=[sum(it.values()) for it in forward],
                       layer_backward_peak=[sum(it.values()) for it in backward])
+
+
+LOW_BIT_HINT_BITS = 8
+"""Where nothing fits, the shortfall message says whether AdamW's states in this many bits would make it fit: the
+plan never picks them itself, since they change the updates (:mod:`.adam_states`)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,10 +319,10 @@ def _least_memory(shape, tokens, gpu_total, host_total, modes, allow_offload, on
 
 
 def _no_fit_message(shape, tokens, gpu_total, host_total, modes, allow_offload, allow_opt, tiled_loss, tiled_mlp,
-                    settings, grouped_fits=None) -> str:
+                    settings, grouped_fits=None, low_bit_fit: AdamStates | None = None) -> str:
     """The shortfall and what would fit. The bounds price layer-by-layer layouts (cheap to bisect);
     ``grouped_fits(tokens)``, where group checkpointing is allowed, raises the shorter-context bound to
-    what groups fit."""
+    what groups fit. ``low_bit_fit``: torchao's low-bit AdamW states with which ``tokens`` fit."""
     sp, world = settings["sp_size"], settings["world"]
 
     def fits(t, sp_size=sp, world_size=world, host=host_total, on_host=allow_opt, **changes):
@@ -364,6 +377,12 @@ def _no_fit_message(shape, tokens, gpu_total, host_total, modes, allow_offload, 
                              f"rest it holds, {format_gib(full - host_total)} GiB short of holding every one")
                 hints.append(f"more host memory: {format_gib(full)} GiB (has {format_gib(host_total)}) to offload "
                              "every layer's checkpoint")
+    if low_bit_fit is not None:
+        saved = (MemoryModel(shape, tokens, **settings).optimizer_gpu
+                 - MemoryModel(shape, tokens, **{**settings, "adam_states": low_bit_fit}).optimizer_gpu)
+        hints.append(f"AdamW's states in {low_bit_fit.bits} bits ({format_gib(saved)} GiB less wherever AdamW is; "
+                     "TrainingArguments(optim='adamw_torch_8bit'): torchao's AdamW8bit, whose block-quantized "
+                     "moments do not give AdamW's exact updates)")
     if not allow_opt and fits(tokens, on_host=True):
         hints.append("the optimizer states on the host (allow_optimizer_on_host=True: torchao's offload optimizer "
                      "in one process, pip install 'hf_longctx[offload]'; DeepSpeed's offload_optimizer under ZeRO)")

@@ -12,6 +12,7 @@ import os
 
 from ..settings.launcher import requested_fsdp_version
 from ..settings.schema import ConfigError
+from .adam_states import AdamStates
 from .machine import gpu_memory_bytes, host_memory_bytes
 from .model import CHECKPOINTING_CHOICES
 from .plan import MemoryPlan
@@ -44,7 +45,7 @@ def plan_for_training(model, cfg, args=None, *, tokens_per_gpu: int | None = Non
                       sp_size: int = 1, train_dataloader=None, processes_per_host: int | None = None,
                       zero_stage: int | None = None, precision: str | None = None,
                       fused_ops: bool | None = None, allow_optimizer_on_host: bool | None = None,
-                      optimizer=None) -> MemoryPlan:
+                      optimizer=None, adam_states: AdamStates | None = None) -> MemoryPlan:
     """The memory plan of a run whose recipe says ``memory: auto``.
 
     ``model``: the model or its config. Tokens per GPU: ``tokens_per_gpu``, else the length of a row of
@@ -61,8 +62,13 @@ def plan_for_training(model, cfg, args=None, *, tokens_per_gpu: int | None = Non
     Liger's fused RMSNorm/RoPE/SwiGLU; None: where they run (a CUDA device, Liger installed) or where the
     model runs them already (``use_liger_kernel=True``). ``allow_optimizer_on_host``: let the plan keep AdamW
     on the host when nothing fits otherwise; None: where torchao's offload optimizer can run (one process on
-    a CUDA device, no ZeRO or FSDP). ``optimizer``: the optimizer the run already has (the Trainer's): the
-    plan takes its place as given, and a plan that needs AdamW on the host while it is on the GPU says so.
+    a CUDA device, no ZeRO or FSDP, an Adam optimizer). ``optimizer``: the optimizer the run already has (the
+    Trainer's): the plan takes its place as given, and a plan that needs AdamW on the host while it is on the GPU
+    says so. AdamW's states are counted as the run keeps them (:mod:`.adam_states`): the optimizer's, else the
+    Trainer's ``optim`` (``adamw_torch_8bit`` / ``adamw_torch_4bit``: torchao's low-bit moments); DeepSpeed's
+    optimizer keeps float32 ones; an optimizer that is not Adam's is planned with AdamW's states (more than SGD,
+    Adafactor or Lion keep). ``adam_states``: how the AdamW a script builds from the plan
+    (:meth:`~.plan.MemoryPlan.make_optimizer`) is to keep them, where there is neither optimizer nor ``optim``.
     """
 
     config = getattr(model, "config", model)
@@ -111,8 +117,14 @@ def plan_for_training(model, cfg, args=None, *, tokens_per_gpu: int | None = Non
     from .optimizer_offload import check_optimizer_place, host_optimizer_of, optimizer_offload_available
 
     fixed_place = True if optimizer is not None and host_optimizer_of(optimizer) is not None else None
+    deepspeed = plugin is not None or (not fsdp and zero > 0)
+    if adam_states is not None and (optimizer is not None or deepspeed):
+        raise ValueError("adam_states is for a run whose optimizer the plan builds: not with an optimizer, nor "
+                         "under DeepSpeed, whose optimizer keeps its own")
+    if adam_states is None:
+        adam_states = None if deepspeed else _run_adam_states(optimizer, args)
     if allow_optimizer_on_host is None:
-        allow_optimizer_on_host = (on_gpu and zero == 0 and not fsdp and world == 1
+        allow_optimizer_on_host = (on_gpu and zero == 0 and not fsdp and world == 1 and adam_states is not None
                                    and optimizer_offload_available(device))
     from .kernel_buffers import planned_kernel
 
@@ -121,7 +133,7 @@ def plan_for_training(model, cfg, args=None, *, tokens_per_gpu: int | None = Non
                   kernel=kernel,
                   allow_optimizer_on_host=allow_optimizer_on_host, optimizer_on_host=fixed_place,
                   modes=_MODES_OF_RECIPE[cfg.checkpointing], tiled_loss=0 if fsdp else (cfg.tiled_loss or None),
-                  tiled_mlp=cfg.tiled_mlp or None, processes_per_host=ppn)
+                  tiled_mlp=cfg.tiled_mlp or None, processes_per_host=ppn, adam_states=adam_states)
     if on_gpu:
         plan = plan_memory(config, tokens_per_gpu, gpu_bytes=gpu_memory_bytes(device), **common)
     else:
@@ -130,6 +142,19 @@ def plan_for_training(model, cfg, args=None, *, tokens_per_gpu: int | None = Non
                            host_overhead_bytes=0, **common)
     check_optimizer_place(plan, optimizer)
     return plan
+
+
+def _run_adam_states(optimizer, args):
+    """How the run's AdamW keeps its moments: from the optimizer it has, else from the Trainer's ``optim``; None for
+    an optimizer that is not Adam's (planned with AdamW's states in the parameters' dtype, and never on the host,
+    whose optimizer is AdamW)."""
+    from .adam_states import adam_states_of, trainer_adam_states
+
+    if optimizer is not None:
+        return adam_states_of(optimizer)
+    if args is not None and hasattr(args, "optim"):
+        return trainer_adam_states(args)
+    return AdamStates()
 
 
 def _cuda_available() -> bool:
