@@ -156,10 +156,9 @@ def test_fsdp2_resumes_from_a_sharded_checkpoint_and_saves_for_from_pretrained(t
 @pytest.mark.parametrize("env,cfg,message", [
     ({"FSDP_VERSION": "1"}, None, "fsdp_version 1"),
     ({"FSDP_ACTIVATION_CHECKPOINTING": "true"}, None, "fsdp_activation_checkpointing: true"),
-    ({"PARALLELISM_CONFIG_CP_SIZE": "2"}, None, "parallelism_config_cp_size 2"),
     ({}, LongContextConfig(ep_size=2), "ep_size=2, expert_tp_size=1 under FSDP"),
     ({}, LongContextConfig(tiled_loss=256), "tiled_loss=256 under FSDP"),
-], ids=["fsdp1", "fsdp-activation-checkpointing", "accelerate-cp", "expert-parallel", "tiled-loss"])
+], ids=["fsdp1", "fsdp-activation-checkpointing", "expert-parallel", "tiled-loss"])
 def test_fsdp_launches_that_cannot_work_are_refused_by_name(env, cfg, message):
     with pytest.raises(ConfigError, match=message):
         check_fsdp_launch(cfg, {**FSDP_ENV, **env})

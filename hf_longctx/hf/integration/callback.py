@@ -43,7 +43,7 @@ from ..settings.backend_names import PREFIX
 from ..settings.schema import LongContextConfig
 from ..settings.sources import load_config
 from .inputs import install_input_hook
-from .preflight import check_process_count
+from .preflight import check_process_count, check_training_arguments
 
 if TYPE_CHECKING:
     from ...moe import DistributedAuxLoss
@@ -174,6 +174,7 @@ class LongContextCallback(TrainerCallback):
         world = dist.get_world_size() if dist.is_initialized() else 1
         check_process_count(world)
         sp = cfg.resolved_sp_size(world)
+        check_training_arguments(args, sp)  # options sharding would silently change, accelerate's own axes
         fsdp_shards = check_fsdp_model(model, args, cfg)  # FSDP2: what works with it, or an error naming it
         if cfg.tp_size > 1 or cfg.ep_size > 1 or cfg.expert_tp_size > 1:
             check_moe_layout(model, cfg, world)

@@ -21,6 +21,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..parallel.accelerate_axes import check_accelerate_parallelism
 from ..parallel.fsdp import check_fsdp_launch
 from ..settings.launcher import launcher_num_processes
 from ..settings.schema import ConfigError, LongContextConfig
@@ -113,6 +114,23 @@ def check_process_count(world: int) -> None:
             "--multi_gpu (accelerate's multi-process launcher, it runs on CPU with gloo), or launch with "
             "--config_file recipes/cpu-2proc.yaml"
         )
+
+
+def check_training_arguments(args, sp_size: int) -> None:
+    """At train begin: raise ConfigError for a Trainer option that sequence parallelism would silently change.
+
+    ``neftune_noise_alpha``: NEFTune draws its noise with a magnitude of alpha / sqrt(length x hidden) from the
+    embeddings' tensor, which under sequence parallelism holds a shard of the sequence: every rank's noise would
+    be sqrt(sp_size) times what the same run draws in one process. ``parallelism_config``: accelerate's own cp, sp
+    or tp axis (:mod:`~hf_longctx.hf.parallel.accelerate_axes`).
+    """
+    check_accelerate_parallelism(args)
+    alpha = getattr(args, "neftune_noise_alpha", None)
+    if alpha and sp_size > 1:
+        raise ConfigError(f"neftune_noise_alpha={alpha} with sp_size {sp_size}: NEFTune scales its noise by "
+                          "1/sqrt(sequence length x hidden size) of the tensor it sees, and each rank sees a shard of "
+                          f"the sequence, so the noise would be {sp_size ** 0.5:.2f}x what one process draws; unset "
+                          "neftune_noise_alpha, or train with sp_size 1")
 
 
 # Model shapes of the training script sized for a GPU: on a CPU they would be built in host memory and run it out
@@ -245,6 +263,7 @@ def check_run(recipe: str | os.PathLike | None = None, *, overrides: Mapping[str
     except ValueError as err:
         raise ConfigError(f"{recipe_source(recipe, overrides)}: {err}") from None
     check_fsdp_launch(cfg)  # an FSDP launch: version 2, no FSDP activation checkpointing, no expert parallelism
+    check_accelerate_parallelism()  # any launch: accelerate's own cp / sp / tp axes
     check_path("--dataset", dataset, builtin=("synthetic", "sample"), suffixes=_DATA_SUFFIXES)
     check_path("--model", model, builtin=("tiny", "llama3-8b-shape"))
     check_attn_implementation(attn_implementation)

@@ -83,12 +83,6 @@ def check_fsdp_launch(cfg, environ=None) -> None:
                           "checkpointing, which re-runs core attention and its communication in backward; set it to "
                           "false and keep the recipe's checkpointing (TrainingArguments(activation_checkpointing=True)"
                           ", made recompute-aware by LongContextCallback)")
-    for axis in ("CP", "SP", "TP"):
-        size = int(env.get(f"PARALLELISM_CONFIG_{axis}_SIZE", "1") or 1)
-        if size > 1:
-            raise ConfigError(f"accelerate config: parallelism_config_{axis.lower()}_size {size}: accelerate's own "
-                              f"{axis.lower()} axis cannot run beside a longctx_* backend; shard the sequence with the "
-                              "recipe's sp_size and leave accelerate's parallelism_config at dp_shard_size only")
     problem = unsupported_with_fsdp(cfg)
     if problem is not None:
         raise ConfigError(problem)
