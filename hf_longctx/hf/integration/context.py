@@ -44,8 +44,9 @@ _ATTENTION_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # con
 @dataclass(frozen=True, eq=False)
 class SequenceParallelContext:
     """``padding``: this rank's rows that are padding tokens (their attention output is zero), or None.
-    ``options``: the backend's options (the settings' ``backend_options``), handed to every attention call: its
-    options object, or a mapping that :meth:`options_for` parses once for the backend the layers run.
+    ``positions``: the positions of the whole sequence before sharding (:meth:`position_limit`). ``options``: the
+    backend's options (the settings' ``backend_options``), handed to every attention call: its options object, or
+    a mapping that :meth:`options_for` parses once for the backend the layers run.
 
     Compared by identity: each sharded forward has its own context.
     """
@@ -56,9 +57,20 @@ class SequenceParallelContext:
     kernel: str = "auto"
     padding: torch.Tensor | None = None
     options: BackendOptions | Mapping | None = field(default=None, hash=False)
+    positions: torch.Tensor | None = field(default=None, hash=False)  # the whole sequence's, of every rank
 
     def __post_init__(self):
         _LIVE[id(self)] = self
+
+    def position_limit(self) -> int | None:
+        """The largest position of the whole sharded sequence + 1 (what a model that sizes its RoPE by its batch's
+        longest position reads from one unsharded forward), or None without positions."""
+        if self.positions is None or not self.positions.numel():
+            return None
+        limit = _POSITION_LIMITS.get(self)
+        if limit is None:
+            limit = _POSITION_LIMITS[self] = int(self.positions.max()) + 1
+        return limit
 
     def options_for(self, backend: str) -> BackendOptions:
         """``options`` as ``backend``'s options object: parsed at the first attention call of this forward when they
@@ -75,6 +87,7 @@ class SequenceParallelContext:
 
 
 _PARSED_OPTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # context -> (backend, its options)
+_POSITION_LIMITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # context -> its position limit
 
 
 def count_attention_call(ctx: SequenceParallelContext) -> None:

@@ -36,6 +36,7 @@ from ...comm.groups import group_rank_and_size
 from ..settings.backend_names import backend_of
 from ..settings.schema import checked_backend_options
 from .context import attention_calls
+from .dynamic_rope import follow_whole_sequence_positions
 from .positions import PositionRule
 from .router_aux import refuse_local_router_aux_loss
 from .rows import flatten_batch, unflatten_rows
@@ -250,6 +251,7 @@ def install_input_hook(model, group: dist.ProcessGroup | None, kernel: str = "au
     ``backend_options``: an options object, or a mapping parsed here) go to every attention call, checked here
     against the backend the model was loaded with."""
     positions = check_model(model)
+    follow_whole_sequence_positions(model)  # RoPE sized by the longest position reads the whole sequence's
     if isinstance(options, BackendOptions) and not options.given():
         options = None  # nothing was asked for (the settings' defaults may belong to another backend than the model's)
     if isinstance(options, BackendOptions) or options:

@@ -25,6 +25,7 @@ import weakref
 import torch
 
 from .context import SequenceParallelContext, calls_under
+from .dynamic_rope import refuse_unfollowed_rope
 from .model_support import packed_sequence_refusal, unsupported_layers
 from .positions import PositionRule, position_rule
 
@@ -97,9 +98,10 @@ def _sharded_model(ctx: SequenceParallelContext) -> torch.nn.Module | None:
 
 def check_sharded_forward(ctx: SequenceParallelContext) -> None:
     """Raise, at an attention call under ``ctx``, what the input hook raises for this forward's model when it
-    is installed (:func:`checked_model`); called by every ``longctx_*`` attention call before its first
-    collective. The model is found once per context (:func:`_sharded_model`); a recompute in backward reads
-    the verdict of its forward."""
+    is installed (:func:`checked_model`), and a rotary embedding that read a shard's longest position where it
+    needs the whole sequence's (:func:`~.dynamic_rope.refuse_unfollowed_rope`); called by every ``longctx_*``
+    attention call before its first collective. The model is found once per context (:func:`_sharded_model`); a
+    recompute in backward reads the verdict of its forward."""
     verdict = _CONTEXT_VERDICTS.get(ctx, _UNSEEN)
     if verdict is _UNSEEN:
         model = _sharded_model(ctx)
@@ -109,6 +111,8 @@ def check_sharded_forward(ctx: SequenceParallelContext) -> None:
                 checked_model(model)
             except ValueError as exc:
                 verdict = str(exc)
+            if verdict is None:
+                verdict = refuse_unfollowed_rope(model, ctx)
         _CONTEXT_VERDICTS[ctx] = verdict
     if verdict is not None:
         raise ValueError(verdict)

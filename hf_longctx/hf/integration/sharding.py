@@ -22,6 +22,7 @@ from ...backends.prediction import AttentionShape
 from ...comm.groups import group_rank_and_size
 from ...layout import PackedBatch, ShardPlan, shard_plan
 from .context import SequenceParallelContext
+from .dynamic_rope import follow_whole_sequence_positions
 from .rows import IGNORE_INDEX, FlatBatch, shift_labels_per_document
 from .sharded_model import checked_model
 
@@ -47,7 +48,9 @@ def shard_batch(
     own (:func:`~hf_longctx.hf.integration.positions.position_rule`: 0, 1, 2, ... for most models, from
     ``padding_idx + 1`` for RoBERTa and its kin), computed before sharding; without positions and
     without the model this raises, since 0-based positions would be wrong for a model with a rule of
-    its own.
+    its own. ``model=`` also lets a rotary embedding that sizes its frequencies by the batch's longest position
+    (``longrope``, dynamic NTK) read the whole sequence's (:mod:`.dynamic_rope`); without it such a model is
+    refused at its first attention call.
 
     The model gets the refusals of the callback's input hook (:func:`~.sharded_model.check_model`:
     not a ``longctx_*`` implementation, layers that cannot take packed documents, a forward without
@@ -64,6 +67,8 @@ def shard_batch(
     labels = batch.get("labels")
     labels = input_ids if labels is None else labels.reshape(-1)
     rule = checked_model(model) if model is not None else None
+    if model is not None:
+        follow_whole_sequence_positions(model)  # RoPE sized by the longest position reads the whole sequence's
     positions = batch.get("position_ids")
     if positions is not None:
         positions = positions.reshape(-1)
@@ -101,7 +106,7 @@ def _shard(input_ids: torch.Tensor, positions: torch.Tensor, targets: torch.Tens
     local = {
         "input_ids": input_ids[idx].unsqueeze(0),
         "position_ids": positions.to(input_ids.device)[idx].unsqueeze(0),
-        "longctx": SequenceParallelContext(plan, group, rank, kernel, local_padding, options or None),
+        "longctx": SequenceParallelContext(plan, group, rank, kernel, local_padding, options or None, positions),
     }
     if targets is not None:
         local_targets = targets[idx.to(targets.device)].unsqueeze(0)
