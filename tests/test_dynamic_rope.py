@@ -6,7 +6,8 @@ positions run from 9 to 20, so the batch's longest position (20) is past 16 whil
 half of the second row, positions 9-14) stays under it. transformers then switches longrope to its long factors
 and rescales dynamic NTK's base for the whole batch; a rank reading its own shard would not. Proven in float64 at
 1e-9 against transformers' SDPA on both rows as one batch (loss and every parameter gradient), through the input
-hook and through ``shard_batch(..., model=)``; ``shard_batch`` without the model is refused by name.
+hook and through ``shard_batch(..., model=)``, for Llama with each rope type and Phi-3 with longrope;
+``shard_batch`` without the model is refused by name.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_transformers_parity import SHAPE, assert_same, causal_lm_loss_fp64, sharded_loss_and_grads
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM
 
 from hf_longctx.hf import plan_for, shard_batch
 from hf_longctx.hf.integration.dynamic_rope import batch_maximum_rope_modules
@@ -33,11 +34,17 @@ ROPE = {
 }
 
 
-def build(rope: str) -> LlamaForCausalLM:
+def build(rope: str):
+    """Llama with each rope type; ``phi3``: Phi-3 with longrope, as its long-context checkpoints ship it."""
     torch.manual_seed(0)
-    config = LlamaConfig(**{**SHAPE, "max_position_embeddings": ORIGINAL})
-    config.rope_parameters = ROPE[rope]
-    model = LlamaForCausalLM(config)
+    if rope == "phi3":
+        model = Phi3ForCausalLM(Phi3Config(**{**SHAPE, "max_position_embeddings": 4 * ORIGINAL},
+                                           original_max_position_embeddings=ORIGINAL, rope_parameters=ROPE["longrope"],
+                                           resid_pdrop=0.0, embd_pdrop=0.0))
+    else:
+        config = LlamaConfig(**{**SHAPE, "max_position_embeddings": ORIGINAL})
+        config.rope_parameters = ROPE[rope]
+        model = LlamaForCausalLM(config)
     model.loss_function = causal_lm_loss_fp64
     return model.double().train()
 
@@ -79,7 +86,7 @@ def through_shard_batch(model, rank: int, world: int):
 
 
 def check(rank: int, world: int):
-    for rope in ROPE:
+    for rope in (*ROPE, "phi3"):
         ref = reference(rope)
         got = sharded_loss_and_grads(build(rope), "longctx_zigzag", rank, world, rows() if world > 1 else
                                      [{k: torch.cat([r[k] for r in rows()]) for k in rows()[0]}])
