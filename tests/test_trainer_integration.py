@@ -511,8 +511,10 @@ def test_the_trl_example_without_trl_says_how_to_install_it_in_one_line(tmp_path
     proc = subprocess.run([sys.executable, "-c", code, str(ROOT / "examples" / "sft_trl.py")], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines() == [
-        "examples/sft_trl.py needs TRL: pip install -e '.[examples]' (or pip install 'trl>=1.16')"], proc.stderr
+    ours = [line for line in proc.stderr.strip().splitlines() if "sft_trl" in line or "Traceback" in line]
+    assert ours == ["examples/sft_trl.py needs TRL: pip install -e '.[examples]' (or pip install 'trl>=1.16')"], \
+        proc.stderr  # other libraries' import warnings (torchao's on a CPU torch) are not the example's
+    assert proc.stderr.strip().splitlines()[-1] == ours[0]
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert [d for d in extras["examples"] if d.startswith("trl")] == ["trl>=1.16"]
     assert "pip install -e '.[examples]'" in (ROOT / "README.md").read_text()

@@ -106,12 +106,10 @@ def adam_states_of_class(optimizer_class: type, kwargs: dict | None = None) -> A
 def adam_states_of(optimizer) -> AdamStates | None:
     """The states ``optimizer`` keeps (a torch or torchao Adam, accelerate's wrapper of one, or the host offload
     optimizer); None for an optimizer that is not Adam's."""
-    from .optimizer_offload import host_optimizer_of
-
-    host = host_optimizer_of(optimizer)
-    if host is not None:
-        return host.adam_states
     inner = getattr(optimizer, "optimizer", optimizer)
+    for candidate in (optimizer, inner):  # the host offload optimizer says which AdamW it runs
+        if getattr(candidate, "is_host_offload", False):
+            return candidate.adam_states
     states = adam_states_of_class(type(inner))
     if states is not None and states.low_bit:
         states = AdamStates(states.bits, int(getattr(inner, "block_size", states.block_size)))
