@@ -13,7 +13,8 @@ position_limit`), appended to this rank's ``position_ids``, so that transformers
 process would read; the extra row of the cosines and sines it returns is dropped again. Every other position is
 rotated exactly as transformers rotates it. The input hook installs them, and so does ``shard_batch(..., model=)``;
 a sharded forward of such a model that reaches its attention without them is refused
-(:func:`refuse_unfollowed_rope`), before any collective.
+(:func:`refuse_unfollowed_rope`), before any collective. They stay on the model once installed: outside a sharded
+forward (one process, evaluation without the hook, ``generate()``) they leave every call as it is.
 """
 
 from __future__ import annotations
