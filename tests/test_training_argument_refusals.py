@@ -3,12 +3,15 @@ process, where nothing is sharded, they train as with transformers' own attentio
 
 * NEFTune (``neftune_noise_alpha``) sizes its noise from the embeddings' tensor, a shard of the sequence on each rank;
 * accelerate's own context, sequence and tensor parallel axes (``parallelism_config``, from the launcher's config or
-  the Trainer's arguments) would split what the backend splits.
+  the Trainer's arguments) would split what the backend splits;
+* ``torch_compile`` cannot trace the attention's backward (each call's schedule lives outside the graph), in any
+  process count: the callback refuses it at train begin, and a model compiled by hand names it in its error.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 from accelerate.parallelism_config import ParallelismConfig
 from transformers import TrainingArguments
 
@@ -17,7 +20,7 @@ from hf_longctx.hf.parallel.accelerate_axes import check_accelerate_parallelism
 from hf_longctx.hf.settings.schema import ConfigError
 
 from distributed import run_distributed
-from trainer_runs import flattening_run
+from trainer_runs import flattening_run, tiny_llama
 
 
 def _neftune_on_two_processes(rank, world, output_dir):
@@ -56,3 +59,15 @@ def test_accelerates_own_axes_are_refused_from_the_trainers_arguments(axis, tmp_
         check_training_arguments(args, sp_size=1)
     check_accelerate_parallelism(TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
                                                    parallelism_config=ParallelismConfig(dp_shard_size=2)))
+
+
+def test_torch_compile_is_refused_at_train_begin_and_named_when_compiled_by_hand(tmp_path):
+    with pytest.raises(ConfigError, match=r"torch.compile cannot trace the backward of a longctx_\* attention"):
+        flattening_run(str(tmp_path), evaluate=False, torch_compile=True)
+    model = torch.compile(tiny_llama("longctx_zigzag"))
+    ids = torch.randint(3, 61, (1, 32), generator=torch.Generator().manual_seed(0))
+    try:
+        with pytest.raises(Exception, match=r"train without torch_compile"):
+            model(input_ids=ids, labels=ids, position_ids=torch.arange(32)[None]).loss.backward()
+    finally:
+        torch._dynamo.reset()  # no compiled frame of this model's forward outlives the test

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import Protocol
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ..kernels import count
 
@@ -83,6 +84,11 @@ def run_core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: A
     return out
 
 
+COMPILE_REFUSAL = ("hf_longctx: torch.compile cannot trace the backward of a longctx_* attention, whose schedule "
+                   "lives outside the graph, one per call; train without torch_compile (TrainingArguments("
+                   "torch_compile=False)) and compile other parts of the model on their own if you like")
+
+
 def _context(key: int) -> AttentionRun:
     try:
         return _CONTEXTS[key]
@@ -115,6 +121,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
+    if is_fake(q):
+        raise RuntimeError(COMPILE_REFUSAL)
     if dout is None:
         dout = torch.zeros_like(out)
     count("core_attention.backward")

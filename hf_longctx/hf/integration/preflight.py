@@ -122,9 +122,14 @@ def check_training_arguments(args, sp_size: int) -> None:
     ``neftune_noise_alpha``: NEFTune draws its noise with a magnitude of alpha / sqrt(length x hidden) from the
     embeddings' tensor, which under sequence parallelism holds a shard of the sequence: every rank's noise would
     be sqrt(sp_size) times what the same run draws in one process. ``parallelism_config``: accelerate's own cp, sp
-    or tp axis (:mod:`~hf_longctx.hf.parallel.accelerate_axes`).
+    or tp axis (:mod:`~hf_longctx.hf.parallel.accelerate_axes`). ``torch_compile``: the attention's backward cannot
+    be traced (:data:`~hf_longctx.backends.op.COMPILE_REFUSAL`), in any process count.
     """
     check_accelerate_parallelism(args)
+    if getattr(args, "torch_compile", False):
+        from ...backends.op import COMPILE_REFUSAL
+
+        raise ConfigError(COMPILE_REFUSAL.removeprefix("hf_longctx: "))
     alpha = getattr(args, "neftune_noise_alpha", None)
     if alpha and sp_size > 1:
         raise ConfigError(f"neftune_noise_alpha={alpha} with sp_size {sp_size}: NEFTune scales its noise by "
