@@ -182,9 +182,10 @@ def worker(rank, world, args):
     elif args.optimizer == "host":  # the same by hand
         from hf_longctx.hf.memory.optimizer_offload import HostOffloadAdamW
 
-        opt = HostOffloadAdamW(params, lr=args.lr, optimizer_class=states.optimizer_class())
+        opt = HostOffloadAdamW(params, lr=args.lr, optimizer_class=states.optimizer_class(),
+                               **states.optimizer_kwargs())
     elif states.low_bit and args.optimizer == "gpu":
-        opt = states.optimizer_class()(params, lr=args.lr)
+        opt = states.optimizer_class()(params, lr=args.lr, **states.optimizer_kwargs())
     elif args.optimizer == "deepspeed":  # DeepSpeed builds its own CPU Adam from the config below
         opt = None
     else:

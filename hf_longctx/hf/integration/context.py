@@ -24,6 +24,7 @@ the frames of the stack per attention call that lacks the keyword.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import weakref
@@ -44,7 +45,7 @@ _ATTENTION_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # con
 @dataclass(frozen=True, eq=False)
 class SequenceParallelContext:
     """``padding``: this rank's rows that are padding tokens (their attention output is zero), or None.
-    ``positions``: the positions of the whole sequence before sharding (:meth:`position_limit`). ``options``: the
+    ``positions``: the positions of the whole sequence before sharding (:attr:`position_limit`). ``options``: the
     backend's options (the settings' ``backend_options``), handed to every attention call: its options object, or
     a mapping that :meth:`options_for` parses once for the backend the layers run.
 
@@ -62,15 +63,14 @@ class SequenceParallelContext:
     def __post_init__(self):
         _LIVE[id(self)] = self
 
+    @functools.cached_property
     def position_limit(self) -> int | None:
         """The largest position of the whole sharded sequence + 1 (what a model that sizes its RoPE by its batch's
-        longest position reads from one unsharded forward), or None without positions."""
+        longest position reads from one unsharded forward), or None without positions. Read only by such models
+        (:mod:`.dynamic_rope`): the maximum of a tensor on the GPU waits for it."""
         if self.positions is None or not self.positions.numel():
             return None
-        limit = _POSITION_LIMITS.get(self)
-        if limit is None:
-            limit = _POSITION_LIMITS[self] = int(self.positions.max()) + 1
-        return limit
+        return int(self.positions.max()) + 1
 
     def options_for(self, backend: str) -> BackendOptions:
         """``options`` as ``backend``'s options object: parsed at the first attention call of this forward when they
@@ -87,7 +87,6 @@ class SequenceParallelContext:
 
 
 _PARSED_OPTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # context -> (backend, its options)
-_POSITION_LIMITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # context -> its position limit
 
 
 def count_attention_call(ctx: SequenceParallelContext) -> None:

@@ -8,7 +8,7 @@ sequence's: ranks would rotate their queries and keys with different frequencies
 whole batch does, a silently different loss.
 
 :func:`follow_whole_sequence_positions` puts two hooks on each such rotary module of a model: in a sharded forward
-the module gets one extra position, the whole sequence's largest (:meth:`~.context.SequenceParallelContext.
+the module gets one extra position, the whole sequence's largest (:attr:`~.context.SequenceParallelContext.
 position_limit`), appended to this rank's ``position_ids``, so that transformers' own update reads the maximum one
 process would read; the extra row of the cosines and sines it returns is dropped again. Every other position is
 rotated exactly as transformers rotates it. The input hook installs them, and so does ``shard_batch(..., model=)``;
@@ -27,6 +27,7 @@ from .context import SequenceParallelContext, context_of
 
 _INSTALLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # rotary module -> its hook handles
 _FOLLOWED: weakref.WeakSet = weakref.WeakSet()  # contexts whose forward gave a rotary module the whole maximum
+_EXTENDED: weakref.WeakSet = weakref.WeakSet()  # rotary modules whose running call got the extra position
 
 
 def _reads_batch_maximum(module: torch.nn.Module) -> bool:
@@ -41,33 +42,28 @@ def batch_maximum_rope_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if _reads_batch_maximum(m)]
 
 
-def _active_context(module: torch.nn.Module) -> SequenceParallelContext | None:
-    ctx = context_of(module)
-    if ctx is None or ctx.plan.world_size == 1 or ctx.position_limit() is None:
-        return None  # unsharded, or one rank holds the whole sequence: its own maximum is the whole one
-    return ctx
-
-
 def _append_whole_maximum(module, args, kwargs):
-    ctx = _active_context(module)
-    if ctx is None:
-        return None
+    ctx = context_of(module)
+    if ctx is None or ctx.plan.world_size == 1 or ctx.position_limit is None:
+        return None  # unsharded, or one rank holds the whole sequence: its own maximum is the whole one
     in_args = len(args) > 1
     positions = args[1] if in_args else kwargs.get("position_ids")
     if not isinstance(positions, torch.Tensor):
         raise ValueError(f"{type(module).__name__} got no position_ids tensor in a sharded forward; its frequencies "
                          "follow the batch's longest position, which each rank must take from the whole sequence")
-    extra = positions.new_full((*positions.shape[:-1], 1), ctx.position_limit() - 1)
+    extra = positions.new_full((*positions.shape[:-1], 1), ctx.position_limit - 1)
     positions = torch.cat([positions, extra], dim=-1)
     _FOLLOWED.add(ctx)
+    _EXTENDED.add(module)
     if in_args:
         return (args[0], positions, *args[2:]), kwargs
     return args, {**kwargs, "position_ids": positions}
 
 
 def _drop_extra_position(module, args, kwargs, output):
-    if _active_context(module) is None:
+    if module not in _EXTENDED:
         return None
+    _EXTENDED.discard(module)
     if not isinstance(output, tuple | list) or not all(isinstance(t, torch.Tensor) for t in output):
         raise ValueError(f"{type(module).__name__} returned {type(output).__name__}, not its cosines and sines")
     return type(output)(t[..., :-1, :] for t in output)

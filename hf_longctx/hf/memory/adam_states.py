@@ -73,9 +73,6 @@ class AdamStates:
     def optimizer_kwargs(self) -> dict:
         return {"block_size": self.block_size} if self.low_bit else {}
 
-    def describe(self) -> str:
-        return "AdamW" if not self.low_bit else f"AdamW with {self.bits}-bit states (torchao)"
-
 
 def _torchao_adam_classes() -> dict[type, int]:
     """torchao's low-bit Adam classes and their bits, where torchao's optimizers are imported already (no object
@@ -88,11 +85,6 @@ def _torchao_adam_classes() -> dict[type, int]:
             if hasattr(ao, name)}
 
 
-def is_torchao_adam(optimizer) -> bool:
-    """Whether ``optimizer`` is one of torchao's low-bit Adam optimizers."""
-    return any(isinstance(optimizer, cls) for cls in _torchao_adam_classes())
-
-
 def adam_states_of_class(optimizer_class: type, kwargs: dict | None = None) -> AdamStates | None:
     """The states an optimizer of this class (built with ``kwargs``) keeps; None for one that is not Adam's."""
     if isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Adam | torch.optim.AdamW):
@@ -103,13 +95,22 @@ def adam_states_of_class(optimizer_class: type, kwargs: dict | None = None) -> A
     return AdamStates(bits, int((kwargs or {}).get("block_size", LOW_BIT_DEFAULT_BLOCK[bits])))
 
 
+def host_optimizer_of(optimizer):
+    """The :class:`~.optimizer_offload.HostOffloadAdamW` instance behind ``optimizer`` (an accelerate wrapper or
+    itself), or None."""
+    for candidate in (optimizer, getattr(optimizer, "optimizer", None)):
+        if getattr(candidate, "is_host_offload", False):
+            return candidate
+    return None
+
+
 def adam_states_of(optimizer) -> AdamStates | None:
     """The states ``optimizer`` keeps (a torch or torchao Adam, accelerate's wrapper of one, or the host offload
     optimizer); None for an optimizer that is not Adam's."""
+    host = host_optimizer_of(optimizer)
+    if host is not None:
+        return host.adam_states  # the AdamW it runs on the host
     inner = getattr(optimizer, "optimizer", optimizer)
-    for candidate in (optimizer, inner):  # the host offload optimizer says which AdamW it runs
-        if getattr(candidate, "is_host_offload", False):
-            return candidate.adam_states
     states = adam_states_of_class(type(inner))
     if states is not None and states.low_bit:
         states = AdamStates(states.bits, int(getattr(inner, "block_size", states.block_size)))

@@ -420,9 +420,10 @@ class MemoryModel:
         self.weights = P * p.weight // (n if zero == 3 else 1)
         if zero == 3:
             self.weights += ZERO3_LIVE_LAYERS * max(s.layer_params, s.embedding_params) * p.weight
-        elements = parameter_tensor_elements(s)
-        states = (self.adam_states.state_bytes(elements, p.states // 2) + max(0, P - sum(elements)) * p.states
-                  if self.adam_states.low_bit else P * p.states)
+        states = P * p.states
+        if self.adam_states.low_bit:  # torchao quantizes tensor by tensor; what the list leaves out stays plain
+            elements = parameter_tensor_elements(s)
+            states = self.adam_states.state_bytes(elements, p.states // 2) + max(0, P - sum(elements)) * p.states
         optimizer = (P * (p.master + p.master_grad) + states) // shard_states
         self.optimizer_gpu = 0 if self.optimizer_on_host else optimizer
         self.optimizer_host = optimizer if self.optimizer_on_host else 0
@@ -443,7 +444,8 @@ class MemoryModel:
         self.buffers = buffers
         self.optimizer_step_temp = OPTIMIZER_STEP_TEMP_COPIES * P * p.states // 2 // shard_states
         if self.adam_states.low_bit and not self.optimizer_on_host:
-            self.optimizer_step_temp += LOW_BIT_STEP_FLOAT32_COPIES * 4 * max(elements) // shard_states
+            self.optimizer_step_temp += LOW_BIT_STEP_FLOAT32_COPIES * 4 * max(parameter_tensor_elements(s)) \
+                // shard_states
 
     # phases --------------------------------------------------------------------------------
     def _static(self) -> dict[str, int]:

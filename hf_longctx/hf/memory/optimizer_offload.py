@@ -31,7 +31,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .adam_states import adam_states_of_class
+from .adam_states import adam_states_of_class, host_optimizer_of
 
 MINIMAL_OFFLOAD_ELEMENTS = 4096
 """Parameters smaller than this stay with an on-GPU AdamW (torchao's default): many tiny copies cost more
@@ -171,14 +171,6 @@ def _host_offload_class():
 
     _CLASS = _HostOffloadAdamW
     return _CLASS
-
-
-def host_optimizer_of(optimizer):
-    """The :class:`HostOffloadAdamW` instance behind ``optimizer`` (an accelerate wrapper or itself), or None."""
-    for candidate in (optimizer, getattr(optimizer, "optimizer", None)):
-        if getattr(candidate, "is_host_offload", False):
-            return candidate
-    return None
 
 
 def check_optimizer_place(plan, optimizer) -> None:

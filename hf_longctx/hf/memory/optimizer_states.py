@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from .adam_states import is_torchao_adam
+from .adam_states import adam_states_of_class, host_optimizer_of
 
 ADAM_STATE_KEYS = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
 
 
 def _inner_optimizers(optimizer) -> list[torch.optim.Optimizer]:
     """The torch optimizers that own states: an accelerate wrapper's, or each of the host-offload optimizer's."""
-    from .optimizer_offload import host_optimizer_of
-
     host = host_optimizer_of(optimizer)
     if host is not None:
         return [o for o in (host.d_opt, *host.optim_dict.values()) if o is not None]
@@ -56,7 +54,7 @@ def allocate_optimizer_states(optimizer) -> None:
     ValueError for an optimizer whose states are not Adam's: its first step could not be kept unchanged.
     """
     for opt in _inner_optimizers(optimizer):
-        if not (isinstance(opt, torch.optim.Adam | torch.optim.AdamW) or is_torchao_adam(opt)):
+        if adam_states_of_class(type(opt)) is None:
             raise ValueError(f"allocate_optimizer_states knows Adam's states; got {type(opt).__name__}")
         params = [p for p in _parameters(opt) if not opt.state.get(p)]
         if not params:

@@ -381,8 +381,8 @@ def _no_fit_message(shape, tokens, gpu_total, host_total, modes, allow_offload, 
         saved = (MemoryModel(shape, tokens, **settings).optimizer_gpu
                  - MemoryModel(shape, tokens, **{**settings, "adam_states": low_bit_fit}).optimizer_gpu)
         hints.append(f"AdamW's states in {low_bit_fit.bits} bits ({format_gib(saved)} GiB less wherever AdamW is; "
-                     "TrainingArguments(optim='adamw_torch_8bit'): torchao's AdamW8bit, whose block-quantized "
-                     "moments do not give AdamW's exact updates)")
+                     f"TrainingArguments(optim='adamw_torch_{low_bit_fit.bits}bit'): torchao's "
+                     f"AdamW{low_bit_fit.bits}bit, whose block-quantized moments do not give AdamW's exact updates)")
     if not allow_opt and fits(tokens, on_host=True):
         hints.append("the optimizer states on the host (allow_optimizer_on_host=True: torchao's offload optimizer "
                      "in one process, pip install 'hf_longctx[offload]'; DeepSpeed's offload_optimizer under ZeRO)")
