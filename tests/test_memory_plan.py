@@ -392,6 +392,19 @@ def test_the_model_against_its_gpu_measurements_layer_by_layer():
                 assert 1.0 <= ratio <= high, (run["command"], name, i, ratio)
 
 
+def test_the_loss_phase_holds_the_output_projections_gradient_twice_when_the_loss_is_tiled():
+    """Autograd sums the chunks' gradients of the output projection before its .grad exists: the sum so far and the
+    chunk being added are both there, wherever AdamW lives (a host optimizer copies the gradient only afterwards)."""
+    shape = ModelShape.from_config(LLAMA3_8B)
+    head_gradient = shape.vocab * shape.hidden * 2
+    layers = [LayerChoice("layer")] * shape.layers
+    for on_host in (False, True):
+        tiled = MemoryModel(shape, 64 * K, tiled_loss=8192, optimizer_on_host=on_host)
+        assert tiled.gpu_phases(layers)["loss"]["grads"] == 2 * head_gradient
+    whole = MemoryModel(shape, 8 * K, tiled_loss=0, optimizer_on_host=True)
+    assert whole.gpu_phases(layers)["loss"]["grads"] == head_gradient
+
+
 def test_the_model_against_whole_steps_measured_after_a_warm_up_step():
     """bench/RESULTS.md, steps timed after a first one (AdamW's states present): the step's peak within 1%."""
     shape = ModelShape.from_config(LLAMA3_8B)

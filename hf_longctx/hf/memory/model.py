@@ -31,7 +31,8 @@ Per layer (per token):
 
 Phases of a step (GPU): the last layer's forward; the loss (every kept checkpoint, the final hidden
 states and the logits: ``T x V x (2 a + 8)`` for the logits, their float32 copy, its gradient and
-the gradient cast back, or one chunk's with the tiled loss); each layer's backward (the checkpoints of the layers
+the gradient cast back, or one chunk's with the tiled loss, and the output projection's gradient:
+:data:`LOSS_HEAD_GRADIENT_COPIES`); each layer's backward (the checkpoints of the layers
 below it, the gradients of the layers above it, its own working set); the optimizer step. Static
 terms: weights, gradients, optimizer states and master weights as the precision and the ZeRO stage
 put them. Host: an overhead (:func:`default_host_overhead`: 3 GiB per process, see :data:`HOST_PROCESS_BYTES`, and 3 GiB
@@ -159,6 +160,15 @@ ZERO3_LIVE_LAYERS = 2
 
 DDP_BUCKET_COPIES = 1
 """DDP (gradient_as_bucket_view off, the Trainer's default) keeps its buckets: a second copy of the gradients."""
+
+LOSS_HEAD_GRADIENT_COPIES = 2
+"""Copies of the output projection's gradient alive during the loss's backward with the tiled loss: autograd sums the
+chunks' gradients of the weight in its input buffer before the weight's ``.grad`` exists, so the sum of the chunks
+done so far and the chunk being added (``vocab x h`` each) are there together. Only after the last chunk does the
+sum become ``.grad`` and the hooks run (a host optimizer's copy, ZeRO's reduce). One copy without tiling. Found in
+the last layer's measured window, which holds the loss's backward (:mod:`.layer_peaks`): with AdamW on the host,
+where the model had counted no gradient there, it was 0.6 GiB above the loss phase of the model (8B shape, 128K and
+256K, both kernels; bench/results/2026-12-07_planner-per-kernel.md)."""
 
 OPTIMIZER_STEP_TEMP_COPIES = 0
 """Optimizer-state-sized temporaries of the step: 0 for fused AdamW (the Trainer's default on CUDA);
@@ -412,6 +422,9 @@ class MemoryModel:
         self.loss_work = (T * (a * h + norm + a * h)  # final hidden, the final norm's tensors, d(hidden)
                           + loss_chunk * s.vocab * (2 * a + LOGIT_BYTES_BEYOND_ACTIVATION))
         self.always = T * (TOKEN_INPUT_BYTES + ROPE_TENSORS * s.head_dim * a)
+        # the head's gradient is whole on every rank until the hooks after its last chunk (ZeRO reduces it then)
+        self.loss_head_grads = ((LOSS_HEAD_GRADIENT_COPIES if loss_chunk < T else 1)
+                                * s.vocab * h * p.grad)
         # static terms
         n, zero = self.world, self.zero_stage
         P = s.params
@@ -507,7 +520,7 @@ class MemoryModel:
         if layers:
             phases["forward"] = forward[-1]
         phases["loss"] = {**static, "checkpoints": ckpt_kept, "activations": activations,
-                          "grads": self.grad_head, "logits and loss": self.loss_work}
+                          "grads": max(self.grad_head, self.loss_head_grads), "logits and loss": self.loss_work}
         if backward:
             worst = max(range(len(backward) - 1, -1, -1), key=lambda i: sum(backward[i].values()))
             phases[f"backward (layer {worst})"] = backward[worst]
