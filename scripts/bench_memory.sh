@@ -8,6 +8,9 @@
 #   scripts/bench_memory.sh plans   # the planner's verdict (no run) from 64K to 1M on this GPU
 #   scripts/bench_memory.sh kernel fa4 131072 262144   # --memory auto on one kernel, each layer's peak beside the
 #                                                      # plan's (the planner's check per kernel)
+#   scripts/bench_memory.sh layers torch_flash   # the hand-set two-layer runs of tests/memory_measurements.json
+#                                                # again with this code: each layer's measured peak, to set beside the
+#                                                # model as tests/test_memory_plan.py does
 #
 # HF_LONGCTX_HOST_MEMORY_GIB tells the planner the host's memory where /proc/meminfo under-reports it.
 # Every number printed is copied into a dated file of bench/results/ (indexed in bench/RESULTS.md) with the date,
@@ -44,6 +47,18 @@ kernel)
     train --seq "$seq" --memory auto --kernel "$kernel" --layer-peaks
   done
   ;;
+layers)  # the hand-set two-layer runs of tests/memory_measurements.json ("runs"), 8B-shaped layers, one kernel
+  kernel=${2:-torch_flash}
+  for run in "196608 --checkpointing recompute_aware --offload --tiled-mlp 16384 --fused-ops liger" \
+             "65536 --checkpointing recompute_aware --offload --tiled-mlp 16384 --fused-ops liger" \
+             "196608 --checkpointing recompute_aware --offload --tiled-mlp 16384 --fused-ops off" \
+             "196608 --checkpointing recompute_aware --offload --tiled-mlp 0 --fused-ops liger" \
+             "196608 --checkpointing layer --tiled-mlp 16384 --fused-ops liger"; do
+    # shellcheck disable=SC2086  # the run's options are words
+    $PY scripts/bench_train.py --gpus 1 --backend local --layers 2 --steps 1 --warmup 0 --layer-peaks --tiled-loss 2048 \
+      --kernel "$kernel" --seq $run 2>&1 | grep -E "^RESULT|Error|error:|out of memory" | tail -3
+  done
+  ;;
 plans)
   for seq in 65536 131072 262144 393216 524288 1048576; do
     $PY - "$seq" <<'PY'
@@ -60,7 +75,7 @@ PY
   done
   ;;
 *)
-  echo "usage: $0 128k | auto SEQ... | kernel KERNEL SEQ... | plans" >&2
+  echo "usage: $0 128k | auto SEQ... | kernel KERNEL SEQ... | layers [KERNEL] | plans" >&2
   exit 2
   ;;
 esac
