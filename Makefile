@@ -6,7 +6,7 @@ DEEPSPEED ?= deepspeed==0.19.8
 PIP = $(PYTHON) -m pip install --disable-pip-version-check --progress-bar on
 HAVE_TORCH = $(shell $(PYTHON) -c "import torch" 2>/dev/null && echo y)
 
-.PHONY: install install-demo demo test lint wheels-peers
+.PHONY: install install-demo demo test lint wheels-peers wheels-fa4
 
 # What the demo needs and nothing else (no DeepSpeed, no test tools), with pip's progress shown.
 install-demo:
@@ -48,3 +48,20 @@ wheels-peers:
 		$(PEERS_PINS) $(PEERS_MISSING)
 	@ls -1 $(PEERS_WHEELS)
 	@du -ch $(PEERS_WHEELS)/*.whl | tail -1
+
+# The "fa4" extra as wheels for the same machine, in .whl/fa4/: FlashAttention-4 and what its image lacks for it.
+# The CUTLASS DSL's three wheels fill one nvidia_cutlass_dsl package (separate pip --target installs would replace each
+# other's), so unpack every wheel into one folder there:
+#   for w in .whl/fa4/*.whl; do python3 -m zipfile -e $$w /tmp/site; done
+#   export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$$PWD
+FA4_WHEELS ?= .whl/fa4
+FA4_PINS = flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
+	nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 cuda-bindings==13.5.0 cuda-pathfinder==1.9.1 \
+	apache-tvm-ffi==0.1.15.post2 quack-kernels==0.6.5 torch-c-dlpack-ext==0.1.5 einops==0.8.2
+
+wheels-fa4:
+	mkdir -p $(FA4_WHEELS)
+	$(PYTHON) -m pip download --disable-pip-version-check -q --no-deps $(PY312_X86) --platform any -d $(FA4_WHEELS) \
+		$(FA4_PINS)
+	@ls -1 $(FA4_WHEELS)
+	@du -ch $(FA4_WHEELS)/*.whl | tail -1
