@@ -114,14 +114,14 @@ def test_low_bit_states_take_their_bytes_off_wherever_adamw_is():
 
 
 def test_a_context_that_fits_only_with_low_bit_states_names_them_and_the_plan_never_picks_them():
-    """540,672 tokens of the 8B shape on one H200: the host holds too few checkpoints beside AdamW's 16-bit states;
+    """561,152 tokens of the 8B shape on one H200: the host holds too few checkpoints beside AdamW's 16-bit states;
     with 8-bit ones it fits. The plan says so, and plans them only when the run has them."""
     common = dict(gpu_bytes=H200_GPU, host_bytes=HOST, fused_ops=True, allow_optimizer_on_host=True, kernel="fa4")
     with pytest.raises(MemoryPlanError) as err:
-        plan_memory(LLAMA3_8B, 540672, **common)
+        plan_memory(LLAMA3_8B, 561152, **common)
     assert "AdamW's states in 8 bits (14.7 GiB less wherever AdamW is; TrainingArguments(optim='adamw_torch_8bit')" \
         in str(err.value)
-    plan = plan_memory(LLAMA3_8B, 540672, adam_states=AdamStates(8), **common)
+    plan = plan_memory(LLAMA3_8B, 561152, adam_states=AdamStates(8), **common)
     assert plan.optimizer_on_host and plan.adam_states.bits == 8
     assert plan.summary()["optimizer_state_bits"] == 8 and "optimizer on host (8-bit states)" in str(plan)
     assert plan_memory(LLAMA3_8B, 65536, **common).adam_states == AdamStates()

@@ -94,11 +94,37 @@ layer's forward (the same with either norm) and the temporaries of a layer's bac
 much as transformers' float32 ones there). A layer's backward with the fused norm needs less per token than with
 transformers': the float32 upcasts it does not keep (measured: bench/results/2026-12-04_from-modules.md)."""
 
-FORWARD_ATTENTION_TRANSIENT_HIDDEN = 13
+FORWARD_ATTENTION_TRANSIENT_HIDDEN = 8
 """Per token, in units of ``a h``: what a checkpointed layer's forward holds at its attention part (its input,
-the norm's output, q, k and v before and after the rotary embedding and in the kernel's layout, the attention
-output and the projection after it). Measured layer by layer (:mod:`.layer_peaks`), 8B shape, with either norm:
-just under 13 ``a h`` per token (bench/results/2026-12-04_from-modules.md)."""
+the norm's output, q, k and v before and after the rotary embedding, the attention output and the projection after
+it), with a kernel of :data:`LAYER_MEASURED_KERNELS`. Measured layer by layer (:mod:`.layer_peaks`), 8B shape,
+torch_flash and FlashAttention-4, either norm, 64K to 512K tokens: at most 6.9 ``a h``
+(bench/results/2026-12-08_planner-refit-h100-peers.md); 8 keeps the margin."""
+
+UNMEASURED_FORWARD_ATTENTION_TRANSIENT_HIDDEN = 13
+"""The same with any other kernel: what the layers needed on 2026-11-24 with kernel ``auto`` on a GPU without
+FlashAttention-4 (cuDNN's kernels where installed and serving, whose wrappers may copy q, k, v and the output onto
+their grid, torch's FlashAttention-2 elsewhere): just under 13 ``a h``. An upper bound until such a kernel's layers
+are measured."""
+
+LAYER_MEASURED_KERNELS = ("torch_flash", "fa4")
+"""Kernels whose decoder layers were measured whole, forward and backward, with the current code
+(:data:`FORWARD_ATTENTION_TRANSIENT_HIDDEN`, :data:`ATTENTION_BACKWARD_OVERLAP_BYTES`)."""
+
+FUSED_NORM_FORWARD_UPCAST = 4
+"""Per hidden element, per norm: what the forward of a layer without checkpointing holds with Liger's RMSNorm beyond
+what it keeps, the size of a float32 copy of the norm's input. Measured layer by layer (8B shape, both kernels, 128K
+to 512K): such a layer's forward peaked 46-55 KiB per token under the size of transformers' norm, whose
+``(4 + a) h`` per norm the model counted before (bench/results/2026-12-08_planner-refit-h100-peers.md); this
+keeps 32 KiB of the 48."""
+
+ATTENTION_BACKWARD_OVERLAP_BYTES = 10 << 10
+"""Per token, with a kernel of :data:`LAYER_MEASURED_KERNELS`: what the attention part of a layer's backward needs
+less than the sum of its terms (residual-stream gradients, the norm's float32 temporaries, dq/dk/dv, the kernel's
+buffers, d(out)), which are not all alive at once. Measured layer by layer with either kernel and either norm (8B
+shape, 64K to 512K, the tiled MLP): 12.0 to 17.5 KiB per token below the sum
+(bench/results/2026-12-08_planner-refit-h100-peers.md); 10 keeps the margin. The runs of 2026-11-24
+with kernel ``auto`` (:data:`UNMEASURED_FORWARD_ATTENTION_TRANSIENT_HIDDEN`) needed 5-8 KiB per token more there."""
 
 MLP_FORWARD_HIDDEN_TENSORS = 4
 """T x h tensors alive during a checkpointed layer's MLP forward besides its intermediates: the layer's input,
@@ -168,7 +194,7 @@ done so far and the chunk being added (``vocab x h`` each) are there together. O
 sum become ``.grad`` and the hooks run (a host optimizer's copy, ZeRO's reduce). One copy without tiling. Found in
 the last layer's measured window, which holds the loss's backward (:mod:`.layer_peaks`): with AdamW on the host,
 where the model had counted no gradient there, it was 0.6 GiB above the loss phase of the model (8B shape, 128K and
-256K, both kernels; bench/results/2026-12-07_planner-per-kernel.md)."""
+256K, both kernels; bench/results/2026-12-08_planner-refit-h100-peers.md)."""
 
 OPTIMIZER_STEP_TEMP_COPIES = 0
 """Optimizer-state-sized temporaries of the step: 0 for fused AdamW (the Trainer's default on CUDA);
@@ -389,6 +415,8 @@ class MemoryModel:
         attention_phase = T * (residual + norm_temps + a * (q + 2 * kv)
                                + ATTENTION_DQ_ACCUMULATOR_BYTES * q + a * q + sp)
         attention_phase += backward_bytes_beyond_torch_flash(self.kernel, s.heads, s.kv_heads, s.head_dim, a, T)
+        measured_layers = self.kernel in LAYER_MEASURED_KERNELS
+        attention_phase -= T * ATTENTION_BACKWARD_OVERLAP_BYTES if measured_layers else 0
         chunk = mlp_chunk * (MLP_SAVED_INTERMEDIATES + MLP_GRAD_INTERMEDIATES) * a * inter
         mlp_grads = T * (residual + (0 if mlp_chunk else grad_intermediates * a * inter)) + chunk
         self.saved_layer = T * (saved_rest + saved_mlp)  # a layer without checkpointing keeps this
@@ -410,11 +438,14 @@ class MemoryModel:
         # forward of one layer. A checkpointed layer frees what it does not keep as it goes: its peak is the
         # larger of its attention part and its MLP part (the layer's input, the residual sum, the MLP's input and
         # output, and the MLP's intermediates of a chunk or of every token). A layer without checkpointing keeps
-        # everything it saves; its peak is the un-fused size (a fused norm lowers no forward peak: measured).
+        # everything it saves, with the fused norm a float32 copy of each norm's input beside (measured).
         mlp_rows = mlp_chunk or T
-        transient = max(T * (FORWARD_ATTENTION_TRANSIENT_HIDDEN * a * h + sp),
+        attention_transient = (FORWARD_ATTENTION_TRANSIENT_HIDDEN if measured_layers
+                               else UNMEASURED_FORWARD_ATTENTION_TRANSIENT_HIDDEN)
+        transient = max(T * (attention_transient * a * h + sp),
                         T * MLP_FORWARD_HIDDEN_TENSORS * a * h + mlp_rows * kept_intermediates * a * inter)
-        forward_saved = self.saved_layer + (T * NORMS_PER_LAYER * (unfused_norm - norm) if self.fused_ops else 0)
+        fused_norm_upcasts = T * NORMS_PER_LAYER * FUSED_NORM_FORWARD_UPCAST * h
+        forward_saved = self.saved_layer + (fused_norm_upcasts if self.fused_ops else 0)
         kept_whole = forward_saved + T * (a * h + sp) + mlp_chunk * kept_intermediates * a * inter
         self.forward_work = {"none": max(transient, kept_whole), "layer": transient, "recompute_aware": transient,
                              GROUP_MODE: transient}
