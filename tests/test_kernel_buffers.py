@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from memory_windows import predicted_windows
+from memory_windows import measured_runs, model_of_run, predicted_windows
 from transformers import LlamaConfig
 
 from hf_longctx.data.synthetic import document_lengths
@@ -101,13 +101,9 @@ def test_steps_planned_per_kernel_against_their_measured_peaks():
     and the longest context each fits, and FlashAttention-4 at 512K on one H200
     (bench/results/2026-12-07_planner-per-kernel.md). The model never predicts less than a step or any of its layers'
     windows needed, and the step's peak within 5% at every size."""
-    data = json.loads((HERE / "memory_measurements.json").read_text())
     kernels = set()
-    for run in data["kernel_runs"]:
-        layers = [LayerChoice(mode, offload) for count, mode, offload in run["layers"] for _ in range(count)]
-        model = MemoryModel(ModelShape.from_config(LLAMA3_8B), run["tokens"], tiled_loss=run["tiled_loss"],
-                            tiled_mlp=run["tiled_mlp"], fused_ops=run["fused_ops"],
-                            optimizer_on_host=run["optimizer_on_host"], kernel=run["kernel"])
+    for run in measured_runs("kernel_runs"):
+        model, layers = model_of_run(run)
         peak = model.gpu_peak(layers)[0] / GiB
         assert run["step_peak_gib"] <= peak <= 1.05 * run["step_peak_gib"], (run["command"], peak)
         windows = predicted_windows(model, layers)

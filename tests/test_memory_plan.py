@@ -3,13 +3,11 @@ and per-layer checkpointing with partial offload (exact gradients)."""
 
 from __future__ import annotations
 
-import json
 import types
-from pathlib import Path
 
 import pytest
 import torch
-from memory_windows import predicted_windows
+from memory_windows import measured_runs, model_of_run, predicted_windows
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_longctx  # noqa: F401 - registers the attention implementations
@@ -373,15 +371,11 @@ def test_the_model_against_its_gpu_measurements_layer_by_layer():
     layers on an H100 (64K and 192K tokens, both norms, tiled and untiled MLPs, recompute-aware and layer
     checkpointing). The model never predicts less than was measured, and at most 10% more for a layer's backward
     (the phase that sets the step's peak) and 25% more for its forward."""
-    data = json.loads((Path(__file__).parent / "memory_measurements.json").read_text())
-    assert data["runs"]
-    for run in data["runs"]:
+    runs = measured_runs("runs")
+    assert runs
+    for run in runs:
         assert run["optimizer_states_allocated"]
-        layers = [LayerChoice(mode, offload) for count, mode, offload in run["layers"] for _ in range(count)]
-        shape = ModelShape.from_config(LlamaConfig(**{**LLAMA3_8B.to_dict(), "num_hidden_layers": len(layers)}))
-        model = MemoryModel(shape, run["tokens"], tiled_loss=run["tiled_loss"], tiled_mlp=run["tiled_mlp"],
-                            fused_ops=run["fused_ops"], optimizer_on_host=run["optimizer_on_host"],
-                            kernel=run["kernel"])
+        model, layers = model_of_run(run)
         windows = predicted_windows(model, layers)
         for name, high in (("forward", 1.25), ("backward", 1.10)):
             for i, measured in enumerate(run["layer_peak_gib"][name]):
@@ -393,14 +387,10 @@ def test_the_model_against_its_gpu_measurements_layer_by_layer():
 def test_a_kernel_whose_layers_were_not_measured_keeps_the_older_bounds():
     """tests/memory_measurements.json "superseded_runs": windows measured with kernel auto, cuDNN's kernels where they
     served. A kernel outside LAYER_MEASURED_KERNELS (cuDNN's varlen one) is planned above every one of them."""
-    data = json.loads((Path(__file__).parent / "memory_measurements.json").read_text())
-    assert data["superseded_runs"]
-    for run in data["superseded_runs"]:
-        layers = [LayerChoice(mode, offload) for count, mode, offload in run["layers"] for _ in range(count)]
-        shape = ModelShape.from_config(LlamaConfig(**{**LLAMA3_8B.to_dict(), "num_hidden_layers": len(layers)}))
-        model = MemoryModel(shape, run["tokens"], tiled_loss=run["tiled_loss"], tiled_mlp=run["tiled_mlp"],
-                            fused_ops=run["fused_ops"], optimizer_on_host=run["optimizer_on_host"],
-                            kernel="cudnn_varlen")
+    runs = measured_runs("superseded_runs")
+    assert runs
+    for run in runs:
+        model, layers = model_of_run(run, kernel="cudnn_varlen")
         missing = 0 if run["optimizer_states_allocated"] else model.optimizer_gpu / GiB
         windows = predicted_windows(model, layers)
         for name in ("forward", "backward"):
