@@ -6,8 +6,9 @@ normalized input cast back and the output: ``(4 + 2 a) h`` bytes per token per n
 layer, plus float32 temporaries in its backward. Liger's RMSNorm keeps its input and a float32 rsqrt
 per token; its RoPE keeps only cos and sin; its SwiGLU keeps gate and up, recomputes the activation and
 writes d(gate) and d(up) over them. A layer's backward so needs less with the fused norm and less again with
-Liger's SwiGLU than with an un-fused MLP's gradients, and the forward's peak is the same either way (measured layer
-by layer: bench/results/2026-12-04_from-modules.md); the memory model (:mod:`.model`) counts both.
+Liger's SwiGLU than with an un-fused MLP's gradients. A checkpointed layer's forward peaks the same either way, one
+without checkpointing lower with the fused norm (measured layer by layer: bench/results/2026-12-04_from-modules.md,
+bench/results/2026-12-08_planner-refit-h100-peers.md); the memory model (:mod:`.model`) counts both.
 
 Liger's kernels are Triton: they need a GPU. ``fused_ops_available`` says whether they can run here;
 :func:`enable_fused_ops` patches a model instance (Liger's own ``_apply_liger_kernel_to_instance``)

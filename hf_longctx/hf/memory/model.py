@@ -90,7 +90,8 @@ its output (the next projection's input) and a float32 rsqrt per token. Under ch
 is the checkpoint itself, which a layer's backward counts once (:attr:`MemoryModel.input_is_checkpoint`).
 
 What the fused norm does not change, measured layer by layer (:mod:`.layer_peaks`, 8B shape): the peak of a
-layer's forward (the same with either norm) and the temporaries of a layer's backward (Liger's backward needs as
+checkpointed layer's forward (the same with either norm; a layer without checkpointing peaks lower with it:
+:data:`FUSED_NORM_FORWARD_UPCAST`) and the temporaries of a layer's backward (Liger's backward needs as
 much as transformers' float32 ones there). A layer's backward with the fused norm needs less per token than with
 transformers': the float32 upcasts it does not keep (measured: bench/results/2026-12-04_from-modules.md)."""
 
